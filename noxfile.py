@@ -1,0 +1,218 @@
+"""Developer tasks for the ficc monorepo; nox is the single entry point.
+
+Sessions:
+  hoststate, protocol, executor_host   one distribution's own tests
+  integration                          tests that cross distributions (tests-integration/)
+  lint                                 ruff
+  typecheck                            mypy --strict on every src/
+  build                                wheel + sdist of every distribution, each installed alone
+  bench                                the QUALITY.md benchmarks (tools/bench), as ratios
+  soak                                 the long reliability loops (QUALITY.md R1, R3 at soak size)
+  ci                                   everything CI needs: all of the above but bench and soak
+
+`nox -s ci` is what the README's test command and `.ci/run` run.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import tempfile
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["ci"]
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = ROOT / "packages"
+
+# Distributions in dependency order: each may depend only on those before it.
+DISTRIBUTIONS = [
+    "ficc-hoststate",
+    "ficc-protocol",
+    "ficc-executor-host",
+    "ficc-provider-podman",
+]
+
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+LINT_TOOLS = ["ruff>=0.6"]
+TYPE_TOOLS = ["mypy>=1.10"]
+BUILD_TOOLS = ["hatchling>=1.25"]
+
+
+def _present() -> list[str]:
+    """Distributions that exist in this checkout (a pyproject.toml is the marker)."""
+    return [name for name in DISTRIBUTIONS if (PACKAGES / name / "pyproject.toml").exists()]
+
+
+def _install_all(session: nox.Session) -> None:
+    session.install(*TEST_TOOLS)
+    session.install(*[f"-e{PACKAGES / name}" for name in _present()])
+
+
+def _pytest(session: nox.Session, target: pathlib.Path, *extra: str) -> None:
+    """Run one test tree; an empty or missing tree is a failure, not a pass."""
+    if not target.exists():
+        session.error(f"test tree {target} is missing")
+    session.run("pytest", "-q", "-ra", str(target), *extra, *session.posargs)
+
+
+def _package_tests(session: nox.Session, name: str) -> None:
+    _pytest(session, PACKAGES / name / "tests")
+
+
+def _integration_tests(session: nox.Session) -> None:
+    tests = sorted((ROOT / "tests-integration").glob("test_*.py"))
+    if not tests:
+        session.log("tests-integration/ has no tests yet; nothing crosses distributions")
+        return
+    _pytest(session, ROOT / "tests-integration")
+
+
+def _lint(session: nox.Session) -> None:
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+
+
+def _typecheck(session: nox.Session) -> None:
+    for name in _present():
+        src = PACKAGES / name / "src"
+        session.run(
+            "mypy",
+            "--strict",
+            "--namespace-packages",
+            "--explicit-package-bases",
+            str(src),
+            env={"MYPYPATH": str(src)},
+        )
+
+
+def _build(session: nox.Session) -> None:
+    """Build every wheel and sdist, then prove each wheel installs and imports alone."""
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in _present():
+        with session.chdir(PACKAGES / name):
+            session.run("hatchling", "build", "-t", "wheel", "-t", "sdist", "-d", str(dist))
+    for name in _present():
+        _check_wheel_alone(session, dist, name)
+
+
+def _check_wheel_alone(session: nox.Session, dist: pathlib.Path, name: str) -> None:
+    """Install one wheel (plus the wheels it needs from this repo) into a fresh venv."""
+    module = {
+        "ficc-hoststate": "ficc.hoststate",
+        "ficc-protocol": "ficc.execution.protocol",
+        "ficc-executor-host": "ficc.execution.host",
+        "ficc-provider-podman": "ficc_provider_podman",
+    }[name]
+    wheel = next(dist.glob(f"{name.replace('-', '_')}-*.whl"))
+    with tempfile.TemporaryDirectory() as tmp:
+        venv = pathlib.Path(tmp) / "venv"
+        session.run("python", "-m", "venv", str(venv))
+        py = str(venv / "bin" / "python")
+        session.run(py, "-m", "pip", "install", "-q", "--find-links", str(dist), str(wheel))
+        session.run(py, "-c", f"import {module}; print('{name} imports alone')")
+
+
+@nox.session
+def hoststate(session: nox.Session) -> None:
+    """ficc-hoststate's own tests."""
+    _install_all(session)
+    _package_tests(session, "ficc-hoststate")
+
+
+@nox.session
+def protocol(session: nox.Session) -> None:
+    """ficc-protocol's own tests."""
+    _install_all(session)
+    _package_tests(session, "ficc-protocol")
+
+
+@nox.session(name="executor_host")
+def executor_host(session: nox.Session) -> None:
+    """ficc-executor-host's own tests."""
+    _install_all(session)
+    _package_tests(session, "ficc-executor-host")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Tests that cross distributions: real daemon, real socket, real provider."""
+    _install_all(session)
+    _integration_tests(session)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and format check over the whole tree."""
+    session.install(*LINT_TOOLS)
+    _lint(session)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on every distribution's src/."""
+    _install_all(session)
+    session.install(*TYPE_TOOLS)
+    _typecheck(session)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheel and sdist for every distribution; each wheel installs and imports alone."""
+    session.install(*BUILD_TOOLS)
+    _build(session)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """QUALITY.md benchmarks as ratios against baselines measured in the same run.
+
+    `nox -s bench -- --json FILE` also writes the figures as JSON.
+    """
+    _install_all(session)
+    session.run("python", str(ROOT / "tools" / "bench" / "run.py"), *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The long reliability loops: the same tests with soak-sized counts."""
+    _install_all(session)
+    env = {"FICC_SOAK": "1"}
+    for name in _present():
+        session.run(
+            "pytest", "-q", "-ra", "-m", "soak", str(PACKAGES / name / "tests"), env=env,
+            success_codes=[0, 5],
+        )
+
+
+@nox.session
+def ci(session: nox.Session) -> None:
+    """Everything CI runs: every package's tests, integration, lint, typecheck, build."""
+    _install_all(session)
+    session.install(*LINT_TOOLS, *TYPE_TOOLS, *BUILD_TOOLS)
+    os.environ.setdefault("FICC_CI", "1")
+    for name in _present():
+        _package_tests(session, name)
+    _integration_tests(session)
+    _lint(session)
+    _typecheck(session)
+    _build(session)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """One real job through the daemon and the Podman provider (arrives with ficc-provider-podman)."""
+    script = ROOT / "tools" / "demo.py"
+    if not script.exists():
+        session.error(
+            "the demo arrives with the first real job (ficc-provider-podman); "
+            "until then run `tools/dev test`"
+        )
+    _install_all(session)
+    session.run("python", str(script), *session.posargs)
