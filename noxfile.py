@@ -186,7 +186,13 @@ def soak(session: nox.Session) -> None:
     env = {"FICC_SOAK": "1"}
     for name in _present():
         session.run(
-            "pytest", "-q", "-ra", "-m", "soak", str(PACKAGES / name / "tests"), env=env,
+            "pytest",
+            "-q",
+            "-ra",
+            "-m",
+            "soak",
+            str(PACKAGES / name / "tests"),
+            env=env,
             success_codes=[0, 5],
         )
 
@@ -207,7 +213,7 @@ def ci(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """One real job through the daemon and the Podman provider (arrives with ficc-provider-podman)."""
+    """One real job through the daemon and the Podman provider (with ficc-provider-podman)."""
     script = ROOT / "tools" / "demo.py"
     if not script.exists():
         session.error(

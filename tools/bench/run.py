@@ -28,7 +28,8 @@ def _modules(only: set[str]) -> list[pathlib.Path]:
 
 def _load(path: pathlib.Path):  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load benchmark {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,0 +1,157 @@
+"""The barrier, run for real: it waits, refuses every unsafe marker, then execs."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ficc_provider_podman.barrier import BarrierExit, barrier_path, has_dynamic_loader
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def control(tmp_path: pathlib.Path) -> pathlib.Path:
+    d = tmp_path / "control"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def _start(marker: pathlib.Path, *payload: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(barrier_path()), str(marker), TOKEN, "--", *payload],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _write_marker(path: pathlib.Path, data: str) -> None:
+    tmp = path.with_name(".tmp-marker")
+    tmp.write_text(data)
+    os.replace(tmp, path)
+
+
+def test_barrier_is_static() -> None:
+    assert not has_dynamic_loader(barrier_path())
+
+
+def test_dynamic_executable_is_detected() -> None:
+    assert has_dynamic_loader(sys.executable) or has_dynamic_loader("/bin/sh")
+
+
+def test_waits_until_released_then_execs_payload(control: pathlib.Path) -> None:
+    marker = control / "release"
+    proc = _start(marker, "/bin/sh", "-c", "echo payload-ran; exit 7")
+    try:
+        # Without a marker the barrier cannot exec, so whenever we look, the live
+        # process is still the barrier itself: this is what the gate inspects.
+        exe = os.stat(f"/proc/{proc.pid}/exe")
+        assert (exe.st_dev, exe.st_ino) == (
+            os.stat(barrier_path()).st_dev,
+            os.stat(barrier_path()).st_ino,
+        )
+        assert proc.poll() is None
+        _write_marker(marker, TOKEN)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 7
+    assert out == b"payload-ran\n"
+
+
+def test_marker_written_before_start_releases_at_once(control: pathlib.Path) -> None:
+    marker = control / "release"
+    _write_marker(marker, TOKEN)
+    proc = _start(marker, "/bin/true")
+    assert proc.wait(timeout=30) == 0
+
+
+def test_symlinked_marker_is_refused(control: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text(TOKEN)
+    (control / "release").symlink_to(target)
+    proc = _start(control / "release", "/bin/true")
+    assert proc.wait(timeout=30) == BarrierExit.MARKER_UNSAFE
+
+
+def test_directory_marker_is_refused(control: pathlib.Path) -> None:
+    (control / "release").mkdir()
+    proc = _start(control / "release", "/bin/true")
+    assert proc.wait(timeout=30) == BarrierExit.MARKER_UNSAFE
+
+
+def test_fifo_marker_is_refused_without_blocking(control: pathlib.Path) -> None:
+    os.mkfifo(control / "release")
+    proc = _start(control / "release", "/bin/true")
+    assert proc.wait(timeout=30) == BarrierExit.MARKER_UNSAFE
+
+
+def test_oversized_marker_is_refused(control: pathlib.Path) -> None:
+    _write_marker(control / "release", TOKEN + "x")
+    proc = _start(control / "release", "/bin/true")
+    assert proc.wait(timeout=30) == BarrierExit.MARKER_UNSAFE
+
+
+def test_wrong_token_is_refused(control: pathlib.Path) -> None:
+    _write_marker(control / "release", "f" * len(TOKEN))
+    proc = _start(control / "release", "/bin/true")
+    assert proc.wait(timeout=30) == BarrierExit.MARKER_TOKEN
+
+
+def test_partial_marker_keeps_waiting(control: pathlib.Path) -> None:
+    marker = control / "release"
+    marker.write_text(TOKEN[:5])
+    proc = _start(marker, "/bin/true")
+    try:
+        # A short marker is a write in progress: the barrier must go back to
+        # waiting after it has looked at it. It only blocks in poll() after a
+        # check, so seeing it blocked there proves it saw the short marker.
+        _wait_until_blocked_in_poll(proc.pid)
+        assert proc.poll() is None
+        marker.write_text(TOKEN)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+# poll (x86_64), ppoll (x86_64), ppoll (aarch64)
+_POLL_SYSCALLS = {"7", "271", "73"}
+
+
+def _wait_until_blocked_in_poll(pid: int) -> None:
+    """Poll /proc/PID/syscall (a condition with a deadline, not a sleep)."""
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/syscall") as f:
+            if f.read().split(" ", 1)[0] in _POLL_SYSCALLS:
+                return
+        os.sched_yield()
+    raise AssertionError("barrier never blocked waiting for its marker")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["relative/marker", TOKEN, "--", "/bin/true"],
+        ["/m", TOKEN, "--", "relative-program"],
+        ["/m", TOKEN, "-x", "/bin/true"],
+        ["/m", "", "--", "/bin/true"],
+        ["/m", "t" * 129, "--", "/bin/true"],
+    ],
+)
+def test_bad_usage_exits_120(argv: list[str]) -> None:
+    proc = subprocess.run([str(barrier_path()), *argv], capture_output=True, check=False)
+    assert proc.returncode == BarrierExit.USAGE
+
+
+def test_exec_failure_exits_124(control: pathlib.Path) -> None:
+    _write_marker(control / "release", TOKEN)
+    proc = _start(control / "release", "/nonexistent/program")
+    assert proc.wait(timeout=30) == BarrierExit.EXEC_FAILED
