@@ -1,0 +1,130 @@
+"""Build the test image without a registry: static busybox -> rootfs -> podman.
+
+    python tools/testimage/build.py --out DIR [--tag localhost/ficc-test:1]
+
+Writes DIR/ficc-test.oci.tar (an OCI archive) and prints a JSON line with the
+archive's SHA-256 and the image ID, the two values an administrator pins in the
+Podman provider's configuration. The rootfs holds only /bin/busybox (static, from
+Debian's busybox-static) and its applet links, so the image is small, needs no
+dynamic loader and is rebuilt identically from the same busybox.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import tarfile
+
+BUSYBOX = pathlib.Path("/bin/busybox")
+APPLETS = [
+    "sh",
+    "cat",
+    "echo",
+    "sleep",
+    "ls",
+    "head",
+    "true",
+    "false",
+    "id",
+    "wc",
+    "sha256sum",
+    "dd",
+    "tr",
+    "env",
+    "kill",
+    "yes",
+    "seq",
+    "printf",
+    "test",
+    "mkdir",
+    "cp",
+    "rm",
+]
+PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs"]
+# A fixed mtime keeps the layer bytes, and so the image ID, stable across builds.
+EPOCH = 0
+
+
+def _add(
+    tar: tarfile.TarFile, name: str, *, kind: bytes, mode: int, data: bytes = b"", link: str = ""
+) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.mode = mode
+    info.mtime = EPOCH
+    info.uid = info.gid = 0
+    info.linkname = link
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+def rootfs_tar() -> bytes:
+    """The rootfs as deterministic tar bytes."""
+    if not BUSYBOX.is_file():
+        raise SystemExit("needs /bin/busybox: apt-get install busybox-static")
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for d in ["bin", "dev", "etc", "proc", "sys", "tmp", "work", "inputs", "outputs"]:
+            _add(tar, d, kind=tarfile.DIRTYPE, mode=0o755)
+        _add(tar, "bin/busybox", kind=tarfile.REGTYPE, mode=0o755, data=BUSYBOX.read_bytes())
+        for applet in APPLETS:
+            _add(tar, f"bin/{applet}", kind=tarfile.SYMTYPE, mode=0o777, link="busybox")
+        _add(
+            tar, "etc/passwd", kind=tarfile.REGTYPE, mode=0o644, data=b"root:x:0:0:root:/:/bin/sh\n"
+        )
+        _add(tar, "etc/group", kind=tarfile.REGTYPE, mode=0o644, data=b"root:x:0:\n")
+    return out.getvalue()
+
+
+def build(out_dir: pathlib.Path, tag: str) -> dict[str, str]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rootfs = out_dir / "rootfs.tar"
+    rootfs.write_bytes(rootfs_tar())
+    subprocess.run(
+        [*PODMAN, "import", "--change", 'CMD ["/bin/sh"]', str(rootfs), tag],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    archive = out_dir / "ficc-test.oci.tar"
+    archive.unlink(missing_ok=True)
+    subprocess.run(
+        [*PODMAN, "save", "--format", "oci-archive", "-o", str(archive), tag], check=True
+    )
+    image_id = subprocess.run(
+        [*PODMAN, "image", "inspect", "--format", "{{.Id}}", tag],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+    rootfs.unlink()
+    return {
+        "archive": str(archive),
+        "archive_sha256": f"sha256:{digest}",
+        "image_id": f"sha256:{image_id}",
+        "tag": tag,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--tag", default="localhost/ficc-test:1")
+    args = parser.parse_args()
+    if shutil.which("podman") is None:
+        print("needs podman: apt-get install podman runc", file=sys.stderr)
+        return 2
+    print(json.dumps(build(args.out, args.tag)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
