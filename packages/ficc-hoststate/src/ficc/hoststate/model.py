@@ -109,7 +109,7 @@ def check_plan_hash(value: object) -> str:
 
 def check_status(value: object) -> Status:
     try:
-        return Status(value)
+        return Status(value)  # type: ignore[arg-type]  # any object: ValueError if not a status
     except ValueError:
         names = ", ".join(s.value for s in Status)
         raise InvalidArgument(f"unknown status {value!r}; use one of: {names}") from None

@@ -7,17 +7,17 @@ first, the file is exactly a fixed-length checksum header followed by that encod
 minus its opening brace. Decoding re-encodes what it parsed and compares bytes, which
 rejects duplicate keys, reordered keys and extra whitespace that a JSON parser accepts.
 
-`Image` keeps the encoding in memory and edits one record in place per mutation, so
-saving an 8 MiB store costs a memmove and a partial hash, not a full re-encode.
+`Image` keeps the encoding in memory, in blocks, and edits one record in place per
+mutation, so saving an 8 MiB store re-encodes one record and rehashes only the blocks
+from the edit onwards.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
@@ -32,7 +32,7 @@ RESERVE = 64  # room kept for the active record's later status and revision grow
 _HEADER_RE = re.compile(rb'\{"checksum":"sha256:([0-9a-f]{64})",')
 HEADER_LEN = len(b'{"checksum":"sha256:",') + 64
 _TAIL = b'],"version":%d}' % VERSION
-_HASH_STEP = 256 * 1024  # distance between cached partial-hash states in `Image`
+_BLOCK = 64 * 1024  # target size of a block of records in `Image`
 
 
 class _Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -140,84 +140,108 @@ def _fragment(op: Operation) -> bytes:
 class Image:
     """The canonical encoding of one host's snapshot, edited in place as records change.
 
-    The object's canonical bytes (`body`) live in a bytearray; the checksum is the
-    SHA-256 of `body`, computed from the last cached partial-hash state that precedes
-    the earliest edit. Every record is located by its unique `{"id":"<id>"` prefix
-    (IDs cannot contain a quote), so no offset table has to be maintained.
+    Records are kept as their encoded fragments in blocks of about `_BLOCK` bytes, in
+    ID order, so an edit touches one block (memmove of at most ~2 blocks). The body
+    hash is cached at every block boundary: after an edit only the edited block and
+    those after it are rehashed. The file is `header(checksum)`, then `pieces()`.
     """
 
-    def __init__(self, body: bytes, ids: list[str]) -> None:
-        self._body = bytearray(body)
-        self._ids = ids
-        self._ops_start = self._body.index(b'"operations":[') + len(b'"operations":[')
-        self._hashes: list[tuple[int, hashlib._Hash]] = []
-
-    @classmethod
-    def empty(cls, host_id: str) -> Image:
-        return cls(_encode_body(host_id, []), [])
+    def __init__(self, host_id: str, operations: Sequence[Operation]) -> None:
+        self._prefix = _encode_body(host_id, [])[: -len(_TAIL)]  # ...,"operations":[
+        self._blocks: list[bytearray] = []
+        self._ids: list[list[str]] = []  # the sorted IDs of each block
+        self._hashes: list[hashlib._Hash] = []  # state after prefix + blocks[: i + 1]
+        for op in operations:
+            fragment = _fragment(op)
+            if not self._blocks or len(self._blocks[-1]) + len(fragment) > _BLOCK:
+                self._blocks.append(bytearray(fragment))
+                self._ids.append([op.id])
+            else:
+                self._blocks[-1] += b"," + fragment
+                self._ids[-1].append(op.id)
 
     @classmethod
     def load(cls, data: bytes, host_id: str) -> tuple[Image, list[Operation]]:
-        """Verify a file (see `decode`) and keep its bytes as the image."""
+        """Verify a file (see `decode`) and build the image of what it holds."""
         operations = decode(data, host_id)
-        return cls(b"{" + data[HEADER_LEN:], [op.id for op in operations]), operations
+        return cls(host_id, operations), operations
 
     @property
     def size(self) -> int:
         """The size of the file this image saves as."""
-        return HEADER_LEN + len(self._body) - 1
+        records = sum(map(len, self._blocks)) + max(len(self._blocks) - 1, 0)
+        return HEADER_LEN - 1 + len(self._prefix) + records + len(_TAIL)
 
     def size_after(self, old: Operation | None, new: Operation) -> int:
         """The file size once `new` replaces `old` (or is added, when `old` is None)."""
         if old is None:
-            return self.size + len(_fragment(new)) + (1 if self._ids else 0)
+            return self.size + len(_fragment(new)) + (1 if self._blocks else 0)
         return self.size + len(_fragment(new)) - len(_fragment(old))
 
     def put(self, old: Operation | None, new: Operation) -> None:
         """Replace `old`'s record with `new`, or insert `new` in ID order."""
-        body, fragment = self._body, _fragment(new)
-        if old is not None:
-            pos = self._find(old.id)
-            body[pos : body.index(b"}", pos) + 1] = fragment
+        fragment = _fragment(new)
+        if not self._blocks:
+            self._blocks.append(bytearray(fragment))
+            self._ids.append([new.id])
+            k = 0
         else:
-            i = bisect.bisect_left(self._ids, new.id)
-            if i < len(self._ids):
-                pos, fragment = self._find(self._ids[i]), fragment + b","
+            k = max(bisect.bisect_right(self._ids, new.id, key=lambda ids: ids[0]) - 1, 0)
+            block, ids = self._blocks[k], self._ids[k]
+            if old is not None:
+                pos = _find(block, old.id)
+                block[pos : block.index(b"}", pos) + 1] = fragment
             else:
-                pos = len(body) - len(_TAIL)
-                fragment = b"," + fragment if self._ids else fragment
-            body[pos:pos] = fragment
-            self._ids.insert(i, new.id)
-        while self._hashes and self._hashes[-1][0] > pos:
-            self._hashes.pop()
+                j = bisect.bisect_left(ids, new.id)
+                if j < len(ids):
+                    pos = _find(block, ids[j])
+                    block[pos:pos] = fragment + b","
+                else:
+                    block += b"," + fragment
+                ids.insert(j, new.id)
+                if len(block) > 2 * _BLOCK:
+                    self._split(k)
+        del self._hashes[k:]
+
+    def _split(self, k: int) -> None:
+        block, ids = self._blocks[k], self._ids[k]
+        half = len(ids) // 2
+        pos = _find(block, ids[half])
+        self._blocks[k : k + 1] = [block[: pos - 1], block[pos:]]  # drop the comma between
+        self._ids[k : k + 1] = [ids[:half], ids[half:]]
 
     def checksum(self) -> str:
-        """SHA-256 hex of the body, rehashing only from the last still-valid state."""
-        offset, state = self._hashes[-1] if self._hashes else (0, hashlib.sha256())
-        state = state.copy()
-        with memoryview(self._body) as view:
-            while offset + _HASH_STEP <= len(view):
-                with view[offset : offset + _HASH_STEP] as chunk:
-                    state.update(chunk)
-                offset += _HASH_STEP
-                self._hashes.append((offset, state.copy()))
-            with view[offset:] as rest:
-                state.update(rest)
+        """SHA-256 hex of the body, rehashing only from the last still-valid block."""
+        state = self._hashes[-1].copy() if self._hashes else hashlib.sha256(self._prefix)
+        for k in range(len(self._hashes), len(self._blocks)):
+            if k:
+                state.update(b",")
+            state.update(self._blocks[k])  # large updates release the GIL
+            self._hashes.append(state.copy())
+        state.update(_TAIL)
         return state.hexdigest()
 
-    @contextlib.contextmanager
-    def file_chunks(self) -> Iterator[list[bytes | memoryview]]:
-        """The file as buffers to write in order, without copying the body."""
-        header = _header(self.checksum())
-        with memoryview(self._body) as view, view[1:] as rest:
-            yield [header, rest]
+    def header(self) -> bytes:
+        """The first `HEADER_LEN` bytes of the file: `{"checksum":"sha256:<hex>",`."""
+        return _header(self.checksum())
+
+    def pieces(self) -> list[bytes | bytearray]:
+        """The file after the header, as buffers to write in order (no copies)."""
+        out: list[bytes | bytearray] = [self._prefix[1:]]
+        for k, block in enumerate(self._blocks):
+            if k:
+                out.append(b",")
+            out.append(block)
+        out.append(_TAIL)
+        return out
 
     def to_bytes(self) -> bytes:
-        with self.file_chunks() as chunks:
-            return b"".join(chunks)
+        return b"".join([self.header(), *self.pieces()])
 
-    def _find(self, op_id: str) -> int:
-        pos = self._body.find(b'{"id":"' + op_id.encode() + b'"', self._ops_start)
-        if pos < 0:  # the registry and the image disagree: a bug, never a user error
-            raise AssertionError(f"record {op_id!r} missing from the snapshot image")
-        return pos
+
+def _find(block: bytearray, op_id: str) -> int:
+    """Offset of a record in its block; IDs cannot contain a quote, so this is unique."""
+    pos = block.find(b'{"id":"' + op_id.encode() + b'"')
+    if pos < 0:  # the registry and the image disagree: a bug, never a user error
+        raise AssertionError(f"record {op_id!r} missing from the snapshot image")
+    return pos

@@ -1,0 +1,85 @@
+"""`python -m ficc.hoststate inspect DIR --host-id ID`: verify and show, read-only.
+
+It applies every check `acquire` applies but never takes the lock and never writes:
+it opens `host.lock` and `state.json` read-only and reads one snapshot, which is
+always a complete file because saves replace it by an atomic rename. There is no
+write command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from . import marker
+from .errors import Corrupt, HostMismatch, HostStateError
+from .lock import check_platform
+from .model import Operation, check_host_id
+from .root import Root, read_all
+from .session import LOCK_FILE, STATE_FILE
+from .snapshot import MAX_BYTES, decode
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ficc.hoststate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="verify the store and list its operations")
+    inspect.add_argument("directory", help="the host's state directory")
+    inspect.add_argument("--host-id", required=True, help="the host ID the store must belong to")
+    args = parser.parse_args(argv)
+    try:
+        print(render(*inspect_store(args.directory, args.host_id)), flush=True)
+    except BrokenPipeError:  # e.g. piped into `head`: the reader left, nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except HostStateError as exc:
+        print(f"inspect failed: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.code == "invalid_argument" else EXIT_FAILED
+    return EXIT_OK
+
+
+def inspect_store(directory: str, host_id: str) -> tuple[str, list[Operation], str]:
+    """(directory, operations, marker note); raises the same errors `acquire` would."""
+    check_host_id(host_id)
+    check_platform()
+    root = Root.open(directory)
+    try:
+        marked_for = _read_marker(root)
+        if marked_for is not None and marked_for != host_id:
+            raise HostMismatch(f"{directory} was initialized for host {marked_for!r}")
+        data = root.read(STATE_FILE, MAX_BYTES)
+    finally:
+        root.close()
+    if data is None:
+        if marked_for is not None:
+            raise Corrupt(f"{directory}/state.json is missing but host.lock marks it initialized")
+        return directory, [], "empty store: never initialized (no marker, no snapshot)"
+    operations = decode(data, host_id)
+    note = "initialized" if marked_for else "marker missing: the next acquire rewrites it"
+    return directory, operations, f"{note}; state.json {len(data)} bytes, checksum verified"
+
+
+def _read_marker(root: Root) -> str | None:
+    fd = root.open_existing(LOCK_FILE)
+    if fd is None:
+        return None
+    try:
+        return marker.decode(read_all(fd, LOCK_FILE, marker.MAX_BYTES))
+    finally:
+        os.close(fd)
+
+
+def render(directory: str, operations: list[Operation], note: str) -> str:
+    """A readable table: one row per operation, columns aligned."""
+    rows = [("ID", "STATUS", "REVISION", "PLAN HASH")]
+    rows += [(op.id, op.status.value, str(op.revision), op.plan_hash) for op in operations]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = [f"{directory}: {len(operations)} operations; {note}", ""]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    return "\n".join(lines)
