@@ -1,7 +1,8 @@
 """Developer tasks for the ficc monorepo; nox is the single entry point.
 
 Sessions:
-  hoststate, protocol, executor_host   one distribution's own tests
+  hoststate, protocol, executor_host,
+  provider_podman                      one distribution's own tests
   integration                          tests that cross distributions (tests-integration/)
   lint                                 ruff
   typecheck                            mypy --strict on every src/
@@ -38,7 +39,8 @@ DISTRIBUTIONS = [
     "ficc-provider-podman",
 ]
 
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
+# hatchling: tests build real wheels (the test provider) without reaching an index.
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "hatchling>=1.25"]
 LINT_TOOLS = ["ruff>=0.6"]
 TYPE_TOOLS = ["mypy>=1.10"]
 BUILD_TOOLS = ["hatchling>=1.25"]
@@ -138,6 +140,13 @@ def executor_host(session: nox.Session) -> None:
     """ficc-executor-host's own tests."""
     _install_all(session)
     _package_tests(session, "ficc-executor-host")
+
+
+@nox.session(name="provider_podman")
+def provider_podman(session: nox.Session) -> None:
+    """ficc-provider-podman's own tests (real rootless Podman)."""
+    _install_all(session)
+    _package_tests(session, "ficc-provider-podman")
 
 
 @nox.session

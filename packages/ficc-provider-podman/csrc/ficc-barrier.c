@@ -9,10 +9,21 @@
  * more than the token's length, and exits with a distinct code on any anomaly so
  * the host can tell what went wrong.
  *
- * usage: ficc-barrier MARKER TOKEN -- ARGV0 [ARG...]
+ * usage: ficc-barrier MARKER TOKEN [--devices RESULT DEVICE...] -- ARGV0 [ARG...]
  *   MARKER  absolute path of the release marker (inside a directory the host owns)
- *   TOKEN   the exact bytes the marker must contain (the attempt id)
+ *   TOKEN   the exact bytes the marker must contain
+ *   RESULT  absolute path of a new file for the device-open results (optional)
+ *   DEVICE  absolute path of a device node to try to open (read-write) first
  *   ARGV0   absolute path of the payload program
+ *
+ * With --devices, before waiting, the barrier opens each DEVICE exactly as a payload
+ * would, closes it again, and writes one line "ERRNO PATH" per device (0 = opened)
+ * to RESULT (written under a temporary name and renamed, so it appears complete).
+ * These are the runner's real device-open results: the host compares them with the
+ * devices the policy must allow and refuse before it releases the payload.
+ *
+ * While waiting it holds no descriptor besides 0, 1 and 2 (the payload gate refuses
+ * any other), so it polls for the marker instead of keeping an inotify descriptor.
  *
  * Built static (no dynamic loader) so no library or loader path can be swapped
  * under it between the host's check and the exec.
@@ -23,19 +34,22 @@
 #include <limits.h>
 #include <poll.h>
 #include <string.h>
-#include <sys/inotify.h>
+#include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 enum {
+    EXIT_PROBE_FAILED = 119,  /* the device-open results could not be written */
     EXIT_USAGE = 120,         /* bad arguments: the provider built a wrong argv */
     EXIT_MARKER_UNSAFE = 121, /* marker is a link, not a regular file, or too big */
     EXIT_MARKER_TOKEN = 122,  /* marker exists but holds another token */
-    EXIT_WAIT_FAILED = 123,   /* the wait itself failed (inotify/poll error) */
+    EXIT_WAIT_FAILED = 123,   /* the wait itself failed (poll error) */
     EXIT_EXEC_FAILED = 124,   /* execve of the payload failed */
 };
 
 #define TOKEN_MAX 128
+#define DEVICES_MAX 64
+#define POLL_MS 10
 
 static void say(const char *msg) {
     ssize_t ignored = write(STDERR_FILENO, msg, strlen(msg));
@@ -72,56 +86,94 @@ static int check_marker(const char *marker, const char *token) {
     return 1;
 }
 
-/* Directory part of an absolute path, for the inotify watch. */
-static int parent_of(const char *path, char *out, size_t size) {
-    const char *slash = strrchr(path, '/');
-    if (slash == NULL || path[0] != '/') return -1;
-    size_t len = slash == path ? 1 : (size_t)(slash - path);
-    if (len >= size) return -1;
-    memcpy(out, path, len);
-    out[len] = '\0';
-    return 0;
-}
-
 static int wait_for_marker(const char *marker, const char *token) {
-    char dir[PATH_MAX];
-    if (parent_of(marker, dir, sizeof dir) != 0) return EXIT_USAGE;
-    int in = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
-    /* Without inotify we still poll; the watch only makes the wake-up prompt. */
-    if (in >= 0 && inotify_add_watch(in, dir, IN_CREATE | IN_MOVED_TO | IN_CLOSE_WRITE) < 0) {
-        close(in);
-        in = -1;
-    }
     for (;;) {
         int state = check_marker(marker, token);
-        if (state != 0) {
-            if (in >= 0) close(in);
-            return state == 1 ? 0 : state;
-        }
-        struct pollfd p = {.fd = in, .events = POLLIN};
-        int n = poll(in >= 0 ? &p : NULL, in >= 0 ? 1 : 0, 200);
-        if (n < 0 && errno != EINTR) {
+        if (state != 0) return state == 1 ? 0 : state;
+        /* poll() with no descriptors is the sleep: the host waits for this syscall. */
+        if (poll(NULL, 0, POLL_MS) < 0 && errno != EINTR) {
             say("ficc-barrier: wait failed\n");
             return EXIT_WAIT_FAILED;
         }
-        if (n > 0) {
-            char drain[4096];
-            while (read(in, drain, sizeof drain) > 0) {
-            }
-        }
     }
 }
 
+static int write_all(int fd, const char *buf, size_t len) {
+    while (len > 0) {
+        ssize_t n = write(fd, buf, len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return -1;
+        buf += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* Open each device as the payload would; record errno (0 = opened a char device). */
+static int probe_devices(const char *result, char **devices, int count) {
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp", result) >= (int)sizeof tmp) return EXIT_USAGE;
+    int out = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (out < 0) {
+        say("ficc-barrier: cannot create the device result file\n");
+        return EXIT_PROBE_FAILED;
+    }
+    for (int i = 0; i < count; i++) {
+        int code = 0;
+        int fd = open(devices[i], O_RDWR | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (fd < 0) {
+            code = errno;
+        } else {
+            struct stat st;
+            if (fstat(fd, &st) != 0 || !S_ISCHR(st.st_mode)) code = ENODEV;
+            close(fd);
+        }
+        char line[PATH_MAX + 32];
+        int len = snprintf(line, sizeof line, "%d %s\n", code, devices[i]);
+        if (len < 0 || len >= (int)sizeof line || write_all(out, line, (size_t)len) != 0) {
+            close(out);
+            say("ficc-barrier: cannot write the device result file\n");
+            return EXIT_PROBE_FAILED;
+        }
+    }
+    if (close(out) != 0 || rename(tmp, result) != 0) {
+        say("ficc-barrier: cannot publish the device result file\n");
+        return EXIT_PROBE_FAILED;
+    }
+    return 0;
+}
+
+static int usage(void) {
+    say("usage: ficc-barrier MARKER TOKEN [--devices RESULT DEVICE...] -- "
+        "/ABSOLUTE/PROGRAM [ARG...]\n");
+    return EXIT_USAGE;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 5 || strcmp(argv[3], "--") != 0 || argv[1][0] != '/' || argv[4][0] != '/' ||
-        strlen(argv[2]) == 0 || strlen(argv[2]) > TOKEN_MAX) {
-        say("usage: ficc-barrier MARKER TOKEN -- /ABSOLUTE/PROGRAM [ARG...]\n");
-        return EXIT_USAGE;
+    if (argc < 5 || argv[1][0] != '/' || strlen(argv[2]) == 0 || strlen(argv[2]) > TOKEN_MAX)
+        return usage();
+    int next = 3;
+    const char *result = NULL;
+    char **devices = NULL;
+    int count = 0;
+    if (strcmp(argv[next], "--devices") == 0) {
+        if (next + 1 >= argc || argv[next + 1][0] != '/') return usage();
+        result = argv[next + 1];
+        devices = &argv[next + 2];
+        for (next += 2; next < argc && strcmp(argv[next], "--") != 0; next++) {
+            if (argv[next][0] != '/' || ++count > DEVICES_MAX) return usage();
+        }
+    }
+    if (next + 1 >= argc || strcmp(argv[next], "--") != 0 || argv[next + 1][0] != '/')
+        return usage();
+    if (result != NULL) {
+        int rc = probe_devices(result, devices, count);
+        if (rc != 0) return rc;
     }
     int rc = wait_for_marker(argv[1], argv[2]);
     if (rc != 0) return rc;
     extern char **environ;
-    execve(argv[4], &argv[4], environ);
+    execve(argv[next + 1], &argv[next + 1], environ);
     say("ficc-barrier: execve of the payload failed\n");
     return EXIT_EXEC_FAILED;
 }

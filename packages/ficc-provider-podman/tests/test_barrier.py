@@ -155,3 +155,61 @@ def test_exec_failure_exits_124(control: pathlib.Path) -> None:
     _write_marker(control / "release", TOKEN)
     proc = _start(control / "release", "/nonexistent/program")
     assert proc.wait(timeout=30) == BarrierExit.EXEC_FAILED
+
+
+def test_devices_are_probed_before_waiting(control: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The runner's real open() results, written complete before the barrier waits."""
+    marker = control / "release"
+    results = tmp_path / "devices"
+    missing = tmp_path / "no-such-device"
+    proc = subprocess.Popen(
+        [str(barrier_path()), str(marker), TOKEN, "--devices", str(results), "/dev/null",
+         str(missing), str(control), "--", "/bin/true"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        _wait_until_blocked_in_poll(proc.pid)
+        # A directory opens O_RDWR with EISDIR: never reported as an opened device.
+        assert results.read_text() == f"0 /dev/null\n2 {missing}\n21 {control}\n"
+        assert not (tmp_path / "devices.tmp").exists()
+        assert proc.poll() is None
+        _write_marker(marker, TOKEN)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_an_existing_result_file_is_never_overwritten(
+    control: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    results = tmp_path / "devices"
+    (tmp_path / "devices.tmp").symlink_to(tmp_path / "victim")
+    proc = _start_devices(control / "release", results)
+    assert proc.wait(timeout=30) == BarrierExit.PROBE_FAILED
+    assert not (tmp_path / "victim").exists()
+    assert not results.exists()
+
+
+def _start_devices(marker: pathlib.Path, results: pathlib.Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [str(barrier_path()), str(marker), TOKEN, "--devices", str(results), "/dev/null", "--",
+         "/bin/true"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["/m", TOKEN, "--devices"],
+        ["/m", TOKEN, "--devices", "relative", "/dev/null", "--", "/bin/true"],
+        ["/m", TOKEN, "--devices", "/r", "dev/null", "--", "/bin/true"],
+        ["/m", TOKEN, "--devices", "/r", "/dev/null", "/bin/true"],
+        ["/m", TOKEN, "--devices", "/r", *(["/dev/null"] * 65), "--", "/bin/true"],
+    ],
+)
+def test_bad_devices_usage_exits_120(argv: list[str]) -> None:
+    proc = subprocess.run([str(barrier_path()), *argv], capture_output=True, check=False)
+    assert proc.returncode == BarrierExit.USAGE

@@ -21,6 +21,7 @@ _ELF_MAGIC = b"\x7fELF"
 class BarrierExit(enum.IntEnum):
     """The barrier's own exit codes; anything else is the payload's."""
 
+    PROBE_FAILED = 119
     USAGE = 120
     MARKER_UNSAFE = 121
     MARKER_TOKEN = 122

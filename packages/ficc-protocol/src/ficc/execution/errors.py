@@ -36,6 +36,7 @@ class ErrorCode(enum.StrEnum):
     OFFER_CLOSED = "offer_closed"
     OFFER_REVISION = "offer_revision"
     OFFER_EXCEEDS_CEILING = "offer_exceeds_ceiling"
+    OFFER_CHANGED = "offer_changed"
     SLOT_CAPACITY = "slot_capacity"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
     # lifecycle
@@ -56,10 +57,24 @@ class ErrorCode(enum.StrEnum):
     INPUT_COMPLETE = "input_complete"
     INPUT_TOO_LARGE = "input_too_large"
     STORAGE_FAILED = "storage_failed"
+    INPUT_FAILED = "input_failed"
+    INPUT_NOT_DECLARED = "input_not_declared"
+    INPUT_CHANGED = "input_changed"
+    INPUTS_INCOMPLETE = "inputs_incomplete"
+    SLOT_FULL = "slot_full"
+    INPUT_STORAGE_FAILED = "input_storage_failed"
+    ATTEMPT_NOT_STAGED = "attempt_not_staged"
+    # release and cleanup of the attempt's files
+    UNEXPECTED_ENTRY = "unexpected_entry"
+    STAGING_CLEANUP_FAILED = "staging_cleanup_failed"
+    LAYOUT_UNSAFE = "layout_unsafe"
+    LAYOUT_CLEANUP_FAILED = "layout_cleanup_failed"
     # collect
     OBJECT_UNKNOWN = "object_unknown"
     OBJECT_UNAVAILABLE = "object_unavailable"
     OBJECT_CHANGED = "object_changed"
+    # raised by clients about a reply (never sent by an executor)
+    INVALID_REPLY = "invalid_reply"
 
 
 class ProtocolError(Exception):

@@ -17,23 +17,32 @@ import binascii
 import enum
 import hashlib
 import re
+from itertools import repeat
+from operator import attrgetter
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.plan import (
+    DIGEST,
+    IDENTITY,
     MAX_ROWS,
+    NAME,
     U63_MAX,
+    CheckedDigest,
+    CheckedIdentity,
     Count,
     Digest,
     Identity,
     Name,
     Plan,
+    PlanFault,
     PlanTooLarge,
     Positive,
-    digest_of,
-    encode_plan,
+    check_plans,
+    check_rules,
+    plan_digests,
 )
 
 PROTOCOL_VERSION = 1
@@ -48,9 +57,10 @@ INPUT_CHUNK_LEGACY_BYTES = 1 * MIB
 ZERO_ID = "0" * 32
 """The request ID a refusal echoes when the request's own ID could not be read."""
 
-_ObjectName = Annotated[
+ObjectName = Annotated[
     str, msgspec.Meta(pattern=r"\A(?:stdout|stderr|output:[a-z][a-z0-9_.-]{0,79})\Z")
 ]
+"""What `collect` can read: the two log streams and declared outputs."""
 _ReadLength = Annotated[int, msgspec.Meta(ge=1, le=COLLECT_MAX_BYTES)]
 
 
@@ -77,12 +87,16 @@ class Fence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     plan_digest: Digest
 
 
-class Renewal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A lease renewal: the fence, a strictly increasing sequence and a wall-clock expiry."""
+class Renewal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
+    """A lease renewal: the fence, a strictly increasing sequence and a wall-clock expiry.
 
-    attempt_id: Identity
+    Up to 64 per request, in `prepare` and `renew`: their patterns are checked per batch
+    (`check_rules`, called by those requests) rather than per value.
+    """
+
+    attempt_id: CheckedIdentity
     generation: Positive
-    plan_digest: Digest
+    plan_digest: CheckedDigest
     sequence: Positive
     expires_at_ms: Count
 
@@ -91,7 +105,7 @@ class Renewal(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
 
-class PrepareAttempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PrepareAttempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """One attempt to admit: its immutable plan and its first lease (sequence 1)."""
 
     plan: Plan
@@ -137,7 +151,7 @@ class InputWrite(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=T
         if cached is None:
             cached = canonical_b64decode(self.data)
             self.__dict__["_chunk"] = cached
-        return cached  # type: ignore[no-any-return]
+        return cached
 
 
 class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -146,7 +160,7 @@ class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attempt_id: Identity
     generation: Positive
     plan_digest: Digest
-    object: _ObjectName
+    object: ObjectName
     offset: Count
     length: _ReadLength
 
@@ -224,7 +238,7 @@ class _Bound(Request, frozen=True, kw_only=True):
     admission_version: Literal[1]
 
 
-class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare"):
+class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare", gc=False):
     attempts: _PrepareAttempts
 
     @property
@@ -232,11 +246,23 @@ class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare"):
         return len(self.attempts)
 
     def __post_init__(self) -> None:
+        plans = list(map(_PLAN, self.attempts))
+        leases = list(map(_LEASE, self.attempts))
+        digests = _checked_plans(self, plans, "$.attempts[{}].plan")
+        _checked_rows(self, leases, Renewal, "$.attempts[{}].lease")
+        # The whole batch at once; only a failure walks the rows to name the first one.
+        attempt_ids = list(map(_ATTEMPT_ID, plans))
+        if (
+            len(set(attempt_ids)) == len(plans)
+            and list(map(_SEQUENCE, leases)) == list(repeat(1, len(leases)))
+            and list(map(_ATTEMPT_ID, leases)) == attempt_ids
+            and list(map(_GENERATION, leases)) == list(map(_GENERATION, plans))
+            and list(map(_PLAN_DIGEST, leases)) == digests
+        ):
+            return
         seen: set[str] = set()
-        for i, row in enumerate(self.attempts):
+        for i, (plan, lease, digest) in enumerate(zip(plans, leases, digests, strict=True)):
             here = f"$.attempts[{i}]"
-            plan, lease = row.plan, row.lease
-            canonical = _canonical_plan(self, plan, f"{here}.plan")
             if plan.attempt_id in seen:
                 raise self._invalid("attempt appears twice", f"{here}.plan.attempt_id")
             seen.add(plan.attempt_id)
@@ -246,7 +272,7 @@ class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare"):
                 raise self._invalid("not the plan's attempt", f"{here}.lease.attempt_id")
             if lease.generation != plan.generation:
                 raise self._invalid("not the plan's generation", f"{here}.lease.generation")
-            if lease.plan_digest != digest_of(canonical):
+            if lease.plan_digest != digest:
                 raise self._invalid("not the plan's digest", f"{here}.lease.plan_digest")
 
 
@@ -258,6 +284,7 @@ class RenewRequest(Request, frozen=True, kw_only=True, tag="renew"):
         return len(self.leases)
 
     def __post_init__(self) -> None:
+        _checked_rows(self, self.leases, Renewal, "$.leases[{}]")
         _distinct_attempts(self, self.leases, "leases")
 
 
@@ -367,9 +394,9 @@ class _PlanBatch(_Bound, frozen=True, kw_only=True):
         return len(self.plans)
 
     def __post_init__(self) -> None:
+        _checked_plans(self, self.plans, "$.plans[{}]")
         seen: set[str] = set()
         for i, plan in enumerate(self.plans):
-            _canonical_plan(self, plan, f"$.plans[{i}]")
             if plan.attempt_id in seen:
                 raise self._invalid("attempt appears twice", f"$.plans[{i}].attempt_id")
             seen.add(plan.attempt_id)
@@ -438,12 +465,33 @@ def may_send(sender: Sender, action: str) -> bool:
 # --- checks shared by several requests ----------------------------------------------
 
 
-def _canonical_plan(request: Request, plan: Plan, path: str) -> bytes:
-    """The plan's canonical bytes, refusing a plan past 128 KiB."""
+_PLAN, _LEASE = attrgetter("plan"), attrgetter("lease")
+_ATTEMPT_ID, _GENERATION = attrgetter("attempt_id"), attrgetter("generation")
+_SEQUENCE, _PLAN_DIGEST = attrgetter("sequence"), attrgetter("plan_digest")
+
+
+def _checked_plans(request: Request, plans: list[Plan], path: str) -> list[str]:
+    """Check a batch of plans (rules, 128 KiB bound) and return their digests.
+
+    `path` is the JSON path of a plan with `{}` for its position in the batch.
+    """
     try:
-        return encode_plan(plan)
+        check_plans(plans)
+        return plan_digests(plans)
+    except PlanFault as fault:
+        message, where = explain(msgspec.ValidationError(fault.error))
+        raise request._invalid(message, path.format(fault.index) + where[1:]) from None
     except PlanTooLarge as exc:
-        raise request._invalid(str(exc), path) from None
+        raise request._invalid(str(exc), path.format(exc.index)) from None
+
+
+def _checked_rows(request: Request, rows: list[Any], cls: type, path: str) -> None:
+    """Check the batch-checked patterns of `rows` (see `check_rules`)."""
+    try:
+        check_rules(rows, cls)
+    except PlanFault as fault:
+        message, where = explain(msgspec.ValidationError(fault.error))
+        raise request._invalid(message, path.format(fault.index) + where[1:]) from None
 
 
 def _distinct_attempts(request: Request, rows: list[Any], field: str) -> None:
@@ -474,7 +522,7 @@ def canonical_b64decode(data: str) -> bytes:
 
 # --- decoding and encoding ----------------------------------------------------------
 
-_decoder = msgspec.json.Decoder(AnyRequest)  # type: ignore[arg-type]
+_decoder = msgspec.json.Decoder(AnyRequest)
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
@@ -486,12 +534,14 @@ class _Head(msgspec.Struct):
     action: Any = None
 
 
-_LOCATED = re.compile(r"\A(?P<message>.*?)(?: - at `(?P<path>\$[^`]*)`)?\Z", re.DOTALL)
+_LOCATED = re.compile(
+    r"\A(?P<message>.*?)(?: - at (?P<key>`key` in )?`(?P<path>\$[^`]*)`)?\Z", re.DOTALL
+)
 _ID = re.compile(r"\A[0-9a-f]{32}\Z")
 _PATTERN_NAMES = {
-    r"\A[0-9a-f]{32}\Z": "an Identity (32 lowercase hex characters)",
-    r"\Asha256:[0-9a-f]{64}\Z": "a Digest (sha256: and 64 lowercase hex characters)",
-    r"\A[a-z][a-z0-9_.-]{0,79}\Z": "a Name ([a-z][a-z0-9_.-]{0,79})",
+    IDENTITY.pattern: "an Identity (32 lowercase hex characters)",
+    DIGEST.pattern: "a Digest (sha256: and 64 lowercase hex characters)",
+    NAME.pattern: "a Name ([a-z][a-z0-9_.-]{0,79})",
 }
 
 
@@ -500,6 +550,8 @@ def explain(exc: msgspec.ValidationError) -> tuple[str, str]:
     match = _LOCATED.match(str(exc))
     assert match is not None  # the pattern matches every string
     message, path = match["message"], match["path"] or "$"
+    if match["key"]:
+        message += " (in an object key)"
     for pattern, name in _PATTERN_NAMES.items():
         message = message.replace(f"matching regex {pattern!r}", name)
     return message, path
@@ -509,9 +561,10 @@ def refusal(frame: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     """Turn a validation failure into the most precise ProtocolError we can name."""
     message, path = explain(exc)
     try:
-        head = msgspec.json.decode(frame, type=_Head)
-    except msgspec.DecodeError:
-        head = _Head()
+        document = msgspec.json.decode(frame)  # not JSON at all is a bad frame
+    except (msgspec.DecodeError, RecursionError) as not_json:
+        return ProtocolError(ErrorCode.BAD_FRAME, f"not UTF-8 JSON: {not_json}")
+    head = msgspec.convert(document, _Head) if isinstance(document, dict) else _Head()
     request_id = head.id if isinstance(head.id, str) and _ID.match(head.id) else None
     wrong_version = head.version != PROTOCOL_VERSION or isinstance(head.version, bool)
     if head.version is not None and wrong_version:
@@ -542,7 +595,7 @@ def decode_request(frame: bytes, *, input_chunk_bytes: int = INPUT_CHUNK_MAX_BYT
         request: AnyRequest = _decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise refusal(frame, exc) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"not UTF-8 JSON: {exc}") from None
     if isinstance(request, InputWriteRequest) and request.chunk_bytes > input_chunk_bytes:
         raise request._invalid(
@@ -564,15 +617,16 @@ def validate_request(
     msgspec checks types and bounds only when decoding, so a model built in code is
     trusted only after this round trip. Returns the validated model and its bytes.
     """
-    data = encode_request(request)
+    try:
+        data = encode_request(request)
+    except (TypeError, ValueError) as exc:  # e.g. a lone surrogate, a non-JSON value
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, f"cannot encode: {exc}") from None
     return decode_request(data, input_chunk_bytes=input_chunk_bytes), data
 
 
 __all__ = [
     "ACTIONS",
     "COLLECT_MAX_BYTES",
-    "ErrorCode",
-    "ProtocolError",
     "INPUT_CHUNK_LEGACY_BYTES",
     "INPUT_CHUNK_MAX_BYTES",
     "PROTOCOL_VERSION",
@@ -580,21 +634,24 @@ __all__ = [
     "ZERO_ID",
     "AnyRequest",
     "CollectRequest",
+    "ErrorCode",
     "Fence",
     "InputStatusRequest",
     "InputWrite",
     "InputWriteRequest",
+    "ObjectName",
     "ObjectRef",
     "ObserveRequest",
     "OfferLimits",
     "PrepareAttempt",
     "PrepareRequest",
+    "ProtocolError",
     "Read",
     "ReconcileAbsentRequest",
     "RejectAbsentRequest",
     "ReleaseRequest",
-    "Renewal",
     "RenewRequest",
+    "Renewal",
     "Request",
     "Resources",
     "Sender",

@@ -1,0 +1,125 @@
+"""`python -m ficc.execution request --socket PATH`: send one reviewed JSON request.
+
+Reads one request from stdin, refuses it locally unless it is a valid version-1
+request (duplicate JSON keys included, so what was reviewed is what is sent), sends it,
+and prints the reply as JSON on stdout. Exit status:
+
+    0  the request was accepted and every row succeeded
+    1  the executor refused the request or at least one row (codes on stderr)
+    2  usage error or an invalid request (nothing was sent)
+    3  transport failure: no trustworthy reply (the request may have been applied)
+
+Every other subcommand (serve, status, provider-digest, ...) belongs to the
+ficc-executor-host distribution and is handed to `ficc.execution.host.commands`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ficc.execution.client import Client, ClientError, RequestInvalid
+from ficc.execution.errors import ErrorCode, ProtocolError
+from ficc.execution.frames import REQUEST_MAX
+from ficc.execution.protocol import decode_request
+from ficc.execution.wire import AnyReply, ErrorReply, ErrorRow, encode_reply
+
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_TRANSPORT = 0, 1, 2, 3
+_HOST_COMMANDS = "ficc.execution.host.commands"
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {dup!r} appears twice in one object")
+    return dict(pairs)
+
+
+def _read_request(data: bytes) -> Any:
+    """Validate locally. Raises ProtocolError; duplicate keys are refused as well.
+
+    The executor's decoder keeps the last of duplicate keys; a reviewer reading the
+    JSON may see the first. Refusing them here keeps "reviewed" equal to "sent".
+    """
+    request = decode_request(data)
+    try:
+        json.loads(data, object_pairs_hook=_refuse_duplicates)
+    except ValueError as exc:
+        raise ProtocolError(ErrorCode.INVALID_REQUEST, str(exc)) from None
+    return request
+
+
+def _refusals(reply: AnyReply) -> list[str]:
+    if isinstance(reply, ErrorReply):
+        return [f"{reply.error.code}: {reply.error.message}"]
+    rows = getattr(reply, "results", [])
+    return [
+        f"row {i}: {row.error.code}: {row.error.message}"
+        for i, row in enumerate(rows)
+        if isinstance(row, ErrorRow)
+    ]
+
+
+def request_command(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ficc.execution request",
+        description="Send one JSON request from stdin to an executor socket.",
+    )
+    parser.add_argument("--socket", required=True, help="the executor's Unix socket")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_OK if exc.code == 0 else EXIT_USAGE
+    data = sys.stdin.buffer.read(REQUEST_MAX + 1)
+    if len(data) > REQUEST_MAX:
+        print("invalid_request: stdin is larger than one request frame", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        request = _read_request(data)
+    except ProtocolError as exc:
+        print(f"{exc.code}: {exc.message} (at {exc.path})", file=sys.stderr)
+        return EXIT_USAGE
+    client = Client(args.socket, connect_timeout=args.timeout, read_timeout=args.timeout)
+    try:
+        reply = asyncio.run(client.request(request))
+    except RequestInvalid as exc:
+        print(f"{exc.error.code}: {exc.error.message} (at {exc.error.path})", file=sys.stderr)
+        return EXIT_USAGE
+    except ClientError as exc:
+        print(f"transport: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_TRANSPORT
+    sys.stdout.buffer.write(encode_reply(reply) + b"\n")
+    sys.stdout.flush()
+    refusals = _refusals(reply)
+    for line in refusals:
+        print(line, file=sys.stderr)
+    return EXIT_REFUSED if refusals else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        return EXIT_OK if args else EXIT_USAGE
+    command, rest = args[0], args[1:]
+    if command == "request":
+        return request_command(rest)
+    try:
+        host = importlib.import_module(_HOST_COMMANDS)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("ficc.execution.host", _HOST_COMMANDS):
+            raise
+        print(f"install ficc-executor-host for `{command}`", file=sys.stderr)
+        return EXIT_USAGE
+    return int(host.main(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

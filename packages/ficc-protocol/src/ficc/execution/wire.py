@@ -1,0 +1,477 @@
+"""Version-1 reply models, and the call that decodes a reply for a given request.
+
+Replies are not tagged by action: the client knows which request it sent, so
+`decode_reply` takes the action and picks the shape. Every reply has `version`, `id`
+(the request's) and `ok`. A refused request is `ErrorReply`; a batch request gets one
+result row per request row, in order, each `{ok: true, ...}` or `{ok: false, error}`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Annotated, Any, Literal, TypeAlias
+
+import msgspec
+
+from ficc.execution.errors import ErrorCode, ProtocolError
+from ficc.execution.plan import MAX_ROWS, Count, Digest, Identity, Name, Positive
+from ficc.execution.protocol import (
+    COLLECT_MAX_BYTES,
+    INPUT_CHUNK_LEGACY_BYTES,
+    INPUT_CHUNK_MAX_BYTES,
+    ZERO_ID,
+    ObjectName,
+    OfferLimits,
+    Resources,
+    canonical_b64decode,
+    explain,
+)
+
+State = Literal[
+    "prepared",
+    "starting",
+    "running",
+    "succeeded",
+    "failed",
+    "cancelled",
+    "expired",
+    "unknown",
+    "released",
+]
+"""Host states of an attempt (DESIGN 5.3). `released` keeps the prior one as `outcome`."""
+
+Outcome = Literal["succeeded", "failed", "cancelled", "expired", "unknown"]
+"""Terminal states. Once reached it is the outcome, kept through release."""
+
+TERMINAL: frozenset[str] = frozenset(Outcome.__args__)  # type: ignore[attr-defined]
+
+Control = Literal["active", "paused", "draining", "stopped"]
+
+REASONS: dict[str, str] = {
+    "admission_rejected": "refused before any provider call; no slot, nothing ran",
+    "legacy_absence_acknowledged": "an operator acknowledged an absent legacy attempt",
+    "lease_expired": "the lease ran out; the host stopped the work",
+    "stopped": "a stop request ended the work",
+    "exited": "the payload exited; see exit_code",
+    "provider_failed": "the provider failed or gave a malformed reply",
+    "gate_refused": "the payload gate found the live process out of policy",
+    "input_digest_mismatch": "a streamed input did not match its declared digest",
+    "storage_failed": "staging or storage failed",
+    "executor_restarted": "the executor restarted while the outcome was uncertain",
+    "cleanup_failed": "cleanup could not be confirmed",
+}
+"""Reasons a version-1 executor records. `reason` is any `Name`; these are documented."""
+
+_ExitCode = Annotated[int, msgspec.Meta(ge=0, le=255)]
+_MESSAGE_MAX = 4096
+_Message = Annotated[str, msgspec.Meta(max_length=_MESSAGE_MAX)]
+_READ_DATA_MAX = (COLLECT_MAX_BYTES + 2) // 3 * 4
+
+
+class Error(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A stable code (see ErrorCode and docs/protocol.md) and an operator-facing message."""
+
+    code: Name
+    message: _Message
+
+
+# --- rows ---------------------------------------------------------------------------
+
+
+class ErrorRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A refused row; the other rows of the batch are unaffected."""
+
+    error: Error
+    ok: Literal[False] = False
+
+
+class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the host's record says about one attempt.
+
+    `outcome` is null until the attempt reaches a terminal state, then equals it and
+    is kept when `state` becomes `released`. `ready` is meaningful only while
+    `prepared` (false while inputs stage and the provider prepares). `lease_sequence`
+    is 0 and
+    `lease_expires_at_ms` null for records that never held a lease (no-resource
+    rejections). `slot` is null when no slot is reserved.
+    """
+
+    attempt_id: Identity
+    generation: Positive
+    plan_digest: Digest
+    state: State
+    ready: bool
+    outcome: Outcome | None
+    reason: Name | None
+    exit_code: _ExitCode | None
+    lease_sequence: Count
+    lease_expires_at_ms: Count | None
+    slot: Name | None
+    staged_bytes: Count
+    stdout_bytes: Count
+    stderr_bytes: Count
+    cleanup_confirmed: bool
+
+    def __post_init__(self) -> None:
+        if self.state in TERMINAL and self.outcome != self.state:
+            raise ValueError("a terminal state is its own outcome")
+        if self.state == "released" and self.outcome is None:
+            raise ValueError("a released attempt keeps its outcome")
+        if self.state not in TERMINAL and self.state != "released" and self.outcome is not None:
+            raise ValueError("only terminal and released attempts have an outcome")
+
+
+class AttemptRow(AttemptStatus, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A successful row of prepare, renew, start, observe, stop, release, reject_absent
+    and reconcile_absent."""
+
+    ok: Literal[True] = True
+
+
+class InputRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A successful input_status or input_write row: the durable next offset."""
+
+    attempt_id: Identity
+    generation: Positive
+    plan_digest: Digest
+    object: Identity
+    offset: Count
+    bytes: Count
+    digest: Digest
+    complete: bool
+    ok: Literal[True] = True
+
+    def __post_init__(self) -> None:
+        if self.offset > self.bytes:
+            raise ValueError("offset is past the declared bytes")
+        if self.complete != (self.offset == self.bytes):
+            raise ValueError("complete exactly when offset reaches the declared bytes")
+
+
+class ReadRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, dict=True):
+    """A successful collect row.
+
+    `eof`: `next_offset` is the file's current end. `complete`: the file is final and
+    will not grow. `identity` is an opaque stable identity of the file: if it changes
+    between reads, the object was replaced and earlier bytes are not part of it.
+    """
+
+    attempt_id: Identity
+    generation: Positive
+    plan_digest: Digest
+    object: ObjectName
+    offset: Count
+    data: Annotated[str, msgspec.Meta(max_length=_READ_DATA_MAX)]
+    next_offset: Count
+    eof: bool
+    complete: bool
+    identity: Digest
+    ok: Literal[True] = True
+
+    @property
+    def chunk(self) -> bytes:
+        """The decoded data (decoded once; `decode_reply` already checked it)."""
+        cached = self.__dict__.get("_chunk")
+        if cached is None:
+            cached = self.__dict__["_chunk"] = canonical_b64decode(self.data)
+        return cached
+
+    def __post_init__(self) -> None:
+        size = len(self.data) // 4 * 3 - self.data[-2:].count("=")
+        if self.next_offset != self.offset + size:
+            raise ValueError("next_offset is not offset plus the decoded data length")
+        if self.complete and not self.eof:
+            raise ValueError("a complete read is at eof")
+
+
+# --- snapshot -----------------------------------------------------------------------
+
+
+class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The current offer: `revision` increases with every accepted set_offer."""
+
+    revision: Count
+    control: Control
+    limits: OfferLimits
+
+
+class SlotClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Configured slots of one class: how many, how many free, and each slot's storage."""
+
+    class_: Name = msgspec.field(name="class")
+    total: Count
+    free: Count
+    bytes: Count
+    inodes: Count
+
+    def __post_init__(self) -> None:
+        if self.free > self.total:
+            raise ValueError("more free slots than slots")
+
+
+class ProviderInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A configured provider, its pinned digest, and whether it verified and loaded."""
+
+    id: Name
+    package_digest: Digest
+    available: bool
+
+
+class Capacity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An observation, not a reservation: admission rechecks everything."""
+
+    available: Resources
+    slot_classes: Annotated[list[SlotClass], msgspec.Meta(max_length=MAX_ROWS)]
+    providers: Annotated[list[ProviderInfo], msgspec.Meta(max_length=MAX_ROWS)]
+
+
+# --- replies ------------------------------------------------------------------------
+
+
+class Reply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every reply: `version` 1 and the request's `id`."""
+
+    version: Literal[1]
+    id: Identity
+
+
+class ErrorReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The whole request was refused; no row was processed."""
+
+    error: Error
+    ok: Literal[False] = False
+
+
+def error_row(code: str, message: str) -> ErrorRow:
+    """A refused batch row (the message is cut to the 4096-character bound)."""
+    return ErrorRow(error=Error(code=code, message=message[:_MESSAGE_MAX]))
+
+
+def error_reply(request_id: str | None, code: str, message: str) -> ErrorReply:
+    """A whole-request refusal; echoes the request ID, or ZERO_ID when it was unreadable."""
+    return ErrorReply(
+        version=1,
+        id=request_id or ZERO_ID,
+        error=Error(code=code, message=message[:_MESSAGE_MAX]),
+    )
+
+
+AttemptResult: TypeAlias = AttemptRow | ErrorRow
+InputResult: TypeAlias = InputRow | ErrorRow
+ReadResult: TypeAlias = ReadRow | ErrorRow
+
+
+class AttemptsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    results: list[AttemptResult]
+    ok: Literal[True] = True
+
+
+class InputsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    results: list[InputResult]
+    ok: Literal[True] = True
+
+
+class ReadsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    results: list[ReadResult]
+    ok: Literal[True] = True
+
+
+class SnapshotReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Bindings, bounds, offer, capacity and one page of attempts (ordered by ID).
+
+    Old saved snapshots have `ledger_id: null`, `admission_version: 0` and no
+    `input_chunk_bytes` (read as 1 MiB); they do not prove admission under the current
+    contract, so `bindings()` refuses them.
+    """
+
+    installation_id: Identity
+    ledger_id: Identity | None
+    admission_version: Literal[0, 1]
+    maximum_lease_seconds: Positive
+    input_chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=INPUT_CHUNK_MAX_BYTES)] = (
+        INPUT_CHUNK_LEGACY_BYTES
+    )
+    offer: Offer
+    capacity: Capacity
+    attempts: Annotated[list[AttemptStatus], msgspec.Meta(max_length=MAX_ROWS)]
+    next: Identity | None
+    ok: Literal[True] = True
+
+    def __post_init__(self) -> None:
+        if (self.ledger_id is None) != (self.admission_version == 0):
+            raise ValueError("ledger_id is null exactly when admission_version is 0")
+        ids = [a.attempt_id for a in self.attempts]
+        if any(a >= b for a, b in itertools.pairwise(ids)):
+            raise ValueError("attempts are not in strictly increasing ID order")
+
+    def bindings(self) -> dict[str, Any]:
+        """The admission binding to save before queueing prepare (refuses old snapshots)."""
+        if self.admission_version != 1 or self.ledger_id is None:
+            raise ProtocolError(
+                ErrorCode.BINDINGS_CHANGED,
+                "this snapshot predates admission_version 1 and proves no admission binding;"
+                " take a new snapshot",
+                "$.admission_version",
+                self.id,
+            )
+        return {
+            "installation_id": self.installation_id,
+            "ledger_id": self.ledger_id,
+            "admission_version": 1,
+        }
+
+
+class OfferReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The offer after an accepted set_offer."""
+
+    offer: Offer
+    ok: Literal[True] = True
+
+
+AnyReply: TypeAlias = (
+    ErrorReply | AttemptsReply | InputsReply | ReadsReply | SnapshotReply | OfferReply
+)
+
+# --- decoding and encoding ----------------------------------------------------------
+
+_ROW_TYPES: dict[
+    str, tuple[type[AttemptsReply | InputsReply | ReadsReply], type[msgspec.Struct]]
+] = {
+    **{
+        action: (AttemptsReply, AttemptRow)
+        for action in (
+            "prepare",
+            "renew",
+            "start",
+            "observe",
+            "stop",
+            "release",
+            "reject_absent",
+            "reconcile_absent",
+        )
+    },
+    "input_status": (InputsReply, InputRow),
+    "input_write": (InputsReply, InputRow),
+    "collect": (ReadsReply, ReadRow),
+}
+
+
+class _Envelope(msgspec.Struct, frozen=True):
+    """The envelope, read leniently to pick the shape and to name a mismatch."""
+
+    version: Any = None
+    id: Any = None
+    ok: Any = None
+
+
+class _RawBatch(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A batch reply checked strictly except for its rows, decoded one by one after."""
+
+    results: list[msgspec.Raw]
+    ok: Literal[True] = True
+
+
+class _RowHead(msgspec.Struct, frozen=True):
+    ok: Any = None
+
+
+_encoder = msgspec.json.Encoder(order="sorted")
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def _decode_as(data: bytes | msgspec.Raw, kind: Any, prefix: str = "$") -> Any:
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        message, path = explain(exc)
+        raise ProtocolError(ErrorCode.INVALID_REPLY, message, prefix + path[1:]) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"not UTF-8 JSON: {exc}") from None
+
+
+def read_envelope(frame: bytes) -> tuple[object, object]:
+    """(version, id) of a reply, read leniently, so a client can name a mismatch."""
+    head = _decode_as(frame, _Envelope)
+    return head.version, head.id
+
+
+def decode_reply(frame: bytes, action: str, *, rows: int | None = None) -> AnyReply:
+    """Decode and validate the reply to a request with `action` (and `rows` rows).
+
+    Raises ProtocolError: `bad_frame` for bytes that are not JSON, `invalid_reply`
+    (naming the JSON path) for a reply of the wrong shape or row count.
+    """
+    head = _decode_as(frame, _Envelope)
+    if head.ok is False:
+        return _decode_as(frame, ErrorReply)  # type: ignore[no-any-return]
+    if head.ok is not True:
+        raise ProtocolError(ErrorCode.INVALID_REPLY, "ok is not a boolean", "$.ok")
+    if action == "snapshot":
+        return _decode_as(frame, SnapshotReply)  # type: ignore[no-any-return]
+    if action == "set_offer":
+        return _decode_as(frame, OfferReply)  # type: ignore[no-any-return]
+    if action not in _ROW_TYPES:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_ACTION, f"unknown action {action!r}")
+    reply_type, row_type = _ROW_TYPES[action]
+    batch = _decode_as(frame, _RawBatch)
+    raw_rows = batch.results
+    if rows is not None and len(raw_rows) != rows:
+        raise ProtocolError(
+            ErrorCode.INVALID_REPLY,
+            f"{len(raw_rows)} result rows for {rows} request rows",
+            "$.results",
+        )
+    results = [_decode_row(raw, row_type, f"$.results[{i}]") for i, raw in enumerate(raw_rows)]
+    return reply_type(version=batch.version, id=batch.id, results=results)
+
+
+def _decode_row(raw: msgspec.Raw, row_type: type[msgspec.Struct], path: str) -> Any:
+    """One result row: the success shape when `ok` is true, else an ErrorRow."""
+    ok = _decode_as(raw, _RowHead, path).ok
+    row = _decode_as(raw, row_type if ok is True else ErrorRow, path)
+    if isinstance(row, ReadRow):
+        try:
+            row.chunk  # noqa: B018 - decodes, checks canonical base64 and caches
+        except ValueError as exc:
+            raise ProtocolError(ErrorCode.INVALID_REPLY, str(exc), f"{path}.data") from None
+    return row
+
+
+def encode_reply(reply: AnyReply) -> bytes:
+    """Canonical JSON (sorted keys, compact, UTF-8)."""
+    return _encoder.encode(reply)
+
+
+__all__ = [
+    "REASONS",
+    "TERMINAL",
+    "AnyReply",
+    "AttemptRow",
+    "AttemptStatus",
+    "AttemptsReply",
+    "Capacity",
+    "Control",
+    "Error",
+    "ErrorReply",
+    "ErrorRow",
+    "InputRow",
+    "InputsReply",
+    "Offer",
+    "OfferReply",
+    "Outcome",
+    "ProviderInfo",
+    "ReadRow",
+    "ReadsReply",
+    "Reply",
+    "SlotClass",
+    "SnapshotReply",
+    "State",
+    "decode_reply",
+    "encode_reply",
+    "error_reply",
+    "error_row",
+    "read_envelope",
+]

@@ -1,0 +1,159 @@
+"""The frame codec: exact framing, bounded errors, and never buffering past the bound."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import SOAK
+from ficc.execution.errors import ErrorCode
+from ficc.execution.frames import (
+    REPLY_MAX,
+    REQUEST_MAX,
+    FrameDecoder,
+    FrameError,
+    encode_frame,
+)
+
+CASES = 100_000 if SOAK else 5_000
+
+
+def test_bounds() -> None:
+    assert REQUEST_MAX == 12 * 1024 * 1024
+    assert REPLY_MAX == 2 * 1024 * 1024
+
+
+def test_encode_is_big_endian_length_then_payload() -> None:
+    assert encode_frame(b"{}", 10) == b"\x00\x00\x00\x02{}"
+    assert encode_frame(b"x" * 258, 1000)[:4] == b"\x00\x00\x01\x02"
+
+
+def test_encode_refuses_empty_and_oversized() -> None:
+    with pytest.raises(FrameError) as info:
+        encode_frame(b"", 10)
+    assert info.value.code == ErrorCode.BAD_FRAME
+    with pytest.raises(FrameError) as info:
+        encode_frame(b"x" * 11, 10)
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+    assert encode_frame(b"x" * 10, 10)[4:] == b"x" * 10
+
+
+def test_decoder_yields_frames_across_any_split() -> None:
+    stream = encode_frame(b"one", 100) + encode_frame(b"two!", 100) + encode_frame(b"3", 100)
+    for cut in range(len(stream) + 1):
+        decoder = FrameDecoder(100)
+        frames = decoder.feed(stream[:cut]) + decoder.feed(stream[cut:])
+        assert frames == [b"one", b"two!", b"3"]
+        assert decoder.idle
+
+
+def test_decoder_byte_at_a_time() -> None:
+    decoder = FrameDecoder(100)
+    out = []
+    for byte in encode_frame(b"hello", 100):
+        assert not out
+        out += decoder.feed(bytes([byte]))
+    assert out == [b"hello"]
+
+
+def test_zero_length_is_a_bad_frame() -> None:
+    decoder = FrameDecoder(100)
+    with pytest.raises(FrameError) as info:
+        decoder.feed(b"\x00\x00\x00\x00{}")
+    assert info.value.code == ErrorCode.BAD_FRAME
+
+
+def test_oversized_length_refused_before_any_payload_is_buffered() -> None:
+    decoder = FrameDecoder(REQUEST_MAX)
+    header = struct.pack(">I", REQUEST_MAX + 1)
+    with pytest.raises(FrameError) as info:
+        decoder.feed(header + b"x" * 1000)
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+    assert decoder.buffered == 0
+    with pytest.raises(FrameError):  # and it stays failed
+        decoder.feed(b"\x00\x00\x00\x01x")
+
+
+def test_largest_request_frame_passes() -> None:
+    payload = b"x" * REQUEST_MAX
+    decoder = FrameDecoder(REQUEST_MAX)
+    frame = encode_frame(payload, REQUEST_MAX)
+    assert decoder.feed(frame[: REQUEST_MAX // 2]) == []
+    assert decoder.buffered == REQUEST_MAX // 2 - 4
+    assert decoder.feed(frame[REQUEST_MAX // 2 :]) == [payload]
+
+
+def test_frames_before_an_error_are_delivered_first() -> None:
+    decoder = FrameDecoder(10)
+    assert decoder.feed(b"\x00\x00\x00\x01a\x00\x00\x00\x00") == [b"a"]
+    with pytest.raises(FrameError):
+        decoder.feed(b"")
+
+
+def test_idle_tells_clean_eof_from_truncation() -> None:
+    decoder = FrameDecoder(100)
+    assert decoder.idle
+    decoder.feed(b"\x00\x00")
+    assert not decoder.idle
+    decoder.feed(b"\x00\x02{")
+    assert not decoder.idle
+    assert decoder.feed(b"}") == [b"{}"]
+    assert decoder.idle
+
+
+def test_max_length_must_fit_the_header() -> None:
+    with pytest.raises(ValueError, match="max_length"):
+        FrameDecoder(0)
+    with pytest.raises(ValueError, match="max_length"):
+        FrameDecoder(2**32)
+
+
+def _reference(stream: bytes, max_length: int) -> tuple[list[bytes], str | None]:
+    """What a whole-buffer parser sees: complete frames, then an error code or None."""
+    frames, i = [], 0
+    while len(stream) - i >= 4:
+        (length,) = struct.unpack(">I", stream[i : i + 4])
+        if length == 0:
+            return frames, "bad_frame"
+        if length > max_length:
+            return frames, "frame_too_large"
+        if len(stream) - i - 4 < length:
+            break
+        frames.append(stream[i + 4 : i + 4 + length])
+        i += 4 + length
+    return frames, None
+
+
+@st.composite
+def _streams(draw: st.DrawFn) -> tuple[bytes, list[int], int]:
+    max_length = draw(st.integers(1, 64))
+    if draw(st.booleans()):  # mostly well-formed: frames, maybe then junk
+        payloads = draw(st.lists(st.binary(min_size=1, max_size=max_length), max_size=5))
+        stream = b"".join(struct.pack(">I", len(p)) + p for p in payloads)
+        stream += draw(st.binary(max_size=12))
+    else:
+        stream = draw(st.binary(max_size=200))
+    cuts = sorted(draw(st.lists(st.integers(0, len(stream)), max_size=8)))
+    return stream, cuts, max_length
+
+
+@pytest.mark.soak
+@settings(max_examples=CASES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(_streams())
+def test_any_bytes_any_split_frames_or_bounded_error(case: tuple[bytes, list[int], int]) -> None:
+    stream, cuts, max_length = case
+    decoder = FrameDecoder(max_length)
+    frames: list[bytes] = []
+    error: str | None = None
+    for start, end in [*zip([0, *cuts], [*cuts, len(stream)], strict=True), (0, 0)]:
+        try:
+            frames += decoder.feed(stream[start:end])
+        except FrameError as exc:
+            error = exc.code
+            break
+        finally:
+            assert decoder.buffered <= 4 + max_length
+    assert (frames, error) == _reference(stream, max_length)

@@ -1,0 +1,284 @@
+"""Running Podman as the slot account, outside the attempt's service.
+
+Podman runs rootless as the slot account: the host starts the prepared `podman run`
+inside the attempt's service, and the provider itself runs a few short Podman
+commands as the same account at prepare (load and check the pinned image) and at
+release (remove the container). Those provider-side commands run OUTSIDE any service,
+so they must leave nothing behind: rootless Podman keeps a "pause" process that holds
+its user namespace, and the host's idle check (no process of the slot account
+anywhere) would then never pass.
+
+The rule is simple because a slot runs one attempt at a time: before a provider-side
+command the slot account must have no process at all (else `slot_busy`: something the
+host has not cleaned up), and after it every process of the account is that command's
+leftover and is killed through a pidfd (never a bare PID number), then confirmed gone.
+
+Per-slot Podman state lives on the slot's reserved filesystem, owned by the account:
+
+    <slot>/ficc-podman/          slot uid 0700
+      home/                      HOME (Podman's config and locks)
+      storage/                   --root: images and container layers
+      tmp/                       TMPDIR: `podman load` unpacks here, never in /var/tmp
+    /run/user/<uid>/             slot uid 0700: XDG_RUNTIME_DIR, --runroot, --tmpdir
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO
+
+from ficc_provider_podman.config import Config
+from ficc_provider_podman.errors import ProviderError
+
+PODMAN_DIRECTORY = "ficc-podman"
+RUN_USER = "/run/user"
+COMMAND_TIMEOUT_S = 300.0
+CONTAINERS_CONF = "/usr/share/containers/containers.conf"
+"""The distribution's defaults (root-owned); the only containers.conf Podman reads."""
+STORAGE_CONF = str(pathlib.Path(__file__).resolve().parent / "storage.conf")
+"""Shipped in this package (pinned with it): only the driver; roots are flags."""
+KILL_TIMEOUT_S = 10.0
+
+_locks: dict[int, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def slot_lock(uid: int) -> threading.Lock:
+    """One lock per slot account: provider-side Podman commands of a slot never overlap."""
+    with _locks_guard:
+        return _locks.setdefault(uid, threading.Lock())
+
+
+@dataclass(frozen=True)
+class SlotAccount:
+    """The slot account and where its Podman keeps state."""
+
+    uid: int
+    gid: int
+    slot_path: str
+
+    @property
+    def base(self) -> str:
+        return f"{self.slot_path}/{PODMAN_DIRECTORY}"
+
+    @property
+    def home(self) -> str:
+        return f"{self.base}/home"
+
+    @property
+    def storage(self) -> str:
+        return f"{self.base}/storage"
+
+    @property
+    def tmp(self) -> str:
+        return f"{self.base}/tmp"  # noqa: S108 (on the slot filesystem, slot-owned 0700)
+
+    @property
+    def runtime_dir(self) -> str:
+        return f"{RUN_USER}/{self.uid}"
+
+    def environment(self) -> dict[str, str]:
+        """The complete environment of every Podman command (nothing inherited).
+
+        CONTAINERS_CONF and CONTAINERS_STORAGE_CONF name root-owned files, so Podman
+        never reads configuration from the slot-owned HOME (~/.config/containers),
+        which anything running as the slot account could have written.
+        """
+        return {
+            "HOME": self.home,
+            "XDG_RUNTIME_DIR": self.runtime_dir,
+            "TMPDIR": self.tmp,
+            "PATH": "/usr/bin:/bin",
+            "CONTAINERS_CONF": CONTAINERS_CONF,
+            "CONTAINERS_STORAGE_CONF": STORAGE_CONF,
+        }
+
+    @property
+    def pause_pid_file(self) -> str:
+        return f"{self.runtime_dir}/libpod/tmp/pause.pid"
+
+    def podman(self, config: Config, *, log_level: str = "error") -> list[str]:
+        """Podman and its global flags: every path explicit, no pulls, no events."""
+        return [
+            config.podman,
+            "--runtime",
+            config.runtime,
+            "--cgroup-manager=cgroupfs",
+            "--root",
+            self.storage,
+            "--runroot",
+            f"{self.runtime_dir}/containers",
+            "--tmpdir",
+            f"{self.runtime_dir}/libpod/tmp",
+            "--storage-driver",
+            "overlay",
+            "--events-backend=none",
+            f"--log-level={log_level}",
+        ]
+
+    def ensure_directories(self) -> None:
+        """Create (or check) the account's Podman directories; refuses anything odd."""
+        _ensure_dir(RUN_USER, 0, 0o755, create=True, exact_mode=False)
+        _ensure_dir(self.runtime_dir, self.uid, 0o700, gid=self.gid, create=True)
+        _ensure_dir(self.base, self.uid, 0o700, gid=self.gid, create=True)
+        for path in (self.home, self.storage, self.tmp):
+            _ensure_dir(path, self.uid, 0o700, gid=self.gid, create=True)
+
+
+def _ensure_dir(
+    path: str,
+    uid: int,
+    mode: int,
+    *,
+    gid: int | None = None,
+    create: bool,
+    exact_mode: bool = True,
+) -> None:
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+            os.chown(path, uid, uid if gid is None else gid, follow_symlinks=False)
+            os.chmod(path, mode, follow_symlinks=False)
+    st = os.stat(path, follow_symlinks=False)
+    wrong_mode = stat.S_IMODE(st.st_mode) != mode if exact_mode else st.st_mode & 0o022
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or wrong_mode:
+        raise ProviderError(
+            "podman_directory",
+            f"{path} must be a directory owned by uid {uid} with mode {mode:04o} "
+            f"(found {stat.filemode(st.st_mode)} uid {st.st_uid}); remove or fix it",
+        )
+
+
+def run_podman(
+    account: SlotAccount,
+    config: Config,
+    arguments: Sequence[str],
+    *,
+    stdin: int | IO[bytes] | None = None,
+    timeout: float = COMMAND_TIMEOUT_S,
+) -> subprocess.CompletedProcess[bytes]:
+    """Run one Podman command as the slot account and clean up after it.
+
+    The caller holds `slot_lock(account.uid)`. Refuses (`slot_busy`) when the account
+    already has processes; kills every leftover afterwards (`slot_not_idle` if one
+    survives).
+    """
+    if processes_of(account.uid):
+        raise ProviderError(
+            "slot_busy",
+            f"the slot account {account.uid} still has processes outside a service; "
+            "the host must confirm the previous attempt's cleanup first",
+        )
+    reset_runtime_state(account)
+    try:
+        return subprocess.run(
+            [*account.podman(config), *arguments],
+            stdin=subprocess.DEVNULL if stdin is None else stdin,
+            capture_output=True,
+            env=account.environment(),
+            cwd=account.home,
+            user=account.uid,
+            group=account.gid,
+            extra_groups=[],
+            umask=0o077,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise ProviderError(
+            "podman_timeout", f"podman {arguments[0]} took longer than {timeout:.0f} s"
+        ) from error
+    finally:
+        kill_leftovers(account.uid)
+        forget_pause_process(account)
+
+
+def reset_runtime_state(account: SlotAccount) -> None:
+    """Forget Podman's runtime state, as a reboot would, while nothing of it runs.
+
+    Called only when the account has no live process. Podman's runtime directories
+    then describe processes that are gone (a killed container still "running", its
+    conmon and the pause process, perhaps unreaped zombies), and Podman would try to
+    join their namespaces and fail. Without them it refreshes its state as after a
+    reboot: every container becomes stopped and can be removed. Images and container
+    records in the storage (--root) are untouched.
+    """
+    for name in ("containers", "libpod", "runc"):
+        shutil.rmtree(f"{account.runtime_dir}/{name}", ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/libpod_rootless_lock_{account.uid}")  # noqa: S108 (Podman's name)
+
+
+def forget_pause_process(account: SlotAccount) -> None:
+    """Remove Podman's record of a pause process that no longer runs.
+
+    Called only while the account has no live process: the recorded PID is then dead
+    (perhaps an unreaped zombie), and Podman would try to join its namespaces and
+    fail ("cannot re-exec process to join the existing user namespace").
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(account.pause_pid_file)
+
+
+def processes_of(uid: int) -> list[int]:
+    """PIDs whose real UID is `uid` (zombies excluded: they hold nothing)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                status = f.read(4096)
+        except OSError:
+            continue
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+        real = fields.get(b"Uid", b"").split()
+        state = fields.get(b"State", b"").strip()[:1]
+        if real and int(real[0]) == uid and state != b"Z":
+            found.append(int(entry.name))
+    return found
+
+
+def kill_leftovers(uid: int) -> None:
+    """SIGKILL every process of `uid` through a pidfd and wait until all are gone."""
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    while pids := processes_of(uid):
+        if time.monotonic() > deadline:
+            raise ProviderError(
+                "slot_not_idle",
+                f"processes {pids} of slot account {uid} survived SIGKILL; investigate",
+            )
+        for pid in pids:
+            _kill(pid, uid, deadline)
+
+
+def _kill(pid: int, uid: int, deadline: float) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        # The pidfd pins this process: re-check its owner before the signal.
+        if os.stat(f"/proc/{pid}").st_uid != uid:
+            return
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+    except (ProcessLookupError, FileNotFoundError):
+        return
+    finally:
+        os.close(fd)

@@ -1,0 +1,288 @@
+"""The container of one attempt: the `podman run` command line and what it must look like.
+
+Pure: from the configuration, the slot account, the attempt's paths and the plan, it
+builds the argv the host runs inside the attempt's service (as the slot account) and
+the parts of the prepare result that describe the container to the payload gate:
+bind mounts with their recorded identities, the targets the runtime generates
+itself, and the devices.
+
+Isolation (DESIGN.md section 6) and how each flag is realised rootless on this host:
+- `--network=none`, `--read-only`, `--cap-drop=all`, `no-new-privileges`, Podman's
+  default seccomp profile, private IPC/UTS/PID/cgroup namespaces.
+- User mapping: rootless Podman with no subuid range maps container root to the slot
+  account, so the payload runs with the slot's host UID/GID in all four fields.
+- Resource limits: rootless Podman on cgroup v1 ignores `--memory`/`--pids-limit` and
+  cannot create cgroups, so `--cgroup-parent` fails. None is passed: the container
+  stays in the host's service cgroup, whose limits and device policy apply to it.
+- `--ulimit core=0:0 nofile=N:N nproc=P:P` (N, P <= 20000).
+- The barrier is the entrypoint, bind-mounted read-only from the installed package;
+  the attempt's control directory (release marker) is mounted read-only.
+- `--log-driver=passthrough`: the container's stdout and stderr ARE the host's log
+  files given to the service (no copy by conmon, nothing in Podman's storage).
+- The environment: `env -i` gives Podman exactly HOME, XDG_RUNTIME_DIR, TMPDIR and
+  PATH of the slot's Podman directories, whatever environment the service has.
+- The exit status: `podman run` exits with the container's status (125-127 for
+  Podman's own failures). A minimal `/bin/sh` wrapper records it in the provider's
+  run directory, inside the service, because an attached run removes Podman's own
+  exit file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ficc_provider_podman.account import SlotAccount
+from ficc_provider_podman.config import MAX_ULIMIT, OCI_DEFAULT_DEVICES, Config
+
+ENV = "/usr/bin/env"
+SHELL = "/bin/sh"
+BARRIER_TARGET = "/.ficc/barrier"
+CONTROL_TARGET = "/.ficc/control"
+RELEASE_MARKER = "release"
+RELEASE_CONTENT = "ficc-release-v1\n"
+"""The exact bytes of the host's release marker (gate.RELEASE_CONTENT)."""
+DEVICE_RESULTS = "/run/.ficc-devices"
+"""Written by the barrier inside the container (a private tmpfs) before it waits."""
+RUNTIME_DEVICE_NAME = "runtime"
+"""Name of prepared devices that Podman itself needs, serving no plan device."""
+EXIT_STATUS = "exit-status"
+
+_WRAPPER = (
+    'exit_file=$0; "$@"; status=$?; '
+    'printf "%s" "$status" > "$exit_file.tmp" && mv -f "$exit_file.tmp" "$exit_file"; '
+    'exit "$status"'
+)
+_NSE = ["nosuid", "nodev", "noexec"]
+_UNSAFE_IN_VOLUME = (":", ",", "\n", "\x00")
+
+
+@dataclass(frozen=True)
+class AttemptPaths:
+    """The host's attempt layout (DESIGN: S/ficc/<attempt>/...) and the provider's own."""
+
+    attempt_dir: str
+
+    @property
+    def provider(self) -> str:
+        return f"{self.attempt_dir}/provider"
+
+    @property
+    def storage(self) -> str:
+        return f"{self.attempt_dir}/storage"
+
+    @property
+    def control(self) -> str:
+        return f"{self.attempt_dir}/control"
+
+    @property
+    def inputs(self) -> str:
+        return f"{self.provider}/inputs"
+
+    @property
+    def run(self) -> str:
+        return f"{self.provider}/run"
+
+    @property
+    def env_file(self) -> str:
+        return f"{self.provider}/environment"
+
+    @property
+    def state_file(self) -> str:
+        return f"{self.provider}/state.json"
+
+    @property
+    def exit_file(self) -> str:
+        return f"{self.run}/{EXIT_STATUS}"
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Which nodes the service allows (prepared) and what the runner must see."""
+
+    prepared: list[dict[str, Any]]
+    positive: list[str]
+    negative: list[str]
+    mapped: list[str]
+    """Nodes passed with --device (configured ones; runc adds the OCI defaults)."""
+
+
+def container_name(attempt_id: str) -> str:
+    return f"ficc-{attempt_id}"
+
+
+def device_node(path: str) -> tuple[int, int]:
+    st = os.stat(path, follow_symlinks=False)
+    return os.major(st.st_rdev), os.minor(st.st_rdev)
+
+
+def plan_devices(config: Config, requested: list[str]) -> Devices:
+    """Runtime devices and requested devices are allowed; everything else visible is not."""
+    prepared = []
+    for path in config.runtime_devices:
+        major, minor = device_node(path)
+        prepared.append({"name": RUNTIME_DEVICE_NAME, "path": path, "major": major, "minor": minor})
+    by_name = {device.name: device for device in config.devices}
+    for name in requested:
+        major, minor = device_node(by_name[name].path)
+        prepared.append({"name": name, "path": by_name[name].path, "major": major, "minor": minor})
+    allowed = {str(entry["path"]) for entry in prepared}
+    mapped = [d.path for d in config.devices if d.path not in OCI_DEFAULT_DEVICES]
+    visible = list(dict.fromkeys([*OCI_DEFAULT_DEVICES, *mapped]))
+    return Devices(
+        prepared=prepared,
+        positive=sorted(allowed),
+        negative=[path for path in visible if path not in allowed],
+        mapped=mapped,
+    )
+
+
+def _volume(source: str, target: str, options: str) -> list[str]:
+    if any(char in source for char in _UNSAFE_IN_VOLUME):
+        raise ValueError(f"path {source!r} cannot be given to podman -v")
+    return ["-v", f"{source}:{target}:{options}"]
+
+
+def mounts(config: Config, paths: AttemptPaths, barrier: str) -> list[dict[str, Any]]:
+    """The bind mounts, with the identity of each source recorded now (prepare)."""
+    entries = [
+        (barrier, BARRIER_TARGET, True),
+        (paths.control, CONTROL_TARGET, True),
+        (paths.inputs, config.inputs_target, True),
+        (paths.storage, config.storage_target, False),
+    ]
+    result = []
+    for source, target, read_only in entries:
+        st = os.stat(source, follow_symlinks=False)
+        result.append(
+            {
+                "source": source,
+                "target": target,
+                "read_only": read_only,
+                "identity": {"device": st.st_dev, "inode": st.st_ino},
+            }
+        )
+    return result
+
+
+def generated_targets(devices: Devices) -> list[dict[str, Any]]:
+    """What rootless Podman + runc mount themselves (recorded from a real container)."""
+
+    def rule(
+        target: str,
+        fs_types: list[str],
+        options: list[str],
+        *,
+        read_only: bool | None = None,
+        subtree: bool = False,
+    ) -> dict[str, Any]:
+        return {
+            "target": target,
+            "fs_types": fs_types,
+            "subtree": subtree,
+            "read_only": read_only,
+            "required_options": options,
+        }
+
+    host_files = ["ext4", "xfs", "btrfs", "tmpfs"]
+    rules = [
+        rule("/", ["overlay"], [], read_only=True),
+        rule("/dev", ["tmpfs"], ["nosuid", "noexec"]),
+        rule("/dev/pts", ["devpts"], ["nosuid", "noexec"]),
+        rule("/dev/mqueue", ["mqueue"], _NSE),
+        rule("/dev/shm", ["tmpfs"], _NSE),  # noqa: S108 (a path inside the container)
+        rule("/proc", ["proc"], _NSE, subtree=True),
+        rule("/sys", ["sysfs"], _NSE, read_only=True),
+        rule("/sys/fs/cgroup", ["tmpfs", "cgroup", "cgroup2"], _NSE, subtree=True),
+        *(
+            rule(t, ["tmpfs"], ["nosuid", "nodev"], read_only=False)
+            for t in ("/tmp", "/run", "/var/tmp")  # noqa: S108 (paths inside the container)
+        ),
+        *(rule(t, host_files, _NSE, read_only=True) for t in ("/etc/hosts", "/etc/hostname")),
+        # Masked paths: an empty read-only tmpfs over directories, /dev/null over files.
+        *(
+            rule(t, ["tmpfs"], [], read_only=True)
+            for t in ("/proc/acpi", "/proc/scsi", "/sys/firmware", "/sys/dev/block")
+        ),
+        *(
+            rule(t, ["devtmpfs"], [])
+            for t in (
+                "/proc/kcore",
+                "/proc/keys",
+                "/proc/latency_stats",
+                "/proc/timer_list",
+                "/proc/timer_stats",
+                "/proc/sched_debug",
+            )
+        ),
+    ]
+    # Rootless runc cannot mknod: every device node is a bind mount from devtmpfs.
+    # The device policy of the service, not the mount, decides whether it opens.
+    nodes = dict.fromkeys([*OCI_DEFAULT_DEVICES, *devices.mapped])
+    rules += [rule(path, ["devtmpfs"], []) for path in nodes]
+    return rules
+
+
+def run_argv(
+    config: Config,
+    account: SlotAccount,
+    paths: AttemptPaths,
+    *,
+    attempt_id: str,
+    image_id: str,
+    barrier: str,
+    devices: Devices,
+    payload: list[str],
+    processes: int,
+) -> list[str]:
+    """The argv the host runs in the attempt's service, as the slot account."""
+    nproc = min(processes, MAX_ULIMIT)
+    run = [
+        "run",
+        "--name",
+        container_name(attempt_id),
+        "--pull=never",
+        "--network=none",
+        "--read-only",
+        "--cap-drop=all",
+        "--security-opt",
+        "no-new-privileges",
+        "--cgroupns=private",
+        "--ipc=private",
+        "--uts=private",
+        "--pid=private",
+        "--log-driver=passthrough",
+        "--ulimit",
+        "core=0:0",
+        "--ulimit",
+        f"nofile={config.nofile}:{config.nofile}",
+        "--ulimit",
+        f"nproc={nproc}:{nproc}",
+        "--env-file",
+        paths.env_file,
+        "--workdir",
+        config.storage_target,
+        "--entrypoint",
+        BARRIER_TARGET,
+        *_volume(barrier, BARRIER_TARGET, "ro,nosuid,nodev"),
+        *_volume(paths.control, CONTROL_TARGET, "ro,nosuid,nodev,noexec"),
+        *_volume(paths.inputs, config.inputs_target, "ro,nosuid,nodev,noexec"),
+        *_volume(paths.storage, config.storage_target, "rw,nosuid,nodev"),
+        *(argument for path in devices.mapped for argument in ("--device", f"{path}:{path}")),
+        image_id.removeprefix("sha256:"),
+        f"{CONTROL_TARGET}/{RELEASE_MARKER}",
+        RELEASE_CONTENT,
+        "--devices",
+        DEVICE_RESULTS,
+        *devices.positive,
+        *devices.negative,
+        "--",
+        *payload,
+    ]
+    environment = [f"{key}={value}" for key, value in account.environment().items()]
+    wrapper = [SHELL, "-c", _WRAPPER, paths.exit_file]
+    # Rootless notices (no subuid range, "/" not shared) would otherwise open every
+    # job's stderr; the exit status still tells Podman's failures (125-127) apart.
+    podman = account.podman(config, log_level="fatal")
+    return [ENV, "-i", *environment, *wrapper, *podman, *run]

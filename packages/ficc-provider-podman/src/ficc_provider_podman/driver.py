@@ -1,0 +1,533 @@
+"""The Podman provider driver: `API_VERSION`, `configure`, and the seven batch methods.
+
+The host loads this module through the `ficc.executor` entry point `podman` (after
+verifying the installed distribution's digest) and calls `configure` with the
+administrator's configuration (config.py). Every method takes a list of 1..64
+context dicts and returns one dict per context, in order. A row that cannot be
+served returns `{"error": CODE, "message": TEXT}`; it never fails the other rows.
+
+Context keys used (as built by the host's runner): `attempt_id`, `plan` (the plan as
+plain data), `slot` {path, uid, gid}, `attempt_directory`, `inputs` (streamed-input
+capabilities), `check` (prepare only). Paths of the attempt layout are the host's
+(`provider/`, `storage/`, `control/` under the attempt directory).
+
+Methods:
+- probe: refuses an unknown image, isolation other than `shared-kernel`, a network
+  other than `none`, an unconfigured device or local input; re-checks the files.
+- prepare: builds the provider's per-attempt layout, places the inputs, makes sure
+  the pinned image is in the slot's Podman storage, records its own state, and
+  returns the prepare result (argv, barrier, devices, mounts, generated_targets,
+  positive_devices, negative_devices).
+- start: an acknowledgement once the barrier and every placed input are still the
+  files recorded at prepare (the host runs the argv itself, in its service).
+- observe: waiting -> ready (device-open results) -> payload (host PID) -> finished
+  (exit status).
+- stop: kills every process of the slot account (the service stop is the guarantee).
+- collect: nothing to add (the host reads logs and outputs itself).
+- release: removes the container from the slot's Podman storage and the provider's
+  part of the attempt layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from ficc_provider_podman import account as accounts
+from ficc_provider_podman import container, inputs, observe
+from ficc_provider_podman.account import SlotAccount, run_podman, slot_lock
+from ficc_provider_podman.barrier import barrier_path
+from ficc_provider_podman.config import Config, Image, check_files, load, sha256_of_fd
+from ficc_provider_podman.container import AttemptPaths
+from ficc_provider_podman.errors import ProviderError
+
+API_VERSION = 1
+ISOLATION = "shared-kernel"
+NETWORK = "none"
+
+Context = dict[str, Any]
+Reply = dict[str, Any]
+
+
+# --- the parts of the plan this provider reads (the host validated the whole plan) ---
+
+
+class _Loose(msgspec.Struct, frozen=True):
+    pass
+
+
+class _Runtime(_Loose, frozen=True):
+    image_digest: str
+    isolation: str
+    network: str
+
+
+class _Payload(_Loose, frozen=True):
+    argv: list[str]
+    environment: dict[str, str]
+
+
+class _Limits(_Loose, frozen=True):
+    processes: int
+    devices: list[str]
+
+
+class _Input(_Loose, frozen=True):
+    id: str
+    name: str
+    bytes: int
+    digest: str
+    delivery: str = "local"
+
+
+class _Job(_Loose, frozen=True):
+    runtime: _Runtime
+    payload: _Payload
+    limits: _Limits
+    inputs: list[_Input]
+
+
+class _Plan(_Loose, frozen=True):
+    attempt_id: str
+    job: _Job
+
+
+class State(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What prepare recorded in the provider's layout (root 0600), for later methods."""
+
+    attempt_id: str
+    image_id: str
+    barrier: str
+    barrier_device: int
+    barrier_inode: int
+    inputs: list[inputs.PlacedInput]
+    positive: list[str]
+    negative: list[str]
+
+
+def _plan(context: Context) -> _Plan:
+    try:
+        return msgspec.convert(context["plan"], _Plan)
+    except (KeyError, msgspec.ValidationError) as error:
+        raise ProviderError(
+            "context_invalid", f"the context has no usable plan: {error}"
+        ) from error
+
+
+def _account(context: Context) -> SlotAccount:
+    slot = context.get("slot") or {}
+    try:
+        return SlotAccount(int(slot["uid"]), int(slot["gid"]), str(slot["path"]))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ProviderError(
+            "context_invalid", f"the context has no usable slot: {error}"
+        ) from error
+
+
+def _paths(context: Context) -> AttemptPaths:
+    directory = context.get("attempt_directory")
+    if not isinstance(directory, str) or not directory.startswith("/"):
+        raise ProviderError("context_invalid", "the context has no attempt_directory")
+    return AttemptPaths(directory)
+
+
+def _row(fn: Callable[[Context], Reply], context: Context) -> Reply:
+    """One row: its reply, or `{"error", "message"}` (the host's check() code included)."""
+    try:
+        return fn(context)
+    except ProviderError as error:
+        return {"error": error.code, "message": error.message}
+    except Exception as error:  # a refusal of check() or an OS error: this row only
+        code = getattr(error, "code", None)
+        return {
+            "error": code if isinstance(code, str) else "provider_failed",
+            "message": str(getattr(error, "message", None) or error)[:512],
+        }
+
+
+def configure(configuration: Any) -> Driver:
+    """Validate the administrator configuration; returns the driver (raises on refusal)."""
+    return Driver(load(configuration))
+
+
+class Driver:
+    """The seven batch methods; see the module docstring."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._ready_reported: set[str] = set()
+        self._payload_pid: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _each(self, contexts: list[Context], fn: Callable[[Context], Reply]) -> list[Reply]:
+        return [_row(fn, context) for context in contexts]
+
+    # --- probe ---------------------------------------------------------------------
+
+    def probe(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, self._probe)
+
+    def _probe(self, context: Context) -> Reply:
+        check_files(self.config)
+        self._image_for(_plan(context))
+        return {"ok": True, "isolation": ISOLATION, "network": NETWORK}
+
+    def _image_for(self, plan: _Plan) -> Image:
+        """Everything probe refuses, as one check also repeated by prepare."""
+        runtime = plan.job.runtime
+        image = self.config.image(runtime.image_digest)
+        if image is None:
+            raise ProviderError(
+                "image_unknown",
+                f"image {runtime.image_digest} is not pinned in the provider configuration",
+            )
+        if runtime.isolation != ISOLATION:
+            raise ProviderError(
+                "isolation_unsupported",
+                f"isolation {runtime.isolation!r} is not offered; this provider runs "
+                f"{ISOLATION!r} only",
+            )
+        if runtime.network != NETWORK:
+            raise ProviderError(
+                "network_unsupported", f"network {runtime.network!r} is not offered; only 'none'"
+            )
+        configured = {device.name for device in self.config.devices}
+        for name in plan.job.limits.devices:
+            if name not in configured:
+                raise ProviderError("device_unknown", f"device {name!r} is not configured")
+        for obj in plan.job.inputs:
+            if obj.delivery == "local" and self.config.local_input(obj.id) is None:
+                raise ProviderError(
+                    "input_not_configured", f"local input {obj.name!r} ({obj.id}) is not configured"
+                )
+        return image
+
+    # --- prepare -------------------------------------------------------------------
+
+    def prepare(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, self._prepare)
+
+    def _prepare(self, context: Context) -> Reply:
+        check: Callable[[], Any] = context["check"]
+        check()
+        plan = _plan(context)
+        image = self._image_for(plan)
+        slot = _account(context)
+        paths = _paths(context)
+        _check_host_layout(paths, slot)
+        placed = self._place_inputs(context, plan, paths, slot, check)
+        _write_environment(paths, plan.job.payload.environment, slot.gid)
+        check()
+        with slot_lock(slot.uid):
+            slot.ensure_directories()
+            self._ensure_image(slot, image, check)
+        check()
+        barrier = barrier_path()
+        identity = os.stat(barrier)
+        devices = container.plan_devices(self.config, plan.job.limits.devices)
+        try:
+            argv = container.run_argv(
+                self.config,
+                slot,
+                paths,
+                attempt_id=plan.attempt_id,
+                image_id=image.image_id,
+                barrier=str(barrier),
+                devices=devices,
+                payload=plan.job.payload.argv,
+                processes=plan.job.limits.processes,
+            )
+        except ValueError as error:
+            raise ProviderError("path_unsupported", str(error)) from error
+        state = State(
+            plan.attempt_id,
+            image.image_id,
+            str(barrier),
+            identity.st_dev,
+            identity.st_ino,
+            placed,
+            devices.positive,
+            devices.negative,
+        )
+        _write_state(paths, state)
+        return {
+            "argv": argv,
+            "barrier": {
+                "path": str(barrier),
+                "identity": {"device": identity.st_dev, "inode": identity.st_ino},
+            },
+            "devices": devices.prepared,
+            "mounts": container.mounts(self.config, paths, str(barrier)),
+            "generated_targets": container.generated_targets(devices),
+            "positive_devices": devices.positive,
+            "negative_devices": devices.negative,
+        }
+
+    def _place_inputs(
+        self,
+        context: Context,
+        plan: _Plan,
+        paths: AttemptPaths,
+        slot: SlotAccount,
+        check: Callable[[], Any],
+    ) -> list[inputs.PlacedInput]:
+        capabilities = {str(c.get("id")): c for c in context.get("inputs") or []}
+        _fresh_dir(paths.inputs, 0, slot.gid, 0o750)
+        _fresh_dir(paths.run, slot.uid, slot.gid, 0o700)
+        placed = []
+        dir_fd = os.open(paths.inputs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for obj in plan.job.inputs:
+                check()
+                if obj.delivery == "stream":
+                    capability = capabilities.get(obj.id)
+                    if capability is None or (
+                        capability.get("name"),
+                        capability.get("bytes"),
+                        capability.get("digest"),
+                    ) != (obj.name, obj.bytes, obj.digest):
+                        raise ProviderError(
+                            "input_missing", f"streamed input {obj.name!r} has no capability"
+                        )
+                    placed.append(inputs.link_capability(capability, dir_fd, slot.gid))
+                else:
+                    placed.append(
+                        inputs.copy_local(
+                            msgspec.to_builtins(obj), self.config, dir_fd, slot.gid, check
+                        )
+                    )
+        finally:
+            os.close(dir_fd)
+        return placed
+
+    def _ensure_image(self, slot: SlotAccount, image: Image, check: Callable[[], Any]) -> None:
+        """The pinned image in the slot's storage: verified by ID, loaded if missing."""
+        if self._image_present(slot, image):
+            return
+        fd = os.open(image.archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+                raise ProviderError("image_archive", f"{image.archive} is not a root-owned file")
+            if sha256_of_fd(fd, between=check) != image.archive_sha256:
+                raise ProviderError(
+                    "image_digest_mismatch",
+                    f"{image.archive} does not have the pinned SHA-256 {image.archive_sha256}; "
+                    "restore the archive or re-pin it",
+                )
+            os.lseek(fd, 0, os.SEEK_SET)
+            # The archive is streamed from the fd that was hashed: no path is re-opened.
+            loaded = run_podman(slot, self.config, ["load", "--quiet"], stdin=fd)
+        finally:
+            os.close(fd)
+        if loaded.returncode != 0:
+            raise ProviderError(
+                "image_load_failed", f"podman load: {loaded.stderr.decode(errors='replace')[-400:]}"
+            )
+        if not self._image_present(slot, image):
+            run_podman(slot, self.config, ["rmi", "--force", _hex(image.image_id)])
+            raise ProviderError(
+                "image_id_mismatch",
+                f"{image.archive} does not contain image {image.image_id}; re-pin the image",
+            )
+
+    def _image_present(self, slot: SlotAccount, image: Image) -> bool:
+        found = run_podman(
+            slot, self.config, ["image", "inspect", "--format", "{{.Id}}", _hex(image.image_id)]
+        )
+        return found.returncode == 0 and found.stdout.strip().decode() == _hex(image.image_id)
+
+    # --- start ---------------------------------------------------------------------
+
+    def start(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, self._start)
+
+    def _start(self, context: Context) -> Reply:
+        slot = _account(context)
+        paths = _paths(context)
+        state = _read_state(paths)
+        st = os.stat(state.barrier)
+        if (st.st_dev, st.st_ino) != (state.barrier_device, state.barrier_inode):
+            raise ProviderError(
+                "barrier_changed", f"{state.barrier} is not the barrier recorded at prepare"
+            )
+        dir_fd = os.open(paths.inputs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            inputs.verify(state.inputs, dir_fd, slot.gid)
+        finally:
+            os.close(dir_fd)
+        return {"started": True}
+
+    # --- observe -------------------------------------------------------------------
+
+    def observe(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, self._observe)
+
+    def _observe(self, context: Context) -> Reply:
+        slot = _account(context)
+        paths = _paths(context)
+        state = _read_state(paths)
+        code = observe.exit_status(paths.run, container.EXIT_STATUS)
+        if code is not None:
+            return {"phase": "finished", "exit_code": code}
+        released = os.path.lexists(f"{paths.control}/{container.RELEASE_MARKER}")
+        identity = (state.barrier_device, state.barrier_inode)
+        waiting = observe.barrier_processes(slot.uid, identity)
+        if len(waiting) > 1:
+            raise ProviderError("runtime_report", f"several barrier processes: {waiting}")
+        attempt = state.attempt_id
+        if waiting and not released:
+            pid = waiting[0]
+            devices = observe.device_results(pid, [*state.positive, *state.negative])
+            if devices is None:
+                return {"phase": "waiting"}
+            with self._lock:
+                first = attempt not in self._ready_reported
+                self._ready_reported.add(attempt)
+                self._payload_pid[attempt] = pid
+            return {"phase": "ready" if first else "payload", "pid": pid, "devices": devices}
+        with self._lock:
+            known = self._payload_pid.get(attempt) or (waiting[0] if waiting else None)
+        if released and known is not None:
+            return {"phase": "payload", "pid": known}
+        if not accounts.processes_of(slot.uid):
+            raise ProviderError(
+                "runtime_lost",
+                "no process of the attempt is left and no exit status was recorded",
+            )
+        return {"phase": "waiting"}
+
+    # --- stop, collect, release ----------------------------------------------------
+
+    def stop(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, self._stop)
+
+    def _stop(self, context: Context) -> Reply:
+        accounts.kill_leftovers(_account(context).uid)
+        return {"stopped": True}
+
+    def collect(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, lambda _: {"ok": True})
+
+    def release(self, contexts: list[Context]) -> list[Reply]:
+        return self._each(contexts, self._release)
+
+    def _release(self, context: Context) -> Reply:
+        slot = _account(context)
+        paths = _paths(context)
+        plan = _plan(context)
+        if os.path.isdir(slot.base):
+            with slot_lock(slot.uid):
+                removed = run_podman(
+                    slot,
+                    self.config,
+                    ["rm", "--force", "--time", "0", container.container_name(plan.attempt_id)],
+                )
+            error = removed.stderr.decode(errors="replace")
+            if removed.returncode != 0 and "no such container" not in error.lower():
+                raise ProviderError("container_remove_failed", f"podman rm: {error[-400:]}")
+        for directory in (paths.run, paths.inputs):
+            if os.path.lexists(directory):
+                shutil.rmtree(directory)
+        for name in (paths.env_file, paths.state_file):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+        with self._lock:
+            self._ready_reported.discard(plan.attempt_id)
+            self._payload_pid.pop(plan.attempt_id, None)
+        return {"released": True}
+
+
+# --- the provider's part of the attempt layout --------------------------------------
+
+
+def _hex(image_id: str) -> str:
+    return image_id.removeprefix("sha256:")
+
+
+def _check_host_layout(paths: AttemptPaths, slot: SlotAccount) -> None:
+    """The host created these; refuse anything that is not exactly its layout."""
+    for path, uid, mode in (
+        (paths.provider, 0, 0o711),
+        (paths.control, 0, 0o755),
+        (paths.storage, slot.uid, None),
+    ):
+        st = os.stat(path, follow_symlinks=False)
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or st.st_uid != uid
+            or (mode is not None and stat.S_IMODE(st.st_mode) != mode)
+        ):
+            raise ProviderError(
+                "layout_unexpected", f"{path} is not the host's attempt layout; check the host"
+            )
+        if any(char in path for char in ":,\n"):
+            raise ProviderError("path_unsupported", f"{path} cannot be given to podman -v")
+
+
+def _fresh_dir(path: str, uid: int, gid: int, mode: int) -> None:
+    """(Re)create a provider directory: a repeated prepare starts from nothing."""
+    if os.path.lexists(path):
+        shutil.rmtree(path)
+    os.mkdir(path, 0o700)
+    os.chown(path, uid, gid, follow_symlinks=False)
+    os.chmod(path, mode, follow_symlinks=False)
+
+
+def _write_private(path: str, data: bytes, *, gid: int, mode: int) -> None:
+    """Write a provider file complete under a temporary name, then rename it."""
+    tmp = f"{path}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _write_environment(paths: AttemptPaths, environment: dict[str, str], gid: int) -> None:
+    """Podman's --env-file: read by Podman as the slot account, never in a command line."""
+    lines = []
+    for key, value in sorted(environment.items()):
+        if "\n" in value or "\r" in value:
+            raise ProviderError(
+                "environment_unsupported",
+                f"environment value of {key} contains a line break, which Podman cannot pass",
+            )
+        lines.append(f"{key}={value}\n")
+    _write_private(paths.env_file, "".join(lines).encode(), gid=gid, mode=0o440)
+
+
+def _write_state(paths: AttemptPaths, state: State) -> None:
+    _write_private(paths.state_file, msgspec.json.encode(state), gid=0, mode=0o600)
+
+
+def _read_state(paths: AttemptPaths) -> State:
+    try:
+        fd = os.open(paths.state_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ProviderError(
+            "not_prepared", "the provider has no record of preparing this attempt"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_size > 1 << 20:
+            raise ProviderError("not_prepared", f"{paths.state_file} is not the provider's record")
+        data = os.read(fd, st.st_size + 1)
+    finally:
+        os.close(fd)
+    return msgspec.json.decode(data, type=State)

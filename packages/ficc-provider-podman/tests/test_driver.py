@@ -1,0 +1,311 @@
+"""The Podman provider against REAL rootless Podman, inside the host's real service.
+
+Each test drives an attempt the way the host runner does (see harness.py): the
+host's layout and stager, the provider's prepare, the host's cgroupfs service
+running the prepared argv as a real slot account, start, observe, the host's payload
+gate on the live barrier, the release marker, the exit status, then stop, idle
+check and release. Nothing is simulated: the limits, the device policy and the gate
+act on a real container.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import msgspec
+
+import harness as h
+from ficc_provider_podman.account import processes_of
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("runc") is None,
+    reason="needs root, podman and runc (apt-get install podman runc busybox-static)",
+)
+
+STREAMED = b"streamed input bytes\n"
+
+
+@pytest.fixture(scope="module")
+def w() -> Iterator[h.World]:
+    with h.world() as world:
+        yield world
+
+
+def _finish(attempt: h.Attempt) -> None:
+    assert h.cleanup(attempt)
+    assert processes_of(attempt.w.slot.uid) == []
+
+
+def test_a_real_job_passes_the_gate_runs_and_is_cleaned_up(w: h.World) -> None:
+    argv = [
+        "/bin/sh",
+        "-c",
+        "cat /inputs/data.txt > /work/out.txt; cat /inputs/local.txt; echo $GREETING; "
+        "echo to-stderr >&2; exit 0",
+    ]
+    plan = h.make_plan(w, argv, streamed=STREAMED, local=True)
+    attempt = h.new_attempt(w, plan, STREAMED)
+    result = h.prepare(attempt)
+    # check() ran before preparation and between every bounded step.
+    assert attempt.checks >= 4
+    assert result.argv[0] == "/usr/bin/env"
+    assert "/usr/bin/podman" in result.argv
+    for flag in ("--network=none", "--read-only", "--cap-drop=all", "--cgroupns=private"):
+        assert flag in result.argv
+    # The streamed input is a hard link of the staged file, not a copy.
+    staged = os.stat(attempt.capabilities[0]["path"])
+    linked = os.stat(f"{attempt.paths.provider}/inputs/data.txt")
+    assert (linked.st_dev, linked.st_ino) == (staged.st_dev, staged.st_ino)
+    assert (linked.st_uid, linked.st_mode & 0o777) == (0, 0o440)
+    try:
+        pid, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        assert os.stat(f"/proc/{pid}/exe").st_ino == result.barrier.identity.inode
+        # The runner's real device-open results: requested and runtime nodes open,
+        # nodes Podman mounts but the policy does not allow are refused.
+        assert attempt.ready is not None
+        opened = {d["path"]: d["opened"] for d in attempt.ready["devices"]}
+        assert opened == {
+            "/dev/full": True,
+            "/dev/null": True,
+            "/dev/random": True,
+            "/dev/urandom": True,
+            "/dev/zero": False,
+            "/dev/tty": False,
+        }
+        assert set(result.positive_devices) == {p for p, ok in opened.items() if ok}
+        assert set(result.negative_devices) == {p for p, ok in opened.items() if not ok}
+        h.release_marker(attempt)
+        assert h.await_finished(attempt) == 0
+        assert Path(attempt.paths.storage, "out.txt").read_bytes() == STREAMED
+        assert Path(attempt.paths.stdout).read_text() == "administrator-local input\nhello\n"
+        assert Path(attempt.paths.stderr).read_text() == "to-stderr\n"
+    finally:
+        _finish(attempt)
+    assert not os.path.exists(attempt.paths.root)
+
+
+def test_a_nonzero_exit_is_observed(w: h.World) -> None:
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "exit 7"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        assert h.await_finished(attempt) == 7
+    finally:
+        _finish(attempt)
+
+
+def test_the_service_memory_limit_kills_the_container(w: h.World) -> None:
+    # 64 MiB of shell variable, 512 MiB of input: the service's 128 MiB must stop it.
+    hog = ["/bin/sh", "-c", "x=$(head -c 536870912 /dev/urandom | tr -d '\\000'); echo survived"]
+    attempt = h.new_attempt(w, h.make_plan(w, hog, devices=(), memory=128 << 20))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        assert h.await_finished(attempt) != 0
+        assert attempt.handle is not None
+        # The kill is counted in the victim's cgroup: somewhere in the service's tree.
+        memory = Path(attempt.handle.cgroups["memory"])
+        kills = [
+            int(f.read_text().split("oom_kill ")[1].split()[0])
+            for f in memory.rglob("memory.oom_control")
+        ]
+        assert sum(kills) >= 1, kills
+        assert "survived" not in Path(attempt.paths.stdout).read_text()
+    finally:
+        _finish(attempt)
+
+
+def test_the_service_pids_limit_blocks_forks(w: h.World) -> None:
+    storm = ["/bin/sh", "-c", "for i in $(seq 200); do sleep 60 & done; wait"]
+    attempt = h.new_attempt(w, h.make_plan(w, storm, devices=(), processes=64))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        assert attempt.handle is not None
+        pids = Path(attempt.handle.cgroups["pids"])
+        h.wait_for(lambda: "can't fork" in Path(attempt.paths.stderr).read_text(), "a refused fork")
+        assert int((pids / "pids.current").read_text()) <= 64
+        # The refusal is counted in the forking task's cgroup, inside the service.
+        events = [int(f.read_text().split()[1]) for f in pids.rglob("pids.events")]
+        assert sum(events) >= 1, events
+    finally:
+        _finish(attempt)
+
+
+def test_stop_kills_the_whole_running_tree(w: h.World) -> None:
+    argv = ["/bin/sh", "-c", "sleep 1000 & sleep 1000 & echo started; wait"]
+    attempt = h.new_attempt(w, h.make_plan(w, argv, devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        h.wait_for(lambda: "started" in Path(attempt.paths.stdout).read_text(), "the payload")
+        assert attempt.call("observe")["phase"] == "payload"
+        assert len(processes_of(w.slot.uid)) >= 4
+        assert attempt.call("stop") == {"stopped": True}
+        assert processes_of(w.slot.uid) == []
+    finally:
+        _finish(attempt)
+
+
+def test_a_replaced_barrier_is_refused_by_the_gate(w: h.World) -> None:
+    """Same bytes, another inode, mounted as the entrypoint: not the barrier."""
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    result = h.prepare(attempt)
+    copy = Path(w.base, f"barrier-copy-{attempt.id}")
+    shutil.copy2(result.barrier.path, copy)
+    argv = [a.replace(result.barrier.path, str(copy)) for a in result.argv]
+    try:
+        h.create_service(attempt, argv)
+        assert attempt.call("start") == {"started": True}
+        pid = h.wait_for(lambda: _entrypoint(w.slot.uid, copy), "the copied barrier")
+        verdict = h.run_gate(attempt, pid)
+        assert not verdict.ok
+        assert "gate_exe" in {f.code for f in verdict.failures}
+    finally:
+        _finish(attempt)
+        copy.unlink()
+
+
+def _entrypoint(uid: int, path: Path) -> int | None:
+    st = os.stat(path)
+    for pid in processes_of(uid):
+        try:
+            exe = os.stat(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        if (exe.st_dev, exe.st_ino) == (st.st_dev, st.st_ino):
+            return pid
+    return None
+
+
+def test_a_changed_staged_input_refuses_start(w: h.World) -> None:
+    plan = h.make_plan(w, ["/bin/true"], streamed=STREAMED, devices=())
+    attempt = h.new_attempt(w, plan, STREAMED)
+    try:
+        h.prepare(attempt)
+        staged = attempt.capabilities[0]["path"]
+        os.utime(staged, ns=(1, 1))  # the same inode, another mtime
+        refused = attempt.call("start")
+        assert refused["error"] == "input_changed", refused
+    finally:
+        _finish(attempt)
+
+
+def test_a_check_refusal_stops_prepare_before_anything_is_loaded(w: h.World) -> None:
+    class Refused(Exception):
+        code = "lease_expired"
+
+    def check() -> None:
+        raise Refused("the lease expired during preparation")
+
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    try:
+        reply = attempt.call("prepare", check=check)
+        assert reply == {
+            "error": "lease_expired",
+            "message": "the lease expired during preparation",
+        }
+        assert not os.path.exists(f"{attempt.paths.provider}/state.json")
+    finally:
+        _finish(attempt)
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"isolation": "vm"}, "isolation_unsupported"),
+        ({"network": "host"}, "network_unsupported"),
+        ({"image_digest": h.sha256(b"other image")}, "image_unknown"),
+    ],
+)
+def test_probe_refuses_what_the_provider_does_not_offer(
+    w: h.World, change: dict[str, str], code: str
+) -> None:
+    plan = h.make_plan(w, ["/bin/true"], devices=())
+    runtime = msgspec.structs.replace(plan.job.runtime, **change)
+    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, runtime=runtime))
+    attempt = h.Attempt(w, plan, h.layout.Layout(w.slot).paths(plan.attempt_id))
+    assert attempt.call("probe")["error"] == code
+    ok = h.Attempt(w, h.make_plan(w, ["/bin/true"]), attempt.paths)
+    assert ok.call("probe")["ok"] is True
+
+
+def test_probe_refuses_an_unconfigured_device(w: h.World) -> None:
+    plan = h.make_plan(w, ["/bin/true"], devices=("gpu0",))
+    attempt = h.Attempt(w, plan, h.layout.Layout(w.slot).paths(plan.attempt_id))
+    assert attempt.call("probe")["error"] == "device_unknown"
+
+
+def test_a_payload_started_outside_the_barrier_is_never_reported_and_is_refused(
+    w: h.World,
+) -> None:
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    result = h.prepare(attempt)
+    image = w.image["image_id"].removeprefix("sha256:")
+    argv = list(result.argv[: result.argv.index(image)])
+    argv[argv.index("--entrypoint") + 1] = "/bin/sleep"
+    try:
+        h.create_service(attempt, [*argv, image, "1000"])
+        pid = h.wait_for(lambda: _running(w.slot.uid, "sleep"), "the unbarriered payload")
+        # The provider reports only the barrier: never this process.
+        assert attempt.call("observe") == {"phase": "waiting"}
+        verdict = h.run_gate(attempt, pid)
+        assert "gate_exe" in {f.code for f in verdict.failures}
+    finally:
+        _finish(attempt)
+
+
+def _running(uid: int, comm: str) -> int | None:
+    for pid in processes_of(uid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def test_a_refused_row_does_not_fail_the_rest_of_the_batch(w: h.World) -> None:
+    good = h.make_plan(w, ["/bin/true"], devices=())
+    bad = h.make_plan(w, ["/bin/true"], devices=("not-configured",))
+    rows = [
+        h.Attempt(w, plan, h.layout.Layout(w.slot).paths(plan.attempt_id)).context()
+        for plan in (good, bad, good)
+    ]
+    replies = w.driver.probe(rows)
+    assert [reply.get("ok") for reply in replies] == [True, None, True]
+    assert replies[1]["error"] == "device_unknown"
+
+
+def test_podman_configuration_in_the_slot_home_is_ignored(w: h.World) -> None:
+    """Anything running as the slot account can write ~/.config/containers: unused."""
+    base = Path(w.slot.path, "ficc-podman")
+    config = base / "home" / ".config" / "containers"
+    config.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (config / "containers.conf").write_text('[containers]\nseccomp_profile = "unconfined"\n')
+    (config / "storage.conf").write_text('[storage]\ndriver = "vfs"\n')
+    for path in (base, *base.rglob("*")):
+        os.chown(path, w.slot.uid, w.slot.gid)
+        if path.is_dir():
+            path.chmod(0o700)
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+    finally:
+        _finish(attempt)
+        (config / "containers.conf").unlink()
+        (config / "storage.conf").unlink()

@@ -1,0 +1,163 @@
+"""Pure parts of the Podman provider: configuration, argv, device results."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ficc_provider_podman import container
+from ficc_provider_podman.account import SlotAccount
+from ficc_provider_podman.config import Config, load
+from ficc_provider_podman.errors import ProviderError
+from ficc_provider_podman.observe import parse_device_results
+
+SHA = "sha256:" + "a" * 64
+
+
+def _valid(tmp_path: Path) -> dict[str, Any]:
+    archive = tmp_path / "image.tar"
+    archive.write_bytes(b"not read at configure time")
+    archive.chmod(0o644)
+    return {
+        "images": [
+            {"digest": SHA, "archive": str(archive), "archive_sha256": SHA, "image_id": SHA}
+        ],
+        "devices": [{"name": "full", "path": "/dev/full"}],
+    }
+
+
+def test_a_valid_configuration_loads_with_defaults(tmp_path: Path) -> None:
+    config = load(_valid(tmp_path))
+    assert config.podman == "/usr/bin/podman"
+    assert config.runtime_devices == ["/dev/null", "/dev/random", "/dev/urandom"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"surprise": 1},
+        {"runtime": "crun"},
+        {"podman": "podman"},
+        {"nofile": 20001},
+        {"devices": [{"name": "disk", "path": "/etc/passwd"}]},
+        {
+            "devices": [
+                {"name": "full", "path": "/dev/full"},
+                {"name": "full2", "path": "/dev/full"},
+            ]
+        },
+        {"storage_target": "/.ficc"},
+        {"images": []},
+    ],
+)
+def test_bad_configurations_are_refused(tmp_path: Path, change: dict[str, Any]) -> None:
+    data = {**_valid(tmp_path), **change}
+    with pytest.raises(ProviderError) as refused:
+        load(data)
+    assert refused.value.code == "podman_config"
+
+
+def test_an_archive_others_may_write_is_refused(tmp_path: Path) -> None:
+    data = _valid(tmp_path)
+    os.chmod(data["images"][0]["archive"], 0o666)
+    with pytest.raises(ProviderError, match="writable only by root"):
+        load(data)
+
+
+def test_a_symlinked_archive_is_refused(tmp_path: Path) -> None:
+    data = _valid(tmp_path)
+    link = tmp_path / "link.tar"
+    link.symlink_to(data["images"][0]["archive"])
+    data = copy.deepcopy(data)
+    data["images"][0]["archive"] = str(link)
+    with pytest.raises(ProviderError, match="symbolic link"):
+        load(data)
+
+
+def _argv(config: Config, tmp_path: Path) -> list[str]:
+    paths = container.AttemptPaths(str(tmp_path / "attempt"))
+    devices = container.plan_devices(config, ["full"])
+    return container.run_argv(
+        config,
+        SlotAccount(1234, 1234, str(tmp_path / "slot")),
+        paths,
+        attempt_id="0" * 32,
+        image_id=SHA,
+        barrier="/opt/ficc/barrier",
+        devices=devices,
+        payload=["/bin/echo", "hi"],
+        processes=50000,
+    )
+
+
+def test_the_argv_isolates_and_never_asks_podman_for_limits(tmp_path: Path) -> None:
+    argv = _argv(load(_valid(tmp_path)), tmp_path)
+    assert argv[:2] == ["/usr/bin/env", "-i"]
+    for flag in (
+        "--network=none",
+        "--read-only",
+        "--cap-drop=all",
+        "no-new-privileges",
+        "--cgroupns=private",
+        "--ipc=private",
+        "--uts=private",
+        "--pid=private",
+        "--pull=never",
+        "--log-driver=passthrough",
+        "core=0:0",
+        "nproc=20000:20000",
+    ):
+        assert flag in argv
+    # Rootless on cgroup v1: ignored or refused, so never passed (the service limits).
+    assert not any(a.startswith(("--memory", "--pids-limit", "--cgroup-parent")) for a in argv)
+    entry = argv.index("--entrypoint")
+    assert argv[entry + 1] == container.BARRIER_TARGET
+    image = argv.index("a" * 64)
+    assert argv[image + 1 : image + 5] == [
+        "/.ficc/control/release",
+        "ficc-release-v1\n",
+        "--devices",
+        container.DEVICE_RESULTS,
+    ]
+    assert argv[-3:] == ["--", "/bin/echo", "hi"]
+
+
+def test_devices_split_into_allowed_and_refused(tmp_path: Path) -> None:
+    config = load(
+        {
+            **_valid(tmp_path),
+            "devices": [
+                {"name": "full", "path": "/dev/full"},
+                {"name": "zero", "path": "/dev/zero"},
+            ],
+        }
+    )
+    devices = container.plan_devices(config, ["full"])
+    assert [d["path"] for d in devices.prepared] == [
+        "/dev/null",
+        "/dev/random",
+        "/dev/urandom",
+        "/dev/full",
+    ]
+    assert {d["name"] for d in devices.prepared} == {"runtime", "full"}
+    assert devices.negative == ["/dev/zero", "/dev/tty"]
+    assert devices.mapped == []
+
+
+def test_a_volume_path_podman_cannot_parse_is_refused(tmp_path: Path) -> None:
+    config = load(_valid(tmp_path))
+    with pytest.raises(ValueError, match="podman -v"):
+        _argv(config, tmp_path / "a:b")
+
+
+def test_device_results_parse_exactly_the_expected_devices() -> None:
+    parsed = parse_device_results(b"0 /dev/null\n1 /dev/zero\n", ["/dev/null", "/dev/zero"])
+    assert parsed == [{"path": "/dev/null", "opened": True}, {"path": "/dev/zero", "opened": False}]
+    for bad in (b"0 /dev/null\n", b"0 /dev/null\n0 /dev/null\n1 /dev/zero\n", b"x /dev/null\n"):
+        with pytest.raises(ProviderError) as refused:
+            parse_device_results(bad, ["/dev/null", "/dev/zero"])
+        assert refused.value.code == "runtime_report"
