@@ -23,6 +23,7 @@ from ficc.execution.client import (
     ConnectFailed,
     PeerCredentials,
     PeerNotRoot,
+    Refused,
     ReplyInvalid,
     ReplyMismatch,
     ReplyTooLarge,
@@ -33,13 +34,15 @@ from ficc.execution.client import (
 from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, read_frame
 from ficc.execution.plan import EMPTY_DIGEST
 from ficc.execution.protocol import (
+    ZERO_ID,
     Fence,
+    InputWriteRequest,
     SnapshotRequest,
     StartRequest,
     decode_request,
     encode_request,
 )
-from ficc.execution.wire import AttemptsReply, ErrorReply, SnapshotReply, encode_reply
+from ficc.execution.wire import AttemptsReply, Error, ErrorReply, SnapshotReply, encode_reply
 
 PEER_USER = "ficc-test-peer"
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
@@ -372,3 +375,58 @@ def test_root_peer_credentials_are_read(sock_dir: pathlib.Path) -> None:
 
     asyncio.run(run())
     assert seen == [PeerCredentials(os.getpid(), 0, os.getgid())]
+
+
+# --- refusals before the request is read -------------------------------------------
+
+
+def _refuse_without_reading(code: str) -> bytes:
+    reply = ErrorReply(version=1, id=ZERO_ID, error=Error(code=code, message="try later"))
+    return _frame(encode_reply(reply))
+
+
+async def _refusing_server_run(path: pathlib.Path, refusal: bytes, message: object) -> object:
+    """A server that, like the daemon over its bounds, answers before reading a byte."""
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(refusal)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(on_connect, path=str(path))
+    try:
+        client = Client(str(path), connect_timeout=5, read_timeout=5)
+        return await client.request(message)  # type: ignore[arg-type]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_a_refusal_before_reading_is_refused_not_a_mismatch(sock_dir: pathlib.Path) -> None:
+    message = ex.requests()["start"]
+    with pytest.raises(Refused) as caught:
+        asyncio.run(_refusing_server_run(sock_dir / "s", _refuse_without_reading("busy"), message))
+    assert caught.value.code == "busy"
+
+
+def test_a_refusal_while_a_large_request_is_still_being_written(
+    sock_dir: pathlib.Path,
+) -> None:
+    """The server closes with most of an 8 MiB request unread: the write fails, and the
+    refusal already in the receive buffer is still what the client reports."""
+    big = InputWriteRequest(
+        version=1, id=ex.REQUEST_ID, writes=[ex.chunk_write(ex.plan(1), b"x" * (8 << 20))]
+    )
+    assert len(encode_request(big)) > 10 << 20
+    with pytest.raises(Refused) as caught:
+        asyncio.run(
+            _refusing_server_run(sock_dir / "s", _refuse_without_reading("not_authorized"), big)
+        )
+    assert caught.value.code == "not_authorized"
+
+
+def test_a_zero_id_reply_that_is_not_a_refusal_is_a_mismatch(sock_dir: pathlib.Path) -> None:
+    snapshot = encode_reply(ex.replies()["snapshot"])
+    reply = _frame(snapshot.replace(ex.REQUEST_ID.encode(), ZERO_ID.encode()))
+    with pytest.raises(ReplyMismatch):
+        asyncio.run(_refusing_server_run(sock_dir / "s", reply, ex.requests()["snapshot"]))

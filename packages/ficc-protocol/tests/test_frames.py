@@ -157,3 +157,24 @@ def test_any_bytes_any_split_frames_or_bounded_error(case: tuple[bytes, list[int
         finally:
             assert decoder.buffered <= 4 + max_length
     assert (frames, error) == _reference(stream, max_length)
+
+
+def test_eof_between_frames_is_clean() -> None:
+    decoder = FrameDecoder(16)
+    assert decoder.feed(b"\x00\x00\x00\x02hi") == [b"hi"]
+    decoder.eof()
+
+
+def test_eof_inside_a_header_is_bad_frame() -> None:
+    decoder = FrameDecoder(16)
+    decoder.feed(b"\x00\x00")
+    with pytest.raises(FrameError, match="inside a frame header") as caught:
+        decoder.eof()
+    assert caught.value.code == "bad_frame"
+
+
+def test_eof_inside_a_payload_names_how_much_arrived() -> None:
+    decoder = FrameDecoder(16)
+    decoder.feed(b"\x00\x00\x00\x0aabc")
+    with pytest.raises(FrameError, match="after 3 of 10 frame bytes"):
+        decoder.eof()

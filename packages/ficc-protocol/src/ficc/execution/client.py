@@ -14,12 +14,15 @@ import socket
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
-from ficc.execution.errors import ProtocolError
-from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, FrameError, read_frame, write_frame
-from ficc.execution.protocol import INPUT_CHUNK_MAX_BYTES, PROTOCOL_VERSION, Request
+import msgspec
+
+from ficc.execution.errors import ErrorCode, ProtocolError
+from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, FrameDecoder, FrameError, encode_frame
+from ficc.execution.protocol import INPUT_CHUNK_MAX_BYTES, PROTOCOL_VERSION, ZERO_ID, Request
 from ficc.execution.protocol import validate_request as _validate
-from ficc.execution.wire import AnyReply, decode_reply, read_envelope
+from ficc.execution.wire import AnyReply, ErrorReply, decode_reply, read_envelope
 
 _UCRED = struct.Struct("3i")
 
@@ -67,6 +70,21 @@ class ReplyTruncated(ClientError):
 
 class ReplyMismatch(ClientError):
     """The reply has another protocol version or request ID than the request."""
+
+
+class Refused(ClientError):
+    """The server refused the connection before reading the request (`busy`,
+    `not_authorized`, or an unreadable frame): the request was NOT applied.
+
+    The server signals this with an error reply carrying the zero request ID, which
+    it sends only when it has not read (or could not read) the request. Retrying
+    later is safe.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
 
 
 class ReplyInvalid(ClientError):
@@ -127,38 +145,49 @@ class Client:
             request, payload = _validate(message, input_chunk_bytes=self.input_chunk_bytes)
         except ProtocolError as exc:
             raise RequestInvalid(exc) from None
-        reader, writer = await self._connect()
+        sock = await self._connect()
         try:
-            self.peer_check(peer_credentials(writer.get_extra_info("socket")))
-            frame = await self._exchange(reader, writer, payload)
+            self.peer_check(peer_credentials(sock))
+            frame = await self._exchange(sock, encode_frame(payload, REQUEST_MAX))
         finally:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            sock.close()
         return self._trust(frame, request.action, request.id, request.row_count)
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
         try:
             async with asyncio.timeout(self.connect_timeout):
-                return await asyncio.open_unix_connection(self.socket_path)
+                await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
         except TimeoutError:
+            sock.close()
             raise Timeout(f"connect to {self.socket_path} timed out") from None
         except OSError as exc:
+            sock.close()
             raise ConnectFailed(f"cannot connect to {self.socket_path}: {exc}") from None
+        return sock
 
-    async def _exchange(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, payload: bytes
-    ) -> bytes:
+    async def _exchange(self, sock: socket.socket, frame: bytes) -> bytes:
+        """Send one frame, read one reply frame, both within `read_timeout`.
+
+        Raw socket calls rather than asyncio streams, for one reason: a server that
+        refuses before reading (busy, wrong peer) closes while we may still be
+        writing. The kernel still delivers its refusal, queued before the close, to
+        `recv`; a stream reader would report only the reset and lose it.
+        """
+        loop = asyncio.get_running_loop()
         try:
-            await write_frame(writer, payload, REQUEST_MAX, self.read_timeout)
-            return await read_frame(reader, REPLY_MAX, self.read_timeout)
+            async with asyncio.timeout(self.read_timeout):
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    await loop.sock_sendall(sock, frame)
+                return await _read_one_frame(loop, sock)
         except TimeoutError:
             raise Timeout(f"no reply within {self.read_timeout} s") from None
         except FrameError as exc:
             if exc.code == "frame_too_large":
                 raise ReplyTooLarge(exc.message) from None
             raise ReplyTruncated(exc.message) from None
-        except (EOFError, ConnectionError) as exc:
+        except ConnectionError as exc:
             raise ReplyTruncated(f"the server closed the connection: {exc}") from None
 
     @staticmethod
@@ -169,12 +198,40 @@ class Client:
             raise ReplyInvalid(exc) from None
         if version != PROTOCOL_VERSION or isinstance(version, bool):
             raise ReplyMismatch(f"reply has protocol version {version!r}, not 1")
+        if reply_id == ZERO_ID and reply_id != request_id:
+            _raise_refusal(frame)
         if reply_id != request_id:
             raise ReplyMismatch(f"reply is for request {reply_id!r}, not {request_id}")
         try:
             return decode_reply(frame, action, rows=rows or None)
         except ProtocolError as exc:
             raise ReplyInvalid(exc) from None
+
+
+async def _read_one_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """Feed received bytes to the sans-I/O decoder until one whole frame is there."""
+    decoder = FrameDecoder(REPLY_MAX)
+    while True:
+        data = await loop.sock_recv(sock, 65536)
+        if not data:
+            decoder.eof()
+            raise ReplyTruncated("the server closed the connection without a reply")
+        frames = decoder.feed(data)
+        if frames:
+            if len(frames) > 1 or not decoder.idle:
+                raise ReplyInvalid(
+                    ProtocolError(ErrorCode.BAD_FRAME, "the server sent more than one reply frame")
+                )
+            return frames[0]
+
+
+def _raise_refusal(frame: bytes) -> NoReturn:
+    """Turn a zero-ID error reply into Refused; anything else there is a mismatch."""
+    try:
+        reply = msgspec.json.decode(frame, type=ErrorReply)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise ReplyMismatch("reply carries the zero request ID but is not a refusal") from None
+    raise Refused(reply.error.code, reply.error.message)
 
 
 __all__ = [
@@ -184,6 +241,7 @@ __all__ = [
     "PeerCheck",
     "PeerCredentials",
     "PeerNotRoot",
+    "Refused",
     "ReplyInvalid",
     "ReplyMismatch",
     "ReplyTooLarge",

@@ -99,6 +99,18 @@ class FrameDecoder:
                 self._need = None
         return frames
 
+    def eof(self) -> None:
+        """The peer closed: fine between frames, `bad_frame` inside one."""
+        if self._failed is not None:
+            raise self._failed
+        if self._need is not None:
+            raise FrameError(
+                ErrorCode.BAD_FRAME,
+                f"the peer closed after {len(self._buffer)} of {self._need} frame bytes",
+            )
+        if self._buffer:
+            raise FrameError(ErrorCode.BAD_FRAME, "the peer closed inside a frame header")
+
 
 async def read_frame(reader: asyncio.StreamReader, max_length: int, timeout: float) -> bytes:
     """Read exactly one frame within `timeout` seconds.
