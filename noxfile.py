@@ -9,7 +9,8 @@ Sessions:
   build                                wheel + sdist of every distribution, each installed alone
   bench                                the QUALITY.md benchmarks (tools/bench), as ratios
   soak                                 the long reliability loops (QUALITY.md R1, R3 at soak size)
-  ci                                   everything CI needs: all of the above but bench and soak
+  demo                                 one real job end to end (tools/demo.py)
+  ci                                   everything CI needs: all of the above but bench, soak, demo
 
 `nox -s ci` is what the README's test command and `.ci/run` run.
 """
@@ -40,7 +41,7 @@ DISTRIBUTIONS = [
 ]
 
 # hatchling: tests build real wheels (the test provider) without reaching an index.
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "hatchling>=1.25"]
+TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "hatchling>=1.25", "psutil>=5.9"]
 LINT_TOOLS = ["ruff>=0.6"]
 TYPE_TOOLS = ["mypy>=1.10"]
 BUILD_TOOLS = ["hatchling>=1.25"]
@@ -204,6 +205,16 @@ def soak(session: nox.Session) -> None:
             env=env,
             success_codes=[0, 5],
         )
+    session.run(
+        "pytest",
+        "-q",
+        "-ra",
+        "-m",
+        "soak",
+        str(ROOT / "tests-integration"),
+        env=env,
+        success_codes=[0, 5],
+    )
 
 
 @nox.session
@@ -222,12 +233,8 @@ def ci(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """One real job through the daemon and the Podman provider (with ficc-provider-podman)."""
+    """One real job through the daemon and the Podman provider, step by step."""
     script = ROOT / "tools" / "demo.py"
-    if not script.exists():
-        session.error(
-            "the demo arrives with the first real job (ficc-provider-podman); "
-            "until then run `tools/dev test`"
-        )
     _install_all(session)
+    session.install(*BUILD_TOOLS)
     session.run("python", str(script), *session.posargs)

@@ -6,7 +6,10 @@ Writes DIR/ficc-test.oci.tar (an OCI archive) and prints a JSON line with the
 archive's SHA-256 and the image ID, the two values an administrator pins in the
 Podman provider's configuration. The rootfs holds only /bin/busybox (static, from
 Debian's busybox-static) and its applet links, so the image is small, needs no
-dynamic loader and is rebuilt identically from the same busybox.
+dynamic loader. The rootfs layer is byte-identical for the same busybox (fixed
+mtimes and owners), but `podman import` stamps the image config with the time of
+the build, so the image ID and the archive's SHA-256 change with every build: pin
+the values this command prints for the archive you actually ship.
 """
 
 from __future__ import annotations

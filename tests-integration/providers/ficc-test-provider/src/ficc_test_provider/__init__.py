@@ -7,12 +7,28 @@ distribution. Never install it on a real host.
 
 Every driver method takes a list of 1..64 context dicts and returns one dict per
 context, in order, as the host's provider interface requires.
+
+Two runtimes, chosen by the administrator configuration (`runtime`):
+
+- `child` (default): `start` runs `argv` as a plain child of the caller.
+- `service`: the host runs the prepare result's argv in the attempt's system service
+  (as the slot account). That argv is a shell "barrier" (`/bin/sh`, resolved): it
+  tries to open every positive and negative device, reports the results and its PID
+  in a status directory below the attempt's storage, waits for the host's release
+  marker, then runs the plan's payload argv and reports its exit code. `observe`
+  reads those reports: `ready` with the device-open results, `payload` with the
+  barrier's host PID, `finished` with the exit code. Nothing in it is confined, so
+  the payload gate must refuse it.
+
+If `call_log` names a file, every row of every driver call appends one line
+`<method> <attempt_id>` to it, so tests can count calls (e.g. "start never again").
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +52,29 @@ def configure(configuration: dict[str, Any]) -> Driver:
     argv = configuration.get("argv", ["/bin/true"])
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise ValueError("configuration 'argv' must be a non-empty list of strings")
-    return Driver(list(argv))
+    runtime = configuration.get("runtime", "child")
+    if runtime not in ("child", "service"):
+        raise ValueError("configuration 'runtime' must be 'child' or 'service'")
+    devices = configuration.get("devices", {})
+    negative = configuration.get("negative_devices", [])
+    call_log = configuration.get("call_log")
+    if not isinstance(devices, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in devices.items()
+    ):
+        raise ValueError("configuration 'devices' must map device names to node paths")
+    if not isinstance(negative, list) or not all(isinstance(p, str) for p in negative):
+        raise ValueError("configuration 'negative_devices' must be a list of paths")
+    if call_log is not None and not isinstance(call_log, str):
+        raise ValueError("configuration 'call_log' must be a path")
+    if runtime == "service":
+        return ServiceDriver(list(argv), dict(devices), list(negative), call_log)
+    return Driver(list(argv), call_log)
+
+
+def main() -> int:
+    """Console script: says what this distribution is, and nothing else."""
+    print("ficc-test-provider: TEST ONLY, unconfined; never install on a real host")
+    return 0
 
 
 def _attempt(context: Context) -> str:
@@ -49,17 +87,28 @@ def _attempt(context: Context) -> str:
 class Driver:
     """The seven batch methods; children are tracked by attempt ID."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], call_log: str | None = None) -> None:
         self.argv = argv
+        self.call_log = call_log
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def _each(self, contexts: list[Context], row: Callable[[Context], Reply]) -> list[Reply]:
         return [row(context) for context in contexts]
 
+    def _logged(self, method: str, contexts: list[Context]) -> None:
+        if self.call_log is None:
+            return
+        with open(self.call_log, "a", encoding="utf-8") as log:
+            for context in contexts:
+                log.write(f"{method} {context.get('attempt_id')}\n")
+
     def probe(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("probe", contexts)
         return self._each(contexts, lambda _: {"ok": True, "runtime": "unconfined-process"})
 
     def prepare(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("prepare", contexts)
+
         def row(context: Context) -> Reply:
             context["check"]()  # lease and local authority, before preparation
             return {
@@ -75,6 +124,8 @@ class Driver:
         return self._each(contexts, row)
 
     def start(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("start", contexts)
+
         def row(context: Context) -> Reply:
             attempt = _attempt(context)
             if attempt not in self.children:
@@ -86,6 +137,8 @@ class Driver:
         return self._each(contexts, row)
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("observe", contexts)
+
         def row(context: Context) -> Reply:
             child = self.children.get(_attempt(context))
             if child is None:
@@ -98,6 +151,8 @@ class Driver:
         return self._each(contexts, row)
 
     def stop(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("stop", contexts)
+
         def row(context: Context) -> Reply:
             child = self.children.get(_attempt(context))
             if child is not None and child.poll() is None:
@@ -108,9 +163,12 @@ class Driver:
         return self._each(contexts, row)
 
     def collect(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("collect", contexts)
         return self._each(contexts, lambda _: {"ok": True})
 
     def release(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("release", contexts)
+
         def row(context: Context) -> Reply:
             child = self.children.pop(_attempt(context), None)
             if child is not None and child.poll() is None:
@@ -119,3 +177,146 @@ class Driver:
             return {"released": True}
 
         return self._each(contexts, row)
+
+
+# The barrier of the `service` runtime, run by /bin/sh as the slot account:
+#   $1 release marker, $2 status directory, $3 hold (1: report no PID until a file
+#   `go` appears in the status directory, so tests can keep an attempt `starting`),
+#   then N, N positive devices, M, M negative devices, then the payload argv.
+#   Device results are "1 PATH" (opened) or "0 PATH" (refused).
+BARRIER_SCRIPT = """\
+marker=$1 status=$2 hold=$3
+shift 3
+mkdir -p "$status" || exit 121
+: > "$status/devices.tmp" || exit 121
+for kind in positive negative; do
+  n=$1
+  shift
+  while [ "$n" -gt 0 ]; do
+    if (exec 3<"$1") 2>&-; then echo "1 $1"; else echo "0 $1"; fi >> "$status/devices.tmp"
+    shift
+    n=$((n - 1))
+  done
+done
+mv "$status/devices.tmp" "$status/devices" || exit 121
+if [ "$hold" = 1 ]; then
+  while [ ! -e "$status/go" ]; do sleep 0.05; done
+fi
+echo $$ > "$status/pid.tmp" && mv "$status/pid.tmp" "$status/pid" || exit 121
+while [ ! -e "$marker" ]; do sleep 0.05; done
+"$@"
+code=$?
+echo "$code" > "$status/exit.tmp" && mv "$status/exit.tmp" "$status/exit"
+exit "$code"
+"""
+STATUS_DIRECTORY = ".ficc-test-provider"
+HOLD_VARIABLE = "FICC_TEST_PROVIDER_HOLD"
+"""A plan whose payload environment sets this to "1" is held before its PID is reported."""
+_READ_LIMIT = 65536
+
+
+def _read_report(directory: str, name: str) -> str | None:
+    """A report file written by the (untrusted) barrier: no links, bounded, or None."""
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, _READ_LIMIT).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+class ServiceDriver(Driver):
+    """The `service` runtime: the host's service runs the barrier; observe reads reports."""
+
+    def __init__(
+        self, argv: list[str], devices: dict[str, str], negative: list[str], call_log: str | None
+    ) -> None:
+        super().__init__(argv, call_log)
+        self.devices = devices
+        self.negative = negative
+
+    @staticmethod
+    def _status(context: Context) -> str:
+        return os.path.join(context["storage"]["path"], STATUS_DIRECTORY)
+
+    def prepare(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("prepare", contexts)
+
+        def row(context: Context) -> Reply:
+            context["check"]()
+            shell = os.path.realpath("/bin/sh")
+            found = os.stat(shell)
+            devices = []
+            for name in context["plan"]["job"]["limits"]["devices"]:
+                path = self.devices[name]
+                node = os.stat(path)
+                devices.append(
+                    {
+                        "name": name,
+                        "path": path,
+                        "major": os.major(node.st_rdev),
+                        "minor": os.minor(node.st_rdev),
+                    }
+                )
+            positive = [device["path"] for device in devices]
+            environment = context["plan"]["job"]["payload"]["environment"]
+            hold = environment.get(HOLD_VARIABLE) == "1"
+            argv = [
+                shell, "-c", BARRIER_SCRIPT, "ficc-test-barrier",
+                context["release_marker"], self._status(context), "1" if hold else "0",
+                str(len(positive)), *positive, str(len(self.negative)), *self.negative,
+                *context["plan"]["job"]["payload"]["argv"],
+            ]  # fmt: skip
+            return {
+                "argv": argv,
+                "barrier": {
+                    "path": shell,
+                    "identity": {"device": found.st_dev, "inode": found.st_ino},
+                },
+                "devices": devices,
+                "mounts": [],
+                "generated_targets": [],
+                "positive_devices": positive,
+                "negative_devices": list(self.negative),
+            }
+
+        return self._each(contexts, row)
+
+    def start(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("start", contexts)
+        return self._each(contexts, lambda _: {"started": True})
+
+    def observe(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("observe", contexts)
+
+        def row(context: Context) -> Reply:
+            status = self._status(context)
+            code = _read_report(status, "exit")
+            if code is not None:
+                return {"phase": "finished", "exit_code": int(code.strip())}
+            results = _read_report(status, "devices")
+            if results is None:
+                return {"phase": "waiting"}
+            devices = [
+                {"path": line[2:], "opened": line[0] == "1"}
+                for line in results.splitlines()
+                if line[:2] in ("0 ", "1 ")
+            ]
+            pid = _read_report(status, "pid")
+            if pid is None:
+                return {"phase": "ready", "devices": devices}
+            return {"phase": "payload", "pid": int(pid.strip()), "devices": devices}
+
+        return self._each(contexts, row)
+
+    def stop(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("stop", contexts)
+        return self._each(contexts, lambda _: {"stopped": True})
+
+    def release(self, contexts: list[Context]) -> list[Reply]:
+        self._logged("release", contexts)
+        return self._each(contexts, lambda _: {"released": True})

@@ -1,0 +1,205 @@
+"""Bounded reads of an attempt's `stdout`, `stderr` and declared outputs (DESIGN 5.9).
+
+Only three kinds of object can be read, and never by a path from the request:
+`stdout` and `stderr` are the host's own log files (`logs/` of the attempt layout,
+root-owned), and `output:<name>` is the path the immutable plan declares for `name`,
+resolved below the attempt's `storage/` one component at a time without following a
+link (`fsutil`), and accepted only as a regular file with exactly one link. A request
+reads at most 1 MiB in total (the request model bounds it).
+
+Each row answers `next_offset`, `eof` (the read reached the file's current end),
+`complete` (the attempt has settled and its cleanup is confirmed, so the file will
+never grow: a complete read is also at eof) and `identity`, the SHA-256 of the file's
+(st_dev, st_ino): if it changes between reads, the object was replaced.
+
+Records that never held resources (`admission_rejected`, `legacy_absence_acknowledged`)
+have empty logs with a stable identity, `eof` and `complete`, and no outputs
+(`object_unavailable`). No provider is called for any read.
+
+Reads run in an I/O thread; the records are read first on the ledger thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from typing import Any
+
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host import fsutil, lifecycle
+from ficc.execution.host import ledger as ledgerlib
+from ficc.execution.host.context import HostContext
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.layout import LOGS, STORAGE, Layout
+from ficc.execution.plan import Plan, decode_plan
+from ficc.execution.protocol import CollectRequest, Read
+from ficc.execution.wire import ReadResult, ReadRow, ReadsReply, error_row
+
+__all__ = ["collect", "identity_digest", "read_object"]
+
+_LOGS = {"stdout", "stderr"}
+_OUTPUT_PREFIX = "output:"
+
+
+def identity_digest(device: int, inode: int) -> str:
+    """The stable, opaque identity of a file: SHA-256 of its (st_dev, st_ino)."""
+    return "sha256:" + hashlib.sha256(f"file:{device}:{inode}".encode()).hexdigest()
+
+
+def _empty_identity(attempt_id: str, name: str) -> str:
+    """The identity of a log that never existed: stable per attempt and stream."""
+    return "sha256:" + hashlib.sha256(f"empty:{attempt_id}:{name}".encode()).hexdigest()
+
+
+async def collect(ctx: HostContext, request: CollectRequest) -> ReadsReply:
+    """Answer a collect request: records on the ledger thread, reads in an I/O thread."""
+    fences = [read.fence for read in request.reads]
+    found = await ctx.workers.db(_records_with_plans, ctx.ledger, fences)
+
+    def read_all() -> list[ReadResult]:
+        return [_row(ctx, read, item) for read, item in zip(request.reads, found, strict=True)]
+
+    rows = await ctx.workers.io(read_all)
+    return ReadsReply(version=1, id=request.id, results=rows)
+
+
+def _records_with_plans(
+    ledger: ledgerlib.Ledger, fences: list[Any]
+) -> list[tuple[ledgerlib.AttemptRecord, Plan] | HostError]:
+    results: list[tuple[ledgerlib.AttemptRecord, Plan] | HostError] = []
+    plans: dict[str, Plan] = {}
+    for record in ledger.fenced(fences):
+        if isinstance(record, HostError):
+            results.append(record)
+            continue
+        if record.attempt_id not in plans:
+            data = ledger.plan_bytes(record.attempt_id)
+            assert data is not None  # a record always has its plan
+            plans[record.attempt_id] = decode_plan(data)
+        results.append((record, plans[record.attempt_id]))
+    return results
+
+
+def _row(
+    ctx: HostContext, read: Read, item: tuple[ledgerlib.AttemptRecord, Plan] | HostError
+) -> ReadResult:
+    try:
+        if isinstance(item, HostError):
+            raise item
+        record, plan = item
+        slot = ctx.slots.get(record.slot_id or "")
+        return read_object(Layout(slot) if slot is not None else None, record, plan, read)
+    except HostError as error:
+        return error_row(error.code, error.message)
+
+
+def read_object(
+    layout: Layout | None, record: ledgerlib.AttemptRecord, plan: Plan, read: Read
+) -> ReadRow:
+    """One bounded read; raises HostError with the row's code."""
+    settled = record.status.state in lifecycle.SETTLED or record.status.state == "released"
+    final = settled and record.status.cleanup_confirmed
+    if layout is None:  # a record that never held a slot: nothing was ever written
+        return _no_resource_read(record, read)
+    fd = _open_object(layout, record, plan, read.object)
+    try:
+        st = os.fstat(fd)
+        if read.offset > st.st_size:
+            raise HostError(
+                ErrorCode.OBJECT_CHANGED,
+                f"{read.object} has {st.st_size} bytes, fewer than offset {read.offset}: it was"
+                " replaced or truncated; restart the read from 0",
+            )
+        data = _pread(fd, min(read.length, st.st_size - read.offset), read.offset)
+    finally:
+        os.close(fd)
+    end = read.offset + len(data)
+    eof = end >= st.st_size
+    return _read_row(read, data, eof=eof, complete=final and eof,
+                     identity=identity_digest(st.st_dev, st.st_ino))  # fmt: skip
+
+
+def _no_resource_read(record: ledgerlib.AttemptRecord, read: Read) -> ReadRow:
+    if read.object not in _LOGS:
+        raise HostError(
+            ErrorCode.OBJECT_UNAVAILABLE,
+            f"attempt {record.attempt_id} never ran ({record.status.reason}); it has no outputs",
+        )
+    if read.offset != 0:
+        raise HostError(
+            ErrorCode.OBJECT_CHANGED,
+            f"{read.object} of an attempt that never ran is empty; read it from offset 0",
+        )
+    identity = _empty_identity(record.attempt_id, read.object)
+    return _read_row(read, b"", eof=True, complete=True, identity=identity)
+
+
+def _read_row(read: Read, data: bytes, *, eof: bool, complete: bool, identity: str) -> ReadRow:
+    return ReadRow(
+        attempt_id=read.attempt_id,
+        generation=read.generation,
+        plan_digest=read.plan_digest,
+        object=read.object,
+        offset=read.offset,
+        data=base64.b64encode(data).decode("ascii"),
+        next_offset=read.offset + len(data),
+        eof=eof,
+        complete=complete,
+        identity=identity,
+    )
+
+
+def _pread(fd: int, length: int, offset: int) -> bytes:
+    parts: list[bytes] = []
+    while length > 0:
+        block = os.pread(fd, length, offset)
+        if not block:
+            break
+        parts.append(block)
+        length -= len(block)
+        offset += len(block)
+    return b"".join(parts)
+
+
+def _open_object(layout: Layout, record: ledgerlib.AttemptRecord, plan: Plan, name: str) -> int:
+    """The object's fd, opened without following links; refusals name the object."""
+    attempt_id = record.attempt_id
+    try:
+        if name in _LOGS:
+            logs_fd = layout.open_part(attempt_id, LOGS)
+            try:
+                return fsutil.open_regular_at(logs_fd, name, owner_uid=0)
+            finally:
+                os.close(logs_fd)
+        output = name.removeprefix(_OUTPUT_PREFIX)
+        path = next((o.path for o in plan.job.outputs if o.name == output), None)
+        if path is None:
+            raise HostError(
+                ErrorCode.OBJECT_UNKNOWN,
+                f"{output!r} is not a declared output of this plan; only declared outputs,"
+                " stdout and stderr can be read",
+            )
+        return _open_below(layout.open_part(attempt_id, STORAGE), path)
+    except HostError as error:
+        if error.code == ErrorCode.OBJECT_UNKNOWN:
+            raise
+        detail = "does not exist (yet)" if error.code == "not_found" else error.message
+        raise HostError(
+            ErrorCode.OBJECT_UNAVAILABLE,
+            f"{name} of attempt {attempt_id} is not readable: {detail} [{error.code}]",
+        ) from error
+
+
+def _open_below(storage_fd: int, path: str) -> int:
+    """Walk `path` (relative, normalized, from the plan) below storage; takes the fd."""
+    fd = storage_fd
+    try:
+        *directories, leaf = path.split("/")
+        for component in directories:
+            child = fsutil.open_dir_at(fd, component)
+            os.close(fd)
+            fd = child
+        return fsutil.open_regular_at(fd, leaf)
+    finally:
+        os.close(fd)

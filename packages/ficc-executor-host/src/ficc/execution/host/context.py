@@ -1,0 +1,128 @@
+"""What every part of the running daemon shares: its parts and where each may run.
+
+The daemon is one asyncio loop plus three kinds of worker threads, and which work
+runs where is the concurrency design:
+
+- `db`: ONE thread owns the SQLite ledger. Every ledger call goes through it, so
+  transactions never interleave and the loop never waits on fsync.
+- `io`: a small pool for file I/O (staging writes, collect reads, layout), outside any
+  lock the monitor needs; staging's own per-attempt guard gives `input_busy`.
+- `provider`: a small pool for provider batch calls, which are synchronous and may be
+  slow; each call is bounded by a timeout, and a call that times out leaves its rows'
+  outcome uncertain (never a reason to replay).
+
+The handlers (requests) and the runner (asynchronous work after a reply) both take a
+`HostContext`; `daemon.py` builds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ficc.execution.host.clock import BootClock
+from ficc.execution.host.config import Config
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.ledger import Ledger
+from ficc.execution.host.providers.loader import LoadedProvider
+from ficc.execution.host.service.interface import SystemService
+from ficc.execution.host.staging import Stager
+
+T = TypeVar("T")
+
+PROVIDER_CALL_TIMEOUT_S = 300.0
+"""Longest a provider batch call may take before its rows count as uncertain."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRuntime:
+    """A configured slot and the stager on its reserved filesystem."""
+
+    id: str
+    slot_class: str
+    path: str
+    uid: int
+    gid: int
+    storage_bytes: int
+    storage_inodes: int
+    stager: Stager
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderRuntime:
+    """A configured provider: loaded and verified, or the refusal that keeps it off."""
+
+    id: str
+    package_digest: str
+    loaded: LoadedProvider | None
+    refusal: HostError | None
+
+
+class Workers:
+    """The three executors of the daemon (see the module docstring)."""
+
+    def __init__(self, io_threads: int = 4, provider_threads: int = 4) -> None:
+        self._db = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficc-db")
+        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="ficc-io")
+        self._provider = concurrent.futures.ThreadPoolExecutor(
+            provider_threads, thread_name_prefix="ficc-provider"
+        )
+
+    async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one ledger call on the ledger thread."""
+        return await _run(self._db, fn, args, kwargs)
+
+    def db_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one ledger call on the ledger thread and wait for it, from another thread.
+
+        Added by CORE-A (handlers): `Stager.write` calls its `commit` from an io thread
+        while holding the attempt's write guard; the commit must still run on the one
+        ledger thread. Never call this from the ledger thread or the event loop.
+        """
+        return self._db.submit(functools.partial(fn, *args, **kwargs)).result()
+
+    async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run blocking file I/O off the loop."""
+        return await _run(self._io, fn, args, kwargs)
+
+    async def provider(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        timeout: float = PROVIDER_CALL_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> T:
+        """Run one provider batch call, bounded by `timeout` (asyncio.TimeoutError).
+
+        A timed-out call keeps running in its thread (Python cannot kill it); the
+        caller must treat the rows' outcome as uncertain.
+        """
+        return await asyncio.wait_for(_run(self._provider, fn, args, kwargs), timeout)
+
+    def shutdown(self) -> None:
+        for pool in (self._provider, self._io, self._db):
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+async def _run(
+    pool: concurrent.futures.Executor, fn: Callable[..., T], args: Any, kwargs: Any
+) -> T:
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+
+@dataclasses.dataclass
+class HostContext:
+    """The daemon's parts, shared by handlers and the runner."""
+
+    config: Config
+    ledger: Ledger
+    clock: BootClock
+    slots: dict[str, SlotRuntime]
+    providers: dict[str, ProviderRuntime]
+    service: SystemService
+    workers: Workers

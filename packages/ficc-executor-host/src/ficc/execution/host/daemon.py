@@ -1,0 +1,243 @@
+"""The daemon's composition root: build every part once, recover, dispatch requests.
+
+`Daemon.open(config)` builds, synchronously and in order: the host checks
+(`check_host`), the ledger (opened, or created on the very first start), the
+providers (each verified against its pin and loaded; a refusal makes that provider
+unavailable, recorded with its code, and is not fatal), one stager per slot, the
+system-service backend, the worker threads, the `HostContext` and the runner.
+`start()` runs startup recovery (`Runner.recover`) and then the monitor loop;
+`dispatch()` is the one entry point of the server; `close()` stops everything.
+
+The ledger is created only when the state directory holds neither a ledger nor the
+marker left by a previous one (`ledger.created`, written right after creation). A
+missing ledger after one existed is refused (`ledger_missing`), never silently
+recreated: a new ledger has a new `ledger_id`, and every controller binding saved
+against the old one would silently stop proving anything.
+
+Supervisors: `cgroupfs` is built here; `auto` picks `systemd` when PID 1 is systemd,
+else `cgroupfs`; `systemd` is refused (`supervisor_unsupported`) until its backend
+exists (issue 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ficc.execution.host import fsutil, handlers
+from ficc.execution.host.clock import BootClock
+from ficc.execution.host.config import Config, check_host
+from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.ledger import LEDGER_FILE, Ledger
+from ficc.execution.host.providers.loader import load_provider
+from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc.execution.host.service.interface import SystemService
+from ficc.execution.host.staging import Stager
+from ficc.execution.protocol import AnyRequest, Sender
+from ficc.execution.wire import AnyReply
+
+__all__ = ["LEDGER_MARKER", "Daemon", "RunnerLike", "open_ledger", "service_backend"]
+
+_log = logging.getLogger(__name__)
+
+LEDGER_MARKER = "ledger.created"
+"""Written in the state directory right after the ledger is created; never removed."""
+
+
+class RunnerLike(handlers.RunnerPort, Protocol):
+    """The runner as the daemon drives it (pipeline.Runner)."""
+
+    async def recover(self) -> None: ...
+    async def run(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+RunnerFactory = Callable[[HostContext], RunnerLike]
+
+
+def _default_runner(ctx: HostContext) -> RunnerLike:
+    from ficc.execution.host.pipeline import Runner  # noqa: PLC0415 - keeps the import cheap
+
+    runner: RunnerLike = Runner(ctx)
+    return runner
+
+
+class Daemon:
+    """The running executor host (see the module docstring)."""
+
+    def __init__(self, ctx: HostContext, runner: RunnerLike) -> None:
+        self.ctx = ctx
+        self.runner = runner
+        self._monitor: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        config: Config,
+        *,
+        provider_path: list[str] | None = None,
+        runner_factory: RunnerFactory | None = None,
+        service: SystemService | None = None,
+    ) -> Daemon:
+        """Build every part (synchronously). Refusals raise HostError with their code."""
+        check_host(config)
+        clock = BootClock()
+        ledger = open_ledger(config)
+        try:
+            providers = load_providers(config, provider_path)
+            slots = {
+                s.id: SlotRuntime(
+                    id=s.id,
+                    slot_class=s.slot_class,
+                    path=s.path,
+                    uid=s.uid,
+                    gid=s.gid,
+                    storage_bytes=s.storage_bytes,
+                    storage_inodes=s.storage_inodes,
+                    stager=Stager(s.path, s.gid),
+                )
+                for s in config.slots
+            }
+            backend = service if service is not None else service_backend(config.supervisor)
+            ctx = HostContext(
+                config=config,
+                ledger=ledger,
+                clock=clock,
+                slots=slots,
+                providers=providers,
+                service=backend,
+                workers=Workers(),
+            )
+            runner = (runner_factory or _default_runner)(ctx)
+        except BaseException:
+            ledger.close()
+            raise
+        return cls(ctx, runner)
+
+    async def start(self) -> None:
+        """Startup recovery (before the server listens), then the monitor loop."""
+        await self.runner.recover()
+        self._monitor = asyncio.get_running_loop().create_task(self.runner.run())
+
+    async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply:
+        """Answer one request (authority already checked by the server)."""
+        return await handlers.handle(self.ctx, self.runner, sender, request)
+
+    def input_chunk_bytes(self) -> int:
+        return handlers.INPUT_CHUNK_BYTES
+
+    async def close(self) -> None:
+        """Stop the monitor and the runner's tasks, the worker threads, the ledger."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        await self.runner.close()
+        await asyncio.get_running_loop().run_in_executor(None, self.ctx.workers.shutdown)
+        self.ctx.ledger.close()
+
+
+# --- parts -----------------------------------------------------------------------------
+
+
+def open_ledger(config: Config) -> Ledger:
+    """Open the ledger, or create it on the very first start (see the module docstring)."""
+    state_fd = fsutil.open_dir(config.state_dir)
+    try:
+        has_ledger = _exists(state_fd, LEDGER_FILE)
+        has_marker = _exists(state_fd, LEDGER_MARKER)
+    finally:
+        os.close(state_fd)
+    if not has_ledger and has_marker:
+        raise HostError(
+            "ledger_missing",
+            f"{config.state_dir}/{LEDGER_FILE} is missing but {LEDGER_MARKER} shows a ledger"
+            " existed: restore it from backup; a new ledger would silently invalidate every"
+            " saved admission binding",
+        )
+    if has_ledger:
+        ledger = Ledger.open(config.state_dir, config.installation_id)
+    else:
+        ledger = Ledger.create(
+            config.state_dir,
+            config.installation_id,
+            handlers.initial_limits(config),
+            handlers.ceiling_limits(config),
+        )
+        try:
+            if config.initial_offer.control != "active":
+                ledger.set_offer(
+                    1,
+                    config.initial_offer.control,
+                    handlers.initial_limits(config),
+                    handlers.ceiling_limits(config),
+                )
+        except BaseException:
+            ledger.close()
+            raise
+    if not has_marker:
+        _write_marker(config.state_dir, ledger.bindings().ledger_id)
+    return ledger
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _write_marker(state_dir: str, ledger_id: str) -> None:
+    state_fd = fsutil.open_dir(state_dir)
+    try:
+        fsutil.atomic_replace(state_fd, LEDGER_MARKER, f"{ledger_id}\n".encode(), 0o600)
+    finally:
+        os.close(state_fd)
+
+
+def load_providers(
+    config: Config, provider_path: Sequence[str] | None
+) -> dict[str, ProviderRuntime]:
+    """Verify and load each configured provider; a refusal makes it unavailable."""
+    providers: dict[str, ProviderRuntime] = {}
+    for provider in config.providers:
+        pin = provider.package_digest
+        try:
+            loaded = load_provider(provider.id, pin, provider.configuration, provider_path)
+        except HostError as error:
+            _log.error("provider %s unavailable: %s", provider.id, error)
+            providers[provider.id] = ProviderRuntime(provider.id, pin, None, error)
+            continue
+        providers[provider.id] = ProviderRuntime(provider.id, pin, loaded, None)
+    return providers
+
+
+def _pid1_is_systemd() -> bool:
+    try:
+        with open("/proc/1/comm", "rb") as comm:
+            return comm.read(64).strip() == b"systemd"
+    except OSError:
+        return False
+
+
+def service_backend(supervisor: str) -> SystemService:
+    """The system-service backend the configuration asks for."""
+    if supervisor == "auto":
+        supervisor = "systemd" if _pid1_is_systemd() else "cgroupfs"
+    if supervisor == "cgroupfs":
+        return CgroupfsService()
+    raise HostError(
+        "supervisor_unsupported",
+        "the systemd service backend is not available in this release (issue 6); set"
+        ' supervisor = "cgroupfs" (works with or without systemd as PID 1)',
+    )

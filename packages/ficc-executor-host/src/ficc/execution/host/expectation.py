@@ -1,0 +1,328 @@
+"""The prepare result a provider returns, and the gate Expectation the host builds from it.
+
+A provider's prepare result (seed: argv, barrier, devices, mounts, generated_targets,
+positive_devices, negative_devices) is validated ONCE, strictly, into `PrepareResult`
+and persisted before anything uses it (`check_prepare_result` compares it with the
+plan and with the real filesystem). From then on the host never trusts the provider
+again: the payload gate judges the live process against an `Expectation` built here
+from three things the host controls -- the slot account, the persisted prepare result
+(identities recorded at prepare) and the service handle (cgroup paths from the
+backend) -- never from a later provider reply.
+
+Decisions made here:
+- Each prepared device names the plan device (`limits.devices`) it serves, so a
+  provider can never add a device the plan did not ask for. The one exception is the
+  name `runtime`, for the shared pseudo-devices every container runtime needs
+  (`RUNTIME_NODES`: null, zero, full, random, urandom, tty), and only those; a
+  provider cannot pass anything else off as `runtime`. Positive devices must be
+  prepared devices (the payload must be able to open them); negative devices must not
+  be (the closed device policy must refuse them).
+- The barrier's identity (device, inode) and each mount source's identity are
+  recorded by the provider at prepare and re-checked by the host against the real
+  files before they are persisted; the gate then compares `/proc/PID/exe` and each
+  mount with these recorded identities.
+- The expected device policy is the backend's closed policy for exactly the prepared
+  devices (plus its mknod-only baseline); on cgroup v2 the policy cannot be read from
+  the process, so `devices` is None there (the service backend reads the eBPF program
+  back at create instead).
+- Namespaces: mnt, pid, net, ipc, uts always differ from the daemon's; user and cgroup
+  namespaces are required by default (rootless runtimes use both) and can be relaxed
+  only by the caller, i.e. by host configuration, never by the provider.
+
+Pure functions except `check_prepare_result`, which stats the named files.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from typing import Annotated
+
+import msgspec
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import gate, procfs
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.service import cgroups
+from ficc.execution.host.service.interface import DeviceRule, ServiceHandle
+
+__all__ = [
+    "DEFAULT_NOFILE",
+    "RUNTIME_DEVICE",
+    "RUNTIME_NODES",
+    "BarrierSpec",
+    "GeneratedTarget",
+    "MountSpec",
+    "PrepareResult",
+    "PreparedDevice",
+    "build_expectation",
+    "check_device_opens",
+    "check_prepare_result",
+    "decode_prepare_result",
+    "device_rules",
+]
+
+RUNTIME_DEVICE = "runtime"
+"""The device name for nodes the runtime itself needs, serving no plan device."""
+RUNTIME_NODES = frozenset({(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0)})
+"""(major, minor) of /dev/null, zero, full, random, urandom and tty: shared, harmless."""
+
+DEFAULT_NOFILE = 1024
+"""RLIMIT_NOFILE of every attempt's service (the plan has no field for it)."""
+
+_Path = Annotated[str, msgspec.Meta(pattern=r"\A/[^\x00]*\Z", max_length=4096)]
+_Arg = Annotated[str, msgspec.Meta(pattern=r"\A[^\x00]*\Z", max_length=65536)]
+_Number = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_DeviceNumber = Annotated[int, msgspec.Meta(ge=0, le=2**20 - 1)]
+_Option = Annotated[str, msgspec.Meta(pattern=r"\A(ro|nosuid|nodev|noexec)\Z")]
+_FsType = Annotated[str, msgspec.Meta(pattern=r"\A[a-z0-9_.]{1,32}\Z")]
+
+
+class _Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class Identity(_Strict, frozen=True):
+    """(st_dev, st_ino) of a file recorded at prepare."""
+
+    device: _Number
+    inode: _Number
+
+
+class BarrierSpec(_Strict, frozen=True):
+    """The trusted barrier executable: its path and the identity recorded at prepare."""
+
+    path: _Path
+    identity: Identity
+
+
+class PreparedDevice(_Strict, frozen=True):
+    """An exact character node the payload may open, serving plan device `name`."""
+
+    name: planlib.Name
+    path: _Path
+    major: _DeviceNumber
+    minor: _DeviceNumber
+
+
+class MountSpec(_Strict, frozen=True):
+    """A bind mount of `source` at `target` with the source's recorded identity."""
+
+    source: _Path
+    target: _Path
+    read_only: bool
+    identity: Identity
+
+
+class GeneratedTarget(_Strict, frozen=True):
+    """A mount the runtime makes itself (/proc, /dev, the root): constrained by type."""
+
+    target: _Path
+    fs_types: Annotated[list[_FsType], msgspec.Meta(min_length=1, max_length=16)]
+    subtree: bool = False
+    read_only: bool | None = None
+    required_options: Annotated[list[_Option], msgspec.Meta(max_length=4)] = msgspec.field(
+        default_factory=lambda: ["nosuid", "nodev"]
+    )
+
+
+class PrepareResult(_Strict, frozen=True):
+    """The validated prepare result, persisted in the ledger before anything uses it."""
+
+    argv: Annotated[list[_Arg], msgspec.Meta(min_length=1, max_length=4096)]
+    barrier: BarrierSpec
+    devices: Annotated[list[PreparedDevice], msgspec.Meta(max_length=64)]
+    mounts: Annotated[list[MountSpec], msgspec.Meta(max_length=256)]
+    generated_targets: Annotated[list[GeneratedTarget], msgspec.Meta(max_length=256)]
+    positive_devices: Annotated[list[_Path], msgspec.Meta(max_length=64)]
+    negative_devices: Annotated[list[_Path], msgspec.Meta(max_length=64)]
+
+
+def _invalid(message: str) -> HostError:
+    return HostError(
+        "provider_malformed",
+        f"the provider's prepare result is not acceptable: {message}; the attempt cannot"
+        " start: fix the provider or its configuration, then admit a new attempt",
+    )
+
+
+def decode_prepare_result(reply: object) -> PrepareResult:
+    """The provider's reply as a `PrepareResult`, or `provider_malformed`."""
+    try:
+        return msgspec.convert(reply, PrepareResult, strict=True)
+    except msgspec.ValidationError as error:
+        raise _invalid(str(error)) from error
+
+
+def _normalized(path: str) -> bool:
+    return os.path.normpath(path) == path and "//" not in path
+
+
+def check_prepare_result(result: PrepareResult, plan: planlib.Plan) -> None:
+    """Refuse (`provider_malformed`) a result the plan or the real files contradict."""
+    if not result.argv[0].startswith("/"):
+        raise _invalid(f"argv[0] {result.argv[0]!r} is not an absolute program path")
+    _check_barrier(result.barrier)
+    paths = _check_devices(result.devices, set(plan.job.limits.devices))
+    for path in result.positive_devices:
+        if path not in paths:
+            raise _invalid(f"positive device {path} is not a prepared device")
+    for path in result.negative_devices:
+        if path in paths:
+            raise _invalid(f"negative device {path} is also a prepared device")
+    _check_mounts(result.mounts, result.generated_targets)
+
+
+def _check_barrier(barrier: BarrierSpec) -> None:
+    if not _normalized(barrier.path):
+        raise _invalid(f"barrier path {barrier.path!r} is not normalized")
+    try:
+        st = os.stat(barrier.path, follow_symlinks=False)
+    except OSError as error:
+        raise _invalid(f"barrier {barrier.path}: {error.strerror}") from error
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise _invalid(
+            f"barrier {barrier.path} must be a regular root-owned file writable only by root"
+        )
+    if (st.st_dev, st.st_ino) != (barrier.identity.device, barrier.identity.inode):
+        raise _invalid(f"barrier {barrier.path} is not the file recorded at prepare")
+
+
+def _check_devices(devices: list[PreparedDevice], planned: set[str]) -> set[str]:
+    seen: set[tuple[int, int]] = set()
+    paths: set[str] = set()
+    for device in devices:
+        if device.name == RUNTIME_DEVICE:
+            if (device.major, device.minor) not in RUNTIME_NODES:
+                raise _invalid(f"device {device.path} is not a shared pseudo-device")
+        elif device.name not in planned:
+            raise _invalid(f"device {device.path} serves {device.name!r}, not a plan device")
+        try:
+            st = os.stat(device.path, follow_symlinks=False)
+        except OSError as error:
+            raise _invalid(f"device {device.path}: {error.strerror}") from error
+        actual = (os.major(st.st_rdev), os.minor(st.st_rdev))
+        if not stat.S_ISCHR(st.st_mode) or actual != (device.major, device.minor):
+            raise _invalid(
+                f"{device.path} is not the character device {device.major}:{device.minor}"
+            )
+        if actual in seen or device.path in paths:
+            raise _invalid(f"device {device.path} is listed twice")
+        seen.add(actual)
+        paths.add(device.path)
+    return paths
+
+
+def _check_mounts(mounts: list[MountSpec], generated: list[GeneratedTarget]) -> None:
+    targets: set[str] = set()
+    for mount in mounts:
+        if not (_normalized(mount.target) and _normalized(mount.source)):
+            raise _invalid(f"mount {mount.source} -> {mount.target} is not normalized")
+        if mount.target in targets:
+            raise _invalid(f"mount target {mount.target} is listed twice")
+        targets.add(mount.target)
+        try:
+            st = os.stat(mount.source, follow_symlinks=False)
+        except OSError as error:
+            raise _invalid(f"mount source {mount.source}: {error.strerror}") from error
+        if (st.st_dev, st.st_ino) != (mount.identity.device, mount.identity.inode):
+            raise _invalid(f"mount source {mount.source} is not the file recorded at prepare")
+    for target in generated:
+        if not _normalized(target.target) or (target.subtree and target.target == "/"):
+            raise _invalid(f"generated target {target.target!r} is not acceptable")
+
+
+def check_device_opens(result: PrepareResult, opened: Mapping[str, bool] | None) -> None:
+    """The runner's device-open results (observe, phase `ready`) must agree with the
+    prepared policy: every positive device opened, every negative one refused."""
+    if not result.positive_devices and not result.negative_devices:
+        return
+    seen = opened or {}
+    wrong = [p for p in result.positive_devices if seen.get(p) is not True]
+    wrong += [p for p in result.negative_devices if seen.get(p) is not False]
+    if wrong:
+        raise HostError(
+            "gate_device",
+            f"device-open results contradict the prepared policy for {wrong}; the payload"
+            " is not released: check the provider's device configuration",
+        )
+
+
+def device_rules(result: PrepareResult) -> list[DeviceRule]:
+    """The service's closed device policy: exactly the prepared nodes."""
+    return [DeviceRule(path=d.path, major=d.major, minor=d.minor) for d in result.devices]
+
+
+def _cgroup_requirements(
+    handle: ServiceHandle, service_cgroup: str
+) -> tuple[gate.CgroupRequirement, ...]:
+    """Every hierarchy the backend put the service in: the payload must stay inside."""
+    requirements = []
+    for key in sorted(handle.cgroups):
+        controller = "" if key == cgroups.UNIFIED else key.split(",")[0]
+        requirements.append(gate.CgroupRequirement(controller, service_cgroup))
+    return tuple(requirements)
+
+
+def build_expectation(
+    *,
+    uid: int,
+    gid: int,
+    result: PrepareResult,
+    handle: ServiceHandle,
+    service_cgroup: str,
+    processes: int,
+    log_files: tuple[procfs.FileIdentity, ...],
+    nofile: int = DEFAULT_NOFILE,
+    user_namespace: bool = True,
+    cgroup_namespace: bool = True,
+) -> gate.Expectation:
+    """The gate's Expectation for one attempt's barrier process.
+
+    `service_cgroup` is the service's node path from each hierarchy's root (the parent
+    of the backend's supervisor cgroup); `log_files` are the identities of the
+    stdout/stderr files the host opened for the service.
+    """
+    barrier = procfs.FileIdentity(result.barrier.identity.device, result.barrier.identity.inode)
+    devices: tuple[procfs.DeviceAccess, ...] | None = None
+    if handle.cgroup_version == 1:
+        devices = tuple(
+            procfs.DeviceAccess(rule.kind, rule.major, rule.minor, rule.access)
+            for rule in cgroups.expected_devices(device_rules(result))
+        )
+    return gate.Expectation(
+        uid=uid,
+        gid=gid,
+        barrier=barrier,
+        cgroups=_cgroup_requirements(handle, service_cgroup),
+        rlimits=(gate.RlimitCeiling("nofile", nofile), gate.RlimitCeiling("nproc", processes)),
+        fds=(
+            gate.FdAllowance(0, pipe=False),
+            gate.FdAllowance(1, files=log_files),
+            gate.FdAllowance(2, files=log_files),
+        ),
+        mounts=tuple(
+            gate.PreparedMount(
+                mount.target,
+                os.major(mount.identity.device),
+                os.minor(mount.identity.device),
+                mount.read_only,
+                procfs.FileIdentity(mount.identity.device, mount.identity.inode),
+            )
+            for mount in result.mounts
+        ),
+        generated=tuple(
+            gate.GeneratedMount(
+                target.target,
+                tuple(target.fs_types),
+                subtree=target.subtree,
+                read_only=target.read_only,
+                required_options=tuple(target.required_options),
+            )
+            for target in result.generated_targets
+        ),
+        user_namespace=user_namespace,
+        cgroup_namespace=cgroup_namespace,
+        devices=devices,
+    )

@@ -1,0 +1,816 @@
+"""One function per action: check against the records, commit, answer (DESIGN 4.4, 5.3).
+
+A handler validates a request against the ledger, commits in ONE ledger transaction
+where correctness allows, hands the asynchronous work to the runner (never calling a
+provider or the service itself), and builds the reply rows from the records. The
+server has already checked who may send the action (`may_send`), and the request was
+validated once at the boundary (ficc.execution.protocol).
+
+Refusals: a `HostError` for one row becomes that row's `ErrorRow` with the error's
+stable code; a refusal of the whole request (`bindings_changed`, `offer_revision`,
+`offer_exceeds_ceiling`) becomes an `ErrorReply`. Anything else is a bug and is
+raised to the server, which answers `internal`.
+
+Threads (see `context`): ledger calls run on `ctx.workers.db`, file I/O on
+`ctx.workers.io`; nothing blocking runs on the event loop.
+
+Decisions made here:
+- A prepare row refused before any provider call (provider not configured or not
+  loaded, pinned digest differs, offer, resources, slot, first lease already past) is
+  committed as a failed `admission_rejected` record; its row answers
+  `admission_rejected` with the precise cause (the record's `detail`) in the message.
+- Staging inputs (`input_status`, `input_write`) needs the offer to keep leases alive
+  (active, draining or paused): staging is part of preparation, not a start.
+- `stop` hands every attempt whose record changed to the runner; a prepared attempt is
+  cancelled at once by the ledger, and the runner confirms its cleanup like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from ficc.execution import plan as planlib
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host import collect as collecting
+from ficc.execution.host import leases, lifecycle
+from ficc.execution.host import ledger as ledgerlib
+from ficc.execution.host.config import Config
+from ficc.execution.host.context import HostContext
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.layout import Layout, service_name
+from ficc.execution.host.staging import StreamState, streams_of
+from ficc.execution.protocol import (
+    INPUT_CHUNK_MAX_BYTES,
+    AnyRequest,
+    CollectRequest,
+    Fence,
+    InputStatusRequest,
+    InputWrite,
+    InputWriteRequest,
+    ObjectRef,
+    ObserveRequest,
+    OfferLimits,
+    PrepareRequest,
+    ReconcileAbsentRequest,
+    RejectAbsentRequest,
+    ReleaseRequest,
+    RenewRequest,
+    Resources,
+    Sender,
+    SetOfferRequest,
+    SnapshotRequest,
+    StartRequest,
+    StopRequest,
+)
+from ficc.execution.wire import (
+    AnyReply,
+    AttemptResult,
+    AttemptRow,
+    AttemptsReply,
+    AttemptStatus,
+    Capacity,
+    InputResult,
+    InputRow,
+    InputsReply,
+    Offer,
+    OfferReply,
+    ProviderInfo,
+    SlotClass,
+    SnapshotReply,
+    error_reply,
+    error_row,
+)
+
+INPUT_CHUNK_BYTES = INPUT_CHUNK_MAX_BYTES
+"""The `input_chunk_bytes` this executor announces and enforces (8 MiB)."""
+
+
+class RunnerPort(Protocol):
+    """What the handlers ask of the runner (pipeline.Runner implements it)."""
+
+    def admitted(self, attempt_ids: Sequence[str]) -> None: ...
+    def inputs_complete(self, attempt_id: str) -> None: ...
+    def start_requested(self, attempt_ids: Sequence[str]) -> None: ...
+    def stop_requested(self, attempt_ids: Sequence[str]) -> None: ...
+    async def release(self, attempt_id: str) -> None: ...
+
+
+Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
+
+
+async def handle(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: AnyRequest
+) -> AnyReply:
+    """Answer one request; a whole-request HostError becomes an ErrorReply."""
+    handler = HANDLERS[request.action]
+    try:
+        return await handler(ctx, runner, sender, request)
+    except HostError as error:
+        return error_reply(request.id, error.code, error.message)
+
+
+# --- host facts shared with the daemon -----------------------------------------------
+
+
+def ceiling_limits(config: Config) -> OfferLimits:
+    """The administrator's ceiling as offer limits (storage: the slots' total)."""
+    ceiling = config.ceiling
+    return OfferLimits(
+        resources=Resources(
+            attempts=ceiling.slots,
+            cpu_millis=ceiling.cpu_millis,
+            memory_bytes=ceiling.memory_bytes,
+            swap_bytes=ceiling.swap_bytes,
+            processes=ceiling.processes,
+            storage_bytes=sum(s.storage_bytes for s in config.slots),
+            storage_inodes=sum(s.storage_inodes for s in config.slots),
+        ),
+        projects=list(ceiling.projects),
+        runtimes=list(ceiling.runtimes),
+    )
+
+
+def initial_limits(config: Config) -> OfferLimits:
+    """The configured initial offer as offer limits."""
+    offer = config.initial_offer
+    ceiling = ceiling_limits(config)
+    return OfferLimits(
+        resources=Resources(
+            attempts=offer.slots,
+            cpu_millis=offer.cpu_millis,
+            memory_bytes=offer.memory_bytes,
+            swap_bytes=offer.swap_bytes,
+            processes=offer.processes,
+            storage_bytes=ceiling.resources.storage_bytes,
+            storage_inodes=ceiling.resources.storage_inodes,
+        ),
+        projects=list(offer.projects),
+        runtimes=list(offer.runtimes),
+    )
+
+
+def host_facts(ctx: HostContext, now: leases.Now) -> ledgerlib.HostFacts:
+    """What admission checks a plan against, besides the ledger's own records."""
+    config = ctx.config
+    return ledgerlib.HostFacts(
+        slots=[
+            ledgerlib.SlotSpec(s.id, s.slot_class, s.storage_bytes, s.storage_inodes)
+            for s in config.slots
+        ],
+        devices=frozenset(config.initial_offer.devices),
+        ceiling=ceiling_limits(config),
+        now=now,
+    )
+
+
+# --- reply rows ----------------------------------------------------------------------
+
+
+def _log_bytes(ctx: HostContext, record: ledgerlib.AttemptRecord) -> tuple[int, int]:
+    """Current sizes of the attempt's stdout and stderr (0 when absent or not a file)."""
+    slot = ctx.slots.get(record.slot_id or "")
+    if slot is None:
+        return 0, 0
+    paths = Layout(slot).paths(record.attempt_id)
+    sizes = []
+    for path in (paths.stdout, paths.stderr):
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            sizes.append(0)
+            continue
+        sizes.append(st.st_size if stat.S_ISREG(st.st_mode) else 0)
+    return sizes[0], sizes[1]
+
+
+def attempt_row(record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]) -> AttemptRow:
+    """The wire row of a record (a batch reply row)."""
+    return AttemptRow(**msgspec.structs.asdict(attempt_status(record, staged, logs)))
+
+
+def attempt_status(
+    record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]
+) -> AttemptStatus:
+    """What the record says, as a snapshot lists it."""
+    status = record.status
+    settled = status.state in lifecycle.SETTLED or status.state == "released"
+    lease = record.lease
+    return AttemptStatus(
+        attempt_id=record.attempt_id,
+        generation=record.generation,
+        plan_digest=record.plan_digest,
+        state=status.state,
+        ready=status.ready,
+        outcome=status.outcome if settled else None,  # type: ignore[arg-type]
+        reason=status.reason,
+        exit_code=status.exit_code,
+        lease_sequence=lease.sequence if lease is not None else 0,
+        lease_expires_at_ms=lease.expires_at_ms if lease is not None else None,
+        slot=None if status.state == "released" else record.slot_id,  # reserved only
+        staged_bytes=staged,
+        stdout_bytes=logs[0],
+        stderr_bytes=logs[1],
+        cleanup_confirmed=status.cleanup_confirmed,
+    )
+
+
+async def attempt_rows(
+    ctx: HostContext, results: Sequence[ledgerlib.AttemptRecord | HostError]
+) -> list[AttemptResult]:
+    """Rows for records (with staged and log byte counts) and refusals, in order."""
+    records = [r for r in results if isinstance(r, ledgerlib.AttemptRecord)]
+    ids = [r.attempt_id for r in records]
+    staged = await ctx.workers.db(ctx.ledger.staged_bytes, ids) if ids else {}
+    logs = await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in records})
+    rows: list[AttemptResult] = []
+    for result in results:
+        if isinstance(result, HostError):
+            rows.append(error_row(result.code, result.message))
+        else:
+            rows.append(attempt_row(result, staged[result.attempt_id], logs[result.attempt_id]))
+    return rows
+
+
+def _reply(request: AnyRequest, rows: list[AttemptResult]) -> AttemptsReply:
+    return AttemptsReply(version=1, id=request.id, results=rows)
+
+
+def _records_of(
+    results: Sequence[ledgerlib.Admitted | ledgerlib.Applied | HostError],
+) -> list[ledgerlib.AttemptRecord | HostError]:
+    return [r if isinstance(r, HostError) else r.record for r in results]
+
+
+# --- prepare, reject_absent, reconcile_absent ---------------------------------------
+
+
+def _bindings(request: PrepareRequest | RejectAbsentRequest | ReconcileAbsentRequest) -> Any:
+    return ledgerlib.Bindings(request.installation_id, request.ledger_id, 1)
+
+
+def _first_lease(renewal: leases.Renewal, now: leases.Now, maximum: int) -> leases.Lease:
+    """The granted first lease; one already past is kept as an expired lease, so the
+    ledger records the durable rejection (`lease_expired`) instead of nothing."""
+    try:
+        return leases.grant(renewal, now, maximum)
+    except HostError as error:
+        if error.code != ErrorCode.LEASE_EXPIRED:
+            raise
+        return leases.Lease(
+            boot_id=now.boot_id,
+            sequence=renewal.sequence,
+            expires_at_ms=renewal.expires_at_ms,
+            deadline_boottime_ns=now.boottime_ns,
+        )
+
+
+def provider_refusal(ctx: HostContext, plan: planlib.Plan) -> HostError | None:
+    """Why the plan's provider cannot serve it here, or None."""
+    runtime = plan.job.runtime
+    provider = ctx.providers.get(runtime.provider)
+    if provider is None:
+        return HostError(
+            ErrorCode.PROVIDER_UNAVAILABLE,
+            f"provider {runtime.provider!r} is not configured on this host",
+        )
+    if provider.loaded is None:
+        why = provider.refusal.code if provider.refusal is not None else "not loaded"
+        return HostError(
+            ErrorCode.PROVIDER_UNAVAILABLE,
+            f"provider {runtime.provider!r} is configured but unavailable ({why});"
+            " the administrator must check its pin",
+        )
+    if runtime.package_digest != provider.package_digest:
+        return HostError(
+            ErrorCode.PROVIDER_UNAVAILABLE,
+            f"the plan pins provider package {runtime.package_digest}, this host runs"
+            f" {provider.package_digest}",
+        )
+    return None
+
+
+def _admission_row(result: ledgerlib.Row) -> ledgerlib.AttemptRecord | HostError:
+    if isinstance(result, ledgerlib.AdmissionRejection):  # the record's detail leads
+        message = f"{result.code}: {result.message}; the failed record is kept, release it"
+        return HostError(ErrorCode.ADMISSION_REJECTED, message)
+    if isinstance(result, HostError):
+        return result
+    return result.record
+
+
+async def prepare(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: PrepareRequest
+) -> AnyReply:
+    """Admit plans in one transaction; the runner prepares the new ones after the reply."""
+    bindings = _bindings(request)
+    now = ctx.clock.now()
+    maximum = ctx.config.maximum_lease_seconds
+    rows = [
+        ledgerlib.PrepareRow(
+            row.plan,
+            _first_lease(row.lease, now, maximum),
+            refusal=provider_refusal(ctx, row.plan),
+        )
+        for row in request.attempts
+    ]
+    facts = host_facts(ctx, now)
+    results = await ctx.workers.db(ctx.ledger.admit_batch, bindings, rows, facts)
+    new: list[str] = []
+    for row, result in zip(request.attempts, results, strict=True):
+        if isinstance(result, ledgerlib.Admitted) and result.new:
+            slot = ctx.slots[result.record.slot_id or ""]
+            slot.stager.register_attempt(result.record.attempt_id, streams_of(row.plan.job.inputs))
+            new.append(result.record.attempt_id)
+    if new:
+        runner.admitted(new)
+    return _reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
+
+
+async def reject_absent(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: RejectAbsentRequest
+) -> AnyReply:
+    """Commit never-runnable rejections for plans this host never admitted."""
+    results = await ctx.workers.db(ctx.ledger.reject_absent, _bindings(request), request.plans)
+    return _reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
+
+
+async def reconcile_absent(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: ReconcileAbsentRequest
+) -> AnyReply:
+    """The administrator's acknowledgement of absent attempts, after checking for real
+    that nothing is left on any slot (see `idle_evidence`)."""
+    bindings = _bindings(request)
+    if bindings != ctx.ledger.bindings():
+        raise HostError(
+            ErrorCode.BINDINGS_CHANGED,
+            "installation, ledger or admission version differ from this host's;"
+            " take a new snapshot",
+        )
+    known = await ctx.workers.db(_all_attempt_ids, ctx.ledger)
+    attempts = sorted(known | {p.attempt_id for p in request.plans})
+    problems = await ctx.workers.io(idle_evidence, ctx, attempts)
+    if problems:
+        raise HostError(
+            ErrorCode.RECONCILE_REFUSED,
+            "the host is not confirmed idle: "
+            + "; ".join(problems[:8])
+            + "; clean up (release attempts, stop stray processes), then retry",
+        )
+    results = await ctx.workers.db(ctx.ledger.reconcile_absent, bindings, request.plans, True)
+    return _reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
+
+
+def _all_attempt_ids(ledger: ledgerlib.Ledger) -> set[str]:
+    """Every attempt the ledger knows (each could have had a service)."""
+    ids: set[str] = set()
+    after = None
+    while True:
+        records, after = ledger.page(after)
+        ids.update(r.attempt_id for r in records)
+        if after is None:
+            return ids
+
+
+def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
+    """Everything that keeps the host from being confirmed idle (empty: idle).
+
+    For every configured slot: no attempt directory or staging directory left, and no
+    live process of the slot account. For every attempt given (the ledger's and the
+    acknowledged ones): no service of its name. Runs in an I/O thread; reads only
+    (never stops anything).
+    """
+    problems: list[str] = []
+    slot_uids = {s.uid: s.id for s in ctx.slots.values()}
+    for slot in ctx.slots.values():
+        try:
+            left = Layout(slot).leftovers()
+        except HostError as error:
+            problems.append(f"slot {slot.id}: {error.code}: {error.message}")
+            continue
+        problems += [f"slot {slot.id} retains {entry}" for entry in left]
+    for uid, pid in live_processes(set(slot_uids)):
+        problems.append(f"process {pid} runs as the account of slot {slot_uids[uid]}")
+    for attempt_id in attempt_ids:
+        name = service_name(ctx.config.installation_id, attempt_id)
+        if ctx.service.adopt(name) is not None:
+            problems.append(f"service {name} still exists")
+    return problems
+
+
+def live_processes(uids: set[int]) -> list[tuple[int, int]]:
+    """(uid, pid) of every non-zombie task whose real, effective, saved or fs UID is in
+    `uids` (threads one by one: credentials are per thread)."""
+    found: list[tuple[int, int]] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{entry}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{entry}/task/{task}/status", "rb") as status:
+                    fields = dict(
+                        line.split(b":", 1)
+                        for line in status.read(16384).splitlines()
+                        if b":" in line
+                    )
+            except OSError:
+                continue
+            if fields.get(b"State", b"").strip().startswith(b"Z"):
+                continue
+            ids = {int(v) for v in fields.get(b"Uid", b"").split()}
+            hit = ids & uids
+            if hit:
+                found.append((min(hit), int(entry)))
+                break
+    return found
+
+
+# --- renew, start, observe, stop, release -------------------------------------------
+
+
+async def renew(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: RenewRequest
+) -> AnyReply:
+    """Renew leases by `leases.renew`, in one transaction."""
+    now = ctx.clock.now()
+    rows = [(r.fence, r) for r in request.leases]
+    results = await ctx.workers.db(
+        ctx.ledger.renew_batch, rows, now, ctx.config.maximum_lease_seconds
+    )
+    return _reply(request, await attempt_rows(ctx, _records_of(results)))
+
+
+def _changed(results: Sequence[ledgerlib.Applied | HostError]) -> list[str]:
+    """Attempts whose record this transaction changed (the runner acts on exactly these)."""
+    return [r.record.attempt_id for r in results if isinstance(r, ledgerlib.Applied) and r.changed]
+
+
+async def start(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: StartRequest
+) -> AnyReply:
+    """Record `starting` durably, then let the runner start exactly those attempts."""
+    now = ctx.clock.now()
+    ceiling = ceiling_limits(ctx.config)
+    results = await ctx.workers.db(ctx.ledger.start_batch, request.attempts, now, ceiling)
+    started = _changed(results)
+    if started:
+        runner.start_requested(started)
+    return _reply(request, await attempt_rows(ctx, _records_of(results)))
+
+
+async def observe(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: ObserveRequest
+) -> AnyReply:
+    """The records as the monitor keeps them."""
+    results = await ctx.workers.db(ctx.ledger.fenced, request.attempts)
+    return _reply(request, await attempt_rows(ctx, results))
+
+
+async def stop(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: StopRequest
+) -> AnyReply:
+    """Record the stop (prepared: cancelled now; started: stop pending), then let the
+    runner stop the work and confirm cleanup."""
+    rows = [(fence, lifecycle.StopRequested()) for fence in request.attempts]
+    results = await ctx.workers.db(ctx.ledger.apply_batch, rows)
+    changed = _changed(results)
+    if changed:
+        runner.stop_requested(changed)
+    return _reply(request, await attempt_rows(ctx, _records_of(results)))
+
+
+async def release(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: ReleaseRequest
+) -> AnyReply:
+    """Release settled, cleaned-up attempts: the runner removes their resources (provider
+    release, staging, layout, service); then one transaction records every release.
+    A failed removal keeps that row's reservation and answers its error."""
+    current = await ctx.workers.db(ctx.ledger.fenced, request.attempts)
+    results: list[ledgerlib.AttemptRecord | HostError] = list(current)
+    to_apply: list[tuple[int, Fence]] = []
+    for index, (fence, record) in enumerate(zip(request.attempts, current, strict=True)):
+        if isinstance(record, HostError):
+            continue
+        try:
+            step = lifecycle.apply(record.status, lifecycle.Release())
+        except HostError as error:
+            results[index] = error
+            continue
+        if not step.changed:
+            continue  # already released: the record as it is
+        if record.slot_id is not None:
+            try:
+                await runner.release(record.attempt_id)
+            except HostError as error:
+                results[index] = error
+                continue
+        to_apply.append((index, fence))
+    if to_apply:
+        rows = [(fence, lifecycle.Release()) for _, fence in to_apply]
+        applied = await ctx.workers.db(ctx.ledger.apply_batch, rows)
+        for (index, _), result in zip(to_apply, applied, strict=True):
+            results[index] = result if isinstance(result, HostError) else result.record
+    return _reply(request, await attempt_rows(ctx, results))
+
+
+# --- streamed inputs -----------------------------------------------------------------
+
+
+def _staging_record(
+    ctx: HostContext, record: ledgerlib.AttemptRecord | HostError, now: leases.Now, object_id: str
+) -> ledgerlib.AttemptRecord:
+    """Refuse input operations unless the attempt is prepared with a current lease and
+    the offer keeps leases alive. Runs on the ledger thread (reads the offer)."""
+    if isinstance(record, HostError):
+        raise record
+    declared = {i.object_id: i for i in ctx.ledger.inputs(record.attempt_id)}
+    if object_id not in declared:
+        raise HostError(
+            ErrorCode.INPUT_UNKNOWN,
+            f"{object_id} is not a streamed input of this attempt's plan; check the plan",
+        )
+    if record.status.state != "prepared":
+        failed = declared[object_id].failed
+        if failed is not None:
+            raise HostError(
+                ErrorCode.INPUT_FAILED,
+                f"input {object_id} failed ({failed}); the attempt cannot start:"
+                " release it and admit a new attempt",
+            )
+        raise HostError(
+            ErrorCode.INVALID_STATE,
+            f"inputs are staged only while the attempt is prepared; it is {record.status.state}",
+        )
+    if record.lease is None or not leases.is_current(record.lease, now):
+        raise HostError(ErrorCode.LEASE_EXPIRED, "the lease is not current; inputs are closed")
+    control = ctx.ledger.offer().control
+    if "renew" not in ledgerlib.OFFER_ALLOWS[control]:
+        raise HostError(ErrorCode.OFFER_CLOSED, f"the offer is {control}; staging is closed")
+    return record
+
+
+def _authorized(
+    ctx: HostContext, rows: Sequence[ObjectRef | InputWrite], now: leases.Now
+) -> list[ledgerlib.AttemptRecord | HostError]:
+    """Fence, state, lease and offer checks for each input row (one ledger-thread call)."""
+    results: list[ledgerlib.AttemptRecord | HostError] = []
+    records = ctx.ledger.fenced([row.fence for row in rows])
+    for row, record in zip(rows, records, strict=True):
+        try:
+            results.append(_staging_record(ctx, record, now, row.object))
+        except HostError as error:
+            results.append(error)
+    return results
+
+
+def _input_row(fence: Fence, state: StreamState) -> InputRow:
+    return InputRow(
+        attempt_id=fence.attempt_id,
+        generation=fence.generation,
+        plan_digest=fence.plan_digest,
+        object=state.id,
+        offset=state.offset,
+        bytes=state.bytes,
+        digest=state.digest,
+        complete=state.complete,
+    )
+
+
+def _stager(ctx: HostContext, record: ledgerlib.AttemptRecord) -> Any:
+    slot = ctx.slots.get(record.slot_id or "")
+    if slot is None:
+        raise HostError(ErrorCode.INVALID_STATE, "the attempt holds no slot; it has no inputs")
+    return slot.stager
+
+
+def _not_staged_yet(error: HostError) -> HostError:
+    """A prepared attempt the stager does not know yet is being set up again (after a
+    restart, recovery re-registers it): the client retries, as for `inputs_preparing`."""
+    if error.code != ErrorCode.ATTEMPT_NOT_STAGED:
+        return error
+    return HostError(
+        ErrorCode.INPUTS_PREPARING,
+        "the staging directory is being initialized again after a restart; retry on a"
+        " later polling cycle",
+    )
+
+
+async def input_status(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: InputStatusRequest
+) -> AnyReply:
+    """The durable next offset of each object (the stager's state is the committed one)."""
+    now = ctx.clock.now()
+    records = await ctx.workers.db(_authorized, ctx, request.objects, now)
+
+    def status(ref: ObjectRef, record: ledgerlib.AttemptRecord | HostError) -> InputResult:
+        try:
+            if isinstance(record, HostError):
+                raise record
+            state = _stager(ctx, record).status(ref.attempt_id, ref.object)
+        except HostError as error:
+            refusal = _not_staged_yet(error)
+            return error_row(refusal.code, refusal.message)
+        return _input_row(ref.fence, state)
+
+    rows = await ctx.workers.io(
+        lambda: [status(ref, rec) for ref, rec in zip(request.objects, records, strict=True)]
+    )
+    return InputsReply(version=1, id=request.id, results=rows)
+
+
+async def input_write(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: InputWriteRequest
+) -> AnyReply:
+    """Write chunks: rows of one attempt one after another (else the second would meet
+    `input_busy`), different attempts in parallel. Each chunk is synced by the stager
+    before the ledger commits its offset, on the ledger thread."""
+    now = ctx.clock.now()
+    records = await ctx.workers.db(_authorized, ctx, request.writes, now)
+    results: list[InputResult | None] = [None] * len(request.writes)
+    by_attempt: dict[str, list[int]] = {}
+    for index, write in enumerate(request.writes):
+        by_attempt.setdefault(write.attempt_id, []).append(index)
+
+    async def attempt_writes(indices: list[int]) -> None:
+        for index in indices:
+            results[index] = await _write_one(ctx, runner, request.writes[index], records[index])
+
+    await asyncio.gather(*(attempt_writes(indices) for indices in by_attempt.values()))
+    rows = [r for r in results if r is not None]
+    return InputsReply(version=1, id=request.id, results=rows)
+
+
+async def _write_one(
+    ctx: HostContext,
+    runner: RunnerPort,
+    write: InputWrite,
+    record: ledgerlib.AttemptRecord | HostError,
+) -> InputResult:
+    if isinstance(record, HostError):
+        return error_row(record.code, record.message)
+    fence = write.fence
+
+    def commit(state: StreamState) -> None:
+        ctx.workers.db_blocking(ctx.ledger.commit_stream, fence, state, write.offset)
+
+    try:
+        stager = _stager(ctx, record)
+        state = await ctx.workers.io(
+            stager.write,
+            write.attempt_id,
+            write.object,
+            write.offset,
+            write.chunk,
+            write.digest,
+            commit=commit,
+        )
+        complete = state.complete and await ctx.workers.io(stager.all_complete, write.attempt_id)
+    except HostError as error:
+        refusal = _not_staged_yet(error)
+        return error_row(refusal.code, refusal.message)
+    if complete:
+        runner.inputs_complete(write.attempt_id)
+    return _input_row(fence, state)
+
+
+# --- collect -------------------------------------------------------------------------
+
+
+async def collect(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: CollectRequest
+) -> AnyReply:
+    """Bounded reads of logs and declared outputs (see `collect`); never a provider call."""
+    return await collecting.collect(ctx, request)
+
+
+# --- snapshot and set_offer ---------------------------------------------------------
+
+
+def wire_offer(offer: ledgerlib.Offer) -> Offer:
+    return Offer(revision=offer.revision, control=offer.control, limits=offer.limits)
+
+
+def _capacity(ctx: HostContext, occupied: set[str], used: dict[str, int]) -> Capacity:
+    """What is free now: the offer (within the ceiling) minus the reservations."""
+    offer = ctx.ledger.offer()
+    ceiling = ceiling_limits(ctx.config)
+    available = Resources(
+        **{
+            name: max(
+                0,
+                min(getattr(offer.limits.resources, name), getattr(ceiling.resources, name))
+                - used.get(name, 0),
+            )
+            for name in Resources.__struct_fields__
+        }
+    )
+    classes: dict[str, list[Any]] = {}
+    for slot in ctx.config.slots:
+        classes.setdefault(slot.slot_class, []).append(slot)
+    slot_classes = [
+        SlotClass(
+            class_=name,
+            total=len(slots),
+            free=sum(1 for s in slots if s.id not in occupied),
+            bytes=max(s.storage_bytes for s in slots),
+            inodes=max(s.storage_inodes for s in slots),
+        )
+        for name, slots in sorted(classes.items())
+    ]
+    providers = [
+        ProviderInfo(id=p.id, package_digest=p.package_digest, available=p.loaded is not None)
+        for p in sorted(ctx.providers.values(), key=lambda p: p.id)
+    ]
+    return Capacity(available=available, slot_classes=slot_classes, providers=providers)
+
+
+def _snapshot_state(
+    ctx: HostContext, after: str | None
+) -> tuple[ledgerlib.Offer, Capacity, list[ledgerlib.AttemptRecord], str | None, dict[str, int]]:
+    """Everything a snapshot reads from the ledger, on the ledger thread."""
+    occupied, used = ctx.ledger.reservations()
+    offer = ctx.ledger.offer()
+    capacity = _capacity(ctx, occupied, used)
+    records, cursor = ctx.ledger.page(after)
+    staged = ctx.ledger.staged_bytes([r.attempt_id for r in records])
+    return offer, capacity, records, cursor, staged
+
+
+async def snapshot(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: SnapshotRequest
+) -> AnyReply:
+    """Bindings, bounds, offer, capacity and one page of up to 64 attempts."""
+    offer, capacity, records, cursor, staged = await ctx.workers.db(
+        _snapshot_state, ctx, request.after
+    )
+    logs = await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in records})
+    bindings = ctx.ledger.bindings()
+    return SnapshotReply(
+        version=1,
+        id=request.id,
+        installation_id=bindings.installation_id,
+        ledger_id=bindings.ledger_id,
+        admission_version=1,
+        maximum_lease_seconds=ctx.config.maximum_lease_seconds,
+        input_chunk_bytes=INPUT_CHUNK_BYTES,
+        offer=wire_offer(offer),
+        capacity=capacity,
+        attempts=[attempt_status(r, staged[r.attempt_id], logs[r.attempt_id]) for r in records],
+        next=cursor,
+    )
+
+
+async def set_offer(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: SetOfferRequest
+) -> AnyReply:
+    """Change the offer within the administrator's ceiling, if still at the expected
+    revision (`offer_revision` / `offer_exceeds_ceiling` refuse the whole request)."""
+    offer = await ctx.workers.db(
+        ctx.ledger.set_offer,
+        request.expected_revision,
+        request.control,
+        request.limits,
+        ceiling_limits(ctx.config),
+    )
+    return OfferReply(version=1, id=request.id, offer=wire_offer(offer))
+
+
+HANDLERS: dict[str, Handler] = {
+    "prepare": prepare,
+    "renew": renew,
+    "start": start,
+    "observe": observe,
+    "stop": stop,
+    "release": release,
+    "collect": collect,
+    "input_status": input_status,
+    "input_write": input_write,
+    "reject_absent": reject_absent,
+    "reconcile_absent": reconcile_absent,
+    "snapshot": snapshot,
+    "set_offer": set_offer,
+}
+
+
+__all__ = [
+    "HANDLERS",
+    "INPUT_CHUNK_BYTES",
+    "RunnerPort",
+    "attempt_row",
+    "ceiling_limits",
+    "handle",
+    "host_facts",
+    "idle_evidence",
+    "initial_limits",
+    "live_processes",
+    "provider_refusal",
+]

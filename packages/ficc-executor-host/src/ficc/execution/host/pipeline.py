@@ -1,0 +1,900 @@
+"""The runner: the asynchronous work on an attempt after a handler has replied.
+
+Handlers record decisions durably and reply; the `Runner` then does what takes time
+(DAEMON.md, "One attempt"), always through `ctx.workers` so the event loop never
+blocks, and records every outcome in the ledger as a lifecycle event:
+
+- prepare: the attempt layout, staging of streamed inputs, then provider `probe`
+  and `prepare` (with `check()`); the result is validated (expectation.py) and
+  persisted with `PrepareOk` before anything uses it.
+- start: staged inputs re-verified, the system service created with the provider's
+  argv as the slot account and the plan's limits, controls read back, provider
+  `start`, `observe` until the barrier's PID, the device-open results checked, the
+  payload gate run, and only on a pass the release marker written (`Started`).
+- the monitor (monitor.py) drives expiry, stops, observation and cleanup through
+  the `MonitorOps` methods below.
+- release and startup recovery.
+
+Provider calls go through `_Batcher`: every row queued for the same (provider,
+method) in one turn of the event loop goes out as one driver call of at most 64 rows
+(providers.driver.call), bounded by a timeout. A timed-out call leaves its rows
+uncertain: `failed` for probe/prepare (no payload can have run), `unknown` for
+start/observe, never a replay.
+
+Decisions (see also docs/operations.md):
+- `check()` (prepare) passes while the record is still `prepared`, its lease is
+  current and the offer is not `stopped` (paused keeps leases alive, so preparation
+  may go on). A refusal by check() is recorded as ITS code (e.g. `lease_expired`),
+  not as the provider's error that wraps it.
+- Failure reasons: `probe_failed`, `provider_failed`, `provider_timeout`,
+  `provider_malformed` (invalid result), `provider_unavailable`, staging and layout
+  codes as they come, the first gate failure code (`gate_*`), `service_*` codes.
+- A stop or expiry arriving while the start pipeline runs is handed to it: it stops
+  the service and returns; the monitor then records `Stopped` (cancelled/expired).
+  The release marker is never written once a stop is pending or the lease is gone.
+- The barrier exiting before release is `failed` (`barrier_exited`): the payload
+  cannot have run.
+- Device-open results are taken from the latest `ready` or `payload` observation.
+- Outcome cross-check: when the service knows its main process's exit status (not
+  after an adoption) and it differs from the provider's `finished` exit code, the
+  outcome is `unknown` (`outcome_conflict`). A running attempt whose service tree is
+  empty while the provider reports no exit is `unknown` (`outcome_unreadable`).
+- Restart (`recover`): the ledger turns starting/running into unknown and in-flight
+  preparations into failed; every settled attempt without confirmed cleanup has its
+  service adopted by name, stopped and checked idle. Prepared attempts whose streams
+  are all complete but whose provider preparation never began are prepared again
+  (nothing was called yet, so this is no replay). No payload is ever restarted.
+
+Edits outside the runner's files (made for it; say so when touching them):
+service/interface.py + service/cgroupfs.py gained `planned_supervisor_cgroup(name)`
+(the prepare context's cgroup, known before the service exists) and
+`account_idle(uid)` (cleanup of an attempt that never had a service); cgroupfs.py
+also always fills the base cgroup's empty cpuset (parallel creates raced on it).
+No change to ledger.py or lifecycle.py was needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+from ficc.execution import plan as planlib
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host import gate, layout, leases, lifecycle, procfs
+from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.expectation import (
+    DEFAULT_NOFILE,
+    PrepareResult,
+    build_expectation,
+    check_device_opens,
+    check_prepare_result,
+    decode_prepare_result,
+    device_rules,
+)
+from ficc.execution.host.layout import AttemptPaths
+from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
+from ficc.execution.host.monitor import TICK_SECONDS, Monitor
+from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
+from ficc.execution.host.service.interface import Controls, ServiceHandle, ServiceSpec
+from ficc.execution.host.staging import StreamState
+
+__all__ = ["RELEASE_MARKER", "Runner", "Settings", "service_name"]
+
+_log = logging.getLogger(__name__)
+
+RELEASE_MARKER: Final = "release"
+"""Name of the release marker in the attempt's `control/` directory."""
+PROVIDER_TIMEOUT: Final = "provider_timeout"
+INTERNAL_ERROR: Final = "internal_error"
+"""A bug in the host, not a refusal: the attempt fails closed and is cleaned up."""
+NO_RESOURCE_REASONS: Final = frozenset(
+    {lifecycle.ADMISSION_REJECTED, lifecycle.LEGACY_ABSENCE_ACKNOWLEDGED}
+)
+SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+"""The complete environment of the provider argv: nothing is inherited."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Timing and host policy of the runner (the daemon may take them from config)."""
+
+    tick: float = TICK_SECONDS
+    provider_timeout: float = PROVIDER_CALL_TIMEOUT_S
+    start_timeout: float = 120.0
+    """How long start waits for the barrier's PID."""
+    observe_interval: float = 0.05
+    rescan_ticks: int = 25
+    """Every this many ticks the monitor reads every record, not just the watched ones."""
+    nofile: int = DEFAULT_NOFILE
+    user_namespace: bool = True
+    cgroup_namespace: bool = True
+
+
+def service_name(installation_id: str, attempt_id: str) -> str:
+    return f"ficc-work-{installation_id}-{attempt_id}"
+
+
+# --- provider replies ---------------------------------------------------------------
+
+
+class DeviceOpen(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    path: Annotated[str, msgspec.Meta(pattern=r"\A/[^\x00]*\Z", max_length=4096)]
+    opened: bool
+
+
+class Observation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One `observe` row (seed: waiting, ready with device opens, payload with the host
+    PID, finished with an exit code 0..255)."""
+
+    phase: Literal["waiting", "ready", "payload", "finished"]
+    pid: Annotated[int, msgspec.Meta(gt=0, le=2**22)] | None = None
+    exit_code: Annotated[int, msgspec.Meta(ge=0, le=255)] | None = None
+    devices: Annotated[list[DeviceOpen], msgspec.Meta(max_length=128)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase == "payload" and self.pid is None:
+            raise ValueError("phase payload needs the host pid")
+        if self.phase == "finished" and self.exit_code is None:
+            raise ValueError("phase finished needs the exit code")
+
+
+def _observation(result: RowResult) -> Observation:
+    if result.reply is None:
+        raise HostError(result.code or ErrorCode.PROVIDER_FAILED, result.message or "")
+    try:
+        return msgspec.convert(result.reply, Observation, strict=True)
+    except (msgspec.ValidationError, ValueError) as error:
+        raise HostError("provider_malformed", f"observe returned {error}") from error
+
+
+class _Uncertain(Exception):
+    """The outcome of a possibly started attempt cannot be known (OutcomeLost)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Aborted(Exception):
+    """A stop became pending during start: the monitor records it."""
+
+
+# --- batching provider rows ---------------------------------------------------------
+
+
+class _Batcher:
+    """Coalesces provider rows of one event-loop turn into driver calls of <= 64 rows."""
+
+    def __init__(self, ctx: HostContext, timeout: float) -> None:
+        self._ctx = ctx
+        self._timeout = timeout
+        self._pending: dict[tuple[str, str], list[tuple[dict[str, Any], asyncio.Future[Any]]]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def call(self, provider: str, method: str, context: dict[str, Any]) -> RowResult:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[RowResult] = loop.create_future()
+        queue = self._pending.setdefault((provider, method), [])
+        queue.append((context, future))
+        if len(queue) == 1:
+            loop.call_soon(self._flush, (provider, method))
+        return await future
+
+    def _flush(self, key: tuple[str, str]) -> None:
+        rows = self._pending.pop(key, [])
+        for start in range(0, len(rows), MAX_BATCH):
+            task = asyncio.get_running_loop().create_task(
+                self._run(key, rows[start : start + MAX_BATCH])
+            )
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _run(
+        self, key: tuple[str, str], rows: list[tuple[dict[str, Any], asyncio.Future[Any]]]
+    ) -> None:
+        provider, method = key
+        runtime = self._ctx.providers.get(provider)
+        results: list[RowResult]
+        if runtime is None or runtime.loaded is None:
+            why = "not configured" if runtime is None else str(runtime.refusal)
+            results = [RowResult.failed(ErrorCode.PROVIDER_UNAVAILABLE, why)] * len(rows)
+        else:
+            contexts = [context for context, _ in rows]
+            try:
+                results = await self._ctx.workers.provider(
+                    call, runtime.loaded.driver, method, contexts, timeout=self._timeout
+                )
+            except TimeoutError:
+                message = f"{method} took longer than {self._timeout}s"
+                results = [RowResult.failed(PROVIDER_TIMEOUT, message)] * len(rows)
+            except Exception as error:  # the thread pool itself failed
+                results = [RowResult.failed(ErrorCode.PROVIDER_FAILED, repr(error))] * len(rows)
+        for (_, future), result in zip(rows, results, strict=True):
+            if not future.done():
+                future.set_result(result)
+
+
+# --- one attempt, as the runner sees it ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    record: AttemptRecord
+    plan: planlib.Plan
+    slot: SlotRuntime
+    layout: layout.Layout
+    paths: AttemptPaths
+    service: str
+
+    @property
+    def id(self) -> str:
+        return self.record.attempt_id
+
+    @property
+    def provider(self) -> str:
+        return self.plan.job.runtime.provider
+
+
+def _row_error(result: RowResult, method: str) -> HostError:
+    code = result.code or ErrorCode.PROVIDER_FAILED
+    if code not in (PROVIDER_TIMEOUT, ErrorCode.PROVIDER_UNAVAILABLE):
+        code = "probe_failed" if method == "probe" else ErrorCode.PROVIDER_FAILED
+    return HostError(code, f"provider {method}: {result.message or 'no reply'}")
+
+
+class Runner:
+    """Prepare, start, monitor, release and recover attempts (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: HostContext,
+        *,
+        settings: Settings | None = None,
+        on_tick: Callable[[], None] | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self._settings = settings or Settings()
+        self._batcher = _Batcher(ctx, self._settings.provider_timeout)
+        self._monitor = Monitor(self, interval=self._settings.tick, on_tick=on_tick)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._preparing: set[str] = set()
+        self._again: set[str] = set()
+        self._closing = False
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._abort: set[str] = set()
+        self._handles: dict[str, ServiceHandle] = {}
+        self._watch: set[str] = set()
+        self._ticks = 0
+
+    # --- the contract with the handlers -------------------------------------------
+
+    def admitted(self, attempt_ids: Sequence[str]) -> None:
+        self._watch.update(attempt_ids)
+        self._spawn(self._prepare_all(list(attempt_ids)))
+
+    def inputs_complete(self, attempt_id: str) -> None:
+        self._spawn(self._prepare_all([attempt_id]))
+
+    def start_requested(self, attempt_ids: Sequence[str]) -> None:
+        for attempt_id in attempt_ids:
+            self._watch.add(attempt_id)
+            if attempt_id in self._starting:
+                continue  # already in the pipeline: a second start never starts twice
+            task = self._spawn(self._start(attempt_id))
+            self._starting[attempt_id] = task
+            task.add_done_callback(functools.partial(self._start_done, attempt_id))
+
+    def stop_requested(self, attempt_ids: Sequence[str]) -> None:
+        self._watch.update(attempt_ids)
+        self._monitor.wake()
+
+    async def release(self, attempt_id: str) -> None:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        if record is None:
+            raise HostError(ErrorCode.UNKNOWN_ATTEMPT, "no such attempt")
+        if record.slot_id is None or record.status.reason in NO_RESOURCE_REASONS:
+            return
+        attempt = await self._attempt(record)
+        context = await self._later_context(attempt)
+        result = await self._batcher.call(attempt.provider, "release", context)
+        if not result.ok:
+            raise _row_error(result, "release")
+        await self._io(attempt.slot.stager.remove_attempt, attempt.id)
+        await self._io(attempt.layout.remove, attempt.id)
+        handle = self._handles.pop(attempt.id, None) or await self._io(
+            self._ctx.service.adopt, attempt.service
+        )
+        if handle is not None:
+            await self._io(self._ctx.service.remove, handle)
+        self._watch.discard(attempt.id)
+
+    async def recover(self) -> None:
+        """Startup, before the server listens (see the module docstring)."""
+        await self._db(self._ctx.ledger.mark_restarted)
+        records = await self._all_records()
+        self._watch.update(r.attempt_id for r in records if self._needs_watch(r))
+        unclean = [
+            r for r in records if r.status.state in lifecycle.SETTLED and r.slot_id is not None
+        ]
+        await _gather_logged(self.cleanup(r) for r in unclean if not r.status.cleanup_confirmed)
+        prepared = [r for r in records if r.status.state == "prepared"]
+        # A ready attempt's inputs are complete, but this new Stager does not know them:
+        # re-register and re-verify them before the server listens, so a start finds
+        # them staged (and a file changed while the daemon was down fails the attempt).
+        await _gather_logged(self._restage(r) for r in prepared if r.status.ready)
+        staged = [r.attempt_id for r in prepared if not r.status.ready and not r.status.preparing]
+        if staged:
+            self._spawn(self._prepare_all(staged))
+
+    async def run(self) -> None:
+        await self._monitor.run()
+
+    async def close(self) -> None:
+        """Cancel every task of this runner (a provider call already in a thread runs on)."""
+        self._closing = True
+        tasks = [*self._tasks, *self._batcher.tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def monitor(self) -> Monitor:
+        return self._monitor
+
+    # --- plumbing -----------------------------------------------------------------
+
+    def _spawn(self, job: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A background task, kept referenced until done (cancelled by `close`)."""
+        task = asyncio.get_running_loop().create_task(job)
+        self._tasks.add(task)
+        task.add_done_callback(self._finished_task)
+        return task
+
+    def _finished_task(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("runner task failed: %r", task.exception())
+
+    def _start_done(self, attempt_id: str, _: object) -> None:
+        self._starting.pop(attempt_id, None)
+        self._abort.discard(attempt_id)
+        self._monitor.wake()
+
+    async def _db(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._ctx.workers.db(fn, *args)
+
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._ctx.workers.io(fn, *args)
+
+    async def _apply(self, record: AttemptRecord, event: lifecycle.AnyEvent) -> bool:
+        """Record an event; False (logged) when the lifecycle refuses it."""
+        try:
+            await self._db(self._ctx.ledger.apply, record.fence, event)
+        except HostError as error:
+            _log.info("attempt %s: %s not recorded (%s)", record.attempt_id, event.name, error)
+            return False
+        if event.name in ("prepare_failed", "start_failed", "outcome_lost", "finished"):
+            self._monitor.wake()
+        return True
+
+    def lease_current(self, record: AttemptRecord) -> bool:
+        lease = record.lease
+        return lease is not None and leases.is_current(lease, self._ctx.clock.now())
+
+    async def _attempt(self, record: AttemptRecord) -> _Attempt:
+        data = await self._db(self._ctx.ledger.plan_bytes, record.attempt_id)
+        plan = planlib.decode_plan(data)
+        if record.slot_id is None or record.slot_id not in self._ctx.slots:
+            raise HostError("slot_unknown", f"attempt {record.attempt_id} holds no configured slot")
+        slot = self._ctx.slots[record.slot_id]
+        place = layout.Layout(slot)
+        name = service_name(self._ctx.config.installation_id, record.attempt_id)
+        return _Attempt(record, plan, slot, place, place.paths(record.attempt_id), name)
+
+    def _context(self, attempt: _Attempt, **extra: Any) -> dict[str, Any]:
+        """The provider context of the seed (prepare adds `check`; later ones `prepared`)."""
+        slot, paths = attempt.slot, attempt.paths
+        return {
+            "attempt_id": attempt.id,
+            "plan": msgspec.to_builtins(attempt.plan),
+            "plan_digest": attempt.record.plan_digest,
+            "slot": {
+                "id": slot.id,
+                "class": slot.slot_class,
+                "path": slot.path,
+                "uid": slot.uid,
+                "gid": slot.gid,
+                "storage_bytes": slot.storage_bytes,
+                "storage_inodes": slot.storage_inodes,
+            },
+            "attempt_directory": paths.root,
+            "provider_directory": paths.provider,
+            "control_directory": paths.control,
+            "release_marker": f"{paths.control}/{RELEASE_MARKER}",
+            "logs": {"stdout": paths.stdout, "stderr": paths.stderr},
+            "service": attempt.service,
+            "cgroup": self._ctx.service.planned_supervisor_cgroup(attempt.service),
+            "supervisor": {
+                "backend": getattr(self._ctx.service, "backend", self._ctx.config.supervisor),
+                "service": attempt.service,
+            },
+            "inputs": [],
+            **extra,
+        }
+
+    async def _later_context(self, attempt: _Attempt) -> dict[str, Any]:
+        """Context for start/observe/stop: with the persisted prepared result."""
+        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+        prepared = None if data is None else msgspec.json.decode(data)
+        storage = {"path": attempt.paths.storage}
+        return self._context(attempt, prepared=prepared, storage=storage)
+
+    # --- prepare ------------------------------------------------------------------
+
+    async def _prepare_all(self, attempt_ids: list[str]) -> None:
+        """Prepare attempts; one already being prepared is looked at again afterwards
+        (its last input may have completed after it found the inputs incomplete)."""
+        wanted = list(dict.fromkeys(attempt_ids))
+        self._again.update(a for a in wanted if a in self._preparing)
+        fresh = [a for a in wanted if a not in self._preparing]
+        self._preparing.update(fresh)
+        try:
+            await _gather_logged(self._prepare_one(a) for a in fresh)
+        finally:
+            self._preparing.difference_update(fresh)
+            again = [a for a in fresh if a in self._again]
+            self._again.difference_update(again)
+            if again and not self._closing:
+                self._spawn(self._prepare_all(again))
+
+    async def _prepare_one(self, attempt_id: str) -> None:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        status = record.status if record is not None else None
+        if record is None or status is None or status.state != "prepared":
+            return
+        if status.ready or status.preparing:
+            return
+        try:
+            attempt = await self._attempt(record)
+            inputs_ready = await self._stage(attempt)
+        except HostError as error:
+            await self._apply(record, lifecycle.PrepareFailed(reason=error.code))
+            return
+        if inputs_ready:
+            await self._provider_prepare(attempt)
+
+    async def _restage(self, record: AttemptRecord) -> None:
+        """After a restart: staging of a ready attempt, without calling its provider."""
+        try:
+            await self._stage(await self._attempt(record))
+        except HostError as error:
+            await self._apply(record, lifecycle.PrepareFailed(reason=error.code))
+
+    async def _stage(self, attempt: _Attempt) -> bool:
+        """Layout and staging; True once every streamed input is complete."""
+        await self._io(attempt.layout.create, attempt.id)
+        if not attempt.plan.streamed_inputs:
+            return True
+        stager = attempt.slot.stager
+        inputs = await self._db(self._ctx.ledger.inputs, attempt.id)
+        stager.register_attempt(attempt.id, [i.stream_state() for i in inputs])
+        try:
+            states: list[StreamState] = await self._io(stager.prepare_attempt, attempt.id)
+        except HostError as error:
+            if error.code == "inputs_preparing":
+                return False  # another prepare_attempt is on it
+            raise
+        recorded = {i.object_id: i for i in inputs}
+        for state in states:
+            if state.failed is not None and recorded[state.id].failed is None:
+                # Records the object as failed and the attempt as failed, in one transaction.
+                await self._db(
+                    self._ctx.ledger.commit_stream, attempt.record.fence, state, state.offset
+                )
+                return False
+        return all(s.complete and s.failed is None for s in states)
+
+    async def _provider_prepare(self, attempt: _Attempt) -> None:
+        if not await self._apply(attempt.record, lifecycle.PrepareBegun()):
+            return
+        refusals: list[HostError] = []
+        try:
+            storage = await self._io(_verified_storage, attempt)
+            inputs = await self._inputs(attempt)
+            context = self._context(attempt, storage=storage, inputs=inputs)
+            probe = await self._batcher.call(attempt.provider, "probe", dict(context))
+            if not probe.ok or (probe.reply or {}).get("ok") is not True:
+                raise _row_error(probe, "probe")
+            context["check"] = self._checker(attempt.id, refusals)
+            prepared = await self._batcher.call(attempt.provider, "prepare", context)
+            if not prepared.ok:
+                raise refusals[0] if refusals else _row_error(prepared, "prepare")
+            result = decode_prepare_result(prepared.reply)
+            await self._io(check_prepare_result, result, attempt.plan)
+        except HostError as error:
+            await self._apply(attempt.record, lifecycle.PrepareFailed(reason=error.code))
+            return
+        except Exception:
+            _log.exception("attempt %s: preparation failed unexpectedly", attempt.id)
+            await self._apply(attempt.record, lifecycle.PrepareFailed(reason=INTERNAL_ERROR))
+            return
+        await self._apply(attempt.record, lifecycle.PrepareOk(result=msgspec.json.encode(result)))
+
+    async def _inputs(self, attempt: _Attempt) -> list[dict[str, Any]]:
+        if not attempt.plan.streamed_inputs:
+            return []
+        caps: list[dict[str, Any]] = await self._io(attempt.slot.stager.capabilities, attempt.id)
+        return caps
+
+    def _checker(self, attempt_id: str, refusals: list[HostError]) -> Callable[[], None]:
+        """check() for prepare: runs in the provider thread, reads through the ledger
+        thread, and keeps its own refusal on the side (the driver would wrap it)."""
+        loop = asyncio.get_running_loop()
+
+        def check() -> None:
+            future = asyncio.run_coroutine_threadsafe(self._authority(attempt_id), loop)
+            try:
+                future.result(timeout=60)
+            except HostError as error:
+                refusals.append(error)
+                raise
+
+        return check
+
+    async def _authority(self, attempt_id: str) -> None:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        offer = await self._db(self._ctx.ledger.offer)
+        if record is None or record.status.state != "prepared":
+            state = "gone" if record is None else record.status.state
+            raise HostError(ErrorCode.INVALID_STATE, f"the attempt is {state}, not prepared")
+        if not self.lease_current(record):
+            raise HostError(ErrorCode.LEASE_EXPIRED, "the lease expired during preparation")
+        if "renew" not in OFFER_ALLOWS[offer.control]:
+            raise HostError(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}")
+
+    # --- start --------------------------------------------------------------------
+
+    async def _start(self, attempt_id: str) -> None:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        if record is None or record.status.state != "starting":
+            return
+        if record.status.stop_pending is not None:
+            return  # the monitor stops it; nothing was created
+        attempt = await self._attempt(record)
+        try:
+            await self._start_pipeline(attempt)
+        except _Aborted:
+            await self._stop_service(attempt)
+        except _Uncertain as uncertain:
+            await self._stop_service(attempt)
+            await self._apply(record, lifecycle.OutcomeLost(reason=uncertain.reason))
+        except HostError as error:
+            await self._stop_service(attempt)
+            await self._apply(record, lifecycle.StartFailed(reason=error.code))
+        except Exception:
+            _log.exception("attempt %s: start failed unexpectedly", attempt.id)
+            await self._stop_service(attempt)
+            await self._apply(record, lifecycle.StartFailed(reason=INTERNAL_ERROR))
+
+    async def _start_pipeline(self, attempt: _Attempt) -> None:
+        result = await self._prepared(attempt)
+        inputs = await self._inputs(attempt)
+        for capability in inputs:
+            await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
+        handle = await self._create_service(attempt, result)
+        context = await self._later_context(attempt)
+        context["inputs"] = inputs
+        started = await self._batcher.call(attempt.provider, "start", context)
+        if started.code == PROVIDER_TIMEOUT:
+            raise _Uncertain(PROVIDER_TIMEOUT)
+        if not started.ok:
+            raise _row_error(started, "start")
+        pid, devices = await self._await_payload(attempt, context, handle)
+        check_device_opens(result, None if devices is None else {d.path: d.opened for d in devices})
+        verdict = await self._io(self._run_gate, attempt, result, handle, pid)
+        if not verdict.ok:
+            raise HostError(verdict.failures[0].code, verdict.failures[0].message)
+        await self._release_payload(attempt)
+
+    async def _prepared(self, attempt: _Attempt) -> PrepareResult:
+        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+        if data is None:
+            raise HostError("prepare_result_missing", "no persisted prepare result")
+        return decode_prepare_result(msgspec.json.decode(data))
+
+    async def _create_service(self, attempt: _Attempt, result: PrepareResult) -> ServiceHandle:
+        limits = attempt.plan.job.limits
+        try:
+            spec = msgspec.convert(
+                {
+                    "name": attempt.service,
+                    "argv": result.argv,
+                    "uid": attempt.slot.uid,
+                    "gid": attempt.slot.gid,
+                    "cwd": attempt.paths.storage,
+                    "environment": SERVICE_ENVIRONMENT,
+                    "limits": {
+                        "cpu_millis": limits.cpu_millis,
+                        "memory_bytes": limits.memory_bytes,
+                        "swap_bytes": limits.swap_bytes,
+                        "processes": limits.processes,
+                        "nofile": self._settings.nofile,
+                    },
+                    "devices": msgspec.to_builtins(device_rules(result)),
+                    "stdout": attempt.paths.stdout,
+                    "stderr": attempt.paths.stderr,
+                },
+                ServiceSpec,
+            )
+        except msgspec.ValidationError as error:
+            raise HostError("service_spec", f"the service cannot be built: {error}") from error
+        self._check_abort(attempt)
+        handle: ServiceHandle = await self._io(self._ctx.service.create, spec)
+        self._handles[attempt.id] = handle
+        controls: Controls = await self._io(self._ctx.service.controls, handle)
+        _check_controls(controls, attempt.plan.job.limits)
+        return handle
+
+    async def _await_payload(
+        self, attempt: _Attempt, context: dict[str, Any], handle: ServiceHandle
+    ) -> tuple[int, list[DeviceOpen] | None]:
+        """Observe until the barrier's host PID is reported (or the deadline)."""
+        deadline = time.monotonic() + self._settings.start_timeout
+        devices: list[DeviceOpen] | None = None
+        while True:
+            self._check_abort(attempt)
+            result = await self._batcher.call(attempt.provider, "observe", context)
+            if result.code == PROVIDER_TIMEOUT:
+                raise _Uncertain(PROVIDER_TIMEOUT)
+            seen = _observation(result)
+            if seen.devices is not None:
+                devices = seen.devices
+            if seen.phase == "payload" and seen.pid is not None:
+                return seen.pid, devices
+            exited = await self._io(self._ctx.service.exit_status, handle)
+            if seen.phase == "finished" or exited is not None:
+                raise HostError(
+                    "barrier_exited", "the barrier exited before release; the payload never ran"
+                )
+            if time.monotonic() >= deadline:
+                raise HostError(
+                    "start_timeout",
+                    f"no payload PID within {self._settings.start_timeout}s; the payload never"
+                    " ran: check the provider",
+                )
+            await asyncio.sleep(self._settings.observe_interval)
+
+    def _run_gate(
+        self, attempt: _Attempt, result: PrepareResult, handle: ServiceHandle, pid: int
+    ) -> gate.Verdict:
+        """Blocking: build the Expectation and judge the live barrier (evidence first)."""
+        logs = tuple(
+            procfs.FileIdentity(st.st_dev, st.st_ino)
+            for st in (os.stat(p) for p in (attempt.paths.stdout, attempt.paths.stderr))
+        )
+        expectation = build_expectation(
+            uid=attempt.slot.uid,
+            gid=attempt.slot.gid,
+            result=result,
+            handle=handle,
+            service_cgroup=posixpath.dirname(self._ctx.service.supervisor_cgroup(handle)),
+            processes=attempt.plan.job.limits.processes,
+            log_files=logs,
+            nofile=self._settings.nofile,
+            user_namespace=self._settings.user_namespace,
+            cgroup_namespace=self._settings.cgroup_namespace,
+        )
+        evidence = attempt.layout.open_part(attempt.id, layout.EVIDENCE)
+        try:
+            return gate.inspect_and_check(pid, expectation, evidence)
+        finally:
+            os.close(evidence)
+
+    async def _release_payload(self, attempt: _Attempt) -> None:
+        """The last checks, then the marker, then `Started` (in that order only)."""
+        self._check_abort(attempt)
+        record = await self._db(self._ctx.ledger.get, attempt.id)
+        if record is None or record.status.stop_pending is not None:
+            raise _Aborted()
+        if not self.lease_current(record):
+            raise _Aborted()  # the monitor records the expiry and stops
+        await self._io(_write_marker, attempt)
+        await self._apply(record, lifecycle.Started())
+
+    def _check_abort(self, attempt: _Attempt) -> None:
+        if attempt.id in self._abort:
+            raise _Aborted()
+
+    async def _stop_service(self, attempt: _Attempt) -> None:
+        """Kill the service tree (provider stop first, best effort); never raises."""
+        try:
+            context = await self._later_context(attempt)
+            stopped = await self._batcher.call(attempt.provider, "stop", context)
+            if not stopped.ok:
+                _log.warning("attempt %s: provider stop: %s", attempt.id, stopped.message)
+            handle = self._handles.get(attempt.id) or await self._io(
+                self._ctx.service.adopt, attempt.service
+            )
+            if handle is not None:
+                await self._io(self._ctx.service.stop, handle)
+        except HostError as error:
+            _log.warning("attempt %s: stop not confirmed yet: %s", attempt.id, error)
+
+    # --- MonitorOps -----------------------------------------------------------------
+
+    async def watched(self) -> list[AttemptRecord]:
+        self._ticks += 1
+        if self._ticks % self._settings.rescan_ticks == 1:
+            records = await self._all_records()
+            self._watch.update(r.attempt_id for r in records if self._needs_watch(r))
+        found = []
+        for attempt_id in sorted(self._watch):
+            record = await self._db(self._ctx.ledger.get, attempt_id)
+            if record is not None and self._needs_watch(record):
+                found.append(record)
+            else:
+                self._watch.discard(attempt_id)
+        return found
+
+    def start_running(self, attempt_id: str) -> bool:
+        return attempt_id in self._starting
+
+    def abort_start(self, attempt_id: str) -> None:
+        self._abort.add(attempt_id)
+
+    async def expire(self, record: AttemptRecord) -> None:
+        await self._apply(record, lifecycle.LeaseExpired())
+
+    async def stop(self, record: AttemptRecord) -> None:
+        attempt = await self._attempt(record)
+        await self._stop_service(attempt)
+        handle = self._handles.get(attempt.id) or await self._io(
+            self._ctx.service.adopt, attempt.service
+        )
+        if handle is None or not await self._io(self._ctx.service.members, handle):
+            await self._apply(record, lifecycle.Stopped())
+
+    async def observe(self, records: Sequence[AttemptRecord]) -> None:
+        await _gather_logged(self._observe_one(r) for r in records)
+
+    async def _observe_one(self, record: AttemptRecord) -> None:
+        attempt = await self._attempt(record)
+        context = await self._later_context(attempt)
+        result = await self._batcher.call(attempt.provider, "observe", context)
+        if result.code == PROVIDER_TIMEOUT:
+            await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
+            return
+        handle = self._handles.get(attempt.id) or await self._io(
+            self._ctx.service.adopt, attempt.service
+        )
+        try:
+            seen = _observation(result)
+        except HostError:
+            seen = None
+        if seen is not None and seen.phase == "finished" and seen.exit_code is not None:
+            exited = (
+                None if handle is None else await self._io(self._ctx.service.exit_status, handle)
+            )
+            if exited is not None and exited != seen.exit_code:
+                # The service's own main process disagrees with the provider: neither
+                # can be trusted as the outcome.
+                await self._apply(record, lifecycle.OutcomeLost(reason="outcome_conflict"))
+                return
+            await self._apply(record, lifecycle.Finished(exit_code=seen.exit_code))
+            return
+        alive = handle is not None and bool(await self._io(self._ctx.service.members, handle))
+        if not alive:
+            # The service is gone but the provider reports no exit: unreadable outcome.
+            await self._apply(record, lifecycle.OutcomeLost(reason="outcome_unreadable"))
+
+    async def cleanup(self, record: AttemptRecord) -> None:
+        fresh = await self._db(self._ctx.ledger.get, record.attempt_id)
+        if fresh is None or fresh.status.state not in lifecycle.SETTLED:
+            return
+        if fresh.status.cleanup_confirmed or fresh.slot_id is None:
+            return
+        attempt = await self._attempt(fresh)
+        try:
+            handle = self._handles.get(attempt.id) or await self._io(
+                self._ctx.service.adopt, attempt.service
+            )
+            if handle is not None:
+                await self._io(self._ctx.service.stop, handle)
+                idle = await self._io(self._ctx.service.is_idle, handle, attempt.slot.uid)
+            else:
+                idle = await self._io(self._ctx.service.account_idle, attempt.slot.uid)
+        except HostError as error:
+            _log.warning("attempt %s: cleanup not confirmed: %s", attempt.id, error)
+            idle = False
+        if idle:
+            await self._apply(fresh, lifecycle.CleanupConfirmed())
+        elif not fresh.status.quarantined:
+            await self._apply(fresh, lifecycle.CleanupFailed())
+
+    # --- reading the ledger -------------------------------------------------------
+
+    async def _all_records(self) -> list[AttemptRecord]:
+        records: list[AttemptRecord] = []
+        after: str | None = None
+        while True:
+            page, after = await self._db(self._ctx.ledger.page, after)
+            records += page
+            if after is None:
+                return records
+
+    @staticmethod
+    def _needs_watch(record: AttemptRecord) -> bool:
+        status = record.status
+        if status.state in lifecycle.ACTIVE:
+            return True
+        return status.state in lifecycle.SETTLED and not status.cleanup_confirmed
+
+
+# --- blocking helpers (run in worker threads) ---------------------------------------
+
+
+def _verified_storage(attempt: _Attempt) -> dict[str, Any]:
+    """The storage binding: the slot-owned storage directory on the slot's filesystem."""
+    fd = attempt.layout.open_part(attempt.id, layout.STORAGE)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    slot = os.stat(attempt.slot.path, follow_symlinks=False)
+    if st.st_dev != slot.st_dev:
+        raise HostError(
+            "storage_unverified",
+            f"{attempt.paths.storage} is not on the slot's reserved filesystem; check the slot",
+        )
+    limits = attempt.plan.job.limits
+    return {
+        "path": attempt.paths.storage,
+        "device": st.st_dev,
+        "inode": st.st_ino,
+        "bytes": limits.storage_bytes,
+        "inodes": limits.storage_inodes,
+    }
+
+
+def _write_marker(attempt: _Attempt) -> None:
+    control = attempt.layout.open_part(attempt.id, layout.CONTROL)
+    try:
+        gate.write_release_marker(control, RELEASE_MARKER, group=attempt.slot.gid)
+    finally:
+        os.close(control)
+
+
+def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
+    """The limits the kernel reports must be the plan's (memory in whole pages)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    wrong = []
+    if controls.processes != limits.processes:
+        wrong.append(f"processes {controls.processes} != {limits.processes}")
+    if controls.cpu_millis != limits.cpu_millis:
+        wrong.append(f"cpu_millis {controls.cpu_millis} != {limits.cpu_millis}")
+    if controls.memory_bytes != limits.memory_bytes // page * page:
+        wrong.append(f"memory_bytes {controls.memory_bytes} != {limits.memory_bytes}")
+    if controls.swap_bytes is not None and controls.swap_bytes > limits.swap_bytes:
+        wrong.append(f"swap_bytes {controls.swap_bytes} > {limits.swap_bytes}")
+    if wrong:
+        raise HostError(
+            "service_limits", "the service does not enforce the plan: " + "; ".join(wrong)
+        )
+
+
+async def _gather_logged(jobs: Any) -> None:
+    for result in await asyncio.gather(*jobs, return_exceptions=True):
+        if isinstance(result, Exception):
+            _log.error("runner job failed: %r", result)
+        elif isinstance(result, BaseException):
+            raise result

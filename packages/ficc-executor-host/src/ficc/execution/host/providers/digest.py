@@ -1,0 +1,536 @@
+"""The distribution digest an administrator pins, computed without importing anything.
+
+A provider runs with administrator authority, so the host must know exactly which
+bytes it is about to execute. The digest is the SHA-256 of canonical JSON (sorted
+keys, compact separators, UTF-8) of::
+
+    {"name": normalized distribution name, "version": ..., "entry_point": value,
+     "metadata_sha256": SHA-256 of the METADATA bytes,
+     "files": [{"path": RECORD path, "size": bytes, "sha256": hex}, ...]}
+
+Every file is re-hashed from disk through directory descriptors opened with
+O_NOFOLLOW; RECORD is only used to know which files exist and is itself checked
+against the disk (a disagreement means someone edited the installation).
+
+Refused, each with a stable code:
+- `provider_missing` / `provider_ambiguous`: zero or several distributions register
+  the entry-point name (a second copy could shadow the pinned one at import time).
+- `provider_unsupported`: not an unpacked wheel-style install (no RECORD, a zip, a
+  namespace-only package, limits exceeded).
+- `provider_editable`: an editable install (direct_url.json says so, or RECORD lists
+  a `.pth` file): the code lives in a source tree the pin does not cover.
+- `provider_tampered`: a listed file is missing or differs from RECORD, or a file
+  inside a package directory is not listed.
+- `provider_unsafe`: a symlink, hard link, special file, setuid/setgid file, a file or
+  directory writable by group or others, or one not owned by root (by root or the
+  current user when not running as root).
+
+Bytecode caches (`__pycache__/*.pyc`) are excluded from the digest, listed or not:
+pip writes them with install-time timestamps (so they would make the pin change on
+every reinstall) and RECORD carries no hash for them. They are still checked for
+owner, mode and links, and the loader never executes them (it compiles from the
+verified sources; see loader.py).
+
+Files RECORD lists outside the site directory (`../../bin/x` scripts of a virtualenv)
+are hashed too; the directories above the site directory are trusted as part of the
+interpreter installation and are not checked for symlinks. (`pip install --target`
+records console scripts at such paths but puts them elsewhere, so a provider with
+scripts installed that way is refused as tampered: install into a prefix or venv.)
+"""
+
+from __future__ import annotations
+
+import base64
+import configparser
+import csv
+import email.parser
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import stat
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from ficc.execution.host.errors import HostError
+
+GROUP = "ficc.executor"
+
+MAX_FILES = 10_000
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+MAX_SMALL_FILE_BYTES = 1024 * 1024  # METADATA, entry_points.txt, direct_url.json
+MAX_TOTAL_BYTES = 2 * 1024 * 1024 * 1024
+_CHUNK = 1024 * 1024
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+@dataclass(frozen=True)
+class ProviderDistribution:
+    """The one installed distribution that registers an entry-point name."""
+
+    entry_name: str
+    entry_point: str  # the entry-point value, e.g. "ficc_provider_podman"
+    dist_info: Path  # the .dist-info directory
+    site_dir: Path  # the directory the distribution is installed into
+
+
+@dataclass(frozen=True)
+class InstalledFile:
+    path: str  # as written in RECORD, relative to the site directory
+    size: int
+    sha256: str  # hex
+
+
+@dataclass(frozen=True)
+class DistributionDigest:
+    """What the host verified; `digest` is what an administrator pins."""
+
+    distribution: ProviderDistribution
+    name: str  # normalized
+    version: str
+    metadata_sha256: str
+    files: tuple[InstalledFile, ...]
+    import_roots: frozenset[str]  # top-level packages / modules this distribution installs
+    digest: str  # "sha256:<hex>"
+
+    def verified_paths(self) -> frozenset[str]:
+        """Absolute, normalized paths of every hashed file (the loader's allow-list)."""
+        site = self.distribution.site_dir
+        return frozenset(os.path.normpath(site / f.path) for f in self.files)
+
+
+def normalize_name(name: str) -> str:
+    """PEP 503 normalization, so `Foo_Bar` and `foo-bar` pin identically."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def find_distribution(name: str, path: Sequence[str] | None = None) -> ProviderDistribution:
+    """Find the single distribution registering `name` in group `ficc.executor`.
+
+    `path` defaults to sys.path; tests pass an isolated site directory. Duplicate
+    sys.path entries are not a second distribution, a second copy elsewhere is.
+    """
+    search = list(sys.path if path is None else path)
+    found: dict[Path, ProviderDistribution] = {}
+    for dist in metadata.distributions(path=search):
+        for entry in dist.entry_points:
+            if entry.group != GROUP or entry.name != name:
+                continue
+            dist_info = getattr(dist, "_path", None)
+            if not isinstance(dist_info, Path):
+                raise HostError(
+                    "provider_unsupported",
+                    f"provider {name!r} comes from a distribution that is not an unpacked "
+                    "directory install; install its wheel with pip into site-packages",
+                )
+            dist_info = Path(os.path.abspath(dist_info))
+            found[dist_info] = ProviderDistribution(name, entry.value, dist_info, dist_info.parent)
+    if not found:
+        raise HostError(
+            "provider_missing",
+            f"no installed distribution registers {name!r} in entry-point group {GROUP!r}; "
+            "install the provider or fix the provider id in the configuration",
+        )
+    if len(found) > 1:
+        places = ", ".join(sorted(str(p) for p in found))
+        raise HostError(
+            "provider_ambiguous",
+            f"several distributions register {name!r} in {GROUP!r} ({places}); "
+            "uninstall all but the one you intend to pin",
+        )
+    return next(iter(found.values()))
+
+
+def compute_digest(name: str, path: Sequence[str] | None = None) -> DistributionDigest:
+    """Verify the distribution registering `name` and compute its digest. Imports nothing."""
+    dist = find_distribution(name, path)
+    site_fd = os.open(dist.site_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _Verifier(dist, site_fd).run()
+    finally:
+        os.close(site_fd)
+
+
+def _refuse(code: str, message: str) -> HostError:
+    return HostError(
+        code,
+        message + "; review the installation, reinstall the provider "
+        "wheel with pip as root, then re-run provider-digest",
+    )
+
+
+def _is_bytecode_cache(relpath: str) -> bool:
+    parts = relpath.split("/")
+    return len(parts) >= 2 and parts[-2] == "__pycache__" and parts[-1].endswith(".pyc")
+
+
+def _record_hash(value: str) -> str | None:
+    """RECORD's `sha256=<urlsafe b64>` as hex; None when RECORD has no hash."""
+    if not value:
+        return None
+    algorithm, _, encoded = value.partition("=")
+    if algorithm != "sha256":
+        return None
+    padded = encoded + "=" * (-len(encoded) % 4)
+    try:
+        return base64.urlsafe_b64decode(padded).hex()
+    except ValueError:
+        return ""  # never equal to a real hash: the file is refused as tampered
+
+
+class _Verifier:
+    """One verification pass over one distribution. Not reused."""
+
+    def __init__(self, dist: ProviderDistribution, site_fd: int) -> None:
+        self.dist = dist
+        self.site_fd = site_fd
+        self.dist_info_rel = dist.dist_info.name
+        self.total = 0
+        self.checked_dirs: set[str] = set()
+        self.small: dict[str, bytes] = {}
+
+    # ---- the pass -------------------------------------------------------------------
+
+    def run(self) -> DistributionDigest:
+        record = self._read_record()
+        self._refuse_editable(record)
+        files: list[InstalledFile] = []
+        for relpath, (record_sha, record_size) in sorted(record.items()):
+            checked = self._check_file(relpath, record_sha, record_size)
+            if checked is not None:
+                files.append(checked)
+        roots = self._import_roots(record)
+        for root in [*sorted(roots.dirs), self.dist_info_rel]:
+            self._refuse_unlisted(root, record)
+        name, version, metadata_sha = self._metadata()
+        self._confirm_entry_point()
+        document = {
+            "name": name,
+            "version": version,
+            "entry_point": self.dist.entry_point,
+            "metadata_sha256": metadata_sha,
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
+        }
+        canonical = json.dumps(
+            document, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        ).encode("utf-8")
+        return DistributionDigest(
+            distribution=self.dist,
+            name=name,
+            version=version,
+            metadata_sha256=metadata_sha,
+            files=tuple(files),
+            import_roots=roots.names,
+            digest="sha256:" + hashlib.sha256(canonical).hexdigest(),
+        )
+
+    # ---- RECORD -----------------------------------------------------------------------
+
+    def _read_record(self) -> dict[str, tuple[str | None, int | None]]:
+        relpath = f"{self.dist_info_rel}/RECORD"
+        try:
+            fd = self._open_file(relpath)
+        except HostError as error:
+            if error.code != "provider_tampered":
+                raise
+            raise HostError(
+                "provider_unsupported",
+                f"{self.dist.dist_info} has no RECORD (not a wheel install); "
+                "install the provider wheel with pip",
+            ) from None
+        try:
+            data = self._read_bounded(fd, relpath, MAX_RECORD_BYTES)
+        finally:
+            os.close(fd)
+        try:
+            rows = list(csv.reader(io.StringIO(data.decode("utf-8"))))
+        except (UnicodeDecodeError, csv.Error):
+            raise _refuse("provider_tampered", "RECORD is not UTF-8 CSV") from None
+        record: dict[str, tuple[str | None, int | None]] = {}
+        for row in rows:
+            if not row:
+                continue
+            if len(row) != 3 or not (row[2] == "" or row[2].isdigit()):
+                raise _refuse("provider_tampered", f"RECORD row {row!r} is malformed")
+            path, hash_value, size = row
+            self._check_record_path(path)
+            if path in record:
+                raise _refuse("provider_tampered", f"RECORD lists {path!r} twice")
+            record[path] = (_record_hash(hash_value), int(size) if size else None)
+            if len(record) > MAX_FILES:
+                raise HostError("provider_unsupported", f"RECORD lists more than {MAX_FILES} files")
+        if relpath not in record:
+            raise _refuse("provider_tampered", "RECORD does not list itself")
+        return record
+
+    def _check_record_path(self, path: str) -> None:
+        parts = path.split("/")
+        leading = 0
+        while leading < len(parts) and parts[leading] == "..":
+            leading += 1
+        body = parts[leading:]
+        if (
+            not body
+            or path.startswith("/")
+            or "\x00" in path
+            or "\\" in path
+            or any(part in ("", ".", "..") for part in body)
+        ):
+            raise _refuse("provider_tampered", f"RECORD path {path!r} is not a plain relative path")
+
+    def _refuse_editable(self, record: dict[str, tuple[str | None, int | None]]) -> None:
+        pth = [p for p in record if p.endswith(".pth")]
+        if pth:
+            raise HostError(
+                "provider_editable",
+                f"the provider installs path hooks {pth}; editable or path-hook installs "
+                "cannot be pinned: install the provider wheel itself",
+            )
+        direct_url = f"{self.dist_info_rel}/direct_url.json"
+        if direct_url not in record:
+            return
+        fd = self._open_file(direct_url)
+        try:
+            data = self._read_bounded(fd, direct_url, MAX_SMALL_FILE_BYTES)
+        finally:
+            os.close(fd)
+        try:
+            info = json.loads(data)
+        except ValueError:
+            raise _refuse("provider_tampered", "direct_url.json is not JSON") from None
+        dir_info = info.get("dir_info") if isinstance(info, dict) else None
+        if isinstance(dir_info, dict) and dir_info.get("editable"):
+            raise HostError(
+                "provider_editable",
+                f"{self.dist.dist_info.name} is an editable install of {info.get('url')!r}; "
+                "a pinned provider must be an installed wheel: pip install the built wheel",
+            )
+
+    # ---- files ------------------------------------------------------------------------
+
+    def _check_file(
+        self, relpath: str, record_sha: str | None, record_size: int | None
+    ) -> InstalledFile | None:
+        """Hash one listed file; None for bytecode caches (checked, not digested)."""
+        fd = self._open_file(relpath)
+        try:
+            size = os.fstat(fd).st_size
+            if _is_bytecode_cache(relpath):
+                return None
+            is_record = relpath == f"{self.dist_info_rel}/RECORD"
+            if record_sha is None and not is_record:
+                raise _refuse("provider_tampered", f"RECORD has no sha256 for {relpath!r}")
+            keep = relpath.startswith(self.dist_info_rel + "/") and size <= MAX_SMALL_FILE_BYTES
+            sha, data = self._hash(fd, relpath, size, keep)
+        finally:
+            os.close(fd)
+        if not is_record and (record_sha != sha or record_size not in (None, size)):
+            raise _refuse(
+                "provider_tampered", f"{relpath!r} on disk differs from the distribution's RECORD"
+            )
+        if data is not None:
+            self.small[relpath] = data
+        return InstalledFile(relpath, size, sha)
+
+    def _hash(self, fd: int, relpath: str, size: int, keep: bool) -> tuple[str, bytes | None]:
+        self.total += size
+        if self.total > MAX_TOTAL_BYTES:
+            raise HostError(
+                "provider_unsupported", f"the distribution exceeds {MAX_TOTAL_BYTES} bytes"
+            )
+        digest = hashlib.sha256()
+        kept = bytearray()
+        seen = 0
+        while chunk := os.read(fd, _CHUNK):
+            seen += len(chunk)
+            if seen > size:
+                break
+            digest.update(chunk)
+            if keep:
+                kept += chunk
+        if seen != size:
+            raise _refuse("provider_tampered", f"{relpath!r} changed size while being hashed")
+        return digest.hexdigest(), bytes(kept) if keep else None
+
+    def _read_bounded(self, fd: int, relpath: str, limit: int) -> bytes:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise HostError("provider_unsupported", f"{relpath!r} is larger than {limit} bytes")
+        return self._hash(fd, relpath, size, keep=True)[1] or b""
+
+    # ---- opening without following links ----------------------------------------------
+
+    def _open_file(self, relpath: str) -> int:
+        """Open a listed file for reading; refuse anything but a safe regular file."""
+        parts = relpath.split("/")
+        if parts[0] == "..":
+            parent, name = None, os.path.normpath(os.path.join(self.dist.site_dir, relpath))
+        else:
+            parent, name = self._open_dir("/".join(parts[:-1])), parts[-1]
+        try:
+            self._refuse_special(parent, name, relpath)
+            fd = self._openat(parent, name, _FILE_FLAGS, relpath)
+        finally:
+            if parent not in (None, self.site_fd):
+                os.close(parent)
+        try:
+            _check_safe(os.fstat(fd), relpath, directory=False)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _refuse_special(self, dir_fd: int | None, name: str, relpath: str) -> None:
+        """Opening a device or FIFO can have effects of its own: look before opening."""
+        try:
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return  # _openat reports it as missing
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+            raise _refuse("provider_unsafe", f"{relpath!r} is not a regular file")
+
+    def _open_dir(self, reldir: str) -> int:
+        """Walk `reldir` below the site directory one component at a time, no links."""
+        fd = self.site_fd
+        walked: list[str] = []
+        for part in reldir.split("/") if reldir else []:
+            walked.append(part)
+            here = "/".join(walked)
+            try:
+                child = self._openat(fd, part, _DIR_FLAGS, here)
+            finally:
+                if fd != self.site_fd:
+                    os.close(fd)
+            fd = child
+            if here not in self.checked_dirs:
+                try:
+                    _check_safe(os.fstat(fd), here, directory=True)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self.checked_dirs.add(here)
+        return fd
+
+    def _openat(self, dir_fd: int | None, name: str, flags: int, relpath: str) -> int:
+        try:
+            return os.open(name, flags, dir_fd=dir_fd)
+        except FileNotFoundError:
+            missing = f"{relpath!r} is listed in RECORD but missing"
+            raise _refuse("provider_tampered", missing) from None
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink where none may be
+                linked = f"{relpath!r} is or passes through a symlink"
+                raise _refuse("provider_unsafe", linked) from None
+            unreadable = f"cannot open {relpath!r}: {error.strerror}"
+            raise _refuse("provider_tampered", unreadable) from None
+
+    # ---- unlisted files -----------------------------------------------------------------
+
+    def _import_roots(self, record: dict[str, tuple[str | None, int | None]]) -> _Roots:
+        """The top-level packages (directories) and modules this distribution installs."""
+        dirs: set[str] = set()
+        names: set[str] = set()
+        for relpath in record:
+            parts = relpath.split("/")
+            if parts[0] in ("..", self.dist_info_rel) or parts[0].endswith(".data"):
+                continue
+            if len(parts) == 1 and relpath.endswith(".py"):
+                names.add(relpath[: -len(".py")])
+            elif len(parts) == 1 and ".cpython-" in relpath and relpath.endswith(".so"):
+                names.add(relpath.split(".")[0])
+            elif len(parts) > 1 and f"{parts[0]}/__init__.py" in record:
+                dirs.add(parts[0])
+                names.add(parts[0])
+        return _Roots(frozenset(dirs), frozenset(names))
+
+    def _refuse_unlisted(self, root: str, record: dict[str, tuple[str | None, int | None]]) -> None:
+        fd = self._open_dir(root)
+        try:
+            for relpath, mode in self._walk(fd, root):
+                if stat.S_ISREG(mode) and (relpath in record or _is_bytecode_cache(relpath)):
+                    continue
+                raise _refuse(
+                    "provider_tampered",
+                    f"{relpath!r} is inside the provider's package directories "
+                    "but not listed in its RECORD",
+                )
+        finally:
+            os.close(fd)
+
+    def _walk(self, dir_fd: int, reldir: str) -> Iterator[tuple[str, int]]:
+        """Every non-directory below dir_fd, checked for links, owner and mode."""
+        names = sorted(os.listdir(dir_fd))
+        if len(names) > MAX_FILES:
+            raise HostError("provider_unsupported", f"{reldir!r} has more than {MAX_FILES} entries")
+        for name in names:
+            relpath = f"{reldir}/{name}"
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISDIR(info.st_mode):
+                child = self._openat(dir_fd, name, _DIR_FLAGS, relpath)
+                try:
+                    _check_safe(os.fstat(child), relpath, directory=True)
+                    yield from self._walk(child, relpath)
+                finally:
+                    os.close(child)
+            else:
+                _check_safe(info, relpath, directory=False)
+                yield relpath, info.st_mode
+
+    # ---- metadata ---------------------------------------------------------------------
+
+    def _metadata(self) -> tuple[str, str, str]:
+        data = self.small.get(f"{self.dist_info_rel}/METADATA")
+        if data is None:
+            raise HostError("provider_unsupported", "the distribution has no METADATA in RECORD")
+        headers = email.parser.BytesParser().parsebytes(data, headersonly=True)
+        name, version = headers.get("Name"), headers.get("Version")
+        if not name or not version:
+            raise _refuse("provider_tampered", "METADATA lacks Name or Version")
+        return normalize_name(str(name)), str(version), hashlib.sha256(data).hexdigest()
+
+    def _confirm_entry_point(self) -> None:
+        """The value we pin must be the one in the verified entry_points.txt bytes."""
+        data = self.small.get(f"{self.dist_info_rel}/entry_points.txt")
+        parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
+        parser.optionxform = str  # type: ignore[assignment,method-assign]
+        try:
+            parser.read_string((data or b"").decode("utf-8"))
+            value = parser.get(GROUP, self.dist.entry_name, fallback=None)
+        except (configparser.Error, UnicodeDecodeError):
+            value = None
+        if value is None or value.strip() != self.dist.entry_point:
+            raise _refuse(
+                "provider_tampered", "entry_points.txt changed while the provider was checked"
+            )
+
+
+@dataclass(frozen=True)
+class _Roots:
+    dirs: frozenset[str]
+    names: frozenset[str]
+
+
+def _check_safe(info: os.stat_result, relpath: str, *, directory: bool) -> None:
+    """Refuse what another account could change, and anything that is not plain."""
+    kind = "directory" if directory else "regular file"
+    expected = stat.S_ISDIR if directory else stat.S_ISREG
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse("provider_unsafe", f"{relpath!r} is a symlink")
+    if not expected(info.st_mode):
+        raise _refuse("provider_unsafe", f"{relpath!r} is not a {kind}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _refuse("provider_unsafe", f"{relpath!r} is writable by group or others")
+    if not directory and info.st_mode & (stat.S_ISUID | stat.S_ISGID):
+        raise _refuse("provider_unsafe", f"{relpath!r} is setuid or setgid")
+    if not directory and info.st_nlink != 1:
+        raise _refuse("provider_unsafe", f"{relpath!r} has {info.st_nlink} hard links")
+    allowed = {0} if os.geteuid() == 0 else {0, os.geteuid()}
+    if info.st_uid not in allowed:
+        raise _refuse("provider_unsafe", f"{relpath!r} is owned by uid {info.st_uid}, not root")

@@ -1,0 +1,423 @@
+"""The daemon's socket shell: accept, check the peer, read one frame, dispatch, reply.
+
+A thin asyncio shell around the sans-I/O codecs of ficc-protocol and the daemon's
+`dispatch` (DESIGN 5.10). Per connection, in this order:
+
+1. `accept`, then SO_PEERCRED: a peer whose UID does not own this socket is refused
+   before a single byte is read from it. The refusal is one `not_authorized` reply
+   frame (request ID `"0" * 32`, since no request was read), sent without blocking,
+   then the connection is closed. A reply rather than a bare close, so a misdirected
+   client learns why; the Client rejects it as a ReplyMismatch (ID zero), which is
+   still a clear error.
+2. Connection bounds: over the overall or per-socket bound, the peer gets one `busy`
+   reply (ID zero) and a close, again without anything read.
+3. One frame, within `read_timeout` (a slow peer is cut off, without a reply), at most
+   12 MiB, and only if the request-byte budget has room (else `busy`): the header is
+   checked before the payload is buffered.
+4. `decode_request` (large frames off the loop), then `may_send` from the socket kind
+   alone; every refusal is an ErrorReply with the ProtocolError's code, its JSON path in
+   the message, and the request ID when it could be read.
+5. `await daemon.dispatch(sender, uid, request)`; an exception there is a bug: the peer
+   gets `internal`, the log gets the traceback, the server keeps serving.
+6. One reply frame within `write_timeout`, then close. One request per connection.
+
+Logs are JSON lines on stderr (`ts, level, event, socket, uid, action, id, code,
+duration_ms`), one per connection outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from ficc.execution.errors import ErrorCode, ProtocolError
+from ficc.execution.frames import HEADER, REPLY_MAX, REQUEST_MAX, FrameError, check_length
+from ficc.execution.host.authority import SocketKind
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.peercred import Endpoint, check_peer, listen, peer_credentials
+from ficc.execution.protocol import AnyRequest, Sender, decode_request, may_send
+from ficc.execution.wire import AnyReply, ErrorReply, encode_reply, error_reply
+
+SENDERS: dict[SocketKind, Sender] = {
+    SocketKind.TRANSPORT: Sender.TRANSPORT,
+    SocketKind.ADMINISTRATOR: Sender.ADMINISTRATOR,
+    SocketKind.LOCAL_OWNER: Sender.OWNER,
+}
+"""The sender a socket's kind stands for: authority comes from the socket only."""
+
+_OFF_LOOP_BYTES = 256 * 1024
+"""Frames larger than this are decoded in a worker thread (base64 + SHA-256 of chunks)."""
+
+
+class Dispatcher(Protocol):
+    """What the shell needs from the daemon (the contract in DAEMON.md)."""
+
+    async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply: ...
+
+    def input_chunk_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds that keep a slow, busy or malicious peer from holding the daemon.
+
+    `request_budget_bytes` bounds the request bytes buffered over all connections at
+    once (a frame's declared length is reserved before its payload is read), so memory
+    stays bounded however many peers send 12 MiB frames together.
+    """
+
+    max_connections: int = 64
+    max_connections_per_socket: int = 48
+    read_timeout: float = 30.0
+    write_timeout: float = 30.0
+    request_budget_bytes: int = 48 * 1024 * 1024
+    shutdown_grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        if min(self.max_connections, self.max_connections_per_socket) < 1:
+            raise ValueError("connection bounds must be at least 1")
+        if self.request_budget_bytes < REQUEST_MAX:
+            raise ValueError("the request budget must hold at least one largest request")
+
+
+Log = Callable[[dict[str, Any]], None]
+
+
+def stderr_log(record: dict[str, Any]) -> None:
+    """Write one JSON line to stderr (the journal under systemd)."""
+    sys.stderr.write(msgspec.json.encode(record).decode() + "\n")
+    sys.stderr.flush()
+
+
+class _Refused(Exception):
+    """End the connection with this reply (or none); carries what the log line needs."""
+
+    def __init__(self, reply: ErrorReply | None, event: str) -> None:
+        super().__init__(event)
+        self.reply = reply
+        self.event = event
+
+
+@dataclass
+class _Connection:
+    """What one connection's log line says about it."""
+
+    endpoint: Endpoint
+    uid: int | None = None
+    action: str | None = None
+    request_id: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class Server:
+    """The listening sockets of one daemon and the connections they carry."""
+
+    def __init__(self, daemon: Dispatcher, limits: ServerLimits, log: Log = stderr_log) -> None:
+        self.daemon = daemon
+        self.limits = limits
+        self.log = log
+        self._active: dict[str, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._budget = limits.request_budget_bytes
+
+    @property
+    def active(self) -> int:
+        return sum(self._active.values())
+
+    # --- accepting ------------------------------------------------------------------
+
+    async def accept_loop(self, endpoint: Endpoint, listener: socket.socket) -> None:
+        """Accept forever on one socket; each connection runs in its own task."""
+        loop = asyncio.get_running_loop()
+        listener.setblocking(False)
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: back off, keep serving
+                self._event("error", "accept_failed", endpoint, message=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            self._admit(endpoint, conn)
+
+    def _admit(self, endpoint: Endpoint, conn: socket.socket) -> None:
+        """Peer check and bounds, synchronously and before any byte is read."""
+        conn.setblocking(False)
+        info = _Connection(endpoint)
+        try:
+            info.uid = peer_credentials(conn).uid
+            check_peer(endpoint, info.uid)
+        except HostError as exc:
+            self._refuse_now(conn, info, "peer_refused", ErrorCode.NOT_AUTHORIZED, exc.message)
+            return
+        except OSError as exc:
+            self._refuse_now(conn, info, "peer_unreadable", ErrorCode.NOT_AUTHORIZED, str(exc))
+            return
+        here = self._active.get(endpoint.path, 0)
+        if self.active >= self.limits.max_connections:
+            self._refuse_now(conn, info, "busy", ErrorCode.BUSY, _busy("the executor"))
+            return
+        if here >= self.limits.max_connections_per_socket:
+            self._refuse_now(conn, info, "busy", ErrorCode.BUSY, _busy(endpoint.name))
+            return
+        self._active[endpoint.path] = here + 1
+        task = asyncio.get_running_loop().create_task(self._serve(conn, info))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _refuse_now(
+        self, conn: socket.socket, info: _Connection, event: str, code: str, message: str
+    ) -> None:
+        """Send one small refusal without waiting (a fresh socket buffer holds it), close."""
+        payload = encode_reply(error_reply(None, code, message))
+        with contextlib.suppress(OSError):
+            conn.send(HEADER.pack(len(payload)) + payload)
+        self._event("warning", event, info.endpoint, code=code, info=info)
+        conn.close()
+
+    # --- one connection ---------------------------------------------------------------
+
+    async def _serve(self, conn: socket.socket, info: _Connection) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=conn)
+        except OSError:
+            conn.close()
+            self._release(info)
+            return
+        try:
+            reply = await self._reply_for(reader, info)
+            if reply is not None:
+                await self._write(writer, reply, info)
+        finally:
+            self._release(info)
+            if writer.transport.get_write_buffer_size():  # unsent after a write timeout
+                writer.transport.abort()
+            writer.close()
+            with contextlib.suppress(OSError, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await writer.wait_closed()
+
+    def _release(self, info: _Connection) -> None:
+        path = info.endpoint.path
+        self._active[path] -= 1
+        if not self._active[path]:
+            del self._active[path]
+
+    async def _reply_for(self, reader: asyncio.StreamReader, info: _Connection) -> AnyReply | None:
+        """The reply to send, or None to close silently (timeout, EOF)."""
+        try:
+            request = await self._read_request(reader, info)
+            return await self._dispatch(request, info)
+        except _Refused as refused:
+            code = refused.reply.error.code if refused.reply is not None else None
+            self._event("warning", refused.event, info.endpoint, code=code, info=info)
+            return refused.reply
+        except Exception as exc:  # a bug below the decoder: answer, log, keep serving
+            self._event(
+                "error",
+                "request_failed",
+                info.endpoint,
+                code=ErrorCode.INTERNAL,
+                info=info,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(limit=20),
+            )
+            return _internal(info.request_id, "the executor failed while reading this request")
+
+    async def _read_request(self, reader: asyncio.StreamReader, info: _Connection) -> AnyRequest:
+        frame = await self._read_frame(reader)
+        try:
+            if len(frame) > _OFF_LOOP_BYTES:
+                request = await asyncio.to_thread(self._decode, frame)
+            else:
+                request = self._decode(frame)
+        except ProtocolError as exc:
+            info.request_id = exc.request_id
+            message = f"{exc.message} (at {exc.path})"
+            refusal = error_reply(exc.request_id, exc.code, message)
+            raise _Refused(refusal, "request_refused") from None
+        info.action, info.request_id = request.action, request.id
+        sender = SENDERS[info.endpoint.kind]
+        if not may_send(sender, request.action):
+            message = (
+                f"{info.endpoint.name} ({sender.value}) may not send {request.action!r}; "
+                "see the action table in docs/protocol.md"
+            )
+            raise _Refused(
+                error_reply(request.id, ErrorCode.NOT_AUTHORIZED, message), "action_refused"
+            )
+        return request
+
+    def _decode(self, frame: bytes) -> AnyRequest:
+        return decode_request(frame, input_chunk_bytes=self.daemon.input_chunk_bytes())
+
+    async def _read_frame(self, reader: asyncio.StreamReader) -> bytes:
+        """One frame: header within the read timeout, budget reserved, then the payload."""
+        try:
+            async with asyncio.timeout(self.limits.read_timeout):
+                header = await reader.readexactly(HEADER.size)
+                (length,) = HEADER.unpack(header)
+                check_length(length, REQUEST_MAX)
+                if length > self._budget:
+                    message = _busy("the executor's request buffer")
+                    raise _Refused(error_reply(None, ErrorCode.BUSY, message), "busy")
+                self._budget -= length
+                try:
+                    return await reader.readexactly(length)
+                finally:
+                    self._budget += length
+        except FrameError as exc:
+            raise _Refused(error_reply(None, exc.code, exc.message), "frame_refused") from None
+        except TimeoutError:
+            raise _Refused(None, "read_timeout") from None
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial and exc.expected == HEADER.size:
+                raise _Refused(None, "closed_empty") from None
+            message = f"the peer ended the connection inside a frame ({len(exc.partial)} bytes)"
+            refusal = error_reply(None, ErrorCode.BAD_FRAME, message)
+            raise _Refused(refusal, "frame_truncated") from None
+        except ConnectionError:
+            raise _Refused(None, "connection_reset") from None
+
+    async def _dispatch(self, request: AnyRequest, info: _Connection) -> AnyReply:
+        sender = SENDERS[info.endpoint.kind]
+        assert info.uid is not None
+        try:
+            return await self.daemon.dispatch(sender, info.uid, request)
+        except Exception as exc:  # a bug in the daemon: answer, log, keep serving
+            self._event(
+                "error",
+                "handler_failed",
+                info.endpoint,
+                code=ErrorCode.INTERNAL,
+                info=info,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(limit=20),
+            )
+            return _internal(request.id, "the executor failed while handling this request")
+
+    async def _write(
+        self, writer: asyncio.StreamWriter, reply: AnyReply, info: _Connection
+    ) -> None:
+        payload = encode_reply(reply)
+        if len(payload) > REPLY_MAX:  # a handler bug: never send an oversized frame
+            self._event("error", "reply_too_large", info.endpoint, info=info, bytes=len(payload))
+            payload = encode_reply(_internal(info.request_id, "the reply was over 2 MiB"))
+        try:
+            async with asyncio.timeout(self.limits.write_timeout):
+                writer.write(HEADER.pack(len(payload)) + payload)
+                await writer.drain()
+        except TimeoutError:
+            self._event("warning", "write_timeout", info.endpoint, info=info)
+            return
+        except ConnectionError:
+            self._event("warning", "peer_gone", info.endpoint, info=info)
+            return
+        code = _code_of(reply)
+        level = "info" if code is None else "warning"
+        self._event(level, "request", info.endpoint, code=code, info=info)
+
+    # --- logs ---------------------------------------------------------------------------
+
+    def _event(
+        self,
+        level: str,
+        event: str,
+        endpoint: Endpoint,
+        *,
+        code: str | None = None,
+        info: _Connection | None = None,
+        **extra: Any,
+    ) -> None:
+        record: dict[str, Any] = {
+            "ts": time.time(),
+            "level": level,
+            "event": event,
+            "socket": endpoint.name,
+        }
+        if info is not None:
+            record.update(
+                uid=info.uid,
+                action=info.action,
+                id=info.request_id,
+                duration_ms=round((time.monotonic() - info.started) * 1000, 3),
+            )
+        record["code"] = code
+        record.update(extra)
+        with contextlib.suppress(Exception):  # a broken log sink must not stop the server
+            self.log(record)
+
+    # --- shutdown -----------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Let in-flight requests finish (within the grace period), then cancel the rest."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=self.limits.shutdown_grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+
+def _busy(what: str) -> str:
+    return f"{what} has too many open connections; retry shortly"
+
+
+def _internal(request_id: str | None, message: str) -> ErrorReply:
+    return error_reply(request_id, ErrorCode.INTERNAL, message)
+
+
+def _code_of(reply: AnyReply) -> str | None:
+    return reply.error.code if isinstance(reply, ErrorReply) else None
+
+
+async def serve(
+    daemon: Dispatcher,
+    endpoints: list[Endpoint],
+    *,
+    limits: ServerLimits,
+    ready: Callable[[], None] | None = None,
+    log: Log = stderr_log,
+) -> None:
+    """Listen on every endpoint, call `ready()`, and serve until cancelled.
+
+    Creating a socket can refuse (`socket_unsafe`, `socket_in_use`, a HostError) before
+    anything is served; sockets already created are closed again. On cancellation the
+    listeners close first (new peers get ECONNREFUSED), in-flight requests get
+    `limits.shutdown_grace` seconds, then cancellation propagates.
+    """
+    server = Server(daemon, limits, log)
+    listeners: list[tuple[Endpoint, socket.socket]] = []
+    try:
+        for endpoint in endpoints:
+            listeners.append((endpoint, listen(endpoint, backlog=limits.max_connections)))
+        loops = [asyncio.ensure_future(server.accept_loop(e, s)) for e, s in listeners]
+        for endpoint, _ in listeners:
+            server._event("info", "listening", endpoint, peer_uid=endpoint.peer_uid)
+        if ready is not None:
+            ready()
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            for _, sock in listeners:
+                sock.close()
+            await server.drain()
+    finally:
+        for _, sock in listeners:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+__all__ = ["SENDERS", "Dispatcher", "Log", "Server", "ServerLimits", "serve", "stderr_log"]

@@ -1,0 +1,23 @@
+"""The system service enclosing each attempt (DESIGN 5.7): interface and backends."""
+
+from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc.execution.host.service.interface import (
+    Controls,
+    DeviceAccess,
+    DeviceRule,
+    ServiceHandle,
+    ServiceLimits,
+    ServiceSpec,
+    SystemService,
+)
+
+__all__ = [
+    "CgroupfsService",
+    "Controls",
+    "DeviceAccess",
+    "DeviceRule",
+    "ServiceHandle",
+    "ServiceLimits",
+    "ServiceSpec",
+    "SystemService",
+]

@@ -1,0 +1,782 @@
+"""The `cgroupfs` system service: the daemon manages the attempt's cgroups itself.
+
+For hosts without systemd as PID 1 (DESIGN 5.7). Each attempt gets a node
+`<base>/<name>` in every hierarchy of the layout (`cgroups.discover`): on a v1 host
+in every v1 hierarchy plus the unified tree (for `cgroup.kill`); on a v2 host in the
+unified tree. Limits and the closed device policy are written on the node, read
+back, and the node gets two children: `supervisor`, where the provider's argv runs,
+and `payload`, which the provider's runtime creates under it (`supervisor_cgroup`).
+A child is needed because cgroup v2 forbids processes in a node whose controllers
+are delegated to children; v1 uses the same shape so both versions behave alike.
+
+Starting the program inside the tree, as the slot account, before it runs any of its
+own code, uses a start gate rather than `preexec_fn` (unsafe in a threaded daemon):
+
+1. `subprocess.Popen` (fork+exec in C: no Python runs in the child) starts a tiny
+   shim interpreter as the slot account, with an empty environment, no supplementary
+   groups, a new session, the output files as stdout/stderr and two pipes.
+2. The shim sets RLIMIT_CORE to 0/0 and RLIMIT_NOFILE to N/N itself (root here lacks
+   CAP_SYS_RESOURCE, so prlimit(2) on another user's process is not an option),
+   reports "ready" and blocks reading the gate pipe.
+3. The host checks the shim's credentials and rlimits in /proc, writes its PID into
+   every `supervisor/cgroup.procs`, checks /proc/PID/cgroup, and only then sends the
+   argv and environment through the gate pipe (so neither appears in the shim's
+   world-readable /proc cmdline or environ) and closes it.
+4. The shim execs the argv; its ready pipe is close-on-exec, so the host reads EOF
+   when the exec succeeded and an errno when it failed (then `create` refuses). If the
+   host dies before step 3 completes, the shim reads an incomplete order and exits
+   125 without running anything.
+
+The account is the slot account; UID/GID 0 is refused unless the backend is built
+with `root_supervisor=True`, for a rootful runtime (Podman with a UID map, as in the
+design's recipe) whose payload the gate then checks for the slot account's IDs.
+
+Stopping never signals a bare PID number: the unified node's `cgroup.kill` empties
+the tree atomically where available, and otherwise the tree is frozen and each
+member is killed through a pidfd after checking it is still in the tree, so a
+recycled PID of another process is never hit.
+
+On cgroup v2 the closed device policy is an eBPF program (`bpfdevices`), read back
+from the kernel like every other control; if the kernel refuses it, `create`
+refuses with `service_devices_unenforceable` rather than run with open devices.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.service import bpfdevices, cgroups
+from ficc.execution.host.service.cgroups import UNIFIED, Layout
+from ficc.execution.host.service.interface import (
+    Controls,
+    DeviceAccess,
+    ServiceHandle,
+    ServiceSpec,
+    check_name,
+)
+
+#: The shim's interpreter: it runs as the slot account, so it must be a system-wide,
+#: root-owned Python (a daemon virtualenv under /root would not be executable).
+DEFAULT_INTERPRETER = "/usr/bin/python3"
+SUPERVISOR = "supervisor"
+PAYLOAD = "payload"
+_ORDER_LIMIT = 16 << 20
+
+# Runs as the slot account under `python -I -S`; argv: gate fd, ready fd, nofile.
+# The ready pipe says "R" once the rlimits are set, then stays open close-on-exec:
+# EOF after the order means the exec succeeded, "E<errno>" that it failed.
+_SHIM = """\
+import json, os, resource, sys
+gate, ready, nofile = (int(a) for a in sys.argv[1:4])
+try:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    os.write(ready, b"R")
+    os.set_inheritable(ready, False)
+    parts, size = [], 0
+    while chunk := os.read(gate, 65536):
+        size += len(chunk)
+        if size > ORDER_LIMIT:
+            os._exit(125)
+        parts.append(chunk)
+    os.close(gate)
+    order = json.loads(b"".join(parts))
+    try:
+        os.execve(order["argv"][0], order["argv"], order["env"])
+    except OSError as error:
+        os.write(ready, b"E%d" % error.errno)
+except BaseException:
+    pass
+os._exit(125)
+""".replace("ORDER_LIMIT", str(_ORDER_LIMIT))
+
+
+class _Order(msgspec.Struct, frozen=True):
+    argv: list[str]
+    env: dict[str, str]
+
+
+class CgroupfsService:
+    """`SystemService` on raw cgroup files; see the module docstring for the design."""
+
+    backend = "cgroupfs"
+
+    def __init__(
+        self,
+        base: str = "ficc",
+        *,
+        layout: Layout | None = None,
+        interpreter: str | None = None,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+        root_supervisor: bool = False,
+    ) -> None:
+        self._base = check_name(base)
+        self._root_supervisor = root_supervisor
+        self._layout = layout if layout is not None else cgroups.discover()
+        self._interpreter = _trusted_interpreter(interpreter or DEFAULT_INTERPRETER)
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        self._started: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    # --- create ----------------------------------------------------------------------
+
+    def create(self, spec: ServiceSpec) -> ServiceHandle:
+        if 0 in (spec.uid, spec.gid) and not self._root_supervisor:
+            raise HostError(
+                "service_spec",
+                f"service {spec.name} would run as UID/GID 0; run it as the slot account, "
+                "or configure a root supervisor explicitly",
+            )
+        for device in spec.devices:
+            cgroups.check_device_node(device)
+        outputs = [_open_output(spec.stdout)]
+        created: dict[str, str] = {}
+        process: subprocess.Popen[bytes] | None = None
+        try:
+            outputs.append(_open_output(spec.stderr))
+            nodes = self._make_nodes(spec.name, created)
+            swap = self._swap_accounting(nodes)
+            self._enforce(spec, nodes, swap)
+            handle = ServiceHandle(spec.name, self.backend, self._version, nodes, None, None)
+            _verify(spec, self.controls(handle), swap)
+            self._check_hierarchical(nodes)
+            for key, node in nodes.items():
+                leaf = os.path.join(node, SUPERVISOR)
+                cgroups.make_dir(leaf, exclusive=True)
+                self._inherit_cpuset(key, leaf)
+            process = self._spawn(spec, nodes, outputs[0], outputs[1])
+        except BaseException as error:
+            try:
+                self._abandon(spec.name, created, process)
+            except HostError as cleanup:
+                error.add_note(f"cleanup after the refusal also failed: {cleanup}")
+            if isinstance(error, OSError):
+                raise HostError(
+                    "service_create",
+                    f"creating service {spec.name} failed: {error}; check the cgroup "
+                    "mounts, the working directory and the output paths",
+                ) from error
+            raise
+        finally:
+            for fd in outputs:
+                os.close(fd)
+        with self._lock:
+            self._started[spec.name] = process
+        return ServiceHandle(
+            spec.name, self.backend, self._version, nodes, process.pid, _start_ticks(process.pid)
+        )
+
+    @property
+    def _version(self) -> Literal[1, 2]:
+        return self._layout.version
+
+    def _swap_accounting(self, nodes: dict[str, str]) -> bool:
+        """Whether the kernel can bound swap; without it, refuse if swap is active."""
+        name = "memory.swap.max" if self._version == 2 else "memory.memsw.limit_in_bytes"
+        if os.path.exists(os.path.join(self._node(nodes, "memory"), name)):
+            return True
+        if cgroups.host_has_swap():
+            raise HostError(
+                "service_swap_unenforceable",
+                "the kernel has no swap accounting but swap is active, so the swap limit "
+                "cannot be enforced; boot with swapaccount=1 or disable swap",
+            )
+        return False
+
+    def _make_nodes(self, name: str, created: dict[str, str]) -> dict[str, str]:
+        """`<base>/<name>` in every hierarchy; refuses if any already exists."""
+        nodes = {}
+        for hierarchy in self._layout.hierarchies:
+            base = os.path.join(hierarchy.mount, self._base)
+            cgroups.make_dir(base, exclusive=False)
+            # Always (it only fills an empty cpuset): a parallel create may have made the
+            # base and not yet given it CPUs, and a child of an empty cpuset cannot run.
+            self._inherit_cpuset(hierarchy.key, base)
+            node = os.path.join(base, name)
+            try:
+                cgroups.make_dir(node, exclusive=True)
+            except FileExistsError as error:
+                raise HostError(
+                    "service_exists",
+                    f"cgroup {node} already exists; stop and remove the old service "
+                    "(adopt it by name) before creating it again",
+                ) from error
+            created[hierarchy.key] = node
+            self._inherit_cpuset(hierarchy.key, node)
+            nodes[hierarchy.key] = node
+            if self._version == 2:
+                for parent in (hierarchy.mount, base, node):
+                    _delegate_controllers(parent, cgroups.V2_REQUIRED)
+        return nodes
+
+    def _inherit_cpuset(self, key: str, path: str) -> None:
+        """A new v1 cpuset cgroup has no CPUs or memory nodes until given its parent's."""
+        if "cpuset" not in key.split(","):
+            return
+        parent = os.path.dirname(path)
+        for name in ("cpuset.cpus", "cpuset.mems"):
+            if not cgroups.read_text(os.path.join(path, name)).strip():
+                value = cgroups.read_text(os.path.join(parent, name)).strip()
+                cgroups.write_text(os.path.join(path, name), value)
+
+    def _enforce(self, spec: ServiceSpec, nodes: dict[str, str], swap: bool) -> None:
+        """Write the limits and the closed device policy on the attempt's node."""
+        if self._version == 2:
+            node = nodes[UNIFIED]
+            writes = [
+                (node, file, value)
+                for file, value in cgroups.v2_writes(spec.limits)
+                if swap or file != "memory.swap.max"
+            ]
+        else:
+            writes = [
+                (self._node(nodes, controller), file, value)
+                for controller, file, value in cgroups.v1_writes(spec.limits, swap)
+            ]
+            devices = self._node(nodes, "devices")
+            writes += [(devices, f, v) for f, v in cgroups.v1_device_writes(spec.devices)]
+        for node, file, value in writes:
+            path = os.path.join(node, file)
+            try:
+                cgroups.write_text(path, value)
+            except OSError as error:
+                raise HostError(
+                    "service_limits", f"the kernel refused {value!r} for {path}: {error}"
+                ) from error
+        if self._version == 2:
+            bpfdevices.attach(nodes[UNIFIED], spec.devices)
+
+    def _check_hierarchical(self, nodes: dict[str, str]) -> None:
+        """Old v1 kernels may leave memory.use_hierarchy at 0, and then the runtime's
+        child cgroups would escape the attempt's memory limit."""
+        if self._version == 2:
+            return
+        memory = self._node(nodes, "memory")
+        flag = os.path.join(memory, "memory.use_hierarchy")
+        if os.path.exists(flag) and cgroups.read_text(flag).strip() != "1":
+            raise HostError(
+                "service_limits",
+                f"{memory} has memory.use_hierarchy 0, so child cgroups would escape "
+                "the memory limit; set it to 1 on the base cgroup before any child exists",
+            )
+
+    def _node(self, nodes: dict[str, str], controller: str) -> str:
+        return nodes[self._layout.by_controller(controller).key]
+
+    # --- the start gate --------------------------------------------------------------
+
+    def _spawn(
+        self, spec: ServiceSpec, nodes: dict[str, str], stdout: int, stderr: int
+    ) -> subprocess.Popen[bytes]:
+        gate_read, gate_write = os.pipe()
+        ready_read, ready_write = os.pipe()
+        try:
+            process = subprocess.Popen(
+                [
+                    self._interpreter,
+                    *("-I", "-S", "-c", _SHIM),
+                    *(str(gate_read), str(ready_write), str(spec.limits.nofile)),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                pass_fds=(gate_read, ready_write),
+                cwd=spec.cwd,
+                env={},
+                user=spec.uid,
+                group=spec.gid,
+                extra_groups=[],
+                umask=spec.umask,
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(gate_write)
+            os.close(ready_read)
+            raise
+        finally:
+            os.close(gate_read)
+            os.close(ready_write)
+        try:
+            self._await_ready(process, ready_read)
+            _check_credentials(process.pid, spec)
+            self._join(process.pid, spec.name, nodes)
+            _send_order(gate_write, _Order(list(spec.argv), dict(spec.environment)))
+            os.close(gate_write)
+            gate_write = -1
+            self._await_exec(process, ready_read, spec.argv[0])
+        except BaseException as error:
+            process.kill()
+            process.wait()
+            if isinstance(error, OSError):
+                raise HostError(
+                    "service_start",
+                    f"the start shim of {spec.name} could not be confined and released: {error}",
+                ) from error
+            raise
+        finally:
+            os.close(ready_read)
+            if gate_write >= 0:
+                os.close(gate_write)
+        return process
+
+    def _await_ready(self, process: subprocess.Popen[bytes], ready: int) -> None:
+        if not _readable(ready, self._start_timeout) or os.read(ready, 1) != b"R":
+            process.kill()
+            status = process.wait()
+            raise HostError(
+                "service_start",
+                f"the start shim did not become ready (exit status {status}); check that "
+                f"{self._interpreter} is executable by the slot account and that the "
+                "nofile limit does not exceed the daemon's own hard limit",
+            )
+
+    def _await_exec(self, process: subprocess.Popen[bytes], ready: int, program: str) -> None:
+        """EOF on the close-on-exec ready pipe is the kernel's word that exec worked."""
+        if not _readable(ready, self._start_timeout):
+            raise HostError("service_start", f"{program} was not executed in time; retry")
+        report = os.read(ready, 64)
+        if report:
+            number = int(report[1:]) if report[1:].isdigit() else 0
+            process.wait()
+            raise HostError(
+                "service_start",
+                f"cannot execute {program}: {os.strerror(number)}; check the provider's argv",
+            )
+
+    def _join(self, pid: int, name: str, nodes: dict[str, str]) -> None:
+        """Move the gated shim into every `supervisor` leaf and check the kernel agrees."""
+        for node in nodes.values():
+            cgroups.write_text(os.path.join(node, SUPERVISOR, "cgroup.procs"), str(pid))
+        expected = f"/{self._base}/{name}/{SUPERVISOR}"
+        memberships = cgroups.parse_proc_cgroup(cgroups.read_text(f"/proc/{pid}/cgroup"))
+        wrong = cgroups.hierarchies_not_at(self._layout, memberships, expected)
+        if wrong:
+            raise HostError(
+                "service_start",
+                f"process {pid} is not in {expected} of the {', '.join(wrong)} hierarchies "
+                "after joining them; refusing to release it",
+            )
+
+    # --- observe ---------------------------------------------------------------------
+
+    def controls(self, handle: ServiceHandle) -> Controls:
+        self._nodes_of(handle)
+        if handle.cgroup_version == 2:
+            node = handle.cgroups[UNIFIED]
+            quota, period = _read(node, "cpu.max").split()
+            return Controls(
+                backend=self.backend,
+                cgroup_version=2,
+                memory_bytes=cgroups.parse_limit(_read(node, "memory.max")),
+                swap_bytes=_optional_limit(node, "memory.swap.max"),
+                processes=cgroups.parse_limit(_read(node, "pids.max")),
+                cpu_millis=cgroups.parse_cpu(quota, period),
+                devices=_single_filter(node),
+                cgroups=dict(handle.cgroups),
+            )
+        memory = self._node(handle.cgroups, "memory")
+        cpu = self._node(handle.cgroups, "cpu")
+        memory_bytes = cgroups.parse_limit(_read(memory, "memory.limit_in_bytes"))
+        swap_bytes = None
+        if os.path.exists(os.path.join(memory, "memory.memsw.limit_in_bytes")):
+            total = cgroups.parse_limit(_read(memory, "memory.memsw.limit_in_bytes"))
+            if total is not None and memory_bytes is not None:
+                swap_bytes = total - memory_bytes
+        return Controls(
+            backend=self.backend,
+            cgroup_version=1,
+            memory_bytes=memory_bytes,
+            swap_bytes=swap_bytes,
+            processes=cgroups.parse_limit(_read(self._node(handle.cgroups, "pids"), "pids.max")),
+            cpu_millis=cgroups.parse_cpu(
+                _read(cpu, "cpu.cfs_quota_us"), _read(cpu, "cpu.cfs_period_us")
+            ),
+            devices=cgroups.parse_devices(
+                _read(self._node(handle.cgroups, "devices"), "devices.list")
+            ),
+            cgroups=dict(handle.cgroups),
+        )
+
+    def members(self, handle: ServiceHandle) -> set[int]:
+        pids: set[int] = set()
+        for node in self._nodes_of(handle).values():
+            pids |= cgroups.tree_pids(node)
+        return pids
+
+    def _nodes_of(self, handle: ServiceHandle) -> dict[str, str]:
+        """The handle's nodes, refused unless each is exactly where this backend puts
+        it: a corrupted or foreign handle must never make us kill or rmdir elsewhere."""
+        check_name(handle.name)
+        mounts = {h.key: h.mount for h in self._layout.hierarchies}
+        for key, path in handle.cgroups.items():
+            if key not in mounts or path != os.path.join(mounts[key], self._base, handle.name):
+                raise HostError(
+                    "service_handle",
+                    f"handle of {handle.name} names cgroup {path!r}, which is not this "
+                    f"backend's node for {key!r}; adopt the service by name instead",
+                )
+        if handle.backend != self.backend or handle.cgroup_version != self._layout.version:
+            raise HostError("service_handle", f"handle of {handle.name} is not a cgroupfs one")
+        return dict(handle.cgroups)
+
+    def exit_status(self, handle: ServiceHandle) -> int | None:
+        with self._lock:
+            process = self._started.get(handle.name)
+        if process is None or process.pid != handle.main_pid:
+            return None
+        return process.poll()
+
+    def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
+        """Zombies are not counted: they hold no resources and cannot run code."""
+        return not self.members(handle) and not _uid_has_live_tasks(uid)
+
+    def supervisor_cgroup(self, handle: ServiceHandle) -> str:
+        return self.planned_supervisor_cgroup(handle.name)
+
+    def planned_supervisor_cgroup(self, name: str) -> str:
+        return f"/{self._base}/{check_name(name)}/{PAYLOAD}"
+
+    def account_idle(self, uid: int) -> bool:
+        return not _uid_has_live_tasks(uid)
+
+    def adopt(self, name: str) -> ServiceHandle | None:
+        check_name(name)
+        nodes = {
+            h.key: os.path.join(h.mount, self._base, name)
+            for h in self._layout.hierarchies
+            if cgroups.is_real_dir(os.path.join(h.mount, self._base, name))
+        }
+        if not nodes:
+            return None
+        return ServiceHandle(name, self.backend, self._layout.version, nodes, None, None)
+
+    # --- stop and remove -------------------------------------------------------------
+
+    def stop(self, handle: ServiceHandle) -> None:
+        self._nodes_of(handle)
+        deadline = time.monotonic() + self._stop_timeout
+        if self._cgroup_kill(handle):
+            _wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 1.0))
+        while pids := self.members(handle):
+            if time.monotonic() >= deadline:
+                raise HostError(
+                    "service_stop_unconfirmed",
+                    f"service {handle.name} still has processes {sorted(pids)[:16]} after "
+                    f"{self._stop_timeout}s; keep the attempt quarantined and retry stop",
+                )
+            self._freeze_and_kill(handle, deadline)
+            _wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 0.2))
+        with self._lock:
+            process = self._started.get(handle.name)
+        if process is not None and process.pid == handle.main_pid:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as error:
+                raise HostError(
+                    "service_stop_unconfirmed",
+                    f"the main process of {handle.name} left the tree but has not exited; "
+                    "retry stop",
+                ) from error
+
+    def _cgroup_kill(self, handle: ServiceHandle) -> bool:
+        """SIGKILL the unified subtree atomically (kernel >= 5.14); False if unavailable."""
+        node = handle.cgroups.get(UNIFIED)
+        if node is None or not os.path.exists(os.path.join(node, "cgroup.kill")):
+            return False
+        cgroups.write_text(os.path.join(node, "cgroup.kill"), "1")
+        return True
+
+    def _freeze_and_kill(self, handle: ServiceHandle, deadline: float) -> None:
+        """Freeze (so nothing forks or exits meanwhile), SIGKILL every member, thaw.
+
+        Thawing covers every node of the subtree: a runtime may have frozen its own
+        child cgroup (a paused container), and a killed task that stays frozen never
+        dies.
+        """
+        freezer = self._freezer(handle)
+        if freezer is not None:
+            top, state, frozen, _ = freezer
+            path = os.path.join(top, state)
+            cgroups.write_text(path, frozen)
+            _wait_until(
+                lambda: cgroups.read_text(path).strip() in {"FROZEN", "1"},
+                min(deadline, time.monotonic() + 1.0),
+            )
+        try:
+            for pid in self.members(handle):
+                self._kill_member(pid, handle.name)
+        finally:
+            if freezer is not None:
+                top, state, _, thawed = freezer
+                for node in cgroups.walk_nodes(top):
+                    cgroups.write_text(os.path.join(node, state), thawed)
+
+    def _freezer(self, handle: ServiceHandle) -> tuple[str, str, str, str] | None:
+        """(node, state file, frozen value, thawed value) of the tree's freezer."""
+        if handle.cgroup_version == 2:
+            return handle.cgroups[UNIFIED], "cgroup.freeze", "1", "0"
+        key = self._layout.by_controller("freezer").key
+        if key not in handle.cgroups:
+            return None
+        return handle.cgroups[key], "freezer.state", "FROZEN", "THAWED"
+
+    def _kill_member(self, pid: int, name: str) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            prefix = f"/{self._base}/{name}"
+            paths = cgroups.parse_proc_cgroup(cgroups.read_text(f"/proc/{pid}/cgroup")).values()
+            if any(p == prefix or p.startswith(prefix + "/") for p in paths):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+        finally:
+            os.close(pidfd)
+
+    def remove(self, handle: ServiceHandle) -> None:
+        pids = self.members(handle)
+        if pids:
+            raise HostError(
+                "service_not_empty",
+                f"service {handle.name} still has processes {sorted(pids)[:16]}; stop it "
+                "and confirm it is empty before removing it",
+            )
+        for node in self._nodes_of(handle).values():
+            try:
+                cgroups.remove_tree(node)
+            except OSError as error:
+                raise HostError(
+                    "service_not_empty",
+                    f"cgroup {node} could not be removed ({error}); stop the service and retry",
+                ) from error
+        with self._lock:
+            process = self._started.get(handle.name)
+            if process is not None and process.pid == handle.main_pid:
+                del self._started[handle.name]
+
+    def _abandon(
+        self, name: str, created: dict[str, str], process: subprocess.Popen[bytes] | None
+    ) -> None:
+        """Undo a refused create: kill what started, remove only the nodes made here."""
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        if created:
+            handle = ServiceHandle(name, self.backend, self._version, created, None, None)
+            self.stop(handle)
+            self.remove(handle)
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _device_key(device: DeviceAccess) -> tuple[str, int, int, str]:
+    return (
+        device.kind,
+        -1 if device.major is None else device.major,
+        -1 if device.minor is None else device.minor,
+        device.access,
+    )
+
+
+def _verify(spec: ServiceSpec, controls: Controls, swap: bool) -> None:
+    """Refuse unless every control the kernel reports is exactly what was planned."""
+    limits = spec.limits
+    planned_devices = cgroups.expected_devices(spec.devices)
+    expected: dict[str, object] = {
+        "memory_bytes": cgroups.page_floor(limits.memory_bytes),
+        "swap_bytes": cgroups.page_floor(limits.swap_bytes) if swap else None,
+        "processes": limits.processes,
+        "cpu_millis": limits.cpu_millis,
+        "devices": sorted(planned_devices, key=_device_key),
+    }
+    actual: dict[str, object] = {
+        "memory_bytes": controls.memory_bytes,
+        "swap_bytes": controls.swap_bytes,
+        "processes": controls.processes,
+        "cpu_millis": controls.cpu_millis,
+        "devices": None if controls.devices is None else sorted(controls.devices, key=_device_key),
+    }
+    wrong = [
+        f"{key}: wrote {expected[key]!r}, read {actual[key]!r}"
+        for key in expected
+        if expected[key] != actual[key]
+    ]
+    if wrong:
+        raise HostError(
+            "service_limits",
+            f"the kernel does not enforce the planned controls for {spec.name}: "
+            + "; ".join(wrong),
+        )
+
+
+def _open_output(path: str) -> int:
+    """Open (creating root-owned 0600) a regular output file, never through a link.
+
+    O_NONBLOCK keeps a planted FIFO from blocking the open; it is cleared after the
+    file is known to be regular.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o600)
+    except OSError as error:
+        raise HostError("service_output", f"cannot open output file {path}: {error}") from error
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise HostError(
+            "service_output",
+            f"{path} is not a regular, singly linked file owned by the daemon; remove it",
+        )
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _trusted_interpreter(path: str) -> str:
+    """Resolve the shim interpreter and refuse one that someone else could replace."""
+    real = os.path.realpath(path)
+    try:
+        info = os.stat(real)
+    except OSError as error:
+        raise HostError("service_unsupported", f"shim interpreter {path}: {error}") from error
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+        raise HostError(
+            "service_unsupported",
+            f"shim interpreter {real} must be a regular file owned by root and writable "
+            "only by root",
+        )
+    return real
+
+
+def _delegate_controllers(parent: str, controllers: frozenset[str]) -> None:
+    """Enable v2 controllers for the children of `parent` (those not enabled yet)."""
+    path = os.path.join(parent, "cgroup.subtree_control")
+    missing = controllers - set(cgroups.read_text(path).split())
+    if missing:
+        cgroups.write_text(path, " ".join(f"+{name}" for name in sorted(missing)))
+
+
+def _single_filter(node: str) -> list[DeviceAccess] | None:
+    """The device rules if exactly one filter of our shape is attached, else None."""
+    filters = bpfdevices.attached(node)
+    return filters[0] if len(filters) == 1 else None
+
+
+def _optional_limit(node: str, name: str) -> int | None:
+    path = os.path.join(node, name)
+    return cgroups.parse_limit(cgroups.read_text(path)) if os.path.exists(path) else None
+
+
+def _read(node: str, name: str) -> str:
+    return cgroups.read_text(os.path.join(node, name))
+
+
+def _proc_status(pid: int, task: str = "") -> dict[str, str]:
+    path = f"/proc/{pid}/task/{task}/status" if task else f"/proc/{pid}/status"
+    fields = {}
+    for line in cgroups.read_text(path).splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def _start_ticks(pid: int) -> int:
+    stat_line = cgroups.read_text(f"/proc/{pid}/stat")
+    return int(stat_line.rpartition(")")[2].split()[19])
+
+
+def _check_credentials(pid: int, spec: ServiceSpec) -> None:
+    """The gated shim must already be exactly the slot account, with core dumps off."""
+    status = _proc_status(pid)
+    uids, gids = status["Uid"].split(), status["Gid"].split()
+    limits = _proc_limits(pid)
+    problems = []
+    if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4 or status["Groups"]:
+        problems.append(f"credentials uid={uids} gid={gids} groups={status['Groups']!r}")
+    if limits.get("Max core file size") != ("0", "0"):
+        problems.append(f"core limit {limits.get('Max core file size')}")
+    nofile = str(spec.limits.nofile)
+    if limits.get("Max open files") != (nofile, nofile):
+        problems.append(f"nofile limit {limits.get('Max open files')}")
+    if problems:
+        raise HostError(
+            "service_start",
+            f"the start shim of {spec.name} is not confined as planned: {', '.join(problems)}",
+        )
+
+
+def _proc_limits(pid: int) -> dict[str, tuple[str, str]]:
+    """/proc/PID/limits as {name: (soft, hard)}; names are the fixed kernel labels."""
+    limits = {}
+    for line in cgroups.read_text(f"/proc/{pid}/limits").splitlines()[1:]:
+        name, values = line[:26].strip(), line[26:].split()
+        if len(values) >= 2:
+            limits[name] = (values[0], values[1])
+    return limits
+
+
+def _send_order(fd: int, order: _Order) -> None:
+    data = msgspec.json.encode(order)
+    if len(data) > _ORDER_LIMIT:
+        raise HostError("service_spec", "argv and environment exceed 16 MiB; shorten them")
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    """poll(2), not select(2): a busy daemon's descriptors may exceed FD_SETSIZE."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
+
+
+def _uid_has_live_tasks(uid: int) -> bool:
+    """Any non-zombie task on the host whose real, effective, saved or fs UID is `uid`.
+
+    Threads are checked one by one: Linux credentials are per thread.
+    """
+    wanted = str(uid)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{entry}/task")
+            for task in tasks:
+                status = _proc_status(int(entry), task)
+                if status["State"].startswith("Z"):
+                    continue
+                if wanted in status["Uid"].split():
+                    return True
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return False
+
+
+def _wait_until(condition: Callable[[], bool], deadline: float) -> bool:
+    """Poll `condition()` every 5 ms until true or the monotonic deadline passes."""
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)

@@ -1,0 +1,240 @@
+"""The system service that encloses one attempt (DESIGN 5.7), independent of backend.
+
+The host, never the provider, creates this service: the provider only supplies the
+argv (its supervisor, e.g. Podman), and the host wraps it in a cgroup tree with the
+plan's limits, a closed device policy and kill-the-whole-tree on stop. Two backends
+implement `SystemService`: `cgroupfs` (this package, for hosts without systemd as
+PID 1) and `systemd` (later, issue 6). The daemon only talks to this interface, so
+both must pass the same behaviour tests.
+
+Every method is synchronous and may block briefly (cgroup file I/O, polling with a
+deadline); the daemon calls them from worker threads, never on the event loop.
+
+Refusal codes (HostError.code), stable across backends:
+  service_spec                   the spec itself is unusable (name, argv, root account)
+  service_unsupported            the host lacks the cgroup hierarchies or the shim interpreter
+  service_devices                a device rule does not match the node at its path
+  service_devices_unenforceable  the backend cannot enforce a closed device policy here
+  service_swap_unenforceable     swap is active but the kernel cannot account it
+  service_output                 an output path is a link, FIFO, shared or foreign file
+  service_exists                 a service of that name already exists (adopt it)
+  service_limits                 the kernel refused a limit or reports another value
+  service_create                 creating the cgroups or entering the cwd failed
+  service_start                  the program could not be confined, released or executed
+  service_handle                 a handle names cgroups this backend does not own
+  service_stop_unconfirmed       the tree was not empty by the deadline (quarantine, retry)
+  service_not_empty              remove was asked while processes remain
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Protocol
+
+import msgspec
+
+from ficc.execution.host.errors import HostError
+
+#: Service names become cgroup directory names (and systemd unit names), so they are
+#: restricted to a portable, path-free alphabet.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+_NAME = re.compile(NAME_PATTERN)
+
+ServiceName = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
+AbsolutePath = Annotated[str, msgspec.Meta(pattern=r"^/[^\x00]*$", max_length=4096)]
+HostId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+DeviceNumber = Annotated[int, msgspec.Meta(ge=0, le=2**20 - 1)]
+EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+EnvValue = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", max_length=65536)]
+Argument = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", max_length=65536)]
+
+
+def check_name(name: str) -> str:
+    """Refuse a service name that could not be a single cgroup directory name."""
+    if not _NAME.fullmatch(name):
+        raise HostError(
+            "service_spec",
+            f"service name {name!r} is not allowed; use letters, digits, '.', '_' and '-' "
+            "(at most 200 characters, not starting with a punctuation mark)",
+        )
+    return name
+
+
+class ServiceLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The plan's resource limits as the service enforces them.
+
+    The core-dump limit is not a field: it is always 0 (`LimitCORE=0`), so no field can
+    accidentally enable dumps of someone else's memory.
+    """
+
+    cpu_millis: Annotated[int, msgspec.Meta(ge=10, le=2**31)]
+    memory_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=2**62)]
+    swap_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+    processes: Annotated[int, msgspec.Meta(ge=1, le=4_194_304)]
+    nofile: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)]
+
+
+class DeviceRule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One character device the service may open (read, write, mknod).
+
+    The path is checked against the numbers when the service is created, so a rule
+    never allows a different device than the one the provider prepared. `minor` None
+    allows every minor of `major` and then `path` must be the directory holding that
+    class (e.g. `/dev/pts` for 136): runc writes `c 136:* rwm` for every container,
+    and a v1 device cgroup can never allow more than its parent.
+
+    Everything not listed is denied for reading and writing. Creating nodes (`m`) is
+    allowed for every device, because it grants no access (open is checked against
+    `r`/`w`) and needs CAP_MKNOD anyway, while container runtimes write `c *:* m`.
+    """
+
+    path: AbsolutePath
+    major: DeviceNumber
+    minor: DeviceNumber | None
+
+
+class ServiceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything the host decides about one attempt's enclosing service.
+
+    `uid`/`gid` are normally the slot account. A backend refuses 0 unless it was
+    built to allow a root supervisor (a rootful runtime such as Podman with a UID
+    map, whose payload the gate then checks for the slot account's IDs).
+
+    `environment` is the complete environment of the started program: nothing is
+    inherited from the daemon. `stdout` and `stderr` are files the host opens itself
+    (created root-owned 0600, never through a symlink) and hands over as descriptors.
+    """
+
+    name: ServiceName
+    argv: Annotated[list[Argument], msgspec.Meta(min_length=1, max_length=4096)]
+    uid: HostId
+    gid: HostId
+    cwd: AbsolutePath
+    environment: dict[EnvName, EnvValue]
+    limits: ServiceLimits
+    devices: Annotated[list[DeviceRule], msgspec.Meta(max_length=64)]
+    stdout: AbsolutePath
+    stderr: AbsolutePath
+    umask: Annotated[int, msgspec.Meta(ge=0, le=0o777)] = 0o077
+
+    def __post_init__(self) -> None:
+        if not self.argv[0].startswith("/"):
+            raise HostError(
+                "service_spec",
+                f"argv[0] {self.argv[0]!r} must be an absolute program path; the service "
+                "never searches PATH",
+            )
+        if len({(d.major, d.minor) for d in self.devices}) != len(self.devices):
+            raise HostError("service_spec", "a device is listed twice; list each node once")
+
+
+class DeviceAccess(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One line of an allow list as the kernel reports it (`c 1:3 rwm`).
+
+    `major`/`minor` are None for a wildcard (`*`); `kind` `a` means all devices.
+    """
+
+    kind: Literal["a", "b", "c"]
+    major: int | None
+    minor: int | None
+    access: str
+
+
+class Controls(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Controls read back from the kernel, never from what the host meant to write.
+
+    A None limit means "unlimited". `devices` is None when the backend cannot read a
+    device policy at all (then the gate must refuse). `swap_bytes` is None when the
+    kernel has no swap accounting and the host has no active swap (so no swap can be
+    used at all).
+    """
+
+    backend: str
+    cgroup_version: Literal[1, 2]
+    memory_bytes: int | None
+    swap_bytes: int | None
+    processes: int | None
+    cpu_millis: int | None
+    devices: list[DeviceAccess] | None
+    cgroups: dict[str, str]
+
+
+class ServiceHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the daemon keeps about a running service (it may also persist it).
+
+    `cgroups` maps each hierarchy (`memory`, `pids`, ..., `unified`) to the absolute
+    directory of the attempt's node. `main_pid` and `main_start_ticks` (field 22 of
+    /proc/PID/stat, to detect PID reuse) are None for an adopted service whose main
+    process is unknown after a daemon restart.
+    """
+
+    name: ServiceName
+    backend: str
+    cgroup_version: Literal[1, 2]
+    cgroups: dict[str, str]
+    main_pid: int | None
+    main_start_ticks: int | None
+
+
+class SystemService(Protocol):
+    """The enclosing service of attempts; implemented by `cgroupfs` and `systemd`."""
+
+    def create(self, spec: ServiceSpec) -> ServiceHandle:
+        """Create the service, enforce and verify its controls, start argv inside it.
+
+        Raises HostError (`service_limits`, `service_devices`, `service_exists`,
+        `service_start`, ...) and leaves nothing behind when it refuses.
+        """
+        ...
+
+    def controls(self, handle: ServiceHandle) -> Controls:
+        """Read the enforced limits and device policy back from the kernel."""
+        ...
+
+    def members(self, handle: ServiceHandle) -> set[int]:
+        """Every PID in the attempt's cgroup tree, in every hierarchy used."""
+        ...
+
+    def exit_status(self, handle: ServiceHandle) -> int | None:
+        """The main process's exit status (negative: killed by that signal), or None
+        while it runs or when it is unknown (adopted after a restart)."""
+        ...
+
+    def stop(self, handle: ServiceHandle) -> None:
+        """Kill the whole tree and return only once it is confirmed empty.
+
+        Raises HostError(`service_stop_unconfirmed`) when the tree is not empty by the
+        deadline; the caller keeps the attempt in quarantine and retries later.
+        """
+        ...
+
+    def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
+        """True only if the tree is empty and no process on the host runs as `uid`."""
+        ...
+
+    def remove(self, handle: ServiceHandle) -> None:
+        """Delete the service's cgroups; refuses (`service_not_empty`) while occupied."""
+        ...
+
+    def adopt(self, name: str) -> ServiceHandle | None:
+        """Find an existing service by name (after a daemon restart), or None."""
+        ...
+
+    def supervisor_cgroup(self, handle: ServiceHandle) -> str:
+        """The cgroup path (from each hierarchy's root) a provider passes to its
+        runtime, e.g. Podman's `--cgroup-parent`, so the payload stays in the tree."""
+        ...
+
+    # Added for the runner (pipeline.py): the provider's prepare context carries the
+    # cgroup before the service exists, and cleanup of an attempt that never had a
+    # service still has to confirm that the slot account runs nothing.
+
+    def planned_supervisor_cgroup(self, name: str) -> str:
+        """What `supervisor_cgroup` will return for service `name`, before it exists."""
+        ...
+
+    def account_idle(self, uid: int) -> bool:
+        """True only if no live process on the host runs as `uid` (any of its UIDs)."""
+        ...

@@ -1,0 +1,703 @@
+"""Streamed input objects staged on a slot's reserved filesystem.
+
+A plan may declare inputs with `delivery: "stream"`: the controller uploads their
+bytes in `input_write` chunks after admission. This module owns the files that
+receive them. Layout, per slot::
+
+    <slot path>/ficc-staging/                  root, 0700
+    <slot path>/ficc-staging/<attempt_id>/     root, 0700 (private to root)
+    <slot path>/ficc-staging/<attempt_id>/<object_id>
+        root:root 0600 while incomplete; root:<slot gid> 0440 once complete
+
+Files are named by the declared object ID (32 lowercase hex), never by anything a
+remote peer supplies as a path. The parent stays private to root: the workload
+reads a completed file only through the hard link its provider makes in its own
+runtime layout on the same filesystem.
+
+The rules of a write are a pure function (`plan_write`) over a pure `StreamState`;
+`Stager` is the thin I/O shell around them. The durable offset of an object is the
+ledger's: `Stager.write` syncs the bytes and then calls the caller's `commit`
+callback with the new state *before* it releases the attempt's write guard, so
+"bytes are synced before their offset is committed" holds, and commits of one
+attempt never overtake each other.
+
+Hashing is incremental: one SHA-256 object per open stream lives in memory, tagged
+with the offset it has consumed. When the tag disagrees with the committed offset
+(after a daemon restart, or after a commit that failed), the hasher is rebuilt by
+re-reading the durable prefix `[0, offset)` of the file in bounded blocks. That
+costs one read of the prefix, once per object per restart, and means the final
+digest is always checked against the bytes actually on disk.
+
+A failed object (digest mismatch at completion, a full or failing disk, a file
+that changed under us) stays failed: later writes and status reads answer
+`input_failed`, and the attempt cannot start.
+
+All methods are synchronous and may block on disk; the daemon calls them from
+worker threads, outside any lock the monitor needs. Refusal codes:
+`inputs_preparing`, `input_busy`, `input_offset_changed`, `input_digest_mismatch`,
+`input_size_mismatch` (also an empty chunk for a non-empty object), `input_complete`,
+`input_failed`, `input_not_declared`, `input_changed`, `inputs_incomplete`,
+`slot_capacity`, `slot_full`, `input_storage_failed`, `attempt_not_staged`,
+`unexpected_entry`, `staging_cleanup_failed`, plus the `fsutil` codes for unsafe files.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.fsutil import (
+    FileIdentity,
+    create_exclusive,
+    fsync_dir,
+    identity_of,
+    open_dir,
+    open_dir_at,
+    open_regular_at,
+    require_owner,
+)
+
+__all__ = [
+    "STAGING_DIRECTORY",
+    "DeclaredInput",
+    "Stager",
+    "StreamState",
+    "check_capacity",
+    "plan_write",
+    "streams_of",
+]
+
+STAGING_DIRECTORY = "ficc-staging"
+_ROOT = 0
+_INCOMPLETE_MODE = 0o600
+_COMPLETE_MODE = 0o440
+_REHASH_BLOCK = 1 << 20
+_IDENTITY = re.compile(r"\A[0-9a-f]{32}\Z")
+
+Commit = Callable[["StreamState"], None]
+
+
+class DeclaredInput(Protocol):
+    """The fields of a plan's `InputObject` that staging needs."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def digest(self) -> str: ...
+    @property
+    def delivery(self) -> str: ...
+
+
+class StreamState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the ledger records about one streamed object.
+
+    `offset` is the durable next offset. `failed` holds the refusal code that made
+    the object unusable (a failed object prevents start; the attempt follows the
+    normal cleanup and release path). `identity` is recorded at completion.
+    """
+
+    id: str
+    name: str
+    bytes: int
+    digest: str
+    offset: int = 0
+    complete: bool = False
+    failed: str | None = None
+    identity: FileIdentity | None = None
+
+
+def streams_of(inputs: Iterable[DeclaredInput]) -> list[StreamState]:
+    """The fresh states of a plan's streamed inputs (local inputs are not staged)."""
+    return [
+        StreamState(id=i.id, name=i.name, bytes=i.bytes, digest=i.digest)
+        for i in inputs
+        if i.delivery == "stream"
+    ]
+
+
+def check_capacity(inputs: Iterable[DeclaredInput], slot_storage_bytes: int) -> None:
+    """Refuse at admission a plan whose streams cannot fit the slot's reserved storage.
+
+    The slot's storage also holds runtime images, temporary files, logs and outputs,
+    so this is a necessary bound, not a sufficient one; a full filesystem at write
+    time is refused separately (`slot_full`).
+    """
+    total = sum(i.bytes for i in inputs if i.delivery == "stream")
+    if total > slot_storage_bytes:
+        raise HostError(
+            "slot_capacity",
+            f"the streamed inputs declare {total} bytes but the slot reserves only "
+            f"{slot_storage_bytes}; use a slot class with more storage or smaller inputs",
+        )
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def plan_write(
+    state: StreamState, offset: int, chunk_len: int, *, chunk_digest_ok: bool, in_flight: bool
+) -> HostError | None:
+    """Decide whether a chunk may be written; return the refusal, or None to proceed."""
+    obj = state.id
+    if in_flight:
+        return HostError(
+            "input_busy",
+            "another input write for this attempt is in flight; retry on a later polling cycle",
+        )
+    if state.failed is not None:
+        return HostError(
+            "input_failed",
+            f"input {obj} failed earlier ({state.failed}); the attempt cannot start: release it",
+        )
+    if state.complete:
+        return HostError("input_complete", f"input {obj} is complete and read-only")
+    if offset != state.offset:
+        return HostError(
+            "input_offset_changed",
+            f"input {obj} continues at durable offset {state.offset}, not {offset}; "
+            "read input_status and continue from the offset it returns",
+        )
+    if chunk_len == 0 and state.bytes != 0:
+        return HostError(
+            "input_size_mismatch",
+            f"an empty chunk is valid only for an empty object; input {obj} declares "
+            f"{state.bytes} bytes",
+        )
+    if offset + chunk_len > state.bytes:
+        return HostError(
+            "input_size_mismatch",
+            f"a chunk of {chunk_len} bytes at offset {offset} overruns the {state.bytes} "
+            f"bytes declared for input {obj}",
+        )
+    if not chunk_digest_ok:
+        return HostError(
+            "input_digest_mismatch",
+            f"the chunk at offset {offset} of input {obj} does not match its SHA-256; "
+            "resend the chunk",
+        )
+    return None
+
+
+def _failed(state: StreamState, code: str) -> StreamState:
+    return msgspec.structs.replace(state, failed=code, complete=False)
+
+
+def _check_identity(value: str, what: str) -> None:
+    if not _IDENTITY.match(value):
+        raise HostError(
+            "unsafe_path", f"{what} {value!r} is not 32 lowercase hex characters; fix the plan"
+        )
+
+
+class _Attempt:
+    """In-memory staging state of one attempt. `busy` is the one-write-in-flight guard."""
+
+    def __init__(self, states: Sequence[StreamState]) -> None:
+        self.preparing = True
+        self.dir_fd: int | None = None
+        self.states: dict[str, StreamState] = {s.id: s for s in states}
+        self.hashers: dict[str, tuple[int, Any]] = {}
+        self.busy = threading.Lock()
+        self.removed = False
+
+
+class Stager:
+    """Stages streamed inputs for the attempts of one slot.
+
+    `slot_path` is the slot's directory on its reserved filesystem; `slot_gid` is the
+    reserved workload group that may read completed files.
+    """
+
+    def __init__(self, slot_path: str, slot_gid: int) -> None:
+        self._slot_path = slot_path
+        self._slot_gid = slot_gid
+        self._lock = threading.Lock()
+        self._attempts: dict[str, _Attempt] = {}
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def register_attempt(self, attempt_id: str, states: Sequence[StreamState]) -> None:
+        """Record an admitted attempt's streams (no I/O; call it at admission).
+
+        Until `prepare_attempt` finishes, status and writes answer `inputs_preparing`.
+        After a daemon restart, pass the states the ledger recorded. Registering a
+        known attempt again keeps its current state (a repeated prepare keeps the partial).
+        """
+        _check_identity(attempt_id, "attempt ID")
+        for state in states:
+            _check_identity(state.id, "input object ID")
+        with self._lock:
+            if attempt_id not in self._attempts:
+                self._attempts[attempt_id] = _Attempt(states)
+
+    def prepare_attempt(self, attempt_id: str) -> list[StreamState]:
+        """Create (or, after a restart, re-verify) the attempt's directory and files.
+
+        Returns the states, some possibly now `failed`, for the caller to commit.
+        A repeated call after success returns the current states unchanged.
+        """
+        attempt = self._attempt(attempt_id)
+        if not attempt.busy.acquire(blocking=False):
+            raise HostError(
+                "inputs_preparing", "the staging directory is being initialized; retry later"
+            )
+        try:
+            if attempt.removed:
+                raise _not_staged(attempt_id)
+            if not attempt.preparing:
+                return list(attempt.states.values())
+            try:
+                dir_fd = self._open_attempt_dir(attempt_id)
+                try:
+                    states = {i: self._prepare_file(dir_fd, s) for i, s in attempt.states.items()}
+                    fsync_dir(dir_fd)
+                except BaseException:
+                    os.close(dir_fd)
+                    raise
+            except OSError as error:
+                where = f"the staging directory of attempt {attempt_id}"
+                raise _storage_refusal(where, error) from error
+            attempt.states = states
+            attempt.dir_fd = dir_fd
+            attempt.preparing = False
+            return list(states.values())
+        finally:
+            attempt.busy.release()
+
+    def remove_attempt(self, attempt_id: str) -> None:
+        """Delete the attempt's staged files and directory (after confirmed cleanup).
+
+        Only regular files named like object IDs are expected; anything else (a link,
+        a FIFO, a directory, a foreign name) refuses removal untouched, so an operator
+        can look. Removing an attempt that has no directory succeeds.
+        """
+        _check_identity(attempt_id, "attempt ID")
+        with self._lock:
+            attempt = self._attempts.get(attempt_id)
+            if attempt is not None and not attempt.busy.acquire(blocking=False):
+                raise HostError("input_busy", "an input write is in flight; retry the release")
+        try:
+            try:
+                self._remove_directory(attempt_id)
+            except OSError as error:
+                raise HostError(
+                    "staging_cleanup_failed",
+                    f"removing the staged inputs of attempt {attempt_id} failed "
+                    f"({error.strerror or error}); the reservation stays: fix the slot "
+                    "filesystem and retry the release",
+                ) from error
+            with self._lock:
+                self._attempts.pop(attempt_id, None)
+            if attempt is not None:
+                attempt.removed = True  # a write already past the lookup must not use the fd
+                if attempt.dir_fd is not None:
+                    os.close(attempt.dir_fd)
+                    attempt.dir_fd = None
+        finally:
+            if attempt is not None:
+                attempt.busy.release()
+
+    # -- reads ---------------------------------------------------------------------
+
+    def state(self, attempt_id: str, object_id: str) -> StreamState:
+        """The current state of one object, failed or not."""
+        attempt = self._ready_attempt(attempt_id)
+        return self._declared(attempt, object_id)
+
+    def status(self, attempt_id: str, object_id: str) -> StreamState:
+        """The `input_status` answer: durable offset, declared size and digest, complete."""
+        state = self.state(attempt_id, object_id)
+        if state.failed is not None:
+            raise HostError(
+                "input_failed",
+                f"input {object_id} failed ({state.failed}); the attempt cannot start: "
+                "release it and admit a new attempt",
+            )
+        return state
+
+    def all_complete(self, attempt_id: str) -> bool:
+        """True when every stream is complete with its full digest (preparation may start)."""
+        attempt = self._ready_attempt(attempt_id)
+        return all(s.complete and s.failed is None for s in attempt.states.values())
+
+    def capabilities(self, attempt_id: str) -> list[dict[str, Any]]:
+        """The provider-context `inputs`: one host-created capability per completed stream."""
+        attempt = self._ready_attempt(attempt_id)
+        if not self.all_complete(attempt_id):
+            raise HostError(
+                "inputs_incomplete", "some streamed inputs are not complete; keep uploading"
+            )
+        return [
+            {
+                "id": s.id,
+                "name": s.name,
+                "bytes": s.bytes,
+                "digest": s.digest,
+                "delivery": "stream",
+                "path": self._object_path(attempt_id, s.id),
+                "identity": msgspec.to_builtins(s.identity),
+            }
+            for s in attempt.states.values()
+        ]
+
+    def verify_identity(self, attempt_id: str, capability: dict[str, Any]) -> None:
+        """Refuse start (`input_changed`) unless the staged file is still the recorded one.
+
+        Compares device, inode, mode, bytes and mtime (not ctime, nor the link count:
+        the provider's hard link changes both), plus root ownership and the slot group.
+        """
+        object_id = str(capability.get("id", ""))
+        _check_identity(object_id, "input object ID")
+        if capability.get("path") != self._object_path(attempt_id, object_id):
+            raise HostError("input_changed", f"capability {object_id} has a foreign path")
+        try:
+            recorded = msgspec.convert(capability.get("identity"), FileIdentity)
+        except msgspec.ValidationError as error:
+            raise HostError("input_changed", f"capability {object_id}: {error}") from error
+        st = self._lstat_staged(attempt_id, object_id)
+        owners = (_ROOT, self._slot_gid)
+        if st is None or identity_of(st) != recorded or (st.st_uid, st.st_gid) != owners:
+            raise HostError(
+                "input_changed",
+                f"staged input {object_id} changed after it completed; start is refused: "
+                "release the attempt and admit a new one",
+            )
+
+    # -- writes --------------------------------------------------------------------
+
+    def write(
+        self,
+        attempt_id: str,
+        object_id: str,
+        offset: int,
+        data: bytes,
+        chunk_digest: str,
+        *,
+        commit: Commit | None = None,
+    ) -> StreamState:
+        """Write one chunk at the durable offset, sync it, then commit the new state.
+
+        `commit` (the ledger's) runs while this attempt's write guard is held; its
+        failure leaves the in-memory offset where it was. A failed object is also
+        passed to `commit` before the refusal is raised.
+        """
+        attempt = self._ready_attempt(attempt_id)
+        acquired = attempt.busy.acquire(blocking=False)
+        try:
+            state = self._declared(attempt, object_id)  # read under the guard: no stale offset
+            digest_ok = acquired and _sha256(data) == chunk_digest  # busy: no need to hash
+            refusal = plan_write(
+                state, offset, len(data), chunk_digest_ok=digest_ok, in_flight=not acquired
+            )
+            if refusal is not None:
+                raise refusal
+            if attempt.dir_fd is None:  # removed since the lookup
+                raise _not_staged(attempt_id)
+            try:
+                new = self._write_synced(attempt, attempt.dir_fd, state, data)
+            except HostError as error:
+                self._record(attempt, _failed(state, error.code), commit)
+                raise
+            if new.failed is not None:
+                self._record(attempt, new, commit)
+                raise HostError(
+                    new.failed,
+                    f"input {object_id} does not match its declared SHA-256 {state.digest}; "
+                    "the attempt cannot start: release it",
+                )
+            self._record(attempt, new, commit)
+            return new
+        finally:
+            if acquired:
+                attempt.busy.release()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _record(self, attempt: _Attempt, new: StreamState, commit: Commit | None) -> None:
+        """Commit, then publish the state in memory. A failure is published regardless."""
+        try:
+            if commit is not None:
+                commit(new)
+        except BaseException:
+            attempt.hashers.pop(new.id, None)
+            if new.failed is not None:
+                attempt.states[new.id] = new
+            raise
+        attempt.states[new.id] = new
+
+    def _write_synced(
+        self, attempt: _Attempt, dir_fd: int, state: StreamState, data: bytes
+    ) -> StreamState:
+        """pwrite + fsync the chunk; on reaching the declared size, check and seal the file."""
+        fd = open_regular_at(dir_fd, state.id, os.O_RDWR, owner_uid=_ROOT)
+        try:
+            hasher = self._hasher(attempt, fd, state)
+            try:
+                _require_space(fd, len(data))
+                if os.fstat(fd).st_size > state.offset:
+                    os.ftruncate(fd, state.offset)  # drop synced bytes never committed
+                _pwrite_all(fd, data, state.offset)
+                os.fsync(fd)
+            except OSError as error:
+                raise _storage_refusal(f"input {state.id}", error) from error
+            hasher.update(data)
+            end = state.offset + len(data)
+            attempt.hashers[state.id] = (end, hasher)
+            if end < state.bytes:
+                return msgspec.structs.replace(state, offset=end)
+            if "sha256:" + hasher.hexdigest() != state.digest:
+                return msgspec.structs.replace(state, offset=end, failed="input_digest_mismatch")
+            return msgspec.structs.replace(
+                state, offset=end, complete=True, identity=self._seal(fd, state.id)
+            )
+        finally:
+            os.close(fd)
+
+    def _seal(self, fd: int, object_id: str) -> FileIdentity:
+        """Make a completed file read-only, group-readable by the slot, and durable."""
+        try:
+            os.fchown(fd, _ROOT, self._slot_gid)
+            os.fchmod(fd, _COMPLETE_MODE)
+            os.fsync(fd)
+        except OSError as error:
+            raise _storage_refusal(f"input {object_id}", error) from error
+        return identity_of(fd)
+
+    def _hasher(self, attempt: _Attempt, fd: int, state: StreamState) -> Any:
+        """The stream's SHA-256 at the committed offset, rebuilt from disk if needed."""
+        cached = attempt.hashers.get(state.id)
+        if cached is not None and cached[0] == state.offset:
+            return cached[1]
+        hasher = hashlib.sha256()
+        position = 0
+        while position < state.offset:
+            block = os.pread(fd, min(_REHASH_BLOCK, state.offset - position), position)
+            if not block:
+                raise HostError(
+                    "input_changed",
+                    f"staged input {state.id} is shorter than its durable offset "
+                    f"{state.offset}; release the attempt",
+                )
+            hasher.update(block)
+            position += len(block)
+        attempt.hashers[state.id] = (state.offset, hasher)
+        return hasher
+
+    def _prepare_file(self, dir_fd: int, state: StreamState) -> StreamState:
+        """Create a fresh object file, or check that a recorded one is still ours."""
+        if state.failed is not None:
+            return state
+        try:
+            if state.complete:
+                self._check_complete_file(dir_fd, state)
+                return state
+            self._check_or_create_partial(dir_fd, state)
+        except HostError as error:
+            return _failed(state, error.code)
+        return state
+
+    def _check_complete_file(self, dir_fd: int, state: StreamState) -> None:
+        try:
+            st = os.stat(state.id, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is None or identity_of(st) != state.identity or st.st_uid != _ROOT:
+            raise HostError("input_changed", f"completed input {state.id} changed on disk")
+
+    def _check_or_create_partial(self, dir_fd: int, state: StreamState) -> None:
+        try:
+            fd = open_regular_at(dir_fd, state.id, owner_uid=_ROOT)
+        except HostError as error:
+            if error.code != "not_found" or state.offset != 0:
+                raise
+            os.close(create_exclusive(dir_fd, state.id, _INCOMPLETE_MODE))
+            return
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        # 0440 is allowed: a crash between sealing and the ledger commit leaves it.
+        if st.st_mode & 0o7137 or st.st_size < state.offset:
+            raise HostError(
+                "input_changed",
+                f"partial input {state.id} has mode {stat.filemode(st.st_mode)} and "
+                f"{st.st_size} bytes (durable offset {state.offset})",
+            )
+
+    def _open_private_dir(self, parent_fd: int, name: str) -> int:
+        """Open or create a root-owned 0700 directory, refusing anything less private."""
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        else:
+            fsync_dir(parent_fd)
+        fd = open_dir_at(parent_fd, name)
+        try:
+            st = os.fstat(fd)
+            require_owner(st, _ROOT, f"staging directory {name!r}")
+            if st.st_mode & 0o077:
+                raise HostError(
+                    "unsafe_path",
+                    f"staging directory {name!r} has mode {stat.filemode(st.st_mode)}; it "
+                    "must be private to root (0700): fix it or remove it",
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open_attempt_dir(self, attempt_id: str) -> int:
+        slot_fd = open_dir(self._slot_path)
+        try:
+            root_fd = self._open_private_dir(slot_fd, STAGING_DIRECTORY)
+        finally:
+            os.close(slot_fd)
+        try:
+            return self._open_private_dir(root_fd, attempt_id)
+        finally:
+            os.close(root_fd)
+
+    def _lstat_staged(self, attempt_id: str, object_id: str) -> os.stat_result | None:
+        """Stat a staged file without following links anywhere; None if it is gone."""
+        _check_identity(attempt_id, "attempt ID")
+        fd = open_dir(self._slot_path)
+        try:
+            for name in (STAGING_DIRECTORY, attempt_id):
+                try:
+                    child = open_dir_at(fd, name)
+                except HostError as error:
+                    if error.code == "not_found":
+                        return None
+                    raise
+                os.close(fd)
+                fd = child
+            try:
+                return os.stat(object_id, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+        finally:
+            os.close(fd)
+
+    def _remove_directory(self, attempt_id: str) -> None:
+        slot_fd = open_dir(self._slot_path)
+        try:
+            try:
+                root_fd = open_dir_at(slot_fd, STAGING_DIRECTORY)
+            except HostError as error:
+                if error.code == "not_found":
+                    return
+                raise
+        finally:
+            os.close(slot_fd)
+        try:
+            try:
+                dir_fd = open_dir_at(root_fd, attempt_id)
+            except HostError as error:
+                if error.code == "not_found":
+                    return
+                raise
+            try:
+                names = _expected_entries(dir_fd)
+                for name in names:
+                    os.unlink(name, dir_fd=dir_fd)
+                fsync_dir(dir_fd)
+            finally:
+                os.close(dir_fd)
+            os.rmdir(attempt_id, dir_fd=root_fd)
+            fsync_dir(root_fd)
+        finally:
+            os.close(root_fd)
+
+    def _object_path(self, attempt_id: str, object_id: str) -> str:
+        return f"{self._slot_path}/{STAGING_DIRECTORY}/{attempt_id}/{object_id}"
+
+    def _attempt(self, attempt_id: str) -> _Attempt:
+        with self._lock:
+            attempt = self._attempts.get(attempt_id)
+        if attempt is None:
+            raise _not_staged(attempt_id)
+        return attempt
+
+    def _ready_attempt(self, attempt_id: str) -> _Attempt:
+        attempt = self._attempt(attempt_id)
+        if attempt.preparing:
+            raise HostError(
+                "inputs_preparing",
+                "the staging directory is still being initialized; retry on a later polling cycle",
+            )
+        return attempt
+
+    @staticmethod
+    def _declared(attempt: _Attempt, object_id: str) -> StreamState:
+        state = attempt.states.get(object_id)
+        if state is None:
+            raise HostError(
+                "input_not_declared",
+                f"{object_id!r} is not a streamed input of this attempt's plan",
+            )
+        return state
+
+
+def _expected_entries(dir_fd: int) -> list[str]:
+    """The names in an attempt directory, refusing anything staging never creates."""
+    names = []
+    with os.scandir(dir_fd) as entries:
+        for entry in entries:
+            if not (_IDENTITY.match(entry.name) and entry.is_file(follow_symlinks=False)):
+                raise HostError(
+                    "unexpected_entry",
+                    f"staging directory contains {entry.name!r}, which staging never "
+                    "creates; inspect and remove it by hand, then retry the release",
+                )
+            names.append(entry.name)
+    return names
+
+
+def _require_space(fd: int, length: int) -> None:
+    vfs = os.fstatvfs(fd)
+    if vfs.f_bavail * vfs.f_frsize < length:
+        raise OSError(errno.ENOSPC, "not enough free space for the chunk")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+def _storage_refusal(what: str, error: OSError) -> HostError:
+    if error.errno in {errno.ENOSPC, errno.EDQUOT}:
+        return HostError(
+            "slot_full",
+            f"the slot filesystem is full while writing {what}; the attempt cannot start: "
+            "release it and free space on the slot",
+        )
+    return HostError(
+        "input_storage_failed",
+        f"writing {what} failed ({error.strerror or error}); the attempt cannot start: "
+        "release it and check the slot's disk",
+    )
+
+
+def _not_staged(attempt_id: str) -> HostError:
+    return HostError(
+        "attempt_not_staged",
+        f"attempt {attempt_id} has no staged inputs on this slot; register and prepare it first",
+    )

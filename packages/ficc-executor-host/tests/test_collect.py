@@ -1,0 +1,222 @@
+"""Bounded reads of logs and declared outputs, against a real attempt layout on disk."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import lifecycle as lc
+from ficc.execution.host.collect import identity_digest, read_object
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.layout import Layout
+from ficc.execution.host.ledger import AttemptRecord
+from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read, validate_request
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the layout chowns to a slot account")
+
+SLOT_UID = 61_771
+SHA = "sha256:" + "c" * 64
+
+
+@dataclass(frozen=True)
+class Slot:
+    path: str
+    uid: int = SLOT_UID
+    gid: int = SLOT_UID
+
+
+def make_plan(outputs: dict[str, str]) -> planlib.Plan:
+    return planlib.Plan(
+        version=1,
+        deployment_id="1" * 32,
+        node_id="2" * 32,
+        project_id="3" * 32,
+        job_id=secrets.token_hex(16),
+        attempt_id=secrets.token_hex(16),
+        generation=1,
+        offer_revision=1,
+        job=planlib.Job(
+            name="job",
+            slot_class="cpu",
+            runtime=planlib.Runtime("test", SHA, SHA, "strict", "none"),
+            payload=planlib.Payload(argv=["/bin/true"], environment={}),
+            limits=planlib.Limits(
+                cpu_millis=100,
+                memory_bytes=1 << 30,
+                swap_bytes=0,
+                processes=8,
+                storage_bytes=1 << 30,
+                storage_inodes=100,
+                devices=[],
+            ),
+            inputs=[],
+            outputs=[planlib.Output(name, path) for name, path in outputs.items()],
+            sensitive=False,
+        ),
+    )
+
+
+def record_of(
+    plan: planlib.Plan, status: lc.Status, slot_id: str | None = "slot0"
+) -> AttemptRecord:
+    return AttemptRecord(
+        attempt_id=plan.attempt_id,
+        job_id=plan.job_id,
+        generation=plan.generation,
+        plan_digest=planlib.plan_digest(plan),
+        offer_revision=1,
+        status=status,
+        detail=None,
+        slot_id=slot_id,
+        lease=None,
+        created=1,
+        updated=1,
+    )
+
+
+RUNNING = lc.Status(state="running", start_requested=True)
+DONE = lc.Status(state="succeeded", outcome="succeeded", reason="exited", exit_code=0)
+CLEAN = lc.Status(
+    state="succeeded", outcome="succeeded", reason="exited", exit_code=0, cleanup_confirmed=True
+)
+
+
+def read(plan: planlib.Plan, name: str, offset: int = 0, length: int = COLLECT_MAX_BYTES) -> Read:
+    return Read(plan.attempt_id, 1, planlib.plan_digest(plan), name, offset, length)
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    slot = tmp_path / "slot"
+    slot.mkdir(mode=0o755)
+    return Layout(Slot(str(slot)))
+
+
+@pytest.fixture
+def plan() -> planlib.Plan:
+    return make_plan({"result": "out/result.txt", "flat": "flat.bin"})
+
+
+def refused(call: object) -> str:
+    assert callable(call)
+    with pytest.raises(HostError) as caught:
+        call()
+    return caught.value.code
+
+
+def test_logs_read_in_bounded_chunks_with_offsets(layout: Layout, plan: planlib.Plan) -> None:
+    paths = layout.create(plan.attempt_id)
+    content = os.urandom(COLLECT_MAX_BYTES + 1000)
+    Path(paths.stdout).write_bytes(content)
+    record = record_of(plan, RUNNING)
+    first = read_object(layout, record, plan, read(plan, "stdout"))
+    assert base64.b64decode(first.data) == content[:COLLECT_MAX_BYTES]
+    assert (first.next_offset, first.eof, first.complete) == (COLLECT_MAX_BYTES, False, False)
+    second = read_object(layout, record, plan, read(plan, "stdout", first.next_offset, 4096))
+    assert base64.b64decode(second.data) == content[COLLECT_MAX_BYTES:]
+    assert (second.next_offset, second.eof, second.complete) == (len(content), True, False)
+    assert first.identity == second.identity
+    st = os.stat(paths.stdout)
+    assert first.identity == identity_digest(st.st_dev, st.st_ino)
+    empty = read_object(layout, record, plan, read(plan, "stderr"))
+    assert (empty.data, empty.eof) == ("", True)
+
+
+def test_complete_only_once_settled_and_cleaned_up(layout: Layout, plan: planlib.Plan) -> None:
+    paths = layout.create(plan.attempt_id)
+    Path(paths.stderr).write_bytes(b"done\n")
+    assert not read_object(layout, record_of(plan, DONE), plan, read(plan, "stderr")).complete
+    final = read_object(layout, record_of(plan, CLEAN), plan, read(plan, "stderr"))
+    assert (final.complete, final.eof, base64.b64decode(final.data)) == (True, True, b"done\n")
+    partial = read_object(layout, record_of(plan, CLEAN), plan, read(plan, "stderr", 0, 2))
+    assert (partial.eof, partial.complete) == (False, False)
+
+
+def test_declared_outputs_below_storage(layout: Layout, plan: planlib.Plan) -> None:
+    paths = layout.create(plan.attempt_id)
+    storage = Path(paths.storage)
+    (storage / "out").mkdir()
+    (storage / "out" / "result.txt").write_bytes(b"42\n")
+    row = read_object(layout, record_of(plan, RUNNING), plan, read(plan, "output:result", 1))
+    assert (base64.b64decode(row.data), row.offset, row.next_offset) == (b"2\n", 1, 3)
+    code = refused(lambda: read_object(layout, record_of(plan, RUNNING), plan,
+                                       read(plan, "output:other")))  # fmt: skip
+    assert code == "object_unknown"
+    code = refused(lambda: read_object(layout, record_of(plan, RUNNING), plan,
+                                       read(plan, "output:flat")))  # fmt: skip
+    assert code == "object_unavailable"  # declared, not produced yet
+
+
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "directory", "linked_parent"])
+def test_outputs_that_are_not_plain_files_are_refused(
+    layout: Layout, plan: planlib.Plan, tmp_path: Path, kind: str
+) -> None:
+    paths = layout.create(plan.attempt_id)
+    storage = Path(paths.storage)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root only")
+    target = storage / "flat.bin"
+    if kind == "symlink":
+        target.symlink_to(secret)
+    elif kind == "hardlink":
+        (storage / "original").write_bytes(b"x")
+        os.link(storage / "original", target)
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "directory":
+        target.mkdir()
+    else:  # a link where a parent directory is expected
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "result.txt").write_bytes(b"root only")
+        (storage / "out").symlink_to(outside)
+    name = "output:result" if kind == "linked_parent" else "output:flat"
+    row = lambda: read_object(layout, record_of(plan, RUNNING), plan, read(plan, name))  # noqa: E731
+    assert refused(row) == "object_unavailable"
+
+
+def test_an_offset_past_the_end_means_the_file_changed(layout: Layout, plan: planlib.Plan) -> None:
+    paths = layout.create(plan.attempt_id)
+    Path(paths.stdout).write_bytes(b"short")
+    code = refused(lambda: read_object(layout, record_of(plan, RUNNING), plan,
+                                       read(plan, "stdout", 6)))  # fmt: skip
+    assert code == "object_changed"
+    at_end = read_object(layout, record_of(plan, RUNNING), plan, read(plan, "stdout", 5))
+    assert (at_end.data, at_end.eof) == ("", True)
+
+
+def test_a_replaced_log_has_another_identity(layout: Layout, plan: planlib.Plan) -> None:
+    paths = layout.create(plan.attempt_id)
+    before = read_object(layout, record_of(plan, RUNNING), plan, read(plan, "stdout")).identity
+    os.rename(paths.stdout, Path(paths.logs) / "old")  # keeps the old inode in use
+    Path(paths.stdout).write_bytes(b"")
+    after = read_object(layout, record_of(plan, RUNNING), plan, read(plan, "stdout")).identity
+    assert before != after
+
+
+def test_no_resource_records_have_empty_final_logs_and_no_outputs(plan: planlib.Plan) -> None:
+    for status in (lc.admission_rejected(), lc.absence_acknowledged()):
+        record = record_of(plan, status, slot_id=None)
+        rows = [read_object(None, record, plan, read(plan, name)) for name in ("stdout", "stderr")]
+        for row in rows:
+            assert (row.data, row.eof, row.complete, row.next_offset) == ("", True, True, 0)
+        again = read_object(None, record, plan, read(plan, "stdout"))
+        assert again.identity == rows[0].identity != rows[1].identity
+        name = f"empty:{plan.attempt_id}:stdout".encode()
+        assert rows[0].identity == "sha256:" + hashlib.sha256(name).hexdigest()
+        with pytest.raises(HostError) as caught:
+            read_object(None, record, plan, read(plan, "output:result"))
+        assert caught.value.code == "object_unavailable"
+
+
+def test_the_request_bounds_a_batch_to_one_mebibyte(plan: planlib.Plan) -> None:
+    reads = [read(plan, "stdout", 0, COLLECT_MAX_BYTES), read(plan, "stderr", 0, 1)]
+    with pytest.raises(Exception, match="more than 1 MiB"):
+        validate_request(CollectRequest(version=1, id="0" * 32, reads=reads))

@@ -1,0 +1,378 @@
+"""`serve` and `status` (commands.py), with a fake daemon that implements the contract.
+
+`run_daemon` is driven for real: real sockets under /run, a real sd_notify datagram
+socket (abstract namespace, as systemd may pass), a real SIGTERM to this process. The
+core (`ficc.execution.host.daemon`) is replaced by the fake through `open_daemon`; the
+integration tests in tests-integration/ run the real one as a separate process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ficc.execution.client import Client
+from ficc.execution.host import commands
+from ficc.execution.host.commands import fetch_snapshots, format_status, run_daemon
+from ficc.execution.host.config import Config, parse_config
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.server import ServerLimits
+from ficc.execution.protocol import AnyRequest, OfferLimits, Resources, Sender, SnapshotRequest
+from ficc.execution.wire import (
+    AnyReply,
+    AttemptStatus,
+    Capacity,
+    Offer,
+    ProviderInfo,
+    SlotClass,
+    SnapshotReply,
+    error_reply,
+)
+
+MIB = 1024 * 1024
+NOW_MS = 1_800_000_000_000
+RESOURCES = Resources(
+    attempts=4,
+    cpu_millis=2000,
+    memory_bytes=4 << 30,
+    swap_bytes=0,
+    processes=512,
+    storage_bytes=20 << 30,
+    storage_inodes=200_000,
+)
+
+
+def status_row(n: int, **fields: Any) -> AttemptStatus:
+    values: dict[str, Any] = {
+        "attempt_id": f"{n:032x}",
+        "generation": 1,
+        "plan_digest": "sha256:" + "d" * 64,
+        "state": "prepared",
+        "ready": False,
+        "outcome": None,
+        "reason": None,
+        "exit_code": None,
+        "lease_sequence": 1,
+        "lease_expires_at_ms": NOW_MS + 90_500,
+        "slot": "small-0",
+        "staged_bytes": 0,
+        "stdout_bytes": 0,
+        "stderr_bytes": 0,
+        "cleanup_confirmed": False,
+    }
+    values.update(fields)
+    return AttemptStatus(**values)
+
+
+def page(
+    attempts: list[AttemptStatus], next_cursor: str | None, rid: str = "9" * 32
+) -> SnapshotReply:
+    return SnapshotReply(
+        version=1,
+        id=rid,
+        installation_id="1" * 32,
+        ledger_id="2" * 32,
+        admission_version=1,
+        maximum_lease_seconds=600,
+        input_chunk_bytes=8 * MIB,
+        offer=Offer(3, "paused", OfferLimits(RESOURCES, ["3" * 32], ["test"])),
+        capacity=Capacity(
+            available=RESOURCES,
+            slot_classes=[
+                SlotClass(class_="small", total=2, free=1, bytes=20 << 30, inodes=200_000)
+            ],
+            providers=[
+                ProviderInfo("test", "sha256:" + "a" * 64, True),
+                ProviderInfo("podman", "sha256:" + "b" * 64, False),
+            ],
+        ),
+        attempts=attempts,
+        next=next_cursor,
+    )
+
+
+# --- status: the table ------------------------------------------------------------------
+
+
+def test_status_table_shows_bindings_offer_capacity_providers_and_attempts() -> None:
+    first = page([status_row(1)], next_cursor=f"{1:032x}")
+    second = page(
+        [
+            status_row(2, state="running", ready=True),
+            status_row(
+                3,
+                state="released",
+                outcome="failed",
+                reason="gate_namespace",
+                exit_code=None,
+                lease_expires_at_ms=NOW_MS - 1,
+                slot=None,
+                cleanup_confirmed=True,
+            ),
+            status_row(4, state="released", outcome="succeeded", exit_code=0, slot=None),
+        ],
+        next_cursor=None,
+    )
+    text = format_status([first, second], now_ms=NOW_MS)
+    lines = text.splitlines()
+    assert lines[0] == f"installation   {'1' * 32}"
+    assert lines[1] == f"ledger         {'2' * 32}   admission_version 1"
+    assert lines[2] == "lease ceiling  600 s   input chunk 8.0 MiB"
+    assert "offer          revision 3   control paused" in lines
+    assert f"  projects     {'3' * 32}" in lines
+    assert "  runtimes     test" in lines
+    assert any(line.split() == ["memory", "4.0", "GiB", "4.0", "GiB"] for line in lines)
+    assert any(line.split() == ["small", "2", "1", "20.0", "GiB", "200000"] for line in lines)
+    assert any(line.split()[:2] == ["podman", "NO"] for line in lines)
+    assert "attempts       4" in lines
+    header = next(line for line in lines if line.startswith("ATTEMPT"))
+    assert header.split() == [
+        "ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT", "LEASE", "SLOT",
+    ]  # fmt: skip
+    attempt_lines = [line for line in lines if line[:32].isalnum() and len(line) > 32]
+    rows = {line.split()[0]: line.split() for line in attempt_lines}
+    assert len(rows) == 4
+    assert rows[f"{1:032x}"][1:] == ["1", "prepared", "no", "-", "-", "-", "90", "s", "small-0"]
+    assert rows[f"{2:032x}"][2:4] == ["running", "yes"]
+    assert rows[f"{3:032x}"][1:] == [
+        "1", "released", "no", "failed", "gate_namespace", "-", "-", "-",
+    ]  # fmt: skip
+    # a settled attempt's lease no longer matters, even while its deadline is ahead
+    assert rows[f"{4:032x}"][7] == "-"
+    # columns line up: every attempt row starts its STATE column where the header does
+    column = header.index("STATE")
+    for line in attempt_lines:
+        assert line[column - 2 : column] == "  "
+        assert line[column] != " "
+
+
+def test_status_table_without_attempts_says_so() -> None:
+    text = format_status([page([], None)], now_ms=NOW_MS)
+    assert "attempts       0" in text.splitlines()
+    assert "ATTEMPT" not in text
+
+
+# --- serve: the real shell around a fake daemon --------------------------------------------
+
+
+class FakeDaemon:
+    """The contract; snapshots come in two pages so `status` must follow `next`."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.closed = False
+        self.calls: list[tuple[Sender, str]] = []
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def close(self) -> None:
+        self.closed = True
+
+    def input_chunk_bytes(self) -> int:
+        return 8 * MIB
+
+    async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply:
+        self.calls.append((sender, request.action))
+        if isinstance(request, SnapshotRequest):
+            if request.after is None:
+                return page([status_row(1)], f"{1:032x}", request.id)
+            return page([status_row(2)], None, request.id)
+        return error_reply(request.id, "unknown_attempt", "fake")
+
+
+if os.geteuid() != 0:
+    pytest.skip("needs root: sockets are owned per role under /run", allow_module_level=True)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="ficc-t-commands-", dir="/run"))
+    os.chmod(path, 0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+def config_for(socket_dir: Path) -> Config:
+    doc = f"""{{
+      "installation_id": "{"1" * 32}", "deployment_id": "{"4" * 32}", "node_id": "{"5" * 32}",
+      "mode": "voluntary", "transport_uid": 3999990, "local_owner_uids": [3999991],
+      "maximum_lease_seconds": 600, "state_dir": "/run/ficc-t-commands-unused-state",
+      "socket_dir": "{socket_dir}", "supervisor": "cgroupfs",
+      "slots": [{{"id": "small-0", "class": "small", "generation": 1,
+                  "path": "/run/ficc-t-commands-unused-slot", "uid": 3999992, "gid": 3999992,
+                  "storage_bytes": 1, "storage_inodes": 1}}],
+      "ceiling": {{"cpu_millis": 1, "memory_bytes": 1, "swap_bytes": 0, "processes": 1,
+                   "slots": 1, "devices": [], "projects": [], "runtimes": ["test"]}},
+      "initial_offer": {{"control": "active", "cpu_millis": 1, "memory_bytes": 1,
+                   "swap_bytes": 0, "processes": 1, "slots": 1, "devices": [], "projects": [],
+                   "runtimes": []}},
+      "providers": [{{"id": "test", "package_digest": "sha256:{"a" * 64}"}}]
+    }}"""
+    return parse_config(doc.encode(), ".json")
+
+
+@pytest.fixture
+def notifications(monkeypatch: pytest.MonkeyPatch) -> Iterator[socket.socket]:
+    """A datagram socket in the abstract namespace, passed as NOTIFY_SOCKET=@name."""
+    name = f"ficc-t-notify-{os.getpid()}-{os.urandom(4).hex()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+async def next_notification(sock: socket.socket) -> set[str]:
+    async with asyncio.timeout(30):
+        data = await asyncio.get_running_loop().sock_recv(sock, 4096)
+    return set(data.decode().split("\n"))
+
+
+async def until(sock: socket.socket, line: str) -> set[str]:
+    while line not in (message := await next_notification(sock)):
+        pass
+    return message
+
+
+def test_serve_listens_notifies_serves_and_stops_on_sigterm(
+    socket_dir: Path, notifications: socket.socket, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeDaemon()
+    config = config_for(socket_dir)
+    admin = str(socket_dir / "admin.sock")
+
+    async def main() -> None:
+        daemon = asyncio.ensure_future(
+            run_daemon(config, limits=ServerLimits(), open_daemon=lambda c, p: fake)
+        )
+        ready = await until(notifications, "READY=1")
+        assert any(line.startswith("STATUS=serving 3 sockets") for line in ready)
+        assert fake.started
+        await until(notifications, "WATCHDOG=1")
+        pages = await fetch_snapshots(Client(admin))
+        assert isinstance(pages, list)
+        assert [a.attempt_id for p in pages for a in p.attempts] == [f"{1:032x}", f"{2:032x}"]
+        status = await asyncio.to_thread(commands.main, ["status", "--socket", admin])
+        assert status == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        await until(notifications, "STOPPING=1")
+        async with asyncio.timeout(30):
+            await daemon
+        assert fake.closed
+
+    asyncio.run(main())
+    out, err = capsys.readouterr()
+    assert "attempts       2" in out.splitlines()
+    events = [line for line in err.splitlines() if line.startswith("{")]
+    assert any('"event":"ready"' in e for e in events)
+    assert any('"event":"stopped"' in e for e in events)
+    assert fake.calls == [(Sender.ADMINISTRATOR, "snapshot")] * 4
+    assert not os.path.exists(admin) or _refused(admin)
+
+
+def _refused(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(path) != 0
+
+
+def test_a_listen_refusal_closes_the_daemon_and_propagates(socket_dir: Path) -> None:
+    fake = FakeDaemon()
+    (socket_dir / "transport.sock").mkdir()  # something that is not a stale socket
+    with pytest.raises(HostError, match=r"^socket_unsafe:"):
+        asyncio.run(run_daemon(config_for(socket_dir), open_daemon=lambda c, p: fake))
+    assert fake.started
+    assert fake.closed
+
+
+def test_serve_prints_a_startup_refusal_and_exits_1(
+    socket_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(config: Config, path: list[str] | None) -> Any:
+        raise HostError("ledger_unsafe", "the ledger file is a symbolic link; remove it")
+
+    monkeypatch.setattr(commands, "load_config", lambda path: config_for(socket_dir))
+    monkeypatch.setattr(commands, "check_host", lambda config: None)
+    monkeypatch.setattr(commands, "_open_daemon", refuse)
+    assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
+    err = capsys.readouterr().err
+    assert "ledger_unsafe: the ledger file is a symbolic link; remove it" in err
+
+
+def test_serve_refuses_an_unsafe_configuration_before_opening_anything(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert commands.main(["serve", "--config", "/tmp/ficc-t-absent.json"]) == 1
+    assert capsys.readouterr().err.startswith("config_unsafe_file:")
+
+
+def test_status_reports_a_missing_socket_as_a_transport_failure(
+    socket_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert commands.main(["status", "--socket", str(socket_dir / "admin.sock")]) == 3
+    assert "ConnectFailed" in capsys.readouterr().err
+
+
+# --- the systemd unit ------------------------------------------------------------------------
+
+UNIT = Path(__file__).resolve().parents[1] / "packaging" / "ficc-executor-host.service"
+
+
+def unit_settings() -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, _, value = line.partition("=")
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_the_unit_runs_serve_as_a_notify_service_with_a_watchdog() -> None:
+    settings = unit_settings()
+    assert settings["Type"] == ["notify"]
+    assert settings["NotifyAccess"] == ["main"]
+    assert settings["WatchdogSec"] == ["60s"]
+    (exec_start,) = settings["ExecStart"]
+    assert " -I -m ficc.execution serve --config " in exec_start
+    assert settings["Restart"] == ["on-failure"]
+    assert settings["KillMode"] == ["mixed"]
+    assert settings["NoNewPrivileges"] == ["yes"]
+    assert settings["ProtectSystem"] == ["strict"]
+    assert "ProtectControlGroups" not in settings  # the cgroupfs backend writes cgroups
+    assert "/sys/fs/cgroup" in settings["ReadWritePaths"]
+    # the directories check_host requires, with exactly its modes
+    assert settings["StateDirectoryMode"] == ["0700"]
+    assert settings["RuntimeDirectoryMode"] == ["0711"]
+
+
+def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
+    """`systemd-analyze verify` on the unit, with ExecStart pointed at this Python."""
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    text = UNIT.read_text().replace("/opt/ficc/venv/bin/python", os.path.realpath(sys.executable))
+    unit = tmp_path / UNIT.name
+    unit.write_text(text)
+    result = subprocess.run(
+        [analyze, "verify", "--man=no", str(unit)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip() == "", result.stderr

@@ -1,0 +1,943 @@
+"""Every action's handler against a real ledger, real stagers and real slot directories.
+
+The daemon is built with `Daemon.open` from a real configuration whose directories are
+under /run (the host checks refuse group/other-writable ancestors such as /tmp). Only
+the runner is replaced, by a recording fake: these are unit tests of the handlers, and
+the runner's own work (provider calls, services) is tested with the pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Coroutine, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import lifecycle as lc
+from ficc.execution.host.config import Config, parse_config
+from ficc.execution.host.context import HostContext, ProviderRuntime
+from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, service_backend
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.handlers import live_processes
+from ficc.execution.host.layout import Layout, service_name
+from ficc.execution.host.ledger import LEDGER_FILE
+from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc.execution.protocol import (
+    CollectRequest,
+    Fence,
+    InputStatusRequest,
+    InputWrite,
+    InputWriteRequest,
+    ObjectRef,
+    ObserveRequest,
+    OfferLimits,
+    PrepareAttempt,
+    PrepareRequest,
+    Read,
+    ReconcileAbsentRequest,
+    RejectAbsentRequest,
+    ReleaseRequest,
+    Renewal,
+    RenewRequest,
+    Resources,
+    Sender,
+    SetOfferRequest,
+    SnapshotRequest,
+    StartRequest,
+    StopRequest,
+    validate_request,
+)
+from ficc.execution.wire import (
+    AttemptRow,
+    AttemptsReply,
+    ErrorReply,
+    ErrorRow,
+    InputRow,
+    InputsReply,
+    OfferReply,
+    SnapshotReply,
+    decode_reply,
+    encode_reply,
+)
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the daemon needs root: root-owned state, slot accounts, cgroups"
+)
+
+T = TypeVar("T")
+
+INSTALLATION = "0123456789abcdef0123456789abcdef"
+PROJECT = "3123456789abcdef0123456789abcdef"
+PIN = "sha256:" + "ab" * 32
+SLOT_BASE_UID = 61_750
+SHA = "sha256:" + "c" * 64
+GiB = 1 << 30
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def new_id() -> str:
+    return secrets.token_hex(16)
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# --- the host under test -------------------------------------------------------------
+
+
+class FakeRunner:
+    """Records what the handlers hand over; `release` may be told to fail."""
+
+    def __init__(self, ctx: HostContext) -> None:
+        self.ctx = ctx
+        self.calls: list[tuple[str, tuple[str, ...]]] = []
+        self.release_error: HostError | None = None
+
+    def admitted(self, attempt_ids: Sequence[str]) -> None:
+        self.calls.append(("admitted", tuple(attempt_ids)))
+
+    def inputs_complete(self, attempt_id: str) -> None:
+        self.calls.append(("inputs_complete", (attempt_id,)))
+
+    def start_requested(self, attempt_ids: Sequence[str]) -> None:
+        self.calls.append(("start_requested", tuple(attempt_ids)))
+
+    def stop_requested(self, attempt_ids: Sequence[str]) -> None:
+        self.calls.append(("stop_requested", tuple(attempt_ids)))
+
+    async def release(self, attempt_id: str) -> None:
+        self.calls.append(("release", (attempt_id,)))
+        if self.release_error is not None:
+            raise self.release_error
+
+    async def recover(self) -> None:
+        self.calls.append(("recover", ()))
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        self.calls.append(("close", ()))
+
+    def named(self, name: str) -> list[tuple[str, ...]]:
+        return [args for call, args in self.calls if call == name]
+
+
+def make_config(root: Path, slots: int = 2, **overrides: Any) -> Config:
+    """A real configuration: state, sockets and slots below `root` (under /run)."""
+    document: dict[str, Any] = {
+        "installation_id": INSTALLATION,
+        "deployment_id": "1123456789abcdef0123456789abcdef",
+        "node_id": "2123456789abcdef0123456789abcdef",
+        "mode": "voluntary",
+        "transport_uid": SLOT_BASE_UID - 2,
+        "local_owner_uids": [SLOT_BASE_UID - 1],
+        "maximum_lease_seconds": 600,
+        "state_dir": str(root / "state"),
+        "socket_dir": str(root / "sockets"),
+        "supervisor": "cgroupfs",
+        "slots": [
+            {
+                "id": f"slot{i}",
+                "class": "cpu",
+                "generation": 1,
+                "path": str(root / "slots" / f"slot{i}"),
+                "uid": SLOT_BASE_UID + i,
+                "gid": SLOT_BASE_UID + i,
+                "storage_bytes": 1 << 34,
+                "storage_inodes": 100_000,
+            }
+            for i in range(slots)
+        ],
+        "ceiling": {
+            "cpu_millis": 8000,
+            "memory_bytes": 16 * GiB,
+            "swap_bytes": 0,
+            "processes": 4096,
+            "slots": slots,
+            "devices": [],
+            "projects": [PROJECT],
+            "runtimes": ["test"],
+        },
+        "initial_offer": {
+            "control": "active",
+            "cpu_millis": 4000,
+            "memory_bytes": 8 * GiB,
+            "swap_bytes": 0,
+            "processes": 2048,
+            "slots": slots,
+            "devices": [],
+            "projects": [PROJECT],
+            "runtimes": ["test"],
+        },
+        "providers": [{"id": "test", "package_digest": PIN, "configuration": {}}],
+    }
+    document.update(overrides)
+    return parse_config(msgspec.json.encode(document), ".json")
+
+
+@pytest.fixture
+def host_root() -> Iterator[Path]:
+    """A fresh root-owned tree under /run: state 0700, sockets 0711, slots 0755."""
+    root = Path("/run") / f"ficc-t-handlers-{secrets.token_hex(6)}"
+    root.mkdir(mode=0o755)
+    os.chmod(root, 0o755)
+    (root / "state").mkdir(mode=0o700)
+    (root / "sockets").mkdir(mode=0o711)
+    os.chmod(root / "sockets", 0o711)
+    (root / "slots").mkdir(mode=0o755)
+    for i in range(3):
+        (root / "slots" / f"slot{i}").mkdir(mode=0o755)
+        os.chmod(root / "slots" / f"slot{i}", 0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class Host:
+    """A daemon built for real, with the recording runner and a stub-loaded provider."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.daemon = Daemon.open(config, runner_factory=FakeRunner)
+        self.ctx = self.daemon.ctx
+        # The provider itself is exercised by the pipeline tests; admission only needs
+        # to know it is configured and loaded, so mark it loaded.
+        self.ctx.providers["test"] = ProviderRuntime("test", PIN, object(), None)  # type: ignore[arg-type]
+        runner = self.daemon.runner
+        assert isinstance(runner, FakeRunner)
+        self.runner = runner
+
+    def send(self, request: Any, sender: Sender = Sender.TRANSPORT) -> Any:
+        """Dispatch as the server would, and decode the reply exactly as a client would."""
+        validated, _ = validate_request(request)
+        reply = run(self.daemon.dispatch(sender, 0, validated))
+        rows = validated.row_count or None
+        return decode_reply(encode_reply(reply), validated.action, rows=rows)
+
+    def bindings(self) -> dict[str, Any]:
+        b = self.ctx.ledger.bindings()
+        return {"installation_id": b.installation_id, "ledger_id": b.ledger_id,
+                "admission_version": 1}  # fmt: skip
+
+    def prepare(self, *plans: planlib.Plan, expires_in_ms: int = 60_000) -> AttemptsReply:
+        rows = [PrepareAttempt(plan=p, lease=first_lease(p, expires_in_ms)) for p in plans]
+        reply = self.send(PrepareRequest(version=1, id=new_id(), attempts=rows, **self.bindings()))
+        assert isinstance(reply, AttemptsReply), reply
+        return reply
+
+    def apply(self, plan: planlib.Plan, *events: lc.AnyEvent) -> None:
+        for event in events:
+            self.ctx.ledger.apply(fence(plan), event)
+
+    def ready(self, plan: planlib.Plan) -> None:
+        self.apply(plan, lc.PrepareBegun(), lc.PrepareOk(result=b"{}"))
+
+    def close(self) -> None:
+        run(self.daemon.close())
+
+
+@pytest.fixture
+def host(host_root: Path) -> Iterator[Host]:
+    h = Host(make_config(host_root))
+    yield h
+    h.close()
+
+
+def make_plan(
+    *,
+    inputs: Sequence[planlib.InputObject] = (),
+    outputs: Sequence[planlib.Output] = (),
+    provider: str = "test",
+    package_digest: str = PIN,
+    cpu_millis: int = 1000,
+    job_id: str | None = None,
+    generation: int = 1,
+) -> planlib.Plan:
+    return planlib.Plan(
+        version=1,
+        deployment_id="1123456789abcdef0123456789abcdef",
+        node_id="2123456789abcdef0123456789abcdef",
+        project_id=PROJECT,
+        job_id=job_id or new_id(),
+        attempt_id=new_id(),
+        generation=generation,
+        offer_revision=1,
+        job=planlib.Job(
+            name="job",
+            slot_class="cpu",
+            runtime=planlib.Runtime(provider, package_digest, SHA, "strict", "none"),
+            payload=planlib.Payload(argv=["/bin/true"], environment={}),
+            limits=planlib.Limits(
+                cpu_millis=cpu_millis,
+                memory_bytes=GiB,
+                swap_bytes=0,
+                processes=64,
+                storage_bytes=GiB,
+                storage_inodes=1000,
+                devices=[],
+            ),
+            inputs=list(inputs),
+            outputs=list(outputs),
+            sensitive=False,
+        ),
+    )
+
+
+def fence(plan: planlib.Plan) -> Fence:
+    return Fence(plan.attempt_id, plan.generation, planlib.plan_digest(plan))
+
+
+def first_lease(plan: planlib.Plan, expires_in_ms: int = 60_000, sequence: int = 1) -> Renewal:
+    f = fence(plan)
+    expires = time.time_ns() // 1_000_000 + expires_in_ms
+    return Renewal(f.attempt_id, f.generation, f.plan_digest, sequence, expires)
+
+
+def stream(data: bytes, name: str = "data.bin") -> planlib.InputObject:
+    return planlib.InputObject(
+        id=new_id(), name=name, bytes=len(data), digest=sha(data), delivery="stream"
+    )
+
+
+def row_ok(reply: Any, index: int = 0) -> Any:
+    row = reply.results[index]
+    assert not isinstance(row, ErrorRow), row
+    return row
+
+
+def row_code(reply: Any, index: int = 0) -> str:
+    row = reply.results[index]
+    assert isinstance(row, ErrorRow), row
+    return str(row.error.code)
+
+
+def fences_request(kind: Any, *plans: planlib.Plan) -> Any:
+    return kind(version=1, id=new_id(), attempts=[fence(p) for p in plans])
+
+
+# --- prepare -------------------------------------------------------------------------
+
+
+def test_prepare_admits_and_hands_new_attempts_to_the_runner(host: Host) -> None:
+    plan = make_plan()
+    row = row_ok(host.prepare(plan))
+    assert isinstance(row, AttemptRow)
+    assert (row.state, row.ready, row.outcome, row.slot) == ("prepared", False, None, "slot0")
+    assert (row.lease_sequence, row.cleanup_confirmed) == (1, False)
+    assert host.runner.named("admitted") == [(plan.attempt_id,)]
+    # a repeated prepare returns the record as it is, deadline included, and is not new
+    record = host.ctx.ledger.get(plan.attempt_id)
+    again = row_ok(host.prepare(plan, expires_in_ms=300_000))
+    assert again.lease_expires_at_ms == row.lease_expires_at_ms
+    assert host.ctx.ledger.get(plan.attempt_id) == record
+    assert host.runner.named("admitted") == [(plan.attempt_id,)]
+
+
+def test_prepare_with_changed_bindings_writes_nothing(host: Host) -> None:
+    plan = make_plan()
+    rows = [PrepareAttempt(plan=plan, lease=first_lease(plan))]
+    bindings = host.bindings() | {"ledger_id": new_id()}
+    reply = host.send(PrepareRequest(version=1, id=new_id(), attempts=rows, **bindings))
+    assert isinstance(reply, ErrorReply)
+    assert reply.error.code == "bindings_changed"
+    assert host.ctx.ledger.page() == ([], None)
+    assert host.runner.named("admitted") == []
+
+
+@pytest.mark.parametrize(
+    ("change", "detail"),
+    [
+        ({"provider": "other"}, "provider_unavailable"),
+        ({"package_digest": "sha256:" + "0" * 64}, "provider_unavailable"),
+        ({"cpu_millis": 5000}, "admission_rejected"),  # above the offer's 4000
+    ],
+)
+def test_refusals_before_any_provider_call_are_durable(
+    host: Host, change: dict[str, Any], detail: str
+) -> None:
+    plan = make_plan(**change)
+    reply = host.prepare(plan)
+    assert row_code(reply) == "admission_rejected"
+    assert detail in reply.results[0].error.message
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert (record.status.state, record.status.reason, record.slot_id) == (
+        "failed",
+        "admission_rejected",
+        None,
+    )
+    assert record.detail == detail
+    assert record.status.cleanup_confirmed
+    assert host.runner.named("admitted") == []
+    # repeating it returns the durable rejection; it can never start
+    again = row_ok(host.prepare(plan))
+    assert (again.state, again.reason) == ("failed", "admission_rejected")
+    assert row_code(host.send(fences_request(StartRequest, plan))) == "admission_rejected"
+
+
+def test_an_unavailable_provider_is_refused_with_its_code(host_root: Path) -> None:
+    h = Host(make_config(host_root))
+    try:
+        h.ctx.providers["test"] = ProviderRuntime(
+            "test", PIN, None, HostError("provider_digest_mismatch", "tampered")
+        )
+        reply = h.prepare(make_plan())
+        assert row_code(reply) == "admission_rejected"
+        assert "provider_digest_mismatch" in reply.results[0].error.message
+    finally:
+        h.close()
+
+
+def test_slot_exhaustion_and_expired_first_lease(host: Host) -> None:
+    plans = [make_plan() for _ in range(3)]
+    reply = host.prepare(*plans)
+    assert [row_ok(reply, i).slot for i in range(2)] == ["slot0", "slot1"]
+    assert row_code(reply, 2) == "admission_rejected"
+    assert "attempts: 2 reserved + 1 asked > 2 offered" in reply.results[2].error.message
+    late = make_plan()
+    assert row_code(host.prepare(late, expires_in_ms=-1000)) == "admission_rejected"
+    assert host.ctx.ledger.get(late.attempt_id).detail == "lease_expired"  # type: ignore[union-attr]
+
+
+def test_generation_conflict_writes_no_record(host: Host) -> None:
+    first = make_plan()
+    host.prepare(first)
+    later = make_plan(job_id=first.job_id, generation=2)
+    assert row_code(host.prepare(later)) == "generation_conflict"
+    assert host.ctx.ledger.get(later.attempt_id) is None
+
+
+# --- renew, start, observe, stop, release ------------------------------------------
+
+
+def test_renew_sequences_and_duplicates(host: Host) -> None:
+    plan = make_plan()
+    host.prepare(plan)
+    two = first_lease(plan, 120_000, sequence=2)
+    renewed = row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[two])))
+    assert (renewed.lease_sequence, renewed.lease_expires_at_ms) == (2, two.expires_at_ms)
+    deadline = host.ctx.ledger.get(plan.attempt_id).lease  # type: ignore[union-attr]
+    duplicate = row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[two])))
+    assert duplicate.lease_sequence == 2
+    assert host.ctx.ledger.get(plan.attempt_id).lease == deadline  # type: ignore[union-attr]
+    stale = first_lease(plan, 200_000, sequence=2)
+    code = row_code(host.send(RenewRequest(version=1, id=new_id(), leases=[stale])))
+    assert code == "lease_sequence"
+    other = Renewal(new_id(), 1, SHA, 2, two.expires_at_ms)
+    assert row_code(host.send(RenewRequest(version=1, id=new_id(), leases=[other]))) == (
+        "unknown_attempt"
+    )
+
+
+def test_start_needs_ready_and_starts_once(host: Host) -> None:
+    plan = make_plan()
+    host.prepare(plan)
+    assert row_code(host.send(fences_request(StartRequest, plan))) == "not_ready"
+    host.apply(plan, lc.PrepareBegun())
+    assert row_code(host.send(fences_request(StartRequest, plan))) == "runtime_preparing"
+    host.apply(plan, lc.PrepareOk(result=b"{}"))
+    started = row_ok(host.send(fences_request(StartRequest, plan)))
+    assert started.state == "starting"
+    assert host.runner.named("start_requested") == [(plan.attempt_id,)]
+    again = row_ok(host.send(fences_request(StartRequest, plan)))
+    assert again.state == "starting"
+    assert host.runner.named("start_requested") == [(plan.attempt_id,)]  # never twice
+
+
+def test_start_refused_when_the_offer_no_longer_allows_it(host: Host) -> None:
+    plan = make_plan()
+    host.prepare(plan)
+    host.ready(plan)
+    paused = SetOfferRequest(version=1, id=new_id(), expected_revision=1, control="paused")
+    assert isinstance(host.send(paused, Sender.OWNER), OfferReply)
+    assert row_code(host.send(fences_request(StartRequest, plan))) == "offer_closed"
+    assert host.runner.named("start_requested") == []
+
+
+def test_observe_checks_fences(host: Host) -> None:
+    plan = make_plan()
+    host.prepare(plan)
+    wrong = Fence(plan.attempt_id, 2, fence(plan).plan_digest)
+    missing = Fence(new_id(), 1, SHA)
+    reply = host.send(ObserveRequest(version=1, id=new_id(), attempts=[fence(plan), missing]))
+    assert row_ok(reply, 0).state == "prepared"
+    assert row_code(reply, 1) == "unknown_attempt"
+    reply = host.send(ObserveRequest(version=1, id=new_id(), attempts=[wrong]))
+    assert row_code(reply) == "fence_mismatch"
+
+
+def test_stop_and_release(host: Host) -> None:
+    plan = make_plan()
+    host.prepare(plan)
+    assert row_code(host.send(fences_request(ReleaseRequest, plan))) == "not_terminal"
+    stopped = row_ok(host.send(fences_request(StopRequest, plan)))
+    assert (stopped.state, stopped.outcome, stopped.cleanup_confirmed) == (
+        "cancelled",
+        "cancelled",
+        False,
+    )
+    assert host.runner.named("stop_requested") == [(plan.attempt_id,)]
+    assert row_code(host.send(fences_request(ReleaseRequest, plan))) == "cleanup_unconfirmed"
+    host.apply(plan, lc.CleanupConfirmed())
+    host.runner.release_error = HostError("layout_cleanup_failed", "disk gone")
+    assert row_code(host.send(fences_request(ReleaseRequest, plan))) == "layout_cleanup_failed"
+    assert host.ctx.ledger.get(plan.attempt_id).status.state == "cancelled"  # type: ignore[union-attr]
+    host.runner.release_error = None
+    released = row_ok(host.send(fences_request(ReleaseRequest, plan)))
+    assert (released.state, released.outcome, released.slot) == ("released", "cancelled", None)
+    calls = len(host.runner.named("release"))
+    again = row_ok(host.send(fences_request(ReleaseRequest, plan)))
+    assert again.state == "released"
+    assert len(host.runner.named("release")) == calls  # nothing left to release
+    # the slot is free again
+    assert row_ok(host.prepare(make_plan(), make_plan()), 1).slot is not None
+
+
+def test_no_resource_records_release_without_the_runner(host: Host) -> None:
+    plan = make_plan(provider="other")
+    host.prepare(plan)
+    released = row_ok(host.send(fences_request(ReleaseRequest, plan)))
+    assert (released.state, released.outcome, released.reason) == (
+        "released",
+        "failed",
+        "admission_rejected",
+    )
+    assert host.runner.named("release") == []
+
+
+# --- streamed inputs -----------------------------------------------------------------
+
+
+def write_row(plan: planlib.Plan, obj: planlib.InputObject, offset: int, data: bytes) -> InputWrite:
+    f = fence(plan)
+    return InputWrite(
+        f.attempt_id,
+        f.generation,
+        f.plan_digest,
+        obj.id,
+        offset,
+        base64.b64encode(data).decode(),
+        sha(data),
+    )
+
+
+def status_of(host: Host, plan: planlib.Plan, obj: planlib.InputObject) -> Any:
+    f = fence(plan)
+    ref = ObjectRef(f.attempt_id, f.generation, f.plan_digest, obj.id)
+    reply = host.send(InputStatusRequest(version=1, id=new_id(), objects=[ref]))
+    assert isinstance(reply, InputsReply)
+    return reply.results[0]
+
+
+def write(host: Host, *rows: InputWrite) -> InputsReply:
+    reply = host.send(InputWriteRequest(version=1, id=new_id(), writes=list(rows)))
+    assert isinstance(reply, InputsReply)
+    return reply
+
+
+def stage(host: Host, plan: planlib.Plan) -> None:
+    """What the runner does after admission: initialise the staging directory."""
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.slot_id is not None
+    host.ctx.slots[record.slot_id].stager.prepare_attempt(plan.attempt_id)
+
+
+def test_input_upload_resumes_after_a_lost_acknowledgement(host: Host) -> None:
+    first, second = b"a" * 1000 + b"b" * 500, b"second object"
+    obj, other = stream(first, "first.bin"), stream(second, "second.bin")
+    plan = make_plan(inputs=[obj, other])
+    host.prepare(plan)
+    assert row_code(write(host, write_row(plan, obj, 0, first[:1000]))) == "inputs_preparing"
+    status = status_of(host, plan, obj)
+    assert isinstance(status, ErrorRow)
+    assert status.error.code == "inputs_preparing"
+    stage(host, plan)
+    assert status_of(host, plan, obj).offset == 0
+    row = row_ok(write(host, write_row(plan, obj, 0, first[:1000])))
+    assert (row.offset, row.complete) == (1000, False)
+    # the acknowledgement is "lost": the client resends at 0 and is told to re-read
+    assert row_code(write(host, write_row(plan, obj, 0, first[:1000]))) == ("input_offset_changed")
+    resumed = status_of(host, plan, obj)
+    assert isinstance(resumed, InputRow)
+    assert (resumed.offset, resumed.bytes, resumed.digest) == (1000, 1500, obj.digest)
+    # two rows of one attempt in one request run one after the other
+    reply = write(host, write_row(plan, obj, 1000, first[1000:]), write_row(plan, other, 0, second))
+    assert [row_ok(reply, i).complete for i in range(2)] == [True, True]
+    assert host.runner.named("inputs_complete") == [(plan.attempt_id,)]
+    assert row_code(write(host, write_row(plan, obj, 1500, b""))) == "input_complete"
+    observed = row_ok(host.send(fences_request(ObserveRequest, plan)))
+    assert observed.staged_bytes == len(first) + len(second)
+    recorded = {i.object_id: i for i in host.ctx.ledger.inputs(plan.attempt_id)}
+    assert recorded[obj.id].complete
+    assert recorded[obj.id].identity is not None
+
+
+def test_a_wrong_digest_fails_the_attempt(host: Host) -> None:
+    data = b"declared bytes"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan)
+    stage(host, plan)
+    assert row_code(write(host, write_row(plan, obj, 0, b"X" * len(data)))) == (
+        "input_digest_mismatch"
+    )
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert (record.status.state, record.status.reason) == ("failed", "input_digest_mismatch")
+    assert row_code(write(host, write_row(plan, obj, 0, data))) == "input_failed"
+    status = status_of(host, plan, obj)
+    assert isinstance(status, ErrorRow)
+    assert status.error.code == "input_failed"
+
+
+def test_inputs_need_a_current_lease_and_an_open_offer(host: Host) -> None:
+    data = b"payload"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan, expires_in_ms=500)
+    stage(host, plan)
+    deadline = host.ctx.ledger.get(plan.attempt_id).lease.deadline_boottime_ns  # type: ignore[union-attr]
+    while time.clock_gettime_ns(time.CLOCK_BOOTTIME) < deadline:
+        time.sleep(0.05)  # waits for a real deadline to pass; nothing races here
+    assert row_code(write(host, write_row(plan, obj, 0, data))) == "lease_expired"
+    fresh = make_plan(inputs=[stream(data)])
+    host.prepare(fresh)
+    stage(host, fresh)
+    stopped = SetOfferRequest(version=1, id=new_id(), expected_revision=1, control="stopped")
+    assert isinstance(host.send(stopped, Sender.OWNER), OfferReply)
+    code = row_code(write(host, write_row(fresh, fresh.job.inputs[0], 0, data)))
+    assert code == "offer_closed"
+
+
+# --- snapshot and set_offer ---------------------------------------------------------
+
+
+def test_snapshot_pages_over_200_attempts(host: Host) -> None:
+    plans = [make_plan() for _ in range(230)]
+    for start in range(0, len(plans), 64):
+        batch = plans[start : start + 64]
+        reply = host.send(
+            RejectAbsentRequest(version=1, id=new_id(), plans=batch, **host.bindings())
+        )
+        assert all(row_ok(reply, i).reason == "admission_rejected" for i in range(len(batch)))
+    live = make_plan()
+    host.prepare(live)
+    seen: list[str] = []
+    after = None
+    pages = 0
+    while True:
+        reply = host.send(SnapshotRequest(version=1, id=new_id(), after=after), Sender.OWNER)
+        assert isinstance(reply, SnapshotReply)
+        assert len(reply.attempts) <= 64
+        seen += [a.attempt_id for a in reply.attempts]
+        pages += 1
+        if reply.next is None:
+            break
+        after = reply.next
+    assert seen == sorted(p.attempt_id for p in [*plans, live])
+    assert pages == 4
+    assert reply.bindings() == host.bindings()
+    assert (reply.maximum_lease_seconds, reply.input_chunk_bytes) == (600, 8 << 20)
+    assert reply.offer.revision == 1
+    (cpu,) = reply.capacity.slot_classes
+    assert (cpu.class_, cpu.total, cpu.free, cpu.bytes) == ("cpu", 2, 1, 1 << 34)
+    assert reply.capacity.available.attempts == 1
+    assert reply.capacity.available.cpu_millis == 3000
+    (provider,) = reply.capacity.providers
+    assert (provider.id, provider.package_digest, provider.available) == ("test", PIN, True)
+
+
+def test_set_offer_within_the_ceiling(host: Host) -> None:
+    limits = OfferLimits(
+        Resources(
+            attempts=2,
+            cpu_millis=8000,
+            memory_bytes=16 * GiB,
+            swap_bytes=0,
+            processes=4096,
+            storage_bytes=1 << 35,
+            storage_inodes=200_000,
+        ),
+        projects=[PROJECT],
+        runtimes=["test"],
+    )
+    request = SetOfferRequest(
+        version=1, id=new_id(), expected_revision=1, control="draining", limits=limits
+    )
+    reply = host.send(request, Sender.OWNER)
+    assert isinstance(reply, OfferReply)
+    assert (reply.offer.revision, reply.offer.control, reply.offer.limits) == (
+        2,
+        "draining",
+        limits,
+    )
+    above = msgspec.structs.replace(
+        limits, resources=msgspec.structs.replace(limits.resources, cpu_millis=8001)
+    )
+    too_much = SetOfferRequest(
+        version=1, id=new_id(), expected_revision=2, control="active", limits=above
+    )
+    refused = host.send(too_much, Sender.OWNER)
+    assert isinstance(refused, ErrorReply)
+    assert refused.error.code == "offer_exceeds_ceiling"
+    stale = SetOfferRequest(version=1, id=new_id(), expected_revision=1, control="active")
+    refused = host.send(stale, Sender.ADMINISTRATOR)
+    assert isinstance(refused, ErrorReply)
+    assert refused.error.code == "offer_revision"
+    assert host.ctx.ledger.offer().revision == 2
+
+
+# --- reconcile_absent ----------------------------------------------------------------
+
+
+def reconcile(host: Host, *plans: planlib.Plan) -> Any:
+    request = ReconcileAbsentRequest(
+        version=1, id=new_id(), plans=list(plans), acknowledge_unknown=True, **host.bindings()
+    )
+    return host.send(request, Sender.ADMINISTRATOR)
+
+
+def test_reconcile_absent_on_an_idle_host(host: Host) -> None:
+    plan = make_plan()
+    reply = reconcile(host, plan)
+    row = row_ok(reply)
+    assert (row.state, row.outcome, row.reason, row.slot, row.cleanup_confirmed) == (
+        "unknown",
+        "unknown",
+        "legacy_absence_acknowledged",
+        None,
+        True,
+    )
+    again = row_ok(reconcile(host, plan))
+    assert again == row  # an existing record is returned unchanged
+    released = row_ok(host.send(fences_request(ReleaseRequest, plan)))
+    assert (released.state, released.outcome) == ("released", "unknown")
+
+
+def test_reconcile_absent_refuses_a_leftover_attempt_directory(host: Host) -> None:
+    slot = host.ctx.slots["slot1"]
+    Layout(slot).create(new_id())
+    reply = reconcile(host, make_plan())
+    assert isinstance(reply, ErrorReply)
+    assert reply.error.code == "reconcile_refused"
+    assert "slot1 retains ficc/" in reply.error.message
+
+
+def test_reconcile_absent_refuses_a_live_process_of_a_slot_account(host: Host) -> None:
+    slot = host.ctx.slots["slot0"]
+    child = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={slot.uid}",
+            f"--regid={slot.gid}",
+            "--clear-groups",
+            "sleep",
+            "300",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while (slot.uid, child.pid) not in live_processes({slot.uid}):
+            assert time.monotonic() < deadline, "setpriv never became the slot account"
+            time.sleep(0.01)
+        plan = make_plan()
+        reply = reconcile(host, plan)
+        assert isinstance(reply, ErrorReply)
+        assert reply.error.code == "reconcile_refused"
+        assert f"process {child.pid}" in reply.error.message
+        assert host.ctx.ledger.get(plan.attempt_id) is None
+    finally:
+        child.kill()
+        child.wait()
+    assert row_ok(reconcile(host, make_plan())).state == "unknown"
+
+
+def test_reconcile_absent_refuses_while_a_reservation_is_held(host: Host) -> None:
+    host.prepare(make_plan())
+    reply = reconcile(host, make_plan())
+    assert isinstance(reply, ErrorReply)
+    assert reply.error.code == "reconcile_refused"
+
+
+def test_reject_absent_refuses_changed_bindings(host: Host) -> None:
+    bindings = host.bindings() | {"installation_id": new_id()}
+    reply = host.send(RejectAbsentRequest(version=1, id=new_id(), plans=[make_plan()], **bindings))
+    assert isinstance(reply, ErrorReply)
+    assert reply.error.code == "bindings_changed"
+    assert host.ctx.ledger.page() == ([], None)
+
+
+# --- the daemon's ledger and supervisor choices ------------------------------------
+
+
+def test_the_ledger_is_created_once_and_never_silently_recreated(host_root: Path) -> None:
+    config = make_config(host_root)
+    first = Host(config)
+    ledger_id = first.ctx.ledger.bindings().ledger_id
+    first.close()
+    state = host_root / "state"
+    assert (state / LEDGER_MARKER).read_text() == f"{ledger_id}\n"
+    second = Host(config)
+    assert second.ctx.ledger.bindings().ledger_id == ledger_id
+    assert second.runner.named("recover") == []  # recovery runs in start(), not open()
+    second.close()
+    (state / LEDGER_FILE).unlink()
+    for suffix in ("-wal", "-shm"):
+        (state / (LEDGER_FILE + suffix)).unlink(missing_ok=True)
+    with pytest.raises(HostError) as caught:
+        Daemon.open(config, runner_factory=FakeRunner)
+    assert caught.value.code == "ledger_missing"
+
+
+def test_the_initial_offer_control_is_applied_on_creation(host_root: Path) -> None:
+    config = make_config(host_root)
+    paused = msgspec.structs.replace(
+        config, initial_offer=msgspec.structs.replace(config.initial_offer, control="paused")
+    )
+    h = Host(paused)
+    try:
+        assert h.ctx.ledger.offer().control == "paused"
+    finally:
+        h.close()
+
+
+def test_the_systemd_supervisor_is_refused_until_it_exists(host_root: Path) -> None:
+    config = msgspec.structs.replace(make_config(host_root), supervisor="systemd")
+    with pytest.raises(HostError) as caught:
+        Daemon.open(config, runner_factory=FakeRunner)
+    assert caught.value.code == "supervisor_unsupported"
+    # and the ledger lock was released: the daemon can open with a usable supervisor
+    Host(make_config(host_root)).close()
+
+
+def test_start_runs_recovery_then_the_monitor(host_root: Path) -> None:
+    h = Host(make_config(host_root))
+
+    async def scenario() -> None:
+        await h.daemon.start()
+        assert h.runner.named("recover") == [()]
+        await h.daemon.close()
+
+    run(scenario())
+    assert h.runner.named("close") == [()]
+
+
+# --- collect through the handler ------------------------------------------------------
+
+
+def test_collect_reads_logs_and_outputs_of_a_real_record(host: Host) -> None:
+    plan = make_plan(outputs=[planlib.Output("result", "result.txt")])
+    rejected = make_plan(provider="other")
+    host.prepare(plan, rejected)
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.slot_id is not None
+    paths = Layout(host.ctx.slots[record.slot_id]).create(plan.attempt_id)  # as the runner does
+    Path(paths.stdout).write_bytes(b"hello\n")
+    Path(paths.storage, "result.txt").write_bytes(b"42")
+
+    def reads(*rows: tuple[planlib.Plan, str, int]) -> Any:
+        items = [
+            Read(p.attempt_id, p.generation, planlib.plan_digest(p), name, offset, 1024)
+            for p, name, offset in rows
+        ]
+        return host.send(CollectRequest(version=1, id=new_id(), reads=items))
+
+    reply = reads((plan, "stdout", 0), (plan, "output:result", 1), (rejected, "stderr", 0))
+    out, result, empty = (row_ok(reply, i) for i in range(3))
+    assert (out.chunk, out.eof, out.complete) == (b"hello\n", True, False)
+    assert result.chunk == b"2"
+    assert (empty.chunk, empty.complete) == (b"", True)
+    refusals = reads((plan, "output:nope", 0), (rejected, "output:result", 0))
+    assert [row_code(refusals, 0), row_code(refusals, 1)] == [
+        "object_unknown",
+        "object_unavailable",
+    ]
+    observed = row_ok(host.send(fences_request(ObserveRequest, plan)))
+    assert (observed.stdout_bytes, observed.stderr_bytes) == (6, 0)
+
+
+def test_reconcile_absent_refuses_a_leftover_service_of_a_known_attempt(host: Host) -> None:
+    """A released attempt whose service tree is still there (a real cgroup directory)."""
+    plan = make_plan()
+    host.prepare(plan)
+    host.apply(plan, lc.StopRequested(), lc.CleanupConfirmed())
+    row_ok(host.send(fences_request(ReleaseRequest, plan)))
+    service = host.ctx.service
+    assert isinstance(service, CgroupfsService)
+    hierarchy = service.layout.hierarchies[0]
+    base = Path(hierarchy.mount) / "ficc"
+    base.mkdir(exist_ok=True)
+    node = base / service_name(INSTALLATION, plan.attempt_id)
+    node.mkdir()
+    try:
+        reply = reconcile(host, make_plan())
+        assert isinstance(reply, ErrorReply)
+        assert reply.error.code == "reconcile_refused"
+        assert f"service {node.name} still exists" in reply.error.message
+    finally:
+        node.rmdir()
+    assert row_ok(reconcile(host, make_plan())).state == "unknown"
+
+
+def test_inputs_resume_from_the_ledger_after_a_restart(host_root: Path) -> None:
+    config = make_config(host_root)
+    data = os.urandom(3000)
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    first = Host(config)
+    try:
+        first.prepare(plan)
+        stage(first, plan)
+        row_ok(write(first, write_row(plan, obj, 0, data[:1000])))
+        undeclared = msgspec.structs.replace(
+            write_row(plan, obj, 1000, data[1000:]), object=new_id()
+        )
+        assert row_code(write(first, undeclared)) == "input_unknown"
+    finally:
+        first.close()
+    second = Host(config)  # a restarted daemon: its stagers know nothing yet
+    try:
+        waiting = status_of(second, plan, obj)
+        assert isinstance(waiting, ErrorRow)
+        assert waiting.error.code == "inputs_preparing"
+        # what recovery does: register the ledger's states and prepare the directory again
+        record = second.ctx.ledger.get(plan.attempt_id)
+        assert record is not None
+        assert record.slot_id is not None
+        stager = second.ctx.slots[record.slot_id].stager
+        states = [i.stream_state() for i in second.ctx.ledger.inputs(plan.attempt_id)]
+        stager.register_attempt(plan.attempt_id, states)
+        stager.prepare_attempt(plan.attempt_id)
+        assert status_of(second, plan, obj).offset == 1000
+        done = row_ok(write(second, write_row(plan, obj, 1000, data[1000:])))
+        assert (done.offset, done.complete) == (3000, True)
+        assert second.runner.named("inputs_complete") == [(plan.attempt_id,)]
+    finally:
+        second.close()
+
+
+def test_auto_supervisor_picks_cgroupfs_without_systemd_as_pid_1() -> None:
+    with open("/proc/1/comm", "rb") as comm:
+        if comm.read().strip() == b"systemd":
+            pytest.skip("PID 1 is systemd here; auto would pick the (pending) systemd backend")
+    assert isinstance(service_backend("auto"), CgroupfsService)
+    with pytest.raises(HostError) as caught:
+        service_backend("systemd")
+    assert caught.value.code == "supervisor_unsupported"

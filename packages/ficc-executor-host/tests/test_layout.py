@@ -1,0 +1,190 @@
+"""The per-attempt layout on real directories: exact owners and modes, safe removal."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.layout import (
+    CONTROL,
+    EVIDENCE,
+    LOGS,
+    PARTS,
+    PROVIDER,
+    STORAGE,
+    Layout,
+)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the layout chowns to a slot account")
+
+SLOT_UID = 61_731  # a non-root numeric account; the kernel needs no passwd entry
+SLOT_GID = 61_731
+
+
+@dataclass(frozen=True)
+class Slot:
+    path: str
+    uid: int = SLOT_UID
+    gid: int = SLOT_GID
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> Layout:
+    slot = tmp_path / "slot"
+    slot.mkdir(mode=0o755)
+    return Layout(Slot(str(slot)))
+
+
+def new_id() -> str:
+    return secrets.token_hex(16)
+
+
+def test_create_makes_every_part_with_exact_owner_and_mode(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    assert paths.root == f"{layout.slot_path}/ficc/{attempt}"
+    assert paths.staging == f"{layout.slot_path}/ficc-staging/{attempt}"
+    root = os.stat(paths.root)
+    assert (root.st_uid, stat.S_IMODE(root.st_mode)) == (0, 0o711)
+    for part in PARTS:
+        st = os.stat(f"{paths.root}/{part.name}", follow_symlinks=False)
+        owner = (SLOT_UID, SLOT_GID) if part.slot_owned else (0, 0)
+        assert stat.S_ISDIR(st.st_mode)
+        assert (st.st_uid, st.st_gid) == owner, part
+        assert stat.S_IMODE(st.st_mode) == part.mode, part
+    for log in (paths.stdout, paths.stderr):
+        st = os.stat(log, follow_symlinks=False)
+        assert stat.S_ISREG(st.st_mode)
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o600)
+        assert st.st_size == 0
+
+
+def test_create_is_idempotent_and_keeps_content(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    Path(paths.stdout).write_bytes(b"hello")
+    assert layout.create(attempt) == paths
+    assert Path(paths.stdout).read_bytes() == b"hello"
+
+
+def test_create_refuses_a_part_with_the_wrong_mode(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    os.chmod(paths.control, 0o777)
+    with pytest.raises(HostError) as caught:
+        layout.create(attempt)
+    assert caught.value.code == "layout_unsafe"
+
+
+def test_create_refuses_a_symlinked_attempt_directory(layout: Layout, tmp_path: Path) -> None:
+    attempt = new_id()
+    layout.create(new_id())  # makes S/ficc
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, layout.attempt_dir(attempt))
+    with pytest.raises(HostError) as caught:
+        layout.create(attempt)
+    assert caught.value.code == "unsafe_path"
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_names_come_only_from_identities(layout: Layout) -> None:
+    for bad in ("../etc", "A" * 32, "", "0" * 31, "0" * 32 + "/x"):
+        with pytest.raises(HostError) as caught:
+            layout.attempt_dir(bad)
+        assert caught.value.code == "unsafe_path"
+
+
+def test_open_part_checks_owner_and_mode(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    for part in (PROVIDER, STORAGE, LOGS, CONTROL, EVIDENCE):
+        fd = layout.open_part(attempt, part)
+        os.close(fd)
+    os.chmod(paths.storage, 0o777)  # the payload may change its own storage's mode
+    os.close(layout.open_part(attempt, STORAGE))
+    os.chown(paths.evidence, SLOT_UID, SLOT_GID)
+    with pytest.raises(HostError) as caught:
+        layout.open_part(attempt, EVIDENCE)
+    assert caught.value.code == "layout_unsafe"
+
+
+def test_remove_deletes_a_payload_tree_without_following_links(
+    layout: Layout, tmp_path: Path
+) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"keep me")
+    storage = Path(paths.storage)
+    deep = storage
+    for i in range(300):  # deeper than any fd-per-level walk would like
+        deep = deep / f"d{i}"
+    deep.mkdir(parents=True)
+    (deep / "file").write_bytes(b"x")
+    (storage / "link-to-outside").symlink_to(outside)
+    (deep / "link").symlink_to(outside / "keep")
+    os.mkfifo(storage / "fifo")
+    with socket.socket(socket.AF_UNIX) as sock:  # bind relative: the absolute path is long
+        cwd = os.getcwd()
+        os.chdir(storage)
+        try:
+            sock.bind("sock")
+        finally:
+            os.chdir(cwd)
+    (Path(paths.provider) / "runtime").mkdir()
+    (Path(paths.provider) / "runtime" / "image").write_bytes(b"img")
+    (Path(paths.evidence) / "gate-evidence.json").write_bytes(b"{}")
+    layout.remove(attempt)
+    assert not os.path.lexists(paths.root)
+    assert (outside / "keep").read_bytes() == b"keep me"
+    assert layout.leftovers() == []
+    layout.remove(attempt)  # absent is success
+
+
+def test_remove_refuses_a_device_node_and_keeps_it(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    node = Path(paths.storage) / "null"
+    os.mknod(node, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    with pytest.raises(HostError) as caught:
+        layout.remove(attempt)
+    assert caught.value.code == "unexpected_entry"
+    assert os.path.lexists(node)
+
+
+def test_remove_refuses_a_foreign_name_in_the_attempt_directory(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    Path(paths.root, "surprise").write_bytes(b"")
+    with pytest.raises(HostError) as caught:
+        layout.remove(attempt)
+    assert caught.value.code == "unexpected_entry"
+    assert os.path.exists(paths.root)
+
+
+def test_remove_refuses_a_directory_in_a_fixed_part(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    Path(paths.control, "sub").mkdir()
+    with pytest.raises(HostError) as caught:
+        layout.remove(attempt)
+    assert caught.value.code == "unexpected_entry"
+
+
+def test_leftovers_lists_attempt_and_staging_directories(layout: Layout) -> None:
+    attempt = new_id()
+    layout.create(attempt)
+    staging = Path(layout.slot_path, "ficc-staging", attempt)
+    staging.mkdir(parents=True)
+    assert layout.leftovers() == [f"ficc-staging/{attempt}", f"ficc/{attempt}"]
+    assert layout.exists(attempt)
+    assert not layout.exists(new_id())

@@ -1,0 +1,949 @@
+"""The SQLite ledger: file safety, identity, admission, lifecycle, leases, inputs, offer.
+
+Real files in a real root-owned state directory; real SQLite; a real SIGKILL loop for
+crash safety (size from FICC_SOAK).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import shutil
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import lifecycle as lc
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.ledger import (
+    LEDGER_FILE,
+    Admitted,
+    Applied,
+    HostFacts,
+    Lease,
+    Ledger,
+    Now,
+    PrepareRow,
+    SlotSpec,
+)
+from ficc.execution.protocol import Fence, OfferLimits, Resources
+
+INSTALLATION = "1" * 32
+BOOT = "8d7c2e55-0000-4000-8000-000000000001"
+OTHER_BOOT = "8d7c2e55-0000-4000-8000-000000000002"
+WALL = 0
+NOW = Now(BOOT, 1_000_000_000, WALL)
+MAX_LEASE = 10**6
+DEADLINE = 10**15
+BIG = 2**40
+SHA = "sha256:" + "a" * 64
+
+
+def limits(**resources: int) -> OfferLimits:
+    base = dict.fromkeys(Resources.__struct_fields__, BIG)
+    return OfferLimits(Resources(**(base | resources)), projects=None, runtimes=None)
+
+
+CEILING = limits()
+
+
+def new_id() -> str:
+    return os.urandom(16).hex()
+
+
+def make_plan(
+    *,
+    attempt_id: str | None = None,
+    job_id: str | None = None,
+    generation: int = 1,
+    slot_class: str = "cpu",
+    cpu_millis: int = 1000,
+    devices: tuple[str, ...] = (),
+    inputs: tuple[planlib.InputObject, ...] = (),
+    offer_revision: int = 1,
+    project_id: str = "2" * 32,
+    provider: str = "podman",
+    name: str = "job",
+) -> planlib.Plan:
+    return planlib.Plan(
+        version=1,
+        deployment_id="3" * 32,
+        node_id="4" * 32,
+        project_id=project_id,
+        job_id=job_id or new_id(),
+        attempt_id=attempt_id or new_id(),
+        generation=generation,
+        offer_revision=offer_revision,
+        job=planlib.Job(
+            name=name,
+            slot_class=slot_class,
+            runtime=planlib.Runtime(provider, SHA, SHA, "strict", "none"),
+            payload=planlib.Payload(argv=["/bin/true"], environment={}),
+            limits=planlib.Limits(
+                cpu_millis=cpu_millis,
+                memory_bytes=1 << 30,
+                swap_bytes=0,
+                processes=64,
+                storage_bytes=1 << 30,
+                storage_inodes=1000,
+                devices=list(devices),
+            ),
+            inputs=list(inputs),
+            outputs=[],
+            sensitive=False,
+        ),
+    )
+
+
+def stream(size: int = 10) -> planlib.InputObject:
+    digest = planlib.digest_of(b"x" * size) if size < 4096 else SHA
+    return planlib.InputObject(id=new_id(), name="data.bin", bytes=size, digest=digest,
+                               delivery="stream")  # fmt: skip
+
+
+def lease(sequence: int = 1, deadline_ns: int = DEADLINE, expires_at_ms: int = 5000) -> Lease:
+    return Lease(BOOT, sequence, expires_at_ms, deadline_ns)
+
+
+def facts(slots: int = 4, devices: frozenset[str] = frozenset({"gpu0"})) -> HostFacts:
+    specs = [SlotSpec(f"slot{i}", "cpu", 1 << 34, 10**6) for i in range(slots)]
+    return HostFacts(slots=specs, devices=devices, ceiling=CEILING, now=NOW)
+
+
+def fence(plan: planlib.Plan) -> Fence:
+    return Fence(plan.attempt_id, plan.generation, planlib.plan_digest(plan))
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "state"
+    path.mkdir(mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+@pytest.fixture
+def ledger(state_dir: Path) -> Iterator[Ledger]:
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    yield led
+    led.close()
+
+
+def admit(led: Ledger, *plans: planlib.Plan, f: HostFacts | None = None) -> list[object]:
+    rows = [PrepareRow(p, lease()) for p in plans]
+    return list(led.admit_batch(led.bindings(), rows, f or facts()))
+
+
+def admitted(led: Ledger, plan: planlib.Plan, f: HostFacts | None = None) -> Admitted:
+    (result,) = admit(led, plan, f=f)
+    assert isinstance(result, Admitted), result
+    return result
+
+
+def refused(result: object, code: str) -> None:
+    assert isinstance(result, HostError), result
+    assert result.code == code, result
+    assert result.message
+
+
+def count(led: Ledger) -> int:
+    return len(raw(led).execute("SELECT attempt_id FROM attempts").fetchall())
+
+
+def raw(led: Ledger) -> sqlite3.Connection:
+    return sqlite3.connect(led.path)
+
+
+def to_ready(led: Ledger, plan: planlib.Plan) -> None:
+    for event in (lc.PrepareBegun(), lc.PrepareOk(result=b'{"argv":["/bin/true"]}')):
+        led.apply(fence(plan), event)
+
+
+def to_released(led: Ledger, plan: planlib.Plan) -> None:
+    to_ready(led, plan)
+    (start,) = led.start_batch([fence(plan)], NOW)
+    assert isinstance(start, Applied)
+    assert start.changed
+    for event in (lc.Started(), lc.Finished(exit_code=0), lc.CleanupConfirmed(), lc.Release()):
+        led.apply(fence(plan), event)
+
+
+# --- the file -----------------------------------------------------------------------
+
+
+def test_created_file_is_private_wal_and_full_sync(ledger: Ledger, state_dir: Path) -> None:
+    st = os.lstat(state_dir / LEDGER_FILE)
+    assert stat.S_ISREG(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert (st.st_uid, st.st_nlink) == (0, 1)
+    assert raw(ledger).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert ledger._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert ledger._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    admitted(ledger, make_plan())
+    for suffix in ("-wal", "-shm"):
+        st = os.lstat(state_dir / (LEDGER_FILE + suffix))
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, 0)
+
+
+def test_identity_is_durable_and_new_per_database(ledger: Ledger, tmp_path: Path) -> None:
+    bindings = ledger.bindings()
+    assert bindings.installation_id == INSTALLATION
+    assert bindings.admission_version == 1
+    msgspec.convert(bindings.ledger_id, planlib.Identity)
+    ledger.close()
+    reopened = Ledger.open(str(ledger.path.rsplit("/", 1)[0]), INSTALLATION)
+    assert reopened.bindings() == bindings
+    other_dir = tmp_path / "other"
+    other_dir.mkdir(mode=0o700)
+    other = Ledger.create(str(other_dir), INSTALLATION, limits(), CEILING)
+    assert other.bindings().ledger_id != bindings.ledger_id
+    assert other.bindings().installation_id == INSTALLATION
+
+
+def test_other_installation_is_refused(ledger: Ledger, state_dir: Path) -> None:
+    ledger.close()
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), "9" * 32)
+    assert error.value.code == "ledger_installation_mismatch"
+
+
+def test_create_refuses_an_existing_file(ledger: Ledger, state_dir: Path) -> None:
+    ledger.close()
+    before = (state_dir / LEDGER_FILE).read_bytes()
+    with pytest.raises(HostError) as error:
+        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    assert error.value.code == "ledger_exists"
+    assert (state_dir / LEDGER_FILE).read_bytes() == before
+
+
+def test_one_process_at_a_time(ledger: Ledger, state_dir: Path) -> None:
+    for call in (
+        lambda: Ledger.open(str(state_dir), INSTALLATION),
+        lambda: Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING),
+    ):
+        with pytest.raises(HostError) as error:
+            call()
+        assert error.value.code == "ledger_busy"
+    ledger.close()
+    Ledger.open(str(state_dir), INSTALLATION).close()
+
+
+def test_another_process_closing_the_file_keeps_our_wal(ledger: Ledger, state_dir: Path) -> None:
+    """Regression: our own fd of the file must not drop SQLite's locks, or the last other
+    connection to close checkpoints and deletes the WAL we are still writing."""
+    ledger.close()
+    led = Ledger.open(str(state_dir), INSTALLATION)
+    admitted(led, make_plan())
+    reader = "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute(sys.argv[2])"
+    reader += ".fetchone()[0])"
+    query = "SELECT count(*) FROM attempts"
+    run = [sys.executable, "-c", reader, led.path, query]
+    assert subprocess.run(run, check=True, capture_output=True).stdout == b"1\n"
+    assert (state_dir / (LEDGER_FILE + "-wal")).exists()
+    admitted(led, make_plan())
+    assert subprocess.run(run, check=True, capture_output=True).stdout == b"2\n"
+    led.close()
+
+
+def test_create_and_open_refuse_a_symlink(state_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.db"
+    (state_dir / LEDGER_FILE).symlink_to(target)
+    with pytest.raises(HostError) as error:
+        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    assert error.value.code == "ledger_exists"
+    assert not target.exists()
+    target.write_bytes(b"")
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert error.value.code == "ledger_unsafe"
+
+
+def test_open_refuses_a_hard_link_or_loose_mode(ledger: Ledger, state_dir: Path) -> None:
+    ledger.close()
+    path = state_dir / LEDGER_FILE
+    os.chmod(path, 0o644)
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert error.value.code == "ledger_unsafe"
+    os.chmod(path, 0o600)
+    os.link(path, state_dir / "alias")
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert error.value.code == "ledger_unsafe"
+
+
+def test_state_dir_must_be_private(state_dir: Path, tmp_path: Path) -> None:
+    os.chmod(state_dir, 0o755)
+    with pytest.raises(HostError) as error:
+        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    assert error.value.code == "ledger_unsafe"
+    assert not (state_dir / LEDGER_FILE).exists()
+    os.chmod(state_dir, 0o700)
+    link = tmp_path / "link"
+    link.symlink_to(state_dir)
+    with pytest.raises(HostError) as error:
+        Ledger.create(str(link), INSTALLATION, limits(), CEILING)
+    assert error.value.code == "unsafe_path"
+
+
+def test_open_missing_and_half_created(state_dir: Path) -> None:
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert error.value.code == "ledger_missing"
+    fd = os.open(state_dir / LEDGER_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)  # a crash between creating the file and committing its schema
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert error.value.code in {"ledger_corrupt", "ledger_schema"}
+
+
+def test_records_and_identity_cannot_be_deleted_or_rewritten(ledger: Ledger) -> None:
+    plan = make_plan(inputs=(stream(),))  # row triggers need a row in every table
+    admitted(ledger, plan)
+    db = raw(ledger)
+    for statement in (
+        "DELETE FROM attempts",
+        "DELETE FROM meta",
+        "DELETE FROM input_objects",
+        "UPDATE attempts SET plan_digest = 'x'",
+        "UPDATE attempts SET generation = 7",
+        "UPDATE meta SET ledger_id = '" + "0" * 32 + "'",
+    ):
+        with pytest.raises(sqlite3.DatabaseError, match="never"):
+            db.execute(statement)
+    assert count(ledger) == 1
+
+
+# --- admission ----------------------------------------------------------------------
+
+
+def test_admission_reserves_slot_lease_and_inputs(ledger: Ledger) -> None:
+    obj = stream(10)
+    plan = make_plan(inputs=(obj, planlib.InputObject(id=new_id(), name="local", bytes=0,
+                                                      digest=planlib.EMPTY_DIGEST)))  # fmt: skip
+    result = admitted(ledger, plan)
+    record = result.record
+    assert result.new
+    assert record.status == lc.admitted()
+    assert record.slot_id == "slot0"
+    assert record.lease == lease()
+    assert record.fence == fence(plan)
+    assert ledger.get(plan.attempt_id) == record  # what was returned is what was written
+    assert ledger.plan_bytes(plan.attempt_id) == planlib.encode_plan(plan)
+    (only,) = ledger.inputs(plan.attempt_id)
+    assert (only.object_id, only.offset, only.complete, only.bytes) == (obj.id, 0, False, 10)
+
+
+def test_repeated_prepare_returns_the_same_record_deadline_and_partial(ledger: Ledger) -> None:
+    obj = stream(10)
+    plan = make_plan(inputs=(obj,))
+    admitted(ledger, plan)
+    ledger.commit_input_offset(fence(plan), obj.id, 0, 4)
+    first = ledger.get(plan.attempt_id)
+    rows = [PrepareRow(plan, lease(deadline_ns=DEADLINE * 2, expires_at_ms=9999))]
+    (again,) = ledger.admit_batch(ledger.bindings(), rows, facts())
+    assert isinstance(again, Admitted)
+    assert not again.new
+    assert again.record == first
+    assert ledger.inputs(plan.attempt_id)[0].offset == 4
+
+
+def test_slot_exhaustion_commits_a_durable_rejection(ledger: Ledger, state_dir: Path) -> None:
+    plans = [make_plan() for _ in range(3)]
+    results = admit(ledger, *plans, f=facts(slots=2))
+    assert [type(r) for r in results[:2]] == [Admitted, Admitted]
+    refused(results[2], "slot_capacity")
+    ledger.close()
+    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    record = reopened.get(plans[2].attempt_id)
+    assert record is not None
+    assert record.status == lc.admission_rejected()
+    assert (record.slot_id, record.detail) == (None, "slot_capacity")
+    assert reopened.inputs(plans[2].attempt_id) == []
+    # the rejection is final: repeating the prepare returns it, starting it is refused
+    (again,) = admit(reopened, plans[2], f=facts(slots=8))
+    assert isinstance(again, Admitted)
+    assert again.record == record
+    (start,) = reopened.start_batch([fence(plans[2])], NOW)
+    refused(start, "admission_rejected")
+    released = reopened.apply(fence(plans[2]), lc.Release()).record.status
+    assert (released.state, released.outcome, released.reason) == (
+        "released",
+        "failed",
+        "admission_rejected",
+    )
+    reopened.close()
+
+
+def test_slot_class_and_storage_must_fit(ledger: Ledger) -> None:
+    refused(admit(ledger, make_plan(slot_class="gpu"))[0], "slot_capacity")
+    too_big = make_plan(inputs=(stream(1 << 31),))
+    refused(admit(ledger, too_big)[0], "slot_capacity")
+
+
+def test_resources_beyond_the_offer_are_rejected(state_dir: Path) -> None:
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(cpu_millis=2500), CEILING)
+    results = admit(led, make_plan(), make_plan(), make_plan())
+    assert [type(r) for r in results[:2]] == [Admitted, Admitted]
+    refused(results[2], "admission_rejected")
+    assert "cpu_millis" in results[2].message  # type: ignore[union-attr]
+    led.close()
+
+
+def test_attempt_count_beyond_the_offer_is_rejected(state_dir: Path) -> None:
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(attempts=1), CEILING)
+    results = admit(led, make_plan(), make_plan())
+    refused(results[1], "admission_rejected")
+    led.close()
+
+
+@pytest.mark.parametrize("control", ["paused", "draining", "stopped"])
+def test_closed_offer_rejects_admission_durably(ledger: Ledger, control: str) -> None:
+    offer = ledger.set_offer(1, control, None, CEILING)  # type: ignore[arg-type]
+    plan = make_plan(offer_revision=offer.revision)
+    refused(admit(ledger, plan)[0], "offer_closed")
+    record = ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.status.reason == "admission_rejected"
+
+
+def test_stale_offer_revision_and_expired_first_lease(ledger: Ledger) -> None:
+    refused(admit(ledger, make_plan(offer_revision=2))[0], "offer_revision")
+    plan = make_plan()
+    rows = [PrepareRow(plan, lease(deadline_ns=NOW.boottime_ns))]
+    refused(ledger.admit_batch(ledger.bindings(), rows, facts())[0], "lease_expired")
+    other_boot = [PrepareRow(make_plan(), Lease(OTHER_BOOT, 1, 1, DEADLINE))]
+    refused(ledger.admit_batch(ledger.bindings(), other_boot, facts())[0], "lease_expired")
+    assert count(ledger) == 3
+
+
+def test_devices_projects_and_runtimes(state_dir: Path) -> None:
+    offered = OfferLimits(limits().resources, projects=["2" * 32], runtimes=["podman"])
+    led = Ledger.create(str(state_dir), INSTALLATION, offered, CEILING)
+    first, second, unknown = admit(
+        led,
+        make_plan(devices=("gpu0",)),
+        make_plan(devices=("gpu0",)),
+        make_plan(devices=("gpu9",)),
+    )
+    assert isinstance(first, Admitted)
+    refused(second, "admission_rejected")
+    refused(unknown, "admission_rejected")
+    refused(admit(led, make_plan(project_id="5" * 32))[0], "admission_rejected")
+    refused(admit(led, make_plan(provider="other"))[0], "admission_rejected")
+    led.close()
+
+
+def test_generation_order(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    before = count(ledger)
+    refused(admit(ledger, make_plan(job_id=job, generation=2))[0], "generation_conflict")
+    refused(admit(ledger, make_plan(job_id=job, generation=1))[0], "generation_conflict")
+    assert count(ledger) == before  # fence and generation refusals write nothing
+    to_released(ledger, first)
+    second = make_plan(job_id=job, generation=3)
+    admitted(ledger, second)
+    refused(admit(ledger, make_plan(job_id=job, generation=2))[0], "generation_conflict")
+
+
+def test_reused_attempt_id_with_another_plan_is_a_fence_mismatch(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    changed = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, name="other"))
+    refused(admit(ledger, changed)[0], "fence_mismatch")
+
+
+@pytest.mark.parametrize("field", ["installation_id", "ledger_id", "admission_version"])
+def test_changed_bindings_write_nothing(ledger: Ledger, field: str) -> None:
+    admitted(ledger, make_plan())
+    before = raw(ledger).execute("SELECT count(*), (SELECT ordinal FROM meta) FROM attempts")
+    snapshot = before.fetchone()
+    wrong = {"installation_id": "7" * 32, "ledger_id": "7" * 32, "admission_version": 0}
+    bindings = msgspec.structs.replace(ledger.bindings(), **{field: wrong[field]})
+    plans = [make_plan(), make_plan(slot_class="none")]  # a good row and a rejected one
+    for call in (
+        lambda: ledger.admit_batch(bindings, [PrepareRow(p, lease()) for p in plans], facts()),
+        lambda: ledger.reject_absent(bindings, plans),
+        lambda: ledger.reconcile_absent(bindings, plans, evidence_ok=True),
+    ):
+        with pytest.raises(HostError) as error:
+            call()
+        assert error.value.code == "bindings_changed"
+    after = raw(ledger).execute("SELECT count(*), (SELECT ordinal FROM meta) FROM attempts")
+    assert after.fetchone() == snapshot
+
+
+def test_a_batch_reserves_in_order_within_one_transaction(ledger: Ledger) -> None:
+    plans = [make_plan() for _ in range(64)]
+    results = admit(ledger, *plans, f=facts(slots=40))
+    assert all(isinstance(r, Admitted) for r in results[:40])
+    for r in results[40:]:
+        refused(r, "slot_capacity")
+    slots = {r.record.slot_id for r in results[:40] if isinstance(r, Admitted)}
+    assert len(slots) == 40
+    updated = {ledger.get(p.attempt_id).updated for p in plans}  # type: ignore[union-attr]
+    assert len(updated) == 1  # one transaction
+
+
+def test_batch_bounds(ledger: Ledger) -> None:
+    with pytest.raises(HostError) as error:
+        ledger.admit_batch(ledger.bindings(), [], facts())
+    assert error.value.code == "invalid_request"
+    rows = [PrepareRow(make_plan(), lease()) for _ in range(65)]
+    with pytest.raises(HostError):
+        ledger.admit_batch(ledger.bindings(), rows, facts())
+
+
+# --- reject_absent and reconcile_absent ---------------------------------------------
+
+
+def test_reject_absent(ledger: Ledger) -> None:
+    live = make_plan()
+    admitted(ledger, live)
+    absent = make_plan()
+    job = new_id()
+    lower = make_plan(job_id=job, generation=2)
+    admitted(ledger, lower)
+    results = ledger.reject_absent(
+        ledger.bindings(), [live, absent, make_plan(job_id=job, generation=1)]
+    )
+    existing, new, generation_row = results
+    assert isinstance(existing, Admitted)
+    assert not existing.new
+    assert existing.record.status == lc.admitted()  # its actual state, unchanged
+    assert isinstance(new, Admitted)
+    assert new.new
+    assert new.record.status == lc.admission_rejected()
+    assert (new.record.slot_id, new.record.lease) == (None, None)
+    refused(generation_row, "generation_conflict")
+    mismatched = msgspec.structs.replace(live, generation=2)
+    refused(ledger.reject_absent(ledger.bindings(), [mismatched])[0], "fence_mismatch")
+    # a later prepare of the rejected plan cannot run it
+    (again,) = admit(ledger, absent)
+    assert isinstance(again, Admitted)
+    assert again.record.status.state == "failed"
+    with pytest.raises(HostError) as error:
+        ledger.reject_absent(ledger.bindings(), [absent, absent])
+    assert error.value.code == "invalid_request"
+
+
+def test_reconcile_absent(ledger: Ledger) -> None:
+    live = make_plan()
+    admitted(ledger, live)
+    absent = make_plan()
+    before = count(ledger)
+    with pytest.raises(HostError) as error:
+        ledger.reconcile_absent(ledger.bindings(), [absent], evidence_ok=False)
+    assert error.value.code == "reconcile_refused"
+    with pytest.raises(HostError) as error:  # a reservation is still held
+        ledger.reconcile_absent(ledger.bindings(), [absent], evidence_ok=True)
+    assert error.value.code == "reconcile_refused"
+    assert count(ledger) == before
+    to_released(ledger, live)
+    results = ledger.reconcile_absent(ledger.bindings(), [absent, live], evidence_ok=True)
+    new, existing = results
+    assert isinstance(new, Admitted)
+    assert new.new
+    assert new.record.status == lc.absence_acknowledged()
+    assert new.record.slot_id is None
+    assert isinstance(existing, Admitted)
+    assert existing.record.status.state == "released"
+    mismatched = msgspec.structs.replace(live, generation=5)
+    (mismatch,) = ledger.reconcile_absent(ledger.bindings(), [mismatched], evidence_ok=True)
+    refused(mismatch, "fence_mismatch")
+    released = ledger.apply(fence(absent), lc.Release()).record.status
+    assert (released.state, released.outcome) == ("released", "unknown")
+
+
+# --- paging -------------------------------------------------------------------------
+
+
+def test_page_over_200_attempts(ledger: Ledger) -> None:
+    plans = [make_plan() for _ in range(200)]
+    for i in range(0, 200, 64):
+        ledger.reject_absent(ledger.bindings(), plans[i : i + 64])
+    seen: list[str] = []
+    cursor: str | None = None
+    pages = 0
+    while True:
+        records, cursor = ledger.page(cursor)
+        pages += 1
+        assert len(records) <= 64
+        seen.extend(r.attempt_id for r in records)
+        if cursor is None:
+            break
+    assert pages == 4
+    assert seen == sorted(p.attempt_id for p in plans)
+    records, cursor = ledger.page(seen[-1])
+    assert (records, cursor) == ([], None)
+
+
+# --- lifecycle through the ledger ---------------------------------------------------
+
+
+def test_start_happens_once_and_release_frees_the_slot(ledger: Ledger) -> None:
+    plan, waiting = make_plan(), make_plan()
+    admitted(ledger, plan, f=facts(slots=1))
+    refused(admit(ledger, waiting, f=facts(slots=1))[0], "slot_capacity")
+    (not_ready,) = ledger.start_batch([fence(plan)], NOW)
+    refused(not_ready, "not_ready")
+    to_ready(ledger, plan)
+    assert ledger.prepare_result(plan.attempt_id) == b'{"argv":["/bin/true"]}'
+    first, second = ledger.start_batch([fence(plan)], NOW), ledger.start_batch([fence(plan)], NOW)
+    assert isinstance(first[0], Applied)
+    assert first[0].changed
+    assert isinstance(second[0], Applied)
+    assert not second[0].changed
+    ledger.apply(fence(plan), lc.Started())
+    refused(ledger.apply_batch([(fence(plan), lc.Release())])[0], "not_terminal")
+    ledger.apply(fence(plan), lc.Finished(exit_code=0))
+    refused(ledger.apply_batch([(fence(plan), lc.Release())])[0], "cleanup_unconfirmed")
+    ledger.apply(fence(plan), lc.CleanupFailed())
+    refused(admit(ledger, make_plan(), f=facts(slots=1))[0], "slot_capacity")  # quarantine
+    ledger.apply(fence(plan), lc.CleanupConfirmed())
+    final = ledger.apply(fence(plan), lc.Release()).record
+    assert (final.status.state, final.status.outcome, final.slot_id) == (
+        "released",
+        "succeeded",
+        "slot0",
+    )
+    admitted(ledger, make_plan(), f=facts(slots=1))
+
+
+def test_start_needs_a_current_lease_and_an_offer_that_still_covers_it(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    to_ready(ledger, plan)
+    late = Now(BOOT, DEADLINE, WALL)
+    refused(ledger.start_batch([fence(plan)], late)[0], "lease_expired")
+    refused(ledger.start_batch([fence(plan)], Now(OTHER_BOOT, 1, WALL))[0], "lease_expired")
+    other_project = OfferLimits(CEILING.resources, projects=["5" * 32], runtimes=None)
+    ledger.set_offer(1, "active", other_project, CEILING)
+    refused(ledger.start_batch([fence(plan)], NOW)[0], "offer_changed")
+    ledger.set_offer(2, "paused", CEILING, CEILING)
+    refused(ledger.start_batch([fence(plan)], NOW)[0], "offer_closed")
+    assert ledger.get(plan.attempt_id).status.state == "prepared"  # type: ignore[union-attr]
+    ledger.set_offer(3, "draining", CEILING, CEILING)  # a new revision that still covers it
+    (started,) = ledger.start_batch([fence(plan)], NOW)
+    assert isinstance(started, Applied)
+    assert started.changed
+
+
+def test_start_checks_resources_left_by_started_attempts(ledger: Ledger) -> None:
+    first, second, third = make_plan(), make_plan(), make_plan()
+    for plan in (first, second, third):
+        admitted(ledger, plan)
+        to_ready(ledger, plan)
+    ledger.set_offer(1, "active", limits(cpu_millis=2500), CEILING)
+    ok, fits, over = ledger.start_batch([fence(first), fence(second), fence(third)], NOW)
+    assert isinstance(ok, Applied)
+    assert isinstance(fits, Applied)
+    refused(over, "offer_changed")  # 3 x 1000 millis > 2500 offered
+
+
+def test_fences_are_checked(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    wrong = Fence(plan.attempt_id, 2, fence(plan).plan_digest)
+    refused(ledger.apply_batch([(wrong, lc.StopRequested())])[0], "fence_mismatch")
+    missing = Fence(new_id(), 1, SHA)
+    refused(ledger.start_batch([missing], NOW)[0], "unknown_attempt")
+
+
+def test_mark_restarted(ledger: Ledger) -> None:
+    staging, preparing, running = make_plan(), make_plan(), make_plan()
+    admit(ledger, staging, preparing, running)
+    ledger.apply(fence(preparing), lc.PrepareBegun())
+    to_ready(ledger, running)
+    ledger.start_batch([fence(running)], NOW)
+    ledger.apply(fence(running), lc.Started())
+    changed = {r.attempt_id: r.status for r in ledger.mark_restarted()}
+    assert set(changed) == {preparing.attempt_id, running.attempt_id}
+    assert (changed[running.attempt_id].state, changed[running.attempt_id].reason) == (
+        "unknown",
+        "executor_restarted",
+    )
+    assert changed[preparing.attempt_id].state == "failed"
+    assert ledger.get(staging.attempt_id).status == lc.admitted()  # type: ignore[union-attr]
+
+
+# --- leases -------------------------------------------------------------------------
+
+
+class Renew(NamedTuple):
+    sequence: int
+    expires_at_ms: int
+
+
+def test_renewals(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    f = fence(plan)
+    (renewed,) = ledger.renew_batch([(f, Renew(2, 6000))], NOW, MAX_LEASE)
+    assert isinstance(renewed, Applied)
+    expected = Lease(BOOT, 2, 6000, NOW.boottime_ns + 6000 * 10**6)  # leases.renew's rule
+    assert renewed.record.lease == expected
+    later = Now(BOOT, NOW.boottime_ns + 10**6, WALL + 10**6)
+    (duplicate,) = ledger.renew_batch([(f, Renew(2, 6000))], later, MAX_LEASE)
+    assert isinstance(duplicate, Applied)
+    assert not duplicate.changed
+    assert duplicate.record.lease == expected  # original deadline kept
+    assert ledger.get(plan.attempt_id).lease == expected  # type: ignore[union-attr]
+    refused(ledger.renew_batch([(f, Renew(2, 7000))], NOW, MAX_LEASE)[0], "lease_sequence")
+    refused(ledger.renew_batch([(f, Renew(1, 1))], NOW, MAX_LEASE)[0], "lease_sequence")
+    (capped,) = ledger.renew_batch([(f, Renew(3, 10**12))], NOW, 60)
+    assert isinstance(capped, Applied)
+    assert capped.record.lease is not None
+    assert capped.record.lease.deadline_boottime_ns == NOW.boottime_ns + 60 * 10**9
+    past = Now(BOOT, NOW.boottime_ns + 61 * 10**9, WALL)
+    refused(ledger.renew_batch([(f, Renew(4, 10**12))], past, MAX_LEASE)[0], "lease_expired")
+    ledger.set_offer(1, "stopped", None, CEILING)
+    refused(ledger.renew_batch([(f, Renew(4, 9000))], NOW, MAX_LEASE)[0], "offer_closed")
+    ledger.apply(f, lc.StopRequested())
+    refused(ledger.renew_batch([(f, Renew(5, 9000))], NOW, MAX_LEASE)[0], "invalid_state")
+
+
+# --- streamed inputs ----------------------------------------------------------------
+
+
+def test_input_offsets_compare_and_set(ledger: Ledger) -> None:
+    obj = stream(10)
+    plan = make_plan(inputs=(obj,))
+    admitted(ledger, plan)
+    f = fence(plan)
+    assert ledger.commit_input_offset(f, obj.id, 0, 6).offset == 6
+    for args, code in (
+        ((0, 8), "input_offset_changed"),
+        ((6, 11), "input_size_mismatch"),
+        ((6, 5), "input_size_mismatch"),
+    ):
+        with pytest.raises(HostError) as error:
+            ledger.commit_input_offset(f, obj.id, *args)
+        assert error.value.code == code
+    with pytest.raises(HostError) as error:
+        ledger.commit_input_offset(f, new_id(), 0, 1)
+    assert error.value.code == "input_unknown"
+    done = ledger.commit_input_offset(f, obj.id, 6, 10)
+    assert done.complete
+    assert done.offset == 10
+    with pytest.raises(HostError) as error:
+        ledger.commit_input_offset(f, obj.id, 10, 10)
+    assert error.value.code == "input_complete"
+    assert ledger.inputs(plan.attempt_id) == [done]
+
+
+def test_inputs_are_frozen_once_preparation_begins(ledger: Ledger) -> None:
+    obj = stream(4)
+    plan = make_plan(inputs=(obj,))
+    admitted(ledger, plan)
+    ledger.apply(fence(plan), lc.PrepareBegun())
+    with pytest.raises(HostError) as error:
+        ledger.commit_input_offset(fence(plan), obj.id, 0, 1)
+    assert error.value.code == "invalid_state"
+
+
+# --- the offer ----------------------------------------------------------------------
+
+
+def test_set_offer(ledger: Ledger) -> None:
+    assert ledger.offer().revision == 1
+    with pytest.raises(HostError) as error:
+        ledger.set_offer(7, "paused", None, CEILING)
+    assert error.value.code == "offer_revision"
+    small = limits(cpu_millis=10)
+    offer = ledger.set_offer(1, "draining", small, CEILING)
+    assert (offer.revision, offer.control, offer.limits) == (2, "draining", small)
+    assert ledger.offer() == offer
+    with pytest.raises(HostError) as error:
+        ledger.set_offer(2, "active", limits(cpu_millis=BIG + 1), CEILING)
+    assert error.value.code == "offer_exceeds_ceiling"
+    narrow = OfferLimits(CEILING.resources, projects=["2" * 32], runtimes=None)
+    with pytest.raises(HostError) as error:
+        ledger.set_offer(2, "active", limits(), narrow)  # projects: any > ceiling's list
+    assert error.value.code == "offer_exceeds_ceiling"
+    assert ledger.offer() == offer
+
+
+# --- crash safety -------------------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from ficc.execution.host.ledger import Ledger, PrepareRow
+    sys.path.insert(0, os.environ["FICC_TEST_DIR"])
+    from test_ledger import INSTALLATION, facts, lease, make_plan
+
+    state_dir, round_no, ack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    led = Ledger.open(state_dir, INSTALLATION)
+    os.write(ack, b"open\\n")
+    f = facts(slots=4096)
+    for batch in range(10**6):
+        rows = [
+            PrepareRow(make_plan(attempt_id=f"{round_no:08x}{batch:08x}{i:08x}{0:08x}"), lease())
+            for i in range(8)
+        ]
+        led.admit_batch(led.bindings(), rows, f)
+        os.write(ack, f"{batch}\\n".encode())
+    """
+)
+
+
+def _crash_rounds() -> int:
+    return 500 if os.environ.get("FICC_SOAK") == "1" else 30
+
+
+def _read_acks(fd: int, wanted: int) -> list[int]:
+    """Read until the child has opened the ledger and acknowledged `wanted` batches (or
+    until EOF: the child is dead)."""
+    buffer, acks, opened = b"", [], False
+    while not opened or len(acks) < wanted:
+        ready, _, _ = select.select([fd], [], [], 60)
+        assert ready, "the child made no progress for 60 s"
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        opened = opened or b"open" in lines
+        acks += [int(line) for line in lines if line != b"open"]
+    return acks
+
+
+@pytest.mark.soak
+def test_sigkill_never_loses_an_acknowledged_batch_or_splits_one(ledger: Ledger) -> None:
+    state_dir = ledger.path.rsplit("/", 1)[0]
+    ledger_id = ledger.bindings().ledger_id
+    ledger.close()
+    env = os.environ | {"FICC_TEST_DIR": str(Path(__file__).parent)}
+    rng = random.Random(os.environ.get("FICC_SEED", "ledger"))
+    acknowledged: set[tuple[int, int]] = set()
+    for round_no in range(_crash_rounds()):
+        read_fd, write_fd = os.pipe()
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, state_dir, str(round_no), str(write_fd)],
+            pass_fds=(write_fd,),
+            env=env,
+        )
+        os.close(write_fd)
+        try:
+            acks = _read_acks(read_fd, rng.randint(0, 3))
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+            acks += _read_acks(read_fd, 10**9)  # the rest, written before the kill
+        finally:
+            os.close(read_fd)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode == -signal.SIGKILL
+        acknowledged |= {(round_no, b) for b in acks}
+        reopened = Ledger.open(state_dir, INSTALLATION)
+        try:
+            assert reopened.bindings().ledger_id == ledger_id
+            batches: dict[tuple[int, int], int] = {}
+            cursor: str | None = None
+            while True:
+                records, cursor = reopened.page(cursor)
+                for r in records:
+                    key = (int(r.attempt_id[:8], 16), int(r.attempt_id[8:16], 16))
+                    batches[key] = batches.get(key, 0) + 1
+                if cursor is None:
+                    break
+        finally:
+            reopened.close()
+        assert acknowledged <= set(batches), "an acknowledged batch is missing"
+        assert set(batches.values()) <= {8}, "a batch was committed in part"
+
+
+# --- admission invariants under random operations -----------------------------------
+
+_SLOTS = [SlotSpec("c0", "cpu", 1 << 34, 10**6), SlotSpec("c1", "cpu", 1 << 34, 10**6),
+          SlotSpec("g0", "gpu", 1 << 34, 10**6)]  # fmt: skip
+_CPU_OFFER = 3000
+_PLAN_SPECS = st.tuples(
+    st.sampled_from(["cpu", "gpu"]),
+    st.sampled_from([500, 1000, 2000]),
+    st.sampled_from([(), ("gpu0",), ("gpu1",), ("gpu0", "gpu1")]),
+)
+_OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.lists(_PLAN_SPECS, min_size=1, max_size=4)),
+        st.tuples(st.just("release"), st.integers(0, 7)),
+        st.tuples(st.just("quarantine"), st.integers(0, 7)),
+    ),
+    max_size=12,
+)
+
+
+def _check_reservations(led: Ledger) -> None:
+    records, _ = led.page(None)
+    held = [r for r in records if r.slot_id is not None and r.status.state != "released"]
+    classes = {s.id: s.slot_class for s in _SLOTS}
+    assert len({r.slot_id for r in held}) == len(held), "a slot is reserved twice"
+    devices: list[str] = []
+    cpu = 0
+    for r in held:
+        plan = planlib.decode_plan(led.plan_bytes(r.attempt_id) or b"")
+        assert classes[r.slot_id or ""] == plan.job.slot_class
+        devices += plan.job.limits.devices
+        cpu += plan.job.limits.cpu_millis
+    assert len(set(devices)) == len(devices), "a device is reserved twice"
+    assert cpu <= _CPU_OFFER
+    for r in records:
+        if r.status.reason == "admission_rejected":
+            assert r.slot_id is None
+            assert r.status.cleanup_confirmed
+
+
+@pytest.mark.soak
+@settings(
+    max_examples=300 if os.environ.get("FICC_SOAK") == "1" else 25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(_OPERATIONS)
+def test_reservations_never_overcommit(operations: list[tuple[str, object]]) -> None:
+    work = tempfile.mkdtemp(prefix="ficc-ledger-")
+    try:
+        os.mkdir(f"{work}/state", 0o700)
+        led = Ledger.create(f"{work}/state", INSTALLATION, limits(cpu_millis=_CPU_OFFER), CEILING)
+        f = HostFacts(slots=_SLOTS, devices=frozenset({"gpu0", "gpu1"}), ceiling=CEILING, now=NOW)
+        live: list[planlib.Plan] = []
+        for kind, arg in operations:
+            if kind == "admit":
+                plans = [
+                    make_plan(slot_class=c, cpu_millis=m, devices=d)
+                    for c, m, d in arg  # type: ignore[attr-defined]
+                ]
+                for plan, result in zip(plans, admit(led, *plans, f=f), strict=True):
+                    if isinstance(result, Admitted) and result.record.slot_id is not None:
+                        live.append(plan)
+            elif live:
+                plan = live[arg % len(live)]  # type: ignore[operator]
+                led.apply_batch([(fence(plan), lc.StopRequested())])
+                if kind == "release":
+                    led.apply(fence(plan), lc.CleanupConfirmed())
+                    led.apply(fence(plan), lc.Release())
+                    live.remove(plan)
+                else:
+                    led.apply_batch([(fence(plan), lc.CleanupFailed())])
+            _check_reservations(led)
+        led.close()
+    finally:
+        shutil.rmtree(work)

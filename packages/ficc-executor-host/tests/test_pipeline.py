@@ -1,0 +1,974 @@
+"""The runner against real parts: ledger, cgroups, slot account, provider, gate.
+
+Everything is real: a ledger in a root-owned directory under /run, a slot on a real
+directory with a real non-root slot account, the cgroupfs service with a base name
+of its own, and the test provider built into a wheel, installed into a root-owned
+prefix and loaded through the pinning loader (runtime `service`: its barrier is a
+plain shell in the attempt's service). The provider appends one line per driver row
+to a call log, which is how "start is never called again" is counted.
+
+Waiting is always on a real condition with a deadline (`until`), never a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import msgspec
+import pytest
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import gate, lifecycle, pipeline
+from ficc.execution.host.clock import BootClock
+from ficc.execution.host.config import Config
+from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.expectation import decode_prepare_result
+from ficc.execution.host.layout import Layout
+from ficc.execution.host.leases import Lease
+from ficc.execution.host.ledger import (
+    Admitted,
+    Applied,
+    AttemptRecord,
+    HostFacts,
+    Ledger,
+    PrepareRow,
+    SlotSpec,
+)
+from ficc.execution.host.pipeline import RELEASE_MARKER, Runner, Settings, service_name
+from ficc.execution.host.providers import compute_digest, load_provider
+from ficc.execution.host.providers import loader as loader_module
+from ficc.execution.host.providers.loader import LoadedProvider
+from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc.execution.host.staging import Stager, streams_of
+from ficc.execution.protocol import Fence, OfferLimits, Resources
+
+if os.geteuid() != 0:
+    pytest.skip(
+        "the runner tests need root (cgroups, a slot account, root-owned installs)",
+        allow_module_level=True,
+    )
+
+ROOT = Path(__file__).resolve().parents[3]
+PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
+MODULE = "ficc_test_provider"
+INSTALLATION = "1" * 32
+SHA = "sha256:" + "a" * 64
+BIG = 2**40
+SLOT_BYTES = 1 << 30
+HOLD = {"FICC_TEST_PROVIDER_HOLD": "1"}
+FAST = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.02)
+
+
+# --- module fixtures: slot account, installed provider ------------------------------
+
+
+def _account(*command: str) -> None:
+    """useradd/userdel, retrying while another process holds /etc/passwd's lock."""
+    deadline = time.monotonic() + 30
+    while (
+        result := subprocess.run(command, check=False, capture_output=True, text=True)
+    ).returncode:
+        assert time.monotonic() < deadline, f"{command}: {result.stderr}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def slot_account() -> Iterator[tuple[int, int]]:
+    """A system account of our own, so no other test's processes count against idle."""
+    name = f"ficc-t-r{os.getpid()}"
+    _account("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
+    entry = pwd.getpwnam(name)
+    try:
+        yield entry.pw_uid, entry.pw_gid
+    finally:
+        _account("userdel", name)
+
+
+def _pip(*args: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+        check=True,
+        umask=0o022,
+    )
+
+
+@dataclass
+class Installed:
+    loaded: LoadedProvider
+    call_log: Path
+
+    def calls(self, method: str, attempt_id: str) -> int:
+        if not self.call_log.exists():
+            return 0
+        return self.call_log.read_text().splitlines().count(f"{method} {attempt_id}")
+
+
+@pytest.fixture(scope="module")
+def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
+    """The test provider as a real distribution in a root-owned prefix, loaded once
+    through the pin (a provider can be imported only once per process)."""
+    out = tmp_path_factory.mktemp("runner-wheel")
+    isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
+    _pip("wheel", "--no-deps", *isolation, "-w", str(out), str(PROVIDER_SOURCE))
+    (wheel,) = out.glob("ficc_test_provider-*.whl")
+    prefix = out / "prefix"
+    _pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
+    (site,) = prefix.glob("lib/python3*/site-packages")
+    call_log = out / "calls.log"
+    configuration = {
+        "runtime": "service",
+        "call_log": str(call_log),
+        "devices": {"null": "/dev/null"},
+        "negative_devices": ["/dev/zero"],
+    }
+    digest = compute_digest("test", [str(site)]).digest
+    loaded = load_provider("test", digest, configuration, [str(site)])
+    try:
+        yield Installed(loaded, call_log)
+    finally:
+        for name in [m for m in sys.modules if m == MODULE or m.startswith(MODULE + ".")]:
+            del sys.modules[name]
+        sys.meta_path[:] = [
+            f for f in sys.meta_path if not isinstance(f, loader_module._PinnedFinder)
+        ]
+
+
+# --- the world of one test ------------------------------------------------------------
+
+
+def offer_limits() -> OfferLimits:
+    resources = Resources(**dict.fromkeys(Resources.__struct_fields__, BIG))
+    return OfferLimits(resources, projects=None, runtimes=None)
+
+
+def make_config(slot: Path, state: Path, uid: int, gid: int) -> Config:
+    allowance = {
+        "cpu_millis": BIG, "memory_bytes": BIG, "swap_bytes": BIG, "processes": 4096,
+        "slots": 4, "devices": ["null", "gpu"], "projects": [], "runtimes": ["test"],
+    }  # fmt: skip
+    return msgspec.convert(
+        {
+            "installation_id": INSTALLATION,
+            "deployment_id": "3" * 32,
+            "node_id": "4" * 32,
+            "mode": "managed",
+            "transport_uid": 65000,
+            "local_owner_uids": [],
+            "maximum_lease_seconds": 3600,
+            "state_dir": str(state),
+            "socket_dir": str(state.parent / "sockets"),
+            "supervisor": "cgroupfs",
+            "slots": [
+                {
+                    "id": "slot0",
+                    "class": "cpu",
+                    "generation": 1,
+                    "path": str(slot),
+                    "uid": uid,
+                    "gid": gid,
+                    "storage_bytes": SLOT_BYTES,
+                    "storage_inodes": 10**6,
+                }
+            ],
+            "ceiling": allowance,
+            "initial_offer": {**allowance, "control": "active"},
+            "providers": [{"id": "test", "package_digest": SHA, "configuration": {}}],
+        },
+        Config,
+    )
+
+
+class Terms(NamedTuple):
+    """The lease terms of a renewal row."""
+
+    sequence: int
+    expires_at_ms: int
+
+
+class World:
+    """Ledger, slot, service backend and context of one test; torn down afterwards."""
+
+    def __init__(self, installed: Installed, uid: int, gid: int) -> None:
+        self.installed = installed
+        self.uid, self.gid = uid, gid
+        self.base = Path(tempfile.mkdtemp(prefix="ficc-runner-", dir="/run"))
+        self.base.chmod(0o755)
+        self.state = self.base / "state"
+        self.state.mkdir(mode=0o700)
+        self.slot = self.base / "slot0"
+        self.slot.mkdir(mode=0o755)
+        self.cgroup_base = f"ficc-t-run-{os.getpid()}-{secrets.token_hex(3)}"
+        self.config = make_config(self.slot, self.state, uid, gid)
+        self.clock = BootClock()
+        ledger = Ledger.create(str(self.state), INSTALLATION, offer_limits(), offer_limits())
+        self.ctx = self._context(ledger)
+
+    def _context(self, ledger: Ledger) -> HostContext:
+        stager = Stager(str(self.slot), self.gid)
+        slot = SlotRuntime(
+            "slot0", "cpu", str(self.slot), self.uid, self.gid, SLOT_BYTES, 10**6, stager
+        )
+        digest = self.installed.loaded.verified.digest
+        return HostContext(
+            config=self.config,
+            ledger=ledger,
+            clock=self.clock,
+            slots={"slot0": slot},
+            providers={"test": ProviderRuntime("test", digest, self.installed.loaded, None)},
+            service=CgroupfsService(self.cgroup_base, stop_timeout=15.0),
+            workers=Workers(),
+        )
+
+    def restart(self) -> None:
+        """A new daemon over the same ledger file and cgroup base (nothing in memory)."""
+        self.ctx.ledger.close()
+        self.ctx.workers.shutdown()
+        self.ctx = self._context(Ledger.open(str(self.state), INSTALLATION))
+
+    # -- attempts ------------------------------------------------------------------
+
+    def plan(
+        self,
+        *,
+        devices: tuple[str, ...] = ("null",),
+        inputs: tuple[planlib.InputObject, ...] = (),
+        environment: dict[str, str] | None = None,
+        argv: tuple[str, ...] = ("/bin/true",),
+        slot_class: str = "cpu",
+    ) -> planlib.Plan:
+        return planlib.Plan(
+            version=1,
+            deployment_id="3" * 32,
+            node_id="4" * 32,
+            project_id="2" * 32,
+            job_id=secrets.token_hex(16),
+            attempt_id=secrets.token_hex(16),
+            generation=1,
+            offer_revision=1,
+            job=planlib.Job(
+                name="job",
+                slot_class=slot_class,
+                runtime=planlib.Runtime("test", SHA, SHA, "strict", "none"),
+                payload=planlib.Payload(argv=list(argv), environment=environment or {}),
+                limits=planlib.Limits(
+                    cpu_millis=500,
+                    memory_bytes=256 << 20,
+                    swap_bytes=0,
+                    processes=64,
+                    storage_bytes=64 << 20,
+                    storage_inodes=1000,
+                    devices=list(devices),
+                ),
+                inputs=list(inputs),
+                outputs=[],
+                sensitive=False,
+            ),
+        )
+
+    def admit(self, plan: planlib.Plan, lease_seconds: float = 600.0) -> Fence:
+        """What the prepare handler does before it calls `runner.admitted`."""
+        now = self.clock.now()
+        lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + int(lease_seconds * 1e9))
+        facts = HostFacts(
+            slots=[SlotSpec("slot0", "cpu", SLOT_BYTES, 10**6)],
+            devices=frozenset({"null", "gpu"}),
+            ceiling=offer_limits(),
+            now=now,
+        )
+        ledger = self.ctx.ledger
+        (row,) = ledger.admit_batch(ledger.bindings(), [PrepareRow(plan, lease)], facts)
+        assert isinstance(row, Admitted), row
+        assert row.new
+        self.ctx.slots["slot0"].stager.register_attempt(
+            plan.attempt_id, streams_of(plan.job.inputs)
+        )
+        return row.record.fence
+
+    def start(self, fence: Fence) -> None:
+        """What the start handler does before it calls `runner.start_requested`."""
+        (row,) = self.ctx.ledger.start_batch([fence], self.clock.now())
+        assert isinstance(row, Applied), row
+        assert row.changed
+
+    def end_lease(self, fence: Fence) -> None:
+        """A renewal whose expiry has passed: the controller ends the lease now. (Tests
+        end leases this way instead of racing a short deadline.)"""
+        rows = [(fence, Terms(sequence=2, expires_at_ms=1))]
+        (row,) = self.ctx.ledger.renew_batch(rows, self.clock.now(), 3600)
+        assert isinstance(row, Applied), row
+        assert row.changed
+
+    def record(self, attempt_id: str) -> AttemptRecord:
+        record = self.ctx.ledger.get(attempt_id)
+        assert record is not None
+        return record
+
+    def service_name(self, attempt_id: str) -> str:
+        return service_name(INSTALLATION, attempt_id)
+
+    def attempt_dir(self, attempt_id: str) -> Path:
+        return Path(Layout(self.ctx.slots["slot0"]).attempt_dir(attempt_id))
+
+    # -- teardown ------------------------------------------------------------------
+
+    def close(self) -> None:
+        service = self.ctx.service
+        assert isinstance(service, CgroupfsService)
+        try:
+            for hierarchy in service.layout.hierarchies:
+                top = Path(hierarchy.mount, self.cgroup_base)
+                if not top.is_dir():
+                    continue
+                for entry in top.iterdir():
+                    handle = service.adopt(entry.name)
+                    if handle is not None:
+                        service.stop(handle)
+                        service.remove(handle)
+                top.rmdir()
+        finally:
+            with contextlib.suppress(Exception):
+                self.ctx.ledger.close()
+            self.ctx.workers.shutdown()
+            shutil.rmtree(self.base)
+
+
+@pytest.fixture
+def world(provider: Installed, slot_account: tuple[int, int]) -> Iterator[World]:
+    built = World(provider, *slot_account)
+    try:
+        yield built
+    finally:
+        built.close()
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Poll a real condition with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running(runner: Runner) -> Any:
+    """The runner with its monitor loop, closed afterwards."""
+    monitor = asyncio.get_running_loop().create_task(runner.run())
+    try:
+        yield runner
+    finally:
+        monitor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await monitor
+        await runner.close()
+
+
+def state_of(world: World, attempt_id: str) -> Callable[[], bool]:
+    return lambda: (
+        world.record(attempt_id).status.state != "prepared" or world.record(attempt_id).status.ready
+    )
+
+
+def settled_and_clean(world: World, attempt_id: str) -> Callable[[], bool]:
+    def check() -> bool:
+        status = world.record(attempt_id).status
+        return status.state in lifecycle.SETTLED and status.cleanup_confirmed
+
+    return check
+
+
+def service_idle(world: World, attempt_id: str) -> bool:
+    service = world.ctx.service
+    handle = service.adopt(world.service_name(attempt_id))
+    if handle is None:
+        return service.account_idle(world.uid)
+    return service.is_idle(handle, world.uid)
+
+
+# --- prepare ---------------------------------------------------------------------------
+
+
+def test_prepare_without_streams_reaches_ready_with_a_persisted_checked_result(
+    world: World,
+) -> None:
+    plan = world.plan()
+    fence = world.admit(plan)
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        runner.admitted([fence.attempt_id])
+        await until(state_of(world, fence.attempt_id), "prepare finished")
+        await runner.close()
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.ready, status.preparing) == ("prepared", True, False)
+    data = world.ctx.ledger.prepare_result(fence.attempt_id)
+    assert data is not None
+    result = decode_prepare_result(msgspec.json.decode(data))
+    assert result.barrier.path == os.path.realpath("/bin/sh")
+    assert [(d.name, d.path, d.major, d.minor) for d in result.devices] == [
+        ("null", "/dev/null", 1, 3)
+    ]
+    assert (result.positive_devices, result.negative_devices) == (["/dev/null"], ["/dev/zero"])
+    attempt = world.attempt_dir(fence.attempt_id)
+    assert (attempt / "storage").stat().st_uid == world.uid
+    assert world.installed.calls("probe", fence.attempt_id) == 1
+    assert world.installed.calls("prepare", fence.attempt_id) == 1
+
+
+def test_prepare_waits_for_streamed_inputs_then_runs_by_itself(world: World) -> None:
+    data = b"streamed input bytes"
+    stream = planlib.InputObject(
+        id=secrets.token_hex(16),
+        name="data.bin",
+        bytes=len(data),
+        digest=planlib.digest_of(data),
+        delivery="stream",
+    )
+    plan = world.plan(inputs=(stream,))
+    fence = world.admit(plan)
+    stager = world.ctx.slots["slot0"].stager
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        runner.admitted([fence.attempt_id])
+        # Staging initialised (status answers), provider not called: inputs incomplete.
+        await until(lambda: _staged(stager, fence.attempt_id, stream.id), "staging is ready")
+        assert world.installed.calls("prepare", fence.attempt_id) == 0
+        assert not world.record(fence.attempt_id).status.ready
+
+        def commit(state: Any) -> None:
+            world.ctx.ledger.commit_stream(fence, state, 0)
+
+        chunk = planlib.digest_of(data)
+        await world.ctx.workers.io(
+            stager.write, fence.attempt_id, stream.id, 0, data, chunk, commit=commit
+        )
+        runner.inputs_complete(fence.attempt_id)
+        await until(state_of(world, fence.attempt_id), "prepare finished")
+        await runner.close()
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.ready) == ("prepared", True)
+    assert world.installed.calls("prepare", fence.attempt_id) == 1
+
+
+def _write_stream(world: World, fence: Fence, data: bytes) -> planlib.InputObject:
+    """Upload a streamed input completely, as the input_write handler does."""
+    plan = planlib.decode_plan(world.ctx.ledger.plan_bytes(fence.attempt_id) or b"")
+    (stream,) = plan.streamed_inputs
+    stager = world.ctx.slots["slot0"].stager
+    stager.write(
+        fence.attempt_id,
+        stream.id,
+        0,
+        data,
+        planlib.digest_of(data),
+        commit=lambda state: world.ctx.ledger.commit_stream(fence, state, 0),
+    )
+    return stream
+
+
+def test_a_staged_input_changed_after_preparation_refuses_start(world: World) -> None:
+    data = b"input that will be tampered with"
+    stream = planlib.InputObject(
+        id=secrets.token_hex(16),
+        name="data.bin",
+        bytes=len(data),
+        digest=planlib.digest_of(data),
+        delivery="stream",
+    )
+    fence = world.admit(world.plan(inputs=(stream,)))
+    attempt_id = fence.attempt_id
+    stager = world.ctx.slots["slot0"].stager
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(lambda: _staged(stager, attempt_id, stream.id), "staging is ready")
+            await world.ctx.workers.io(_write_stream, world, fence, data)
+            runner.inputs_complete(attempt_id)
+            await until(state_of(world, attempt_id), "ready")
+            staged = world.slot / "ficc-staging" / attempt_id / stream.id
+            os.utime(staged, ns=(0, 0))  # same bytes, another mtime: not the recorded file
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "refused and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("failed", "input_changed")
+    assert world.ctx.service.adopt(world.service_name(attempt_id)) is None  # never created
+    assert world.installed.calls("start", attempt_id) == 0
+
+
+def test_a_check_refusal_during_prepare_is_recorded_as_its_own_code(world: World) -> None:
+    fence = world.admit(world.plan())
+    world.end_lease(fence)
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)  # no monitor: check() must see it
+        runner.admitted([fence.attempt_id])
+        await until(state_of(world, fence.attempt_id), "prepare finished")
+        await runner.close()
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("failed", "lease_expired")
+    assert world.installed.calls("prepare", fence.attempt_id) == 1
+
+
+def _staged(stager: Stager, attempt_id: str, object_id: str) -> bool:
+    try:
+        stager.status(attempt_id, object_id)
+    except Exception:
+        return False
+    return True
+
+
+def test_provider_prepare_failure_fails_the_attempt_then_cleanup_is_confirmed(
+    world: World,
+) -> None:
+    plan = world.plan(devices=("gpu",))  # admitted, but the provider maps no "gpu" node
+    fence = world.admit(plan)
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([fence.attempt_id])
+            await until(settled_and_clean(world, fence.attempt_id), "failed and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.outcome, status.reason) == ("failed", "failed", "provider_failed")
+    assert status.cleanup_confirmed
+    assert not status.quarantined
+
+
+def test_unconfirmed_cleanup_quarantines_and_is_retried_until_idle(world: World) -> None:
+    """A process of the slot account outside any service keeps the slot from being idle."""
+    stray = subprocess.Popen(
+        ["setpriv", f"--reuid={world.uid}", f"--regid={world.gid}", "--clear-groups",
+         "sleep", "1000"],
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    fence = world.admit(world.plan(devices=("gpu",)))  # fails in provider prepare
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        try:
+            await until(lambda: _runs_as(stray.pid, world.uid), "the stray process runs")
+            async with running(Runner(world.ctx, settings=FAST)) as runner:
+                runner.admitted([attempt_id])
+                await until(lambda: world.record(attempt_id).status.quarantined, "quarantined")
+                assert not world.record(attempt_id).status.cleanup_confirmed
+                stray.kill()
+                stray.wait()
+                await until(settled_and_clean(world, attempt_id), "cleanup confirmed")
+        finally:
+            stray.kill()
+            stray.wait()
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.cleanup_confirmed, status.quarantined) == ("failed", True, False)
+
+
+def _runs_as(pid: int, uid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1:]
+    return uids == [str(uid)] * 4
+
+
+# --- start and the gate -------------------------------------------------------------------
+
+
+def test_gate_refuses_the_unconfined_test_provider_and_never_releases_the_payload(
+    world: World,
+) -> None:
+    """The required test (issue 4, item 14)."""
+    plan = world.plan()
+    fence = world.admit(plan)
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            runner.start_requested([attempt_id])  # a second start is ignored
+            await until(settled_and_clean(world, attempt_id), "refused and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.outcome) == ("failed", "failed")
+    assert status.reason is not None
+    assert status.reason.startswith("gate_"), status.reason
+    attempt = world.attempt_dir(attempt_id)
+    evidence = attempt / "evidence" / gate.EVIDENCE_FILE
+    recorded = msgspec.json.decode(evidence.read_bytes())
+    assert recorded["status"]["uid"]["real"] == world.uid  # the barrier ran as the slot
+    assert not (attempt / "control" / RELEASE_MARKER).exists()
+    # The closed device policy was real: the prepared node opened, the other was refused.
+    devices = (attempt / "storage" / ".ficc-test-provider" / "devices").read_text().split("\n")
+    assert "1 /dev/null" in devices
+    assert "0 /dev/zero" in devices
+    assert service_idle(world, attempt_id)
+    assert world.installed.calls("start", attempt_id) == 1
+
+
+def test_release_after_a_refused_start_removes_layout_and_service(world: World) -> None:
+    plan = world.plan()
+    fence = world.admit(plan)
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "refused and cleaned")
+            await runner.release(attempt_id)
+
+    asyncio.run(scenario())
+    world.ctx.ledger.apply(fence, lifecycle.Release())
+    assert not world.attempt_dir(attempt_id).exists()
+    assert world.ctx.service.adopt(world.service_name(attempt_id)) is None
+    assert world.installed.calls("release", attempt_id) == 1
+    status = world.record(attempt_id).status
+    assert (status.state, status.outcome) == ("released", "failed")
+
+
+# --- stops and leases -----------------------------------------------------------------------
+
+
+def _held_attempt(world: World) -> Fence:
+    """An attempt whose barrier reports no PID: it stays `starting` until stopped."""
+    return world.admit(world.plan(environment=HOLD))
+
+
+def _barrier_waiting(world: World, attempt_id: str) -> Callable[[], bool]:
+    """The barrier runs (it reported its device opens) and the start pipeline has
+    called provider start and is observing (observe only follows start)."""
+    devices = world.attempt_dir(attempt_id) / "storage" / ".ficc-test-provider" / "devices"
+    return lambda: devices.exists() and world.installed.calls("observe", attempt_id) > 0
+
+
+def test_lease_expiry_during_start_stops_the_service_and_records_expired(world: World) -> None:
+    fence = _held_attempt(world)
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(_barrier_waiting(world, attempt_id), "the barrier runs")
+            assert world.record(attempt_id).status.state == "starting"
+            world.end_lease(fence)
+            await until(settled_and_clean(world, attempt_id), "expired and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.outcome, status.reason) == ("expired", "expired", "lease_expired")
+    assert service_idle(world, attempt_id)
+    assert not (world.attempt_dir(attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+def test_stop_during_start_cancels_and_confirms_cleanup(world: World) -> None:
+    fence = _held_attempt(world)
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(_barrier_waiting(world, attempt_id), "the barrier runs")
+            applied = world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+            assert applied.record.status.stop_pending == "cancelled"
+            runner.stop_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "cancelled and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.outcome) == ("cancelled", "cancelled")
+    assert service_idle(world, attempt_id)
+
+
+# --- running attempts ---------------------------------------------------------------------
+#
+# The test provider can never pass the gate, so a `running` attempt is made the only
+# other way there is: the start pipeline of a held attempt is interrupted (as a dying
+# daemon would), and the test records `Started` and writes the release marker itself,
+# standing in for a passed gate. A fresh runner then takes over the live service.
+
+
+def _released_by_hand(world: World, fence: Fence) -> None:
+    attempt_id = fence.attempt_id
+
+    async def interrupted_start() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        runner.admitted([attempt_id])
+        await until(state_of(world, attempt_id), "ready")
+        world.start(fence)
+        runner.start_requested([attempt_id])
+        await until(_barrier_waiting(world, attempt_id), "the barrier runs")
+        await runner.close()
+
+    asyncio.run(interrupted_start())
+    world.ctx.ledger.apply(fence, lifecycle.Started())
+    attempt = world.attempt_dir(attempt_id)
+    control = os.open(attempt / "control", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        gate.write_release_marker(control, RELEASE_MARKER, group=world.gid)
+    finally:
+        os.close(control)
+    (attempt / "storage" / ".ficc-test-provider" / "go").touch()
+
+
+def test_monitor_records_the_payload_exit_code_and_confirms_cleanup(world: World) -> None:
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sh", "-c", "exit 3")))
+    _released_by_hand(world, fence)
+
+    async def monitor() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            await until(settled_and_clean(world, fence.attempt_id), "finished and cleaned")
+
+    asyncio.run(monitor())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.outcome, status.exit_code) == ("failed", "failed", 3)
+    assert status.reason == "exited"
+    assert service_idle(world, fence.attempt_id)
+    assert world.installed.calls("start", fence.attempt_id) == 1
+
+
+def test_lease_expiry_while_running_stops_the_payload(world: World) -> None:
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    pid = world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider" / "pid"
+
+    async def monitor() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            await until(pid.exists, "the payload runs")
+            assert world.record(fence.attempt_id).status.state == "running"
+            world.end_lease(fence)
+            await until(settled_and_clean(world, fence.attempt_id), "expired and cleaned")
+
+    asyncio.run(monitor())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.outcome, status.exit_code) == ("expired", "expired", None)
+    assert service_idle(world, fence.attempt_id)
+
+
+def test_a_payload_that_vanishes_without_an_exit_report_is_unknown(world: World) -> None:
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    service = world.ctx.service
+
+    async def monitor() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            pid = world.attempt_dir(attempt_id) / "storage" / ".ficc-test-provider" / "pid"
+            await until(pid.exists, "the barrier reported its PID")
+            handle = service.adopt(world.service_name(attempt_id))
+            assert handle is not None
+            await world.ctx.workers.io(service.stop, handle)  # killed behind our back
+            await until(settled_and_clean(world, attempt_id), "unknown and cleaned")
+
+    asyncio.run(monitor())
+    status = world.record(attempt_id).status
+    assert (status.state, status.outcome, status.reason) == (
+        "unknown",
+        "unknown",
+        "outcome_unreadable",
+    )
+    assert status.exit_code is None
+    assert world.installed.calls("start", attempt_id) == 1
+
+
+def test_an_unavailable_provider_fails_preparation(world: World) -> None:
+    world.ctx.providers["test"] = ProviderRuntime(
+        "test", SHA, None, HostError("provider_digest_mismatch", "not the pinned files")
+    )
+    fence = world.admit(world.plan())
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([fence.attempt_id])
+            await until(settled_and_clean(world, fence.attempt_id), "failed and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("failed", "provider_unavailable")
+    assert world.installed.calls("probe", fence.attempt_id) == 0
+
+
+# --- no-resource records -------------------------------------------------------------------
+
+
+def test_release_of_an_admission_rejection_calls_no_provider(world: World) -> None:
+    plan = world.plan(slot_class="gpu")  # no slot of that class: rejected durably
+    now = world.clock.now()
+    lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + 10**12)
+    facts = HostFacts(
+        slots=[SlotSpec("slot0", "cpu", SLOT_BYTES, 10**6)],
+        devices=frozenset({"null"}),
+        ceiling=offer_limits(),
+        now=now,
+    )
+    ledger = world.ctx.ledger
+    (row,) = ledger.admit_batch(ledger.bindings(), [PrepareRow(plan, lease)], facts)
+    assert not isinstance(row, Admitted)
+
+    async def release() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        await runner.release(plan.attempt_id)
+        await runner.close()
+
+    asyncio.run(release())
+    assert world.record(plan.attempt_id).status.reason == lifecycle.ADMISSION_REJECTED
+    assert world.installed.calls("release", plan.attempt_id) == 0
+
+
+# --- restart ----------------------------------------------------------------------------------
+
+
+def test_recover_turns_starting_into_unknown_stops_the_service_and_never_starts_again(
+    world: World,
+) -> None:
+    fence = _held_attempt(world)
+    attempt_id = fence.attempt_id
+
+    async def first_daemon() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        runner.admitted([attempt_id])
+        await until(state_of(world, attempt_id), "ready")
+        world.start(fence)
+        runner.start_requested([attempt_id])
+        await until(_barrier_waiting(world, attempt_id), "the barrier runs")
+        await runner.close()  # the daemon "dies": its service keeps running
+
+    asyncio.run(first_daemon())
+    name = world.service_name(attempt_id)
+    handle = world.ctx.service.adopt(name)
+    assert handle is not None
+    assert world.ctx.service.members(handle), "the service survives"
+    assert world.installed.calls("start", attempt_id) == 1
+
+    world.restart()
+
+    async def second_daemon() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await runner.recover()
+            await until(settled_and_clean(world, attempt_id), "unknown and cleaned")
+
+    asyncio.run(second_daemon())
+    status = world.record(attempt_id).status
+    assert (status.state, status.outcome, status.reason) == (
+        "unknown",
+        "unknown",
+        lifecycle.EXECUTOR_RESTARTED,
+    )
+    assert service_idle(world, attempt_id)
+    assert world.installed.calls("start", attempt_id) == 1, "start was called again"
+    assert not (world.attempt_dir(attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+# --- batching provider rows (a recording driver: pure batching logic) -----------------------
+
+
+class RecordingDriver:
+    """Replies `{"n": ...}` per row and records the size of every call."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, int]] = []
+        self.release = threading.Event()
+
+    def _reply(self, method: str, contexts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        self.batches.append((method, len(contexts)))
+        if method == "stop":  # a hung provider call, until the test lets it go
+            self.release.wait(30)
+        return [{"n": context["n"]} for context in contexts]
+
+    def __getattr__(self, method: str) -> Any:
+        return lambda contexts: self._reply(method, contexts)
+
+
+def _batcher(driver: Any, timeout: float = 30.0) -> tuple[Any, Workers]:
+    loaded = LoadedProvider("fake", None, None, driver)  # type: ignore[arg-type]
+    workers = Workers()
+    ctx = SimpleNamespace(
+        providers={"fake": ProviderRuntime("fake", SHA, loaded, None)}, workers=workers
+    )
+    return pipeline._Batcher(ctx, timeout), workers  # type: ignore[arg-type]
+
+
+def test_rows_of_one_loop_turn_go_out_as_batches_of_at_most_64() -> None:
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver)
+
+    async def scenario() -> list[Any]:
+        rows = [batcher.call("fake", "observe", {"n": n}) for n in range(70)]
+        rows += [batcher.call("fake", "probe", {"n": n}) for n in range(3)]
+        return list(await asyncio.gather(*rows))
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        workers.shutdown()
+    assert [r.reply["n"] for r in results] == [*range(70), *range(3)]
+    assert sorted(driver.batches) == [("observe", 6), ("observe", 64), ("probe", 3)]
+
+
+def test_a_hung_provider_call_leaves_its_rows_timed_out() -> None:
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver, timeout=0.2)
+
+    async def scenario() -> list[Any]:
+        return list(await asyncio.gather(*(batcher.call("fake", "stop", {"n": n}) for n in (1, 2))))
+
+    try:
+        results = asyncio.run(scenario())
+        assert [r.code for r in results] == ["provider_timeout"] * 2
+    finally:
+        driver.release.set()
+        workers.shutdown()
+
+
+def test_an_unknown_provider_fails_its_rows_without_a_call() -> None:
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver)
+    try:
+        result = asyncio.run(batcher.call("absent", "probe", {"n": 1}))
+    finally:
+        workers.shutdown()
+    assert result.code == "provider_unavailable"
+    assert driver.batches == []

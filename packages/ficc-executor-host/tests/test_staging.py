@@ -1,0 +1,818 @@
+"""Streamed input staging against real files, real fsync, real ownership and a real tmpfs."""
+
+from __future__ import annotations
+
+import errno
+import grp
+import hashlib
+import os
+import secrets
+import shutil
+import stat
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.fsutil import identity_of
+from ficc.execution.host.staging import (
+    STAGING_DIRECTORY,
+    Stager,
+    StreamState,
+    check_capacity,
+    plan_write,
+    streams_of,
+)
+from ficc.execution.plan import InputObject
+
+GROUP = "ficc-t-stage"
+EMPTY = "sha256:" + hashlib.sha256(b"").hexdigest()
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="staging creates root-owned files and chowns to a real group"
+)
+
+
+def sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def new_id() -> str:
+    return secrets.token_hex(16)
+
+
+@pytest.fixture(scope="module")
+def slot_gid() -> Iterator[int]:
+    """A real non-root system group for the reserved workload (created if absent)."""
+    created = False
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", GROUP], check=True)
+        created = True
+    yield grp.getgrnam(GROUP).gr_gid
+    if created:
+        subprocess.run(["userdel", GROUP], check=True)
+
+
+@pytest.fixture
+def slot(tmp_path: Path) -> Path:
+    path = tmp_path / "slot"
+    path.mkdir()
+    return path
+
+
+class Ledger:
+    """Stands in for the ledger's commit: records every committed state in order."""
+
+    def __init__(self) -> None:
+        self.commits: list[StreamState] = []
+
+    def __call__(self, state: StreamState) -> None:
+        self.commits.append(state)
+
+
+def admit(stager: Stager, *payloads: bytes) -> tuple[str, list[StreamState]]:
+    attempt = new_id()
+    states = [
+        StreamState(id=new_id(), name=f"in{i}.bin", bytes=len(p), digest=sha(p))
+        for i, p in enumerate(payloads)
+    ]
+    stager.register_attempt(attempt, states)
+    return attempt, stager.prepare_attempt(attempt)
+
+
+def upload(
+    stager: Stager, attempt: str, state: StreamState, data: bytes, chunk: int, ledger: Ledger
+) -> StreamState:
+    offset = stager.status(attempt, state.id).offset
+    while True:
+        part = data[offset : offset + chunk]
+        state = stager.write(attempt, state.id, offset, part, sha(part), commit=ledger)
+        offset = state.offset
+        if state.complete or offset >= len(data):
+            return state
+
+
+def object_path(slot: Path, attempt: str, object_id: str) -> Path:
+    return slot / STAGING_DIRECTORY / attempt / object_id
+
+
+def code_of(call: Any, *args: Any, **kwargs: Any) -> str:
+    with pytest.raises(HostError) as excinfo:
+        call(*args, **kwargs)
+    return excinfo.value.code
+
+
+# -- complete uploads ------------------------------------------------------------
+
+
+def test_chunked_upload_completes_with_a_sealed_capability(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(300_000)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    path = object_path(slot, attempt, state.id)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+    seen: list[int] = []
+
+    def commit(new: StreamState) -> None:
+        # Bytes are on disk (and were fsynced) before the offset reaches the ledger.
+        assert path.read_bytes()[: new.offset] == data[: new.offset]
+        seen.append(new.offset)
+
+    for offset in range(0, len(data), 65_536):
+        part = data[offset : offset + 65_536]
+        done = stager.write(attempt, state.id, offset, part, sha(part), commit=commit)
+    assert seen == [65_536, 131_072, 196_608, 262_144, 300_000]
+    assert done.complete
+    assert done.offset == len(data)
+
+    st_file = os.stat(path, follow_symlinks=False)
+    assert stat.S_ISREG(st_file.st_mode)
+    assert stat.S_IMODE(st_file.st_mode) == 0o440
+    assert (st_file.st_uid, st_file.st_gid) == (0, slot_gid)
+    assert path.read_bytes() == data
+    for directory in (slot / STAGING_DIRECTORY, path.parent):
+        st_dir = os.stat(directory)
+        assert (stat.S_IMODE(st_dir.st_mode), st_dir.st_uid) == (0o700, 0)
+
+    [capability] = stager.capabilities(attempt)
+    assert capability == {
+        "id": state.id,
+        "name": "in0.bin",
+        "bytes": len(data),
+        "digest": sha(data),
+        "delivery": "stream",
+        "path": str(path),
+        "identity": {
+            "device": st_file.st_dev,
+            "inode": st_file.st_ino,
+            "mode": st_file.st_mode,
+            "bytes": len(data),
+            "mtime_ns": st_file.st_mtime_ns,
+        },
+    }
+    assert stager.all_complete(attempt)
+    stager.verify_identity(attempt, capability)
+
+
+def test_several_streams_are_independent_and_all_must_complete(slot: Path, slot_gid: int) -> None:
+    a, b = os.urandom(10_000), os.urandom(5)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [sa, sb] = admit(stager, a, b)
+    upload(stager, attempt, sa, a, 4096, Ledger())
+    assert not stager.all_complete(attempt)
+    assert code_of(stager.capabilities, attempt) == "inputs_incomplete"
+    upload(stager, attempt, sb, b, 4096, Ledger())
+    assert stager.all_complete(attempt)
+    assert [c["id"] for c in stager.capabilities(attempt)] == [sa.id, sb.id]
+
+
+def test_an_empty_object_completes_with_one_empty_chunk(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"")
+    assert state.digest == EMPTY
+    done = stager.write(attempt, state.id, 0, b"", EMPTY)
+    assert done.complete
+    assert os.stat(object_path(slot, attempt, state.id)).st_size == 0
+
+
+# -- refusals of one write -------------------------------------------------------
+
+
+def test_a_write_at_another_offset_is_refused(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(8192)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    stager.write(attempt, state.id, 0, data[:4096], sha(data[:4096]))
+    for offset in (0, 4095, 4097):  # an old offset (a resend) or a gap
+        part = data[offset : offset + 100]
+        assert code_of(stager.write, attempt, state.id, offset, part, sha(part)) == (
+            "input_offset_changed"
+        )
+    assert stager.status(attempt, state.id).offset == 4096
+
+
+def test_a_chunk_with_the_wrong_digest_is_refused_and_not_written(
+    slot: Path, slot_gid: int
+) -> None:
+    data = os.urandom(4096)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    wrong = sha(data[:100] + b"x")
+    assert code_of(stager.write, attempt, state.id, 0, data[:100], wrong) == (
+        "input_digest_mismatch"
+    )
+    assert os.stat(object_path(slot, attempt, state.id)).st_size == 0
+    assert stager.write(attempt, state.id, 0, data[:100], sha(data[:100])).offset == 100
+
+
+def test_a_chunk_past_the_declared_size_is_refused(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(1000)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    longer = data + b"!"
+    assert code_of(stager.write, attempt, state.id, 0, longer, sha(longer)) == (
+        "input_size_mismatch"
+    )
+    assert code_of(stager.write, attempt, state.id, 0, b"", EMPTY) == "input_size_mismatch"
+    assert stager.status(attempt, state.id).offset == 0
+
+
+def test_a_full_digest_mismatch_fails_the_object(slot: Path, slot_gid: int) -> None:
+    declared = os.urandom(2000)
+    sent = bytearray(declared)
+    sent[1500] ^= 0xFF  # every chunk matches its own digest; the whole does not
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, declared)
+    ledger = Ledger()
+    stager.write(attempt, state.id, 0, bytes(sent[:1000]), sha(bytes(sent[:1000])), commit=ledger)
+    tail = bytes(sent[1000:])
+    assert (
+        code_of(stager.write, attempt, state.id, 1000, tail, sha(tail), commit=ledger)
+        == "input_digest_mismatch"
+    )
+    assert ledger.commits[-1].failed == "input_digest_mismatch"
+    assert not ledger.commits[-1].complete
+    assert code_of(stager.status, attempt, state.id) == "input_failed"
+    assert code_of(stager.write, attempt, state.id, 2000, b"", EMPTY) == "input_failed"
+    assert not stager.all_complete(attempt)
+    assert code_of(stager.capabilities, attempt) == "inputs_incomplete"
+    assert stat.S_IMODE(os.stat(object_path(slot, attempt, state.id)).st_mode) == 0o600
+
+
+def test_a_completed_object_stays_read_only(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(100)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    stager.write(attempt, state.id, 0, data, sha(data))
+    assert stager.status(attempt, state.id).complete
+    assert code_of(stager.write, attempt, state.id, 100, b"", EMPTY) == "input_complete"
+    assert code_of(stager.write, attempt, state.id, 0, data, sha(data)) == "input_complete"
+    assert object_path(slot, attempt, state.id).read_bytes() == data
+
+
+def test_unknown_attempts_and_undeclared_objects_are_refused(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, _ = admit(stager, b"x")
+    assert code_of(stager.status, new_id(), new_id()) == "attempt_not_staged"
+    assert code_of(stager.write, attempt, new_id(), 0, b"x", sha(b"x")) == "input_not_declared"
+    assert code_of(stager.status, attempt, "../../etc/passwd") == "input_not_declared"
+    assert code_of(stager.register_attempt, "../x", []) == "unsafe_path"
+    bad = StreamState(id="../../etc/passwd", name="x", bytes=1, digest=sha(b"x"))
+    assert code_of(stager.register_attempt, new_id(), [bad]) == "unsafe_path"
+
+
+def test_writes_wait_for_preparation(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt = new_id()
+    state = StreamState(id=new_id(), name="a", bytes=1, digest=sha(b"x"))
+    stager.register_attempt(attempt, [state])
+    assert code_of(stager.status, attempt, state.id) == "inputs_preparing"
+    assert code_of(stager.write, attempt, state.id, 0, b"x", sha(b"x")) == "inputs_preparing"
+    assert not (slot / STAGING_DIRECTORY).exists()
+    stager.prepare_attempt(attempt)
+    assert stager.write(attempt, state.id, 0, b"x", sha(b"x")).complete
+
+
+# -- concurrency -----------------------------------------------------------------
+
+
+def test_a_second_write_while_one_is_in_flight_is_refused(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(200)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [first, second] = admit(stager, data, data)
+    inside, go = threading.Event(), threading.Event()
+    results: list[StreamState] = []
+
+    def slow_commit(new: StreamState) -> None:
+        inside.set()
+        assert go.wait(timeout=60)
+
+    def writer() -> None:
+        results.append(
+            stager.write(attempt, first.id, 0, data[:100], sha(data[:100]), commit=slow_commit)
+        )
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert inside.wait(timeout=60)
+        # The guard is per attempt: another object of the same attempt is refused too.
+        for obj in (first.id, second.id):
+            assert code_of(stager.write, attempt, obj, 0, data[:10], sha(data[:10])) == (
+                "input_busy"
+            )
+        assert code_of(stager.remove_attempt, attempt) == "input_busy"
+        # Status stays readable and still shows the committed offset, not the pending one.
+        assert stager.status(attempt, first.id).offset == 0
+    finally:
+        go.set()
+        thread.join()
+    assert results[0].offset == 100
+    assert stager.write(attempt, first.id, 100, data[100:], sha(data[100:])).complete
+
+
+def test_another_attempt_is_not_blocked(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    busy_attempt, [busy] = admit(stager, b"ab")
+    free_attempt, [free] = admit(stager, b"cd")
+    inside, go = threading.Event(), threading.Event()
+
+    def hold(_: StreamState) -> None:
+        inside.set()
+        assert go.wait(timeout=60)
+
+    thread = threading.Thread(
+        target=stager.write,
+        args=(busy_attempt, busy.id, 0, b"a", sha(b"a")),
+        kwargs={"commit": hold},
+    )
+    thread.start()
+    try:
+        assert inside.wait(timeout=60)
+        assert stager.write(free_attempt, free.id, 0, b"cd", sha(b"cd")).complete
+    finally:
+        go.set()
+        thread.join()
+
+
+# -- durability and restart ------------------------------------------------------
+
+
+def test_a_restart_resumes_at_the_durable_offset_and_rehashes_the_prefix(
+    slot: Path, slot_gid: int
+) -> None:
+    data = os.urandom(50_000)
+    first = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(first, data)
+    ledger = Ledger()
+    for offset in range(0, 30_000, 10_000):
+        part = data[offset : offset + 10_000]
+        first.write(attempt, state.id, offset, part, sha(part), commit=ledger)
+    recorded = ledger.commits[-1]
+    assert recorded.offset == 30_000
+
+    restarted = Stager(str(slot), slot_gid)  # no in-memory hasher survives
+    restarted.register_attempt(attempt, [recorded])
+    assert restarted.prepare_attempt(attempt) == [recorded]
+    assert restarted.status(attempt, state.id).offset == 30_000
+    done = upload(restarted, attempt, recorded, data, 10_000, ledger)
+    assert done.complete
+    assert object_path(slot, attempt, state.id).read_bytes() == data
+
+
+def test_after_a_restart_the_final_digest_covers_the_bytes_on_disk(
+    slot: Path, slot_gid: int
+) -> None:
+    data = os.urandom(20_000)
+    first = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(first, data)
+    ledger = Ledger()
+    first.write(attempt, state.id, 0, data[:10_000], sha(data[:10_000]), commit=ledger)
+    with open(object_path(slot, attempt, state.id), "r+b") as f:  # corrupt the durable prefix
+        f.seek(5)
+        f.write(bytes([data[5] ^ 1]))
+
+    restarted = Stager(str(slot), slot_gid)
+    restarted.register_attempt(attempt, [ledger.commits[-1]])
+    restarted.prepare_attempt(attempt)
+    tail = data[10_000:]
+    assert (
+        code_of(restarted.write, attempt, state.id, 10_000, tail, sha(tail), commit=ledger)
+        == "input_digest_mismatch"
+    )
+    assert ledger.commits[-1].failed == "input_digest_mismatch"
+
+
+def test_a_failed_commit_keeps_the_old_offset_and_the_chunk_can_be_resent(
+    slot: Path, slot_gid: int
+) -> None:
+    data = os.urandom(3000)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    stager.write(attempt, state.id, 0, data[:1000], sha(data[:1000]))
+
+    def broken(_: StreamState) -> None:
+        raise OSError(errno.EIO, "ledger unavailable")
+
+    with pytest.raises(OSError, match="ledger unavailable"):
+        stager.write(attempt, state.id, 1000, data[1000:2000], sha(data[1000:2000]), commit=broken)
+    assert stager.status(attempt, state.id).offset == 1000
+    # A client that lost the reply resends from the durable offset (even a shorter chunk).
+    stager.write(attempt, state.id, 1000, data[1000:1500], sha(data[1000:1500]))
+    done = stager.write(attempt, state.id, 1500, data[1500:], sha(data[1500:]))
+    assert done.complete
+    assert object_path(slot, attempt, state.id).read_bytes() == data
+
+
+def test_a_restart_drops_synced_bytes_that_were_never_committed(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(3000)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    ledger = Ledger()
+    stager.write(attempt, state.id, 0, data[:1000], sha(data[:1000]), commit=ledger)
+    garbage = os.urandom(1500)  # synced, then the daemon died before the commit
+
+    def die(_: StreamState) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        stager.write(attempt, state.id, 1000, garbage, sha(garbage), commit=die)
+    restarted = Stager(str(slot), slot_gid)
+    restarted.register_attempt(attempt, [ledger.commits[-1]])
+    restarted.prepare_attempt(attempt)
+    done = upload(restarted, attempt, ledger.commits[-1], data, 700, ledger)
+    assert done.complete
+    assert object_path(slot, attempt, state.id).read_bytes() == data
+
+
+def test_a_restart_of_a_completed_attempt_checks_its_identity(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"abc")
+    done = stager.write(attempt, state.id, 0, b"abc", sha(b"abc"))
+
+    assert done.identity == identity_of(os.stat(object_path(slot, attempt, state.id)))
+    again = Stager(str(slot), slot_gid)
+    again.register_attempt(attempt, [done])
+    assert again.prepare_attempt(attempt) == [done]
+    assert again.status(attempt, state.id).complete
+
+    os.utime(object_path(slot, attempt, state.id), ns=(0, 12345))
+    changed = Stager(str(slot), slot_gid)
+    changed.register_attempt(attempt, [done])
+    [state_after] = changed.prepare_attempt(attempt)
+    assert state_after.failed == "input_changed"
+
+
+def test_a_restart_with_a_missing_partial_fails_the_object(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"abcdef")
+    done = stager.write(attempt, state.id, 0, b"abc", sha(b"abc"))
+    object_path(slot, attempt, state.id).unlink()
+    again = Stager(str(slot), slot_gid)
+    again.register_attempt(attempt, [done])
+    [after] = again.prepare_attempt(attempt)
+    assert after.failed == "not_found"
+    assert code_of(again.status, attempt, state.id) == "input_failed"
+
+
+# -- hostile filesystem ----------------------------------------------------------
+
+
+def test_a_symlinked_staging_directory_is_refused(
+    slot: Path, slot_gid: int, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (slot / STAGING_DIRECTORY).symlink_to(elsewhere)
+    stager = Stager(str(slot), slot_gid)
+    attempt = new_id()
+    stager.register_attempt(
+        attempt, [StreamState(id=new_id(), name="a", bytes=1, digest=sha(b"x"))]
+    )
+    assert code_of(stager.prepare_attempt, attempt) == "unsafe_path"
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_symlinked_attempt_directory_is_refused(
+    slot: Path, slot_gid: int, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (slot / STAGING_DIRECTORY).mkdir(mode=0o700)
+    attempt = new_id()
+    (slot / STAGING_DIRECTORY / attempt).symlink_to(elsewhere)
+    stager = Stager(str(slot), slot_gid)
+    stager.register_attempt(
+        attempt, [StreamState(id=new_id(), name="a", bytes=1, digest=sha(b"x"))]
+    )
+    assert code_of(stager.prepare_attempt, attempt) == "unsafe_path"
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_staging_directory_open_to_others_is_refused(slot: Path, slot_gid: int) -> None:
+    (slot / STAGING_DIRECTORY).mkdir()
+    os.chmod(slot / STAGING_DIRECTORY, 0o755)
+    stager = Stager(str(slot), slot_gid)
+    attempt = new_id()
+    stager.register_attempt(attempt, [])
+    assert code_of(stager.prepare_attempt, attempt) == "unsafe_path"
+
+
+def test_a_symlink_planted_at_the_object_path_fails_the_object(
+    slot: Path, slot_gid: int, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"payload!")
+    path = object_path(slot, attempt, state.id)
+    path.unlink()
+    path.symlink_to(victim)
+    ledger = Ledger()
+    assert code_of(stager.write, attempt, state.id, 0, b"pay", sha(b"pay"), commit=ledger) == (
+        "unsafe_path"
+    )
+    assert ledger.commits[-1].failed == "unsafe_path"
+    assert victim.read_bytes() == b"precious"
+    assert code_of(stager.write, attempt, state.id, 0, b"pay", sha(b"pay")) == "input_failed"
+
+
+def test_a_symlink_planted_before_preparation_fails_the_object(
+    slot: Path, slot_gid: int, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    (slot / STAGING_DIRECTORY).mkdir(mode=0o700)
+    attempt, object_id = new_id(), new_id()
+    (slot / STAGING_DIRECTORY / attempt).mkdir(mode=0o700)
+    (slot / STAGING_DIRECTORY / attempt / object_id).symlink_to(victim)
+    stager = Stager(str(slot), slot_gid)
+    stager.register_attempt(
+        attempt, [StreamState(id=object_id, name="a", bytes=1, digest=sha(b"x"))]
+    )
+    [state] = stager.prepare_attempt(attempt)
+    assert state.failed == "unsafe_path"
+    assert not victim.exists()
+
+
+def test_a_hard_link_planted_at_the_object_fails_it(
+    slot: Path, slot_gid: int, tmp_path: Path
+) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"payload!")
+    os.link(object_path(slot, attempt, state.id), tmp_path / "alias")
+    assert code_of(stager.write, attempt, state.id, 0, b"pay", sha(b"pay")) == ("hard_link_refused")
+    assert (tmp_path / "alias").read_bytes() == b""
+
+
+# -- identity before start -------------------------------------------------------
+
+
+@pytest.fixture
+def completed(slot: Path, slot_gid: int) -> tuple[Stager, str, dict[str, Any], Path]:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"the input")
+    stager.write(attempt, state.id, 0, b"the input", sha(b"the input"))
+    [capability] = stager.capabilities(attempt)
+    return stager, attempt, capability, Path(capability["path"])
+
+
+def test_a_provider_hard_link_keeps_the_identity(
+    completed: tuple[Stager, str, dict[str, Any], Path], tmp_path: Path
+) -> None:
+    stager, attempt, capability, path = completed
+    ctime = os.stat(path).st_ctime_ns
+    os.link(path, tmp_path / "runtime-layout-link")
+    assert os.stat(path).st_nlink == 2
+    assert os.stat(path).st_ctime_ns >= ctime
+    stager.verify_identity(attempt, capability)
+
+
+def test_a_touched_input_refuses_start(completed: tuple[Stager, str, dict[str, Any], Path]) -> None:
+    stager, attempt, capability, path = completed
+    os.utime(path, ns=(0, capability["identity"]["mtime_ns"] + 1))
+    assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
+
+
+def test_a_replaced_input_refuses_start(
+    completed: tuple[Stager, str, dict[str, Any], Path], slot_gid: int
+) -> None:
+    stager, attempt, capability, path = completed
+    replacement = path.with_name("replacement")
+    shutil.copy2(path, replacement)  # same bytes, mode and mtime; a new inode
+    os.chown(replacement, 0, slot_gid)
+    os.rename(replacement, path)
+    assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
+
+
+def test_changed_mode_or_group_refuses_start(
+    completed: tuple[Stager, str, dict[str, Any], Path],
+) -> None:
+    stager, attempt, capability, path = completed
+    os.chmod(path, 0o640)
+    assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
+    os.chmod(path, 0o440)
+    stager.verify_identity(attempt, capability)
+    os.chown(path, 0, 0)
+    assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
+
+
+def test_a_capability_with_a_foreign_path_is_refused(
+    completed: tuple[Stager, str, dict[str, Any], Path],
+) -> None:
+    stager, attempt, capability, _ = completed
+    forged = dict(capability, path="/etc/shadow")
+    assert code_of(stager.verify_identity, attempt, forged) == "input_changed"
+
+
+# -- storage faults --------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_slot(tmp_path: Path) -> Iterator[Path]:
+    """A 128 KiB tmpfs as the slot's reserved filesystem."""
+    path = tmp_path / "tiny-slot"
+    path.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=128k,mode=0755", "tmpfs", str(path)], check=True
+    )
+    yield path
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_filesystem_fails_closed(tiny_slot: Path, slot_gid: int) -> None:
+    data = os.urandom(256 * 1024)
+    check_capacity(
+        [
+            InputObject(
+                id=new_id(), name="big", bytes=len(data), digest=sha(data), delivery="stream"
+            )
+        ],
+        slot_storage_bytes=1 << 20,  # the configured reservation is larger than the real disk
+    )
+    stager = Stager(str(tiny_slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    ledger = Ledger()
+    with pytest.raises(HostError) as excinfo:
+        upload(stager, attempt, state, data, 24 * 1024, ledger)
+    assert excinfo.value.code == "slot_full"
+    good = [c for c in ledger.commits if c.failed is None]
+    failed = ledger.commits[-1]
+    assert good
+    assert failed.failed == "slot_full"
+    assert failed.offset == good[-1].offset  # nothing beyond the synced offset is reported
+    assert (
+        object_path(tiny_slot, attempt, state.id).read_bytes()[: failed.offset]
+        == (data[: failed.offset])
+    )
+    assert code_of(stager.status, attempt, state.id) == "input_failed"
+    stager.remove_attempt(attempt)
+    assert os.listdir(tiny_slot / STAGING_DIRECTORY) == []
+
+
+def test_enospc_during_the_write_fails_closed(
+    slot: Path, slot_gid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"abcdef")
+    stager.write(attempt, state.id, 0, b"ab", sha(b"ab"))
+
+    def no_space(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwrite", no_space)
+    ledger = Ledger()
+    assert code_of(stager.write, attempt, state.id, 2, b"cd", sha(b"cd"), commit=ledger) == (
+        "slot_full"
+    )
+    assert ledger.commits == [StreamState(**{**_fields(state), "offset": 2, "failed": "slot_full"})]
+
+
+def test_an_fsync_failure_fails_closed(
+    slot: Path, slot_gid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"abcdef")
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    ledger = Ledger()
+    assert code_of(stager.write, attempt, state.id, 0, b"ab", sha(b"ab"), commit=ledger) == (
+        "input_storage_failed"
+    )
+    monkeypatch.undo()
+    assert ledger.commits[-1].offset == 0
+    assert ledger.commits[-1].failed == "input_storage_failed"
+    assert code_of(stager.write, attempt, state.id, 0, b"ab", sha(b"ab")) == "input_failed"
+
+
+def _fields(state: StreamState) -> dict[str, Any]:
+    return {f: getattr(state, f) for f in state.__struct_fields__}
+
+
+# -- removal ---------------------------------------------------------------------
+
+
+def test_remove_attempt_deletes_the_staged_files(slot: Path, slot_gid: int, tmp_path: Path) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [a, b] = admit(stager, b"abc", b"de")
+    stager.write(attempt, a.id, 0, b"abc", sha(b"abc"))
+    os.link(object_path(slot, attempt, a.id), tmp_path / "provider-link")
+    assert object_path(slot, attempt, b.id).exists()
+    stager.remove_attempt(attempt)
+    assert not (slot / STAGING_DIRECTORY / attempt).exists()
+    assert (tmp_path / "provider-link").read_bytes() == b"abc"  # the provider's link is its own
+    assert code_of(stager.status, attempt, a.id) == "attempt_not_staged"
+    stager.remove_attempt(attempt)  # idempotent
+
+
+def test_remove_attempt_refuses_unexpected_entries(slot: Path, slot_gid: int) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, b"abc")
+    directory = slot / STAGING_DIRECTORY / attempt
+    for plant in ("fifo", "dir", "symlink", "name"):
+        if plant == "fifo":
+            os.mkfifo(directory / new_id())
+        elif plant == "dir":
+            (directory / new_id()).mkdir()
+        elif plant == "symlink":
+            (directory / new_id()).symlink_to("/etc/passwd")
+        else:
+            (directory / "notes.txt").write_bytes(b"x")
+        assert code_of(stager.remove_attempt, attempt) == "unexpected_entry"
+        assert object_path(slot, attempt, state.id).exists()  # nothing was removed
+        for entry in directory.iterdir():
+            if entry.name == state.id:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                entry.rmdir()
+            else:
+                entry.unlink()
+    stager.remove_attempt(attempt)
+    assert not directory.exists()
+
+
+def test_a_removed_attempt_takes_no_more_writes_and_fails_identity(
+    completed: tuple[Stager, str, dict[str, Any], Path],
+) -> None:
+    stager, attempt, capability, _ = completed
+    stager.remove_attempt(attempt)
+    assert code_of(stager.write, attempt, capability["id"], 0, b"", EMPTY) == "attempt_not_staged"
+    assert code_of(stager.prepare_attempt, attempt) == "attempt_not_staged"
+    assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
+
+
+def test_remove_attempt_without_a_directory_succeeds(slot: Path, slot_gid: int) -> None:
+    Stager(str(slot), slot_gid).remove_attempt(new_id())
+
+
+# -- pure rules ------------------------------------------------------------------
+
+
+def test_check_capacity_counts_only_streamed_inputs() -> None:
+    def obj(size: int, delivery: str) -> InputObject:
+        data = b"x" * size
+        return InputObject(id=new_id(), name="n", bytes=size, digest=sha(data), delivery=delivery)
+
+    inputs = [obj(600, "stream"), obj(400, "stream"), obj(10_000, "local")]
+    check_capacity(inputs, 1000)
+    assert code_of(check_capacity, inputs, 999) == "slot_capacity"
+    assert [s.bytes for s in streams_of(inputs)] == [600, 400]
+
+
+STATE = StreamState(id="0" * 32, name="n", bytes=100, digest=sha(b"x"), offset=40)
+
+
+@given(
+    offset=st.integers(0, 200),
+    length=st.integers(0, 200),
+    digest_ok=st.booleans(),
+    in_flight=st.booleans(),
+    complete=st.booleans(),
+    failed=st.booleans(),
+)
+def test_plan_write_accepts_exactly_the_valid_chunks(
+    offset: int, length: int, digest_ok: bool, in_flight: bool, complete: bool, failed: bool
+) -> None:
+    state = StreamState(
+        **{**_fields(STATE), "complete": complete, "failed": "slot_full" if failed else None}
+    )
+    refusal = plan_write(state, offset, length, chunk_digest_ok=digest_ok, in_flight=in_flight)
+    valid = (
+        not in_flight
+        and not failed
+        and not complete
+        and offset == 40
+        and 0 < length <= 60
+        and digest_ok
+    )
+    assert (refusal is None) == valid
+    if in_flight:
+        assert refusal is not None
+        assert refusal.code == "input_busy"
+
+
+def test_plan_write_codes() -> None:
+    def code(state: StreamState, offset: int, length: int, ok: bool = True) -> str | None:
+        refusal = plan_write(state, offset, length, chunk_digest_ok=ok, in_flight=False)
+        return None if refusal is None else refusal.code
+
+    assert code(STATE, 40, 60) is None
+    assert code(STATE, 41, 10) == "input_offset_changed"
+    assert code(STATE, 40, 61) == "input_size_mismatch"
+    assert code(STATE, 40, 0) == "input_size_mismatch"
+    assert code(STATE, 40, 10, ok=False) == "input_digest_mismatch"
+    done = StreamState(**{**_fields(STATE), "offset": 100, "complete": True})
+    assert code(done, 100, 0) == "input_complete"
+    empty = StreamState(id="0" * 32, name="n", bytes=0, digest=EMPTY)
+    assert code(empty, 0, 0) is None

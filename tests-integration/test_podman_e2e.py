@@ -1,0 +1,341 @@
+"""Real jobs end to end: the real daemon, its real sockets, real rootless Podman.
+
+Issue 5, "Must show". Each test talks to `python -m ficc.execution serve` (one daemon
+per module; the SIGKILL test restarts it) over its transport socket with the real
+Client, as the real transport account, and the job runs in a real rootless Podman
+container as a real slot account, inside the host's cgroupfs service, behind the
+provider's static barrier, released only after the host's payload gate passed.
+The world (accounts, image, provider wheel and pin, configuration, daemon) is built
+by podman_support.py. Tests run one after another and each releases its attempt, so
+a slot is free for the next one.
+
+Evidence is always read from the real system: the attempt rows the daemon returns,
+bytes collected through the protocol, the payload's own output files, the gate's
+evidence file, the kernel's cgroup counters and /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ficc.execution.plan import InputObject
+from ficc.execution.wire import ReadRow
+from harness import now_ms
+from podman_support import (
+    DEVICE,
+    MIB,
+    PodmanWorld,
+    barrier_of,
+    podman_world,
+    processes_of,
+    sha256,
+    wait_for,
+)
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("podman") is None or shutil.which("runc") is None or shutil.which("cc") is None,
+    reason="needs podman, runc and a C compiler (apt-get install podman runc gcc libc6-dev "
+    "busybox-static)",
+)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[PodmanWorld]:
+    with podman_world() as built:
+        yield built
+
+
+@pytest.fixture
+def e2e(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
+    """The shared world; after the test, every attempt it planned is stopped and released
+    (so the next test finds a free slot) and no slot-account process may be left. A
+    failing test shows the daemon's log."""
+    first = len(world.plans)
+    yield world
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(f"\n--- daemon log ---\n{world.process.log(80)}")
+    for plan in world.plans[first:]:
+        world.finish(plan)
+    for account in world.slots:
+        assert processes_of(account.uid) == [], f"{account.name} has processes left"
+
+
+def _streamed(data: bytes, name: str) -> InputObject:
+    return InputObject(
+        id=os.urandom(16).hex(), name=name, bytes=len(data), digest=sha256(data), delivery="stream"
+    )
+
+
+def test_a_streamed_job_runs_and_its_output_is_collected_in_1_mib_chunks(e2e: PodmanWorld) -> None:
+    """prepare with one streamed 1.5 MiB input -> input_write in 1 MiB chunks at the
+    returned offsets -> ready -> start -> succeeded with exit 0 -> the 3 MiB declared
+    output, the 1.5 MiB stdout and stderr collected in 1 MiB chunks at the returned
+    offsets -> release -> released, outcome succeeded, the attempt's files gone."""
+    data = os.urandom(3 * MIB // 2)
+    obj = _streamed(data, "input.bin")
+    script = (
+        "cat /inputs/input.bin /inputs/input.bin > /work/out.bin && "
+        "cat /inputs/input.bin && sha256sum /inputs/input.bin >&2"
+    )
+    plan = e2e.plan(script, inputs=[obj], outputs=[("result", "out.bin")])
+
+    admitted = e2e.prepare(plan)
+    assert (admitted.state, admitted.ready) == ("prepared", False)
+    written = e2e.stream(plan, obj, data)
+    assert written.complete
+    assert written.offset == len(data)
+    e2e.wait_ready(plan)
+    assert e2e.start(plan).state in ("starting", "running")
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.outcome, done.exit_code) == ("succeeded", "succeeded", 0), done
+
+    output = e2e.collect(plan, "output:result")
+    assert output.data == data + data
+    assert [len(r.chunk) for r in output.reads] == [MIB, MIB, MIB]
+    assert output.reads[-1].eof
+    assert output.reads[-1].complete
+    assert len({r.identity for r in output.reads}) == 1
+    stdout = e2e.collect(plan, "stdout")
+    assert stdout.data == data
+    assert [len(r.chunk) for r in stdout.reads] == [MIB, MIB // 2]
+    stderr = e2e.collect(plan, "stderr").data
+    assert stderr.decode() == f"{sha256(data).removeprefix('sha256:')}  /inputs/input.bin\n"
+
+    released = e2e.release(plan)
+    assert (released.state, released.outcome) == ("released", "succeeded")
+    assert not e2e.attempt_dir(done).exists()
+
+
+def test_a_nonzero_exit_fails_the_attempt_with_that_code(e2e: PodmanWorld) -> None:
+    """The payload's exit status 7 comes back as failed, exit_code 7, kept after release."""
+    plan = e2e.plan("echo before-exit; exit 7")
+    e2e.prepare(plan)
+    e2e.wait_ready(plan)
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.exit_code) == ("failed", 7), done
+    assert e2e.collect(plan, "stdout").data == b"before-exit\n"
+    released = e2e.release(plan)
+    assert (released.state, released.outcome, released.exit_code) == ("released", "failed", 7)
+
+
+def test_the_memory_limit_is_enforced(e2e: PodmanWorld) -> None:
+    """A payload growing a 512 MiB shell variable under a 128 MiB plan is OOM-killed in
+    the attempt's service: failed, it started (`hogging`) but never printed `survived`,
+    and the kernel counted the kill in the service's memory cgroup tree."""
+    hog = "echo hogging; x=$(head -c 536870912 /dev/urandom | tr -d '\\000'); echo survived"
+    plan = e2e.plan(hog, memory_bytes=128 * MIB)
+    e2e.prepare(plan)
+    e2e.wait_ready(plan)
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    assert done.state == "failed", done
+    assert done.exit_code not in (None, 0), done
+    assert e2e.collect(plan, "stdout").data == b"hogging\n"  # it ran, and never got past it
+    service = f"ficc-work-{e2e.layout.installation_id}-{plan.attempt_id}"
+    memory = Path("/sys/fs/cgroup/memory/ficc", service)
+    kills = [
+        int(f.read_text().split("oom_kill ")[1].split()[0])
+        for f in memory.rglob("memory.oom_control")
+    ]
+    assert sum(kills) >= 1, kills
+
+
+def test_the_process_limit_is_enforced(e2e: PodmanWorld) -> None:
+    """A payload forking 200 background sleeps under a 64-process plan sees fork
+    failures: it records each successful fork in its output, and the count stays
+    below the limit (Podman itself holds some of the 64)."""
+    storm = (
+        'last=; n=0; for i in $(seq 200); do sleep 60 & if [ "$!" != "$last" ]; then '
+        "n=$((n+1)); last=$!; fi; echo $n > /work/forks.txt; done; echo all-forked"
+    )
+    plan = e2e.plan(storm, outputs=[("forks", "forks.txt")], processes=64)
+    e2e.prepare(plan)
+    e2e.wait_ready(plan)
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    forks = int(e2e.collect(plan, "output:forks").data)
+    assert 1 <= forks < 64, forks
+    assert b"all-forked" not in e2e.collect(plan, "stdout").data
+    assert b"can't fork" in e2e.collect(plan, "stderr").data
+    assert done.state == "failed", done
+    assert done.exit_code not in (None, 0), done
+
+
+def test_stop_kills_the_whole_running_tree(e2e: PodmanWorld) -> None:
+    """Stop of a running job: cancelled, cleanup confirmed, and /proc shows no process
+    of the slot account (payload, its children, Podman, conmon, the pause process)."""
+    plan = e2e.plan("sleep 1000 & sleep 1000 & echo started; wait")
+    running = e2e.run_to_running(plan)
+    slot_uid = e2e.slot_account(running.slot).uid
+    wait_for(lambda: e2e.collect(plan, "stdout").data == b"started\n", "the payload's output")
+    assert len(processes_of(slot_uid)) >= 3  # the shell and its two sleeps, at least
+    e2e.stop(plan)
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.cleanup_confirmed) == ("cancelled", True), done
+    assert processes_of(slot_uid) == []
+    assert e2e.release(plan).outcome == "cancelled"
+
+
+def test_lease_expiry_stops_a_running_job(e2e: PodmanWorld) -> None:
+    """A running job whose lease is renewed to end 1.5 s from now, and never again, is
+    stopped by the host itself: expired, cleanup confirmed, nothing left running."""
+    plan = e2e.plan("sleep 1000")
+    running = e2e.run_to_running(plan)
+    slot_uid = e2e.slot_account(running.slot).uid
+    renewed = e2e.renew(plan, 2, now_ms() + 1500)
+    assert (renewed.state, renewed.lease_sequence) == ("running", 2), renewed
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.cleanup_confirmed) == ("expired", True), done
+    assert processes_of(slot_uid) == []
+    assert e2e.release(plan).outcome == "expired"
+
+
+def test_an_allowed_device_opens_and_an_unlisted_one_is_refused(e2e: PodmanWorld) -> None:
+    """The plan asks for the configured device `full` (/dev/full): the payload opens it.
+    /dev/zero is visible in the container but in no policy: opening it is refused by
+    the service's closed device policy (EPERM), and the gate's evidence shows the
+    policy the payload ran under allowed 1:7 and not 1:5."""
+    script = (
+        "for d in /dev/full /dev/zero; do if (exec 3<>$d) 2>/dev/null; then echo $d opened; "
+        "else echo $d refused; fi; done > /work/devices.txt; "
+        "head -c 1 /dev/zero > /dev/null 2>> /work/devices.txt; exit 0"
+    )
+    plan = e2e.plan(script, outputs=[("devices", "devices.txt")], devices=[DEVICE])
+    e2e.prepare(plan)
+    e2e.wait_ready(plan)
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.exit_code) == ("succeeded", 0), done
+    lines = e2e.collect(plan, "output:devices").data.decode().splitlines()
+    assert lines[:2] == ["/dev/full opened", "/dev/zero refused"], lines
+    assert "Operation not permitted" in lines[2], lines
+    evidence = json.loads((e2e.attempt_dir(done) / "evidence" / "gate-evidence.json").read_text())
+    # Rules granting read or write (the closed policy also grants `c *:* m`, mknod only).
+    opens = {
+        (d["major"], d["minor"])
+        for d in evidence["devices"]
+        if d["type"] in ("a", "c") and set(d["access"]) & {"r", "w"}
+    }
+    assert (1, 7) in opens, evidence["devices"]
+    assert not opens & {(1, 5), (1, None), (None, None)}, evidence["devices"]
+
+
+def test_a_changed_staged_input_refuses_start(e2e: PodmanWorld) -> None:
+    """A streamed input whose staged file changes identity (here its mtime) after it was
+    complete and the attempt ready: start fails with input_changed and the payload
+    never runs (its marker output is absent)."""
+    data = b"staged input bytes\n"
+    obj = _streamed(data, "data.txt")
+    plan = e2e.plan("echo ran > /work/ran.txt", inputs=[obj], outputs=[("ran", "ran.txt")])
+    e2e.prepare(plan)
+    e2e.stream(plan, obj, data)
+    ready = e2e.wait_ready(plan)
+    staged = e2e.slot_path(ready.slot) / "ficc-staging" / plan.attempt_id / obj.id
+    assert staged.read_bytes() == data
+    os.utime(staged, ns=(1, 1))
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.reason) == ("failed", "input_changed"), done
+    assert not (e2e.attempt_dir(done) / "storage" / "ran.txt").exists()
+    assert not isinstance(e2e.read(plan, "output:ran", 0), ReadRow)
+
+
+class _ReplacedBarrier:
+    """Swap the installed barrier for a byte-identical copy (another inode); put the
+    original back afterwards (the daemon re-verifies the pinned files on restart)."""
+
+    def __init__(self, world: PodmanWorld) -> None:
+        self.path = barrier_of(world.provider)
+        self.copy = world.base / "barrier-copy"
+        self.original = world.base / "barrier-original"
+
+    def __enter__(self) -> os.stat_result:
+        shutil.copy2(self.path, self.copy)
+        os.rename(self.path, self.original)
+        os.rename(self.copy, self.path)
+        return os.stat(self.path)
+
+    def __exit__(self, *exc: object) -> None:
+        os.rename(self.original, self.path)
+
+
+def test_a_replaced_barrier_is_refused_before_the_payload_runs(e2e: PodmanWorld) -> None:
+    """The installed barrier is replaced by a copy after prepare: the provider's own start
+    check (barrier identity recorded at prepare) refuses at once, the attempt fails
+    (provider_failed), the gate never runs, and the payload never ran."""
+    plan = e2e.plan("echo ran > /work/ran.txt")
+    e2e.prepare(plan)
+    ready = e2e.wait_ready(plan)
+    with _ReplacedBarrier(e2e):
+        e2e.start(plan)
+        # A refusal is immediate; under the bug the attempt would sit in `starting`.
+        done = e2e.wait_settled(plan, timeout=45)
+    assert (done.state, done.reason) == ("failed", "provider_failed"), done
+    attempt = e2e.attempt_dir(ready)
+    assert not (attempt / "storage" / "ran.txt").exists()
+    assert not (attempt / "evidence" / "gate-evidence.json").exists()
+    assert not (attempt / "control" / "release").exists()
+
+
+def test_a_replaced_barrier_the_provider_misses_is_refused_by_the_gate(e2e: PodmanWorld) -> None:
+    """The host never trusts the provider after prepare. The barrier is replaced by a
+    copy AND the provider's private record is rewritten to the copy's identity, so the
+    provider starts it and reports it as the barrier. The host's gate compares the live
+    process with the identities persisted at prepare: refused (the first failing check is
+    reported: gate_mount, the barrier's bind mount is not the prepared one; gate_exe
+    fails too), the evidence shows the copy's inode as the executable, no release
+    marker, and the payload never ran."""
+    plan = e2e.plan("echo ran > /work/ran.txt")
+    e2e.prepare(plan)
+    ready = e2e.wait_ready(plan)
+    attempt = e2e.attempt_dir(ready)
+    state_file = attempt / "provider" / "state.json"
+    state = json.loads(state_file.read_text())
+    original = (state["barrier_device"], state["barrier_inode"])
+    with _ReplacedBarrier(e2e) as copy:
+        state["barrier_device"], state["barrier_inode"] = copy.st_dev, copy.st_ino
+        state_file.write_text(json.dumps(state))
+        e2e.start(plan)
+        done = e2e.wait_settled(plan)
+    assert done.state == "failed", done
+    assert done.reason in ("gate_exe", "gate_mount"), done
+    evidence = json.loads((attempt / "evidence" / "gate-evidence.json").read_text())
+    exe = evidence["exe"]["identity"]
+    assert (exe["dev"], exe["ino"]) == (copy.st_dev, copy.st_ino) != original
+    assert not (attempt / "control" / "release").exists()
+    assert not (attempt / "storage" / "ran.txt").exists()
+
+
+def test_daemon_sigkill_during_a_job_gives_unknown_and_no_second_run(e2e: PodmanWorld) -> None:
+    """SIGKILL of the daemon while a payload runs, then a restart on the same ledger: the
+    attempt is unknown with cleanup confirmed (recovery adopted and stopped the service),
+    no process of the slot account is left, the payload ran exactly once (it appends a
+    line per run), and release removes the container from the slot's Podman storage."""
+    plan = e2e.plan("echo run >> /work/runs.txt; sleep 1000", outputs=[("runs", "runs.txt")])
+    running = e2e.run_to_running(plan)
+    slot_uid = e2e.slot_account(running.slot).uid
+    runs = e2e.attempt_dir(running) / "storage" / "runs.txt"
+    wait_for(lambda: runs.exists() and runs.read_bytes() == b"run\n", "the payload's first run")
+
+    containers = e2e.slot_path(running.slot) / "ficc-podman/storage/overlay-containers"
+    assert f"ficc-{plan.attempt_id}" in (containers / "containers.json").read_text()
+
+    e2e.process.kill()  # SIGKILL: the daemon gets no chance to stop anything
+    assert processes_of(slot_uid) != [], "the job should outlive the daemon"
+    e2e.restart()
+    after = e2e.wait_settled(plan)
+    assert (after.state, after.outcome, after.exit_code) == ("unknown", "unknown", None), after
+    assert processes_of(slot_uid) == []
+    assert runs.read_bytes() == b"run\n"
+
+    released = e2e.release(plan)
+    assert (released.state, released.outcome) == ("released", "unknown")
+    assert f"ficc-{plan.attempt_id}" not in (containers / "containers.json").read_text()
