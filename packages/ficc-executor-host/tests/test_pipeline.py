@@ -40,7 +40,7 @@ from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import decode_prepare_result
-from ficc.execution.host.layout import Layout
+from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.leases import Lease
 from ficc.execution.host.ledger import (
     Admitted,
@@ -51,7 +51,7 @@ from ficc.execution.host.ledger import (
     PrepareRow,
     SlotSpec,
 )
-from ficc.execution.host.pipeline import RELEASE_MARKER, Runner, Settings, service_name
+from ficc.execution.host.pipeline import RELEASE_MARKER, Runner, Settings
 from ficc.execution.host.providers import compute_digest, load_provider
 from ficc.execution.host.providers import loader as loader_module
 from ficc.execution.host.providers.loader import LoadedProvider

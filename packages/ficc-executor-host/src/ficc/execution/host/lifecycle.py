@@ -41,18 +41,8 @@ import msgspec
 
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.errors import HostError
+from ficc.execution.wire import State
 
-State = Literal[
-    "prepared",
-    "starting",
-    "running",
-    "succeeded",
-    "failed",
-    "cancelled",
-    "expired",
-    "unknown",
-    "released",
-]
 STATES: Final[tuple[State, ...]] = (
     "prepared",
     "starting",

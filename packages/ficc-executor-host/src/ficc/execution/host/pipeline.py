@@ -81,14 +81,14 @@ from ficc.execution.host.expectation import (
     decode_prepare_result,
     device_rules,
 )
-from ficc.execution.host.layout import AttemptPaths
+from ficc.execution.host.layout import AttemptPaths, service_name
 from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
 from ficc.execution.host.service.interface import Controls, ServiceHandle, ServiceSpec
 from ficc.execution.host.staging import StreamState
 
-__all__ = ["RELEASE_MARKER", "Runner", "Settings", "service_name"]
+__all__ = ["RELEASE_MARKER", "Runner", "Settings"]
 
 _log = logging.getLogger(__name__)
 
@@ -118,10 +118,6 @@ class Settings:
     nofile: int = DEFAULT_NOFILE
     user_namespace: bool = True
     cgroup_namespace: bool = True
-
-
-def service_name(installation_id: str, attempt_id: str) -> str:
-    return f"ficc-work-{installation_id}-{attempt_id}"
 
 
 # --- provider replies ---------------------------------------------------------------
