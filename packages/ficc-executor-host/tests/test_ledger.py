@@ -947,3 +947,53 @@ def test_reservations_never_overcommit(operations: list[tuple[str, object]]) -> 
         led.close()
     finally:
         shutil.rmtree(work)
+
+
+# --- the log of committed changes -----------------------------------------------------------
+
+
+def _state_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    return [
+        r.fields  # type: ignore[attr-defined]
+        for r in caplog.records
+        if getattr(r, "fields", {}).get("event") == "attempt_state"
+    ]
+
+
+def test_every_committed_change_is_logged_once_with_its_cause(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="ficc.execution.host.ledger")
+    plan = make_plan()
+    admitted(ledger, plan)
+    ledger.apply(fence(plan), lc.StopRequested())
+    lines = _state_lines(caplog)
+    assert [(x["attempt_id"], x["cause"], x["state"]) for x in lines] == [
+        (plan.attempt_id, "admitted", "prepared"),
+        (plan.attempt_id, "stop", "cancelled"),
+    ]
+    assert lines[1]["outcome"] == "cancelled"
+    ledger.apply(fence(plan), lc.StopRequested())  # no change: no line
+    assert len(_state_lines(caplog)) == 2
+
+
+def test_a_rolled_back_transaction_logs_nothing(
+    ledger: Ledger, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record written inside a transaction that then fails never reaches the log."""
+    caplog.set_level("INFO", logger="ficc.execution.host.ledger")
+    admit_new = Ledger._admit_new
+
+    def write_then_fail(self: Ledger, *args: object, **kwargs: object) -> object:
+        admit_new(self, *args, **kwargs)  # type: ignore[arg-type]
+        raise RuntimeError("injected fault after the insert")
+
+    monkeypatch.setattr(Ledger, "_admit_new", write_then_fail)
+    plan = make_plan()
+    with pytest.raises(RuntimeError):
+        ledger.admit_batch(ledger.bindings(), [PrepareRow(plan, lease())], facts())
+    monkeypatch.undo()
+    assert ledger.get(plan.attempt_id) is None  # rolled back
+    assert _state_lines(caplog) == []
+    admitted(ledger, plan)  # and the next transaction logs only its own change
+    assert [x["cause"] for x in _state_lines(caplog)] == ["admitted"]

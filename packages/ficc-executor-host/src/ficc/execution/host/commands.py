@@ -160,6 +160,9 @@ class _JsonLines(logging.Handler):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            line.update(fields)  # a structured event: its own `event` name and fields
         if record.exc_info:
             line["traceback"] = "".join(traceback.format_exception(*record.exc_info))
         try:

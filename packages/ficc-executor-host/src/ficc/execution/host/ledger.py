@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import secrets
 import sqlite3
@@ -58,6 +59,8 @@ SCHEMA_VERSION: Final = 1
 ADMISSION_VERSION: Final = 1
 PAGE_MAX: Final = 64
 BATCH_MAX: Final = planlib.MAX_ROWS
+
+_log = logging.getLogger(__name__)
 
 Control = Literal["active", "paused", "draining", "stopped"]
 
@@ -563,6 +566,32 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def _log_change(record: AttemptRecord, cause: str) -> None:
+    """One structured log line per committed change of an attempt's record."""
+    status = record.status
+    _log.info(
+        "attempt %s: %s (%s)",
+        record.attempt_id,
+        status.state,
+        cause,
+        extra={
+            "fields": {
+                "event": "attempt_state",
+                "attempt_id": record.attempt_id,
+                "generation": record.generation,
+                "cause": cause,
+                "state": status.state,
+                "ready": status.ready,
+                "outcome": status.outcome,
+                "reason": status.reason,
+                "exit_code": status.exit_code,
+                "slot": record.slot_id,
+                "cleanup_confirmed": status.cleanup_confirmed,
+            }
+        },
+    )
+
+
 class Ledger:
     """The open ledger. Create it once with `create`, then `open` it on every start."""
 
@@ -571,6 +600,8 @@ class Ledger:
         self._dir_fd = dir_fd
         """Held open, with an exclusive flock, for as long as the ledger is open."""
         self._lock = threading.Lock()
+        self._changed: list[tuple[AttemptRecord, str]] = []
+        """Records changed by the open transaction, logged once it commits."""
         self.path = path
         row = None
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
@@ -937,6 +968,7 @@ class Ledger:
             plan.data,
         )
         self._db.execute(_INSERT_SQL, values)
+        self._changed.append((record, "admitted" if status.reason is None else status.reason))
         return record
 
     def _occupancy(self) -> _Occupancy:
@@ -1047,6 +1079,7 @@ class Ledger:
             )
         updated = self._get(fence.attempt_id)
         assert updated is not None
+        self._changed.append((updated, event.name))
         return Applied(updated, changed=True)
 
     def mark_restarted(self) -> list[AttemptRecord]:
@@ -1249,6 +1282,7 @@ class Ledger:
         mismatch writes nothing.
         """
         with self._lock:
+            self._changed.clear()
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 if bindings is not None and bindings != self._bindings:
@@ -1263,8 +1297,12 @@ class Ledger:
                 yield ordinal
             except BaseException:
                 self._db.execute("ROLLBACK")
+                self._changed.clear()
                 raise
             self._db.execute("COMMIT")
+            changed, self._changed = self._changed, []
+            for record, cause in changed:
+                _log_change(record, cause)
 
     def _get(self, attempt_id: str) -> AttemptRecord | None:
         row = self._db.execute(f"{_SELECT} WHERE attempt_id = ?", (attempt_id,)).fetchone()
