@@ -4,6 +4,7 @@ Sessions:
   hoststate, protocol, executor_host,
   provider_podman                      one distribution's own tests
   integration                          tests that cross distributions (tests-integration/)
+  systemd                              the systemd backend under real systemd in a container
   lint                                 ruff
   typecheck                            mypy --strict on every src/
   build                                wheel + sdist of every distribution, each installed alone
@@ -151,6 +152,18 @@ def provider_podman(session: nox.Session) -> None:
 
 
 @nox.session
+def systemd(session: nox.Session) -> None:
+    """The systemd backend under real systemd as PID 1 (tools/systemd/run.py).
+
+    A debootstrap rootfs (cached in /var/cache/ficc-systemd-rootfs) is booted in a
+    privileged Podman container, the project's wheels are installed there offline and
+    the backend's behaviour tests run inside. Needs root, Podman and a Debian mirror.
+    """
+    session.install(*BUILD_TOOLS)
+    session.run("python", str(ROOT / "tools" / "systemd" / "run.py"), *session.posargs)
+
+
+@nox.session
 def integration(session: nox.Session) -> None:
     """Tests that cross distributions: real daemon, real socket, real provider."""
     _install_all(session)
@@ -219,13 +232,15 @@ def soak(session: nox.Session) -> None:
 
 @nox.session
 def ci(session: nox.Session) -> None:
-    """Everything CI runs: every package's tests, integration, lint, typecheck, build."""
+    """Everything CI runs: every package's tests, integration, systemd, lint, typecheck,
+    build."""
     _install_all(session)
     session.install(*LINT_TOOLS, *TYPE_TOOLS, *BUILD_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
     for name in _present():
         _package_tests(session, name)
     _integration_tests(session)
+    session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     _lint(session)
     _typecheck(session)
     _build(session)

@@ -1,8 +1,8 @@
 """Streamed inputs over the real socket (DESIGN 5.5): resumable after a lost reply.
 
-`input_busy` (two writes of one attempt in flight at once) cannot be forced reliably
-over a socket; staging's own tests cover it (packages/ficc-executor-host/tests/
-test_staging.py).
+`input_busy` (two writes of one attempt in flight at once) is produced over the socket
+in test_daemon_error_codes.py and deterministically in staging's own tests
+(packages/ficc-executor-host/tests/test_staging.py).
 """
 
 from __future__ import annotations

@@ -817,11 +817,13 @@ def test_the_initial_offer_control_is_applied_on_creation(host_root: Path) -> No
         h.close()
 
 
-def test_the_systemd_supervisor_is_refused_until_it_exists(host_root: Path) -> None:
+def test_the_systemd_supervisor_is_refused_outside_a_systemd_unit(host_root: Path) -> None:
+    """Attempt units are bound to the daemon's own unit; a daemon that is not in one
+    could be stopped while its work runs on, so it refuses to open."""
     config = msgspec.structs.replace(make_config(host_root), supervisor="systemd")
     with pytest.raises(HostError) as caught:
         Daemon.open(config, runner_factory=FakeRunner)
-    assert caught.value.code == "supervisor_unsupported"
+    assert caught.value.code == "service_unsupported"
     # and the ledger lock was released: the daemon can open with a usable supervisor
     Host(make_config(host_root)).close()
 
@@ -936,8 +938,8 @@ def test_inputs_resume_from_the_ledger_after_a_restart(host_root: Path) -> None:
 def test_auto_supervisor_picks_cgroupfs_without_systemd_as_pid_1() -> None:
     with open("/proc/1/comm", "rb") as comm:
         if comm.read().strip() == b"systemd":
-            pytest.skip("PID 1 is systemd here; auto would pick the (pending) systemd backend")
+            pytest.skip("PID 1 is systemd here; auto picks the systemd backend")
     assert isinstance(service_backend("auto"), CgroupfsService)
     with pytest.raises(HostError) as caught:
         service_backend("systemd")
-    assert caught.value.code == "supervisor_unsupported"
+    assert caught.value.code == "service_unsupported"

@@ -46,7 +46,10 @@ class ErrorCode(enum.StrEnum):
     NOT_TERMINAL = "not_terminal"
     CLEANUP_UNCONFIRMED = "cleanup_unconfirmed"
     PROVIDER_FAILED = "provider_failed"
+    PROVIDER_TIMEOUT = "provider_timeout"
     RECONCILE_REFUSED = "reconcile_refused"
+    SLOT_UNKNOWN = "slot_unknown"
+    SERVICE_NOT_EMPTY = "service_not_empty"
     # streamed inputs
     INPUTS_PREPARING = "inputs_preparing"
     INPUT_BUSY = "input_busy"
@@ -64,6 +67,13 @@ class ErrorCode(enum.StrEnum):
     SLOT_FULL = "slot_full"
     INPUT_STORAGE_FAILED = "input_storage_failed"
     ATTEMPT_NOT_STAGED = "attempt_not_staged"
+    # a staged file was tampered with (refusals of the host's confined file access)
+    UNSAFE_PATH = "unsafe_path"
+    NOT_FOUND = "not_found"
+    NOT_REGULAR_FILE = "not_regular_file"
+    HARD_LINK_REFUSED = "hard_link_refused"
+    WRONG_OWNER = "wrong_owner"
+    IO_ERROR = "io_error"
     # release and cleanup of the attempt's files
     UNEXPECTED_ENTRY = "unexpected_entry"
     STAGING_CLEANUP_FAILED = "staging_cleanup_failed"

@@ -14,9 +14,8 @@ missing ledger after one existed is refused (`ledger_missing`), never silently
 recreated: a new ledger has a new `ledger_id`, and every controller binding saved
 against the old one would silently stop proving anything.
 
-Supervisors: `cgroupfs` is built here; `auto` picks `systemd` when PID 1 is systemd,
-else `cgroupfs`; `systemd` is refused (`supervisor_unsupported`) until its backend
-exists (issue 6).
+Supervisors: `systemd` (transient units bound to the daemon's own unit) or `cgroupfs`
+(cgroups the daemon creates itself); `auto` picks `systemd` when PID 1 is systemd.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from ficc.execution.host.ledger import LEDGER_FILE, Ledger
 from ficc.execution.host.providers.loader import load_provider
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import SystemService
+from ficc.execution.host.service.systemd import SystemdService
 from ficc.execution.host.staging import Stager
 from ficc.execution.protocol import AnyRequest, Sender
 from ficc.execution.wire import AnyReply
@@ -234,10 +234,6 @@ def service_backend(supervisor: str) -> SystemService:
     """The system-service backend the configuration asks for."""
     if supervisor == "auto":
         supervisor = "systemd" if _pid1_is_systemd() else "cgroupfs"
-    if supervisor == "cgroupfs":
-        return CgroupfsService()
-    raise HostError(
-        "supervisor_unsupported",
-        "the systemd service backend is not available in this release (issue 6); set"
-        ' supervisor = "cgroupfs" (works with or without systemd as PID 1)',
-    )
+    if supervisor == "systemd":
+        return SystemdService()
+    return CgroupfsService()

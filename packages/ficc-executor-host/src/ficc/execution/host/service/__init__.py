@@ -10,6 +10,7 @@ from ficc.execution.host.service.interface import (
     ServiceSpec,
     SystemService,
 )
+from ficc.execution.host.service.systemd import SystemdService
 
 __all__ = [
     "CgroupfsService",
@@ -20,4 +21,5 @@ __all__ = [
     "ServiceLimits",
     "ServiceSpec",
     "SystemService",
+    "SystemdService",
 ]

@@ -125,7 +125,7 @@ class CgroupfsService:
         self._base = check_name(base)
         self._root_supervisor = root_supervisor
         self._layout = layout if layout is not None else cgroups.discover()
-        self._interpreter = _trusted_interpreter(interpreter or DEFAULT_INTERPRETER)
+        self._interpreter = trusted_interpreter(interpreter or DEFAULT_INTERPRETER)
         self._start_timeout = start_timeout
         self._stop_timeout = stop_timeout
         self._started: dict[str, subprocess.Popen[bytes]] = {}
@@ -146,11 +146,11 @@ class CgroupfsService:
             )
         for device in spec.devices:
             cgroups.check_device_node(device)
-        outputs = [_open_output(spec.stdout)]
+        outputs = [open_output(spec.stdout)]
         created: dict[str, str] = {}
         process: subprocess.Popen[bytes] | None = None
         try:
-            outputs.append(_open_output(spec.stderr))
+            outputs.append(open_output(spec.stderr))
             nodes = self._make_nodes(spec.name, created)
             swap = self._swap_accounting(nodes)
             self._enforce(spec, nodes, swap)
@@ -180,7 +180,7 @@ class CgroupfsService:
         with self._lock:
             self._started[spec.name] = process
         return ServiceHandle(
-            spec.name, self.backend, self._version, nodes, process.pid, _start_ticks(process.pid)
+            spec.name, self.backend, self._version, nodes, process.pid, start_ticks(process.pid)
         )
 
     @property
@@ -473,7 +473,7 @@ class CgroupfsService:
         self._nodes_of(handle)
         deadline = time.monotonic() + self._stop_timeout
         if self._cgroup_kill(handle):
-            _wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 1.0))
+            wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 1.0))
         while pids := self.members(handle):
             if time.monotonic() >= deadline:
                 raise HostError(
@@ -482,7 +482,7 @@ class CgroupfsService:
                     f"{self._stop_timeout}s; keep the attempt quarantined and retry stop",
                 )
             self._freeze_and_kill(handle, deadline)
-            _wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 0.2))
+            wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 0.2))
         with self._lock:
             process = self._started.get(handle.name)
         if process is not None and process.pid == handle.main_pid:
@@ -515,7 +515,7 @@ class CgroupfsService:
             top, state, frozen, _ = freezer
             path = os.path.join(top, state)
             cgroups.write_text(path, frozen)
-            _wait_until(
+            wait_until(
                 lambda: cgroups.read_text(path).strip() in {"FROZEN", "1"},
                 min(deadline, time.monotonic() + 1.0),
             )
@@ -629,7 +629,7 @@ def _verify(spec: ServiceSpec, controls: Controls, swap: bool) -> None:
         )
 
 
-def _open_output(path: str) -> int:
+def open_output(path: str) -> int:
     """Open (creating root-owned 0600) a regular output file, never through a link.
 
     O_NONBLOCK keeps a planted FIFO from blocking the open; it is cleared after the
@@ -651,7 +651,7 @@ def _open_output(path: str) -> int:
     return fd
 
 
-def _trusted_interpreter(path: str) -> str:
+def trusted_interpreter(path: str) -> str:
     """Resolve the shim interpreter and refuse one that someone else could replace."""
     real = os.path.realpath(path)
     try:
@@ -690,7 +690,7 @@ def _read(node: str, name: str) -> str:
     return cgroups.read_text(os.path.join(node, name))
 
 
-def _proc_status(pid: int, task: str = "") -> dict[str, str]:
+def proc_status(pid: int, task: str = "") -> dict[str, str]:
     path = f"/proc/{pid}/task/{task}/status" if task else f"/proc/{pid}/status"
     fields = {}
     for line in cgroups.read_text(path).splitlines():
@@ -699,16 +699,16 @@ def _proc_status(pid: int, task: str = "") -> dict[str, str]:
     return fields
 
 
-def _start_ticks(pid: int) -> int:
+def start_ticks(pid: int) -> int:
     stat_line = cgroups.read_text(f"/proc/{pid}/stat")
     return int(stat_line.rpartition(")")[2].split()[19])
 
 
 def _check_credentials(pid: int, spec: ServiceSpec) -> None:
     """The gated shim must already be exactly the slot account, with core dumps off."""
-    status = _proc_status(pid)
+    status = proc_status(pid)
     uids, gids = status["Uid"].split(), status["Gid"].split()
-    limits = _proc_limits(pid)
+    limits = proc_limits(pid)
     problems = []
     if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4 or status["Groups"]:
         problems.append(f"credentials uid={uids} gid={gids} groups={status['Groups']!r}")
@@ -724,7 +724,7 @@ def _check_credentials(pid: int, spec: ServiceSpec) -> None:
         )
 
 
-def _proc_limits(pid: int) -> dict[str, tuple[str, str]]:
+def proc_limits(pid: int) -> dict[str, tuple[str, str]]:
     """/proc/PID/limits as {name: (soft, hard)}; names are the fixed kernel labels."""
     limits = {}
     for line in cgroups.read_text(f"/proc/{pid}/limits").splitlines()[1:]:
@@ -762,7 +762,7 @@ def _uid_has_live_tasks(uid: int) -> bool:
         try:
             tasks = os.listdir(f"/proc/{entry}/task")
             for task in tasks:
-                status = _proc_status(int(entry), task)
+                status = proc_status(int(entry), task)
                 if status["State"].startswith("Z"):
                     continue
                 if wanted in status["Uid"].split():
@@ -772,7 +772,7 @@ def _uid_has_live_tasks(uid: int) -> bool:
     return False
 
 
-def _wait_until(condition: Callable[[], bool], deadline: float) -> bool:
+def wait_until(condition: Callable[[], bool], deadline: float) -> bool:
     """Poll `condition()` every 5 ms until true or the monotonic deadline passes."""
     while True:
         if condition():

@@ -1,0 +1,932 @@
+"""The `systemd` system service: each attempt is a transient unit of systemd (PID 1).
+
+For hosts where systemd is PID 1 (DESIGN 5.7). The attempt's service is the unit
+`<name>.service` (the daemon names it `ficc-work-<installation>-<attempt>`) in
+`ficc.slice`, created with `systemd-run`. Why `systemd-run` rather than D-Bus
+`StartTransientUnit`: the daemon may depend only on msgspec, uvloop and psutil, and
+no D-Bus client is among them; `systemd-run` is systemd's own client for exactly
+this call (it sends StartTransientUnit and waits for the start job), it is present
+wherever systemd is, and creating a unit is rare (once per attempt), so a process
+spawn costs nothing that matters. Everything systemd reports is read back with
+`systemctl show`, and every limit is also read from the cgroup files themselves.
+
+The unit's properties (see `run_properties`): the plan's `CPUQuota`, `MemoryMax`,
+`MemorySwapMax` (cgroup v2; on v1 the host writes `memory.memsw.limit_in_bytes`
+itself, which systemd does not manage), `TasksMax`, `LimitCORE=0`,
+`LimitNOFILE=N:N`, `KillMode=control-group`, `DevicePolicy=strict` with
+`DeviceAllow` for exactly the prepared devices (`closed` would also allow /dev/null,
+/dev/zero, /dev/full, /dev/random and /dev/urandom, so it is not "exactly"), the
+slot account as `User=`/`Group=`, `Delegate=yes` (the provider's runtime creates
+the payload's cgroup below the unit, as with `--cgroup-parent`), `RemainAfterExit`
+(the exit status stays readable and leftover processes stay in the tree until the
+daemon stops the service, as in the cgroupfs backend) and `BindsTo=`+`After=` the
+daemon's own unit: stopping or restarting the daemon stops every attempt, and
+nothing restarts them (no `PartOf=`, which would replay the work on a restart).
+
+The start gate holds as in the cgroupfs backend: the unit's program is a tiny shim
+that runs as the slot account and connects to a Unix socket the host listens on,
+in a root-owned directory. The host identifies the shim by SO_PEERCRED, checks it is
+the unit's main process, with the slot account's credentials and rlimits, inside
+the unit's cgroup in every hierarchy (then moves it into the `supervisor` leaf, so
+the unit's node itself holds no process and cgroup v2 can delegate controllers to
+`payload`), checks every control, and only then sends the argv, the environment
+and the three stdio descriptors (SCM_RIGHTS) the host opened itself: /dev/null and
+the two output files (systemd itself opens no device for the unit: its closed policy
+may forbid even /dev/null). The shim execs; its end of the socket is close-on-exec,
+so EOF tells the host the exec worked and `E<errno>` that it failed. If the host
+dies first, the shim reads an incomplete order and exits 125 without running
+anything. The argv and environment never appear in unit properties or in the
+shim's /proc cmdline.
+
+Stop: `systemctl kill --signal=SIGKILL`, then the tree is confirmed empty from the
+cgroup files (falling back to the cgroupfs backend's cgroup.kill and freezer path),
+then `systemctl stop`. Remove: `systemctl reset-failed`, and the unit must be gone.
+
+The cgroup file reading and killing are shared with the cgroupfs backend: a private
+`CgroupfsService` whose base is the slice reads the unit's nodes, so both backends
+report controls and members in exactly the same way. systemd's own controller-less
+`name=systemd` v1 tree is left to systemd.
+
+Differences from the cgroupfs backend (the shared behaviour tests pin them down):
+`User=` gives the slot account its own primary GID as the one supplementary group;
+systemd removes a unit's cgroups as soon as they are empty, and stops the whole
+tree when the main process fails (its exit status stays readable until `remove`,
+also after a daemon restart). On cgroup v2, systemd attaches its own device filter,
+which `controls` cannot decode, so `create` refuses (`service_limits`) rather than
+run without a verified device policy; only cgroup v1 (hybrid) is tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Mapping
+
+import msgspec
+
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.service import cgroups
+from ficc.execution.host.service.cgroupfs import (
+    DEFAULT_INTERPRETER,
+    CgroupfsService,
+    open_output,
+    proc_limits,
+    proc_status,
+    start_ticks,
+    trusted_interpreter,
+    wait_until,
+)
+from ficc.execution.host.service.cgroups import Layout
+from ficc.execution.host.service.interface import (
+    Controls,
+    DeviceAccess,
+    DeviceRule,
+    ServiceHandle,
+    ServiceSpec,
+    check_name,
+)
+
+SLICE = "ficc.slice"
+SUPERVISOR = "supervisor"
+PAYLOAD = "payload"
+#: Under the daemon's RuntimeDirectory (the unit's ProtectSystem=strict leaves the rest
+#: of /run read-only); the gate sockets live in random subdirectories of it.
+RUNTIME_DIR = "/run/ficc-executor/service-gates"
+SYSTEMCTL = "/usr/bin/systemctl"
+SYSTEMD_RUN = "/usr/bin/systemd-run"
+_ORDER_LIMIT = 16 << 20
+_OUTPUT_LIMIT = 1 << 20
+_UNIT_SUFFIX = ".service"
+
+# Runs as the slot account under `python -I -S`; argv: socket path. systemd expands
+# `$NAME` in ExecStart arguments, so the code must contain no dollar sign (checked
+# by a test) and no percent sign (specifiers, in case a systemd version expands them).
+_SHIM = """\
+import os, socket, sys
+try:
+    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    link.connect(sys.argv[1])
+    link.sendall(b"R")
+    data, fds, _, _ = socket.recv_fds(link, 65536, 3)
+    parts, size = [data], len(data)
+    while chunk := link.recv(65536):
+        size += len(chunk)
+        if size > ORDER_LIMIT:
+            os._exit(125)
+        parts.append(chunk)
+    if len(fds) != 3:
+        os._exit(125)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        os.close(fd)
+    import json
+    order = json.loads(b"".join(parts))
+    try:
+        os.execve(order["argv"][0], order["argv"], order["env"])
+    except OSError as error:
+        link.sendall(b"E" + str(error.errno).encode())
+except BaseException:
+    pass
+os._exit(125)
+""".replace("ORDER_LIMIT", str(_ORDER_LIMIT))
+
+
+class _Order(msgspec.Struct, frozen=True):
+    argv: list[str]
+    env: dict[str, str]
+
+
+# --- pure helpers ------------------------------------------------------------------
+
+
+def unit_name(name: str) -> str:
+    """The transient unit of service `name` (already `ficc-work-<inst>-<attempt>`)."""
+    return check_name(name) + _UNIT_SUFFIX
+
+
+def unit_cgroup(slice_name: str, name: str) -> str:
+    """The unit's cgroup path from each hierarchy's root (one level of slice)."""
+    return f"/{slice_name}/{unit_name(name)}"
+
+
+def cpu_quota(cpu_millis: int) -> str:
+    """`CPUQuota=` in percent of one CPU, exact to a thousandth (systemd takes 2
+    decimals); systemd turns it into the same CFS quota as the cgroupfs backend."""
+    whole, tenth = divmod(cpu_millis, 10)
+    return f"{whole}.{tenth}%" if tenth else f"{whole}%"
+
+
+def parse_proc_devices(text: str) -> dict[int, list[str]]:
+    """The character-device section of /proc/devices as {major: [driver names]}."""
+    majors: dict[int, list[str]] = {}
+    section = ""
+    for line in text.splitlines():
+        if line.endswith(":"):
+            section = line[:-1].strip()
+            continue
+        fields = line.split()
+        if section == "Character devices" and len(fields) == 2 and fields[0].isdigit():
+            majors.setdefault(int(fields[0]), []).append(fields[1])
+    return majors
+
+
+def device_allow(devices: list[DeviceRule], classes: Mapping[int, list[str]]) -> list[str]:
+    """`DeviceAllow=` values giving the same allow list as the cgroupfs backend.
+
+    mknod for every device (`char-* m`, `block-* m`: see DeviceRule), then each node
+    by path, and a whole major (minor None) by its driver class `char-<name>`, which
+    systemd matches by name in /proc/devices: the name must belong to that one major
+    alone, or the rule would allow more than the prepared class.
+    """
+    values = ["char-* m", "block-* m"]
+    for device in devices:
+        if device.minor is not None:
+            values.append(f"{device.path} rwm")
+            continue
+        names = classes.get(device.major, [])
+        if len(names) != 1 or any(
+            names[0] in others for major, others in classes.items() if major != device.major
+        ):
+            raise HostError(
+                "service_devices",
+                f"device class {device.major}:* has no unique driver name in /proc/devices "
+                f"({names}); systemd can only allow a whole major by its name",
+            )
+        values.append(f"char-{names[0]} rwm")
+    return values
+
+
+def run_properties(
+    spec: ServiceSpec,
+    *,
+    slice_name: str,
+    bind_to: str | None,
+    cgroup_version: int,
+    classes: Mapping[int, list[str]],
+    stdin_file: str,
+) -> list[str]:
+    """Every `-p NAME=VALUE` the unit is created with (see the module docstring).
+
+    `stdin_file` is an empty regular file the shim starts with (see `_listen`)."""
+    limits = spec.limits
+    properties = [
+        f"Description=ficc attempt service {spec.name}",
+        "Type=exec",
+        "RemainAfterExit=yes",
+        f"Slice={slice_name}",
+        "Delegate=yes",
+        "KillMode=control-group",
+        "SendSIGHUP=no",
+        f"User={spec.uid}",
+        f"Group={spec.gid}",
+        f"WorkingDirectory={spec.cwd}",
+        f"UMask={spec.umask:04o}",
+        # Not `null`: systemd would open /dev/null inside the unit, where the closed
+        # device policy may forbid it. The shim gets the host's stdio fds instead.
+        f"StandardInput=file:{stdin_file}",
+        "StandardOutput=inherit",
+        "StandardError=inherit",
+        "CPUAccounting=yes",
+        "MemoryAccounting=yes",
+        "TasksAccounting=yes",
+        f"CPUQuota={cpu_quota(limits.cpu_millis)}",
+        f"MemoryMax={cgroups.page_floor(limits.memory_bytes)}",
+        f"TasksMax={limits.processes}",
+        "LimitCORE=0",
+        f"LimitNOFILE={limits.nofile}:{limits.nofile}",
+        "DevicePolicy=strict",
+        *(f"DeviceAllow={value}" for value in device_allow(spec.devices, classes)),
+    ]
+    if cgroup_version == 2:
+        properties.append(f"MemorySwapMax={cgroups.page_floor(limits.swap_bytes)}")
+    if bind_to is not None:
+        properties += [f"BindsTo={bind_to}", f"After={bind_to}"]
+    return properties
+
+
+def parse_show(text: str) -> dict[str, str]:
+    """`systemctl show -p A -p B` output as {A: value}; a repeated key keeps the last."""
+    values = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            values[key] = value
+    return values
+
+
+_CLD_EXITED, _CLD_KILLED, _CLD_DUMPED = "1", "2", "3"
+
+
+def exit_status_of(show: Mapping[str, str]) -> int | None:
+    """The main process's status from `ExecMainCode`/`ExecMainStatus` (negative for
+    a signal), or None while it runs or when systemd does not know the unit."""
+    if show.get("LoadState") != "loaded":
+        return None
+    code, value = show.get("ExecMainCode", "0"), show.get("ExecMainStatus", "0")
+    if code == _CLD_EXITED:
+        return int(value)
+    if code in {_CLD_KILLED, _CLD_DUMPED}:
+        return -int(value)
+    return None
+
+
+def own_unit(proc_cgroup: str) -> str | None:
+    """The service unit this process runs in, from /proc/self/cgroup text.
+
+    The name=systemd line on a v1 host, the v2 line otherwise; None when the process
+    is not in a `.service` (a test shell, a scope): then nothing can be bound.
+    """
+    paths = cgroups.parse_proc_cgroup(proc_cgroup)
+    path = paths.get(frozenset({"name=systemd"}), paths.get(frozenset(), ""))
+    for part in reversed(path.split("/")):
+        if part.endswith(_UNIT_SUFFIX):
+            return part
+    return None
+
+
+_SPAN = re.compile(r"^(\d+)(?:\.(\d{1,6}))?(us|ms|s)$")
+_SPAN_UNITS = {"us": 1, "ms": 1000, "s": 1_000_000}
+
+
+def parse_usec(text: str) -> int | None:
+    """A time span as `systemctl show` prints it (`255ms`, `1s`, `1.500000s`) in
+    microseconds; None for `infinity` (no quota) or anything else."""
+    match = _SPAN.fullmatch(text.strip())
+    if match is None:
+        return None
+    whole, fraction, unit = match.groups()
+    scale = _SPAN_UNITS[unit]
+    digits = (fraction or "").ljust(6, "0")
+    return int(whole) * scale + int(digits) * scale // 1_000_000
+
+
+_UNIT = re.compile(r"^[A-Za-z0-9:_.\\@-]{1,250}\.service$")
+
+
+def check_unit(unit: str) -> str:
+    if not _UNIT.fullmatch(unit):
+        raise HostError("service_spec", f"{unit!r} is not a service unit name")
+    return unit
+
+
+# --- the backend ---------------------------------------------------------------------
+
+
+class SystemdService:
+    """`SystemService` on transient systemd units; see the module docstring."""
+
+    backend = "systemd"
+
+    def __init__(
+        self,
+        *,
+        bind_to: str | None = None,
+        bind_to_own_unit: bool = True,
+        slice_name: str = SLICE,
+        layout: Layout | None = None,
+        interpreter: str | None = None,
+        runtime_dir: str = RUNTIME_DIR,
+        start_timeout: float = 10.0,
+        stop_timeout: float = 10.0,
+        root_supervisor: bool = False,
+    ) -> None:
+        if not slice_name.endswith(".slice") or "-" in slice_name or "/" in slice_name:
+            raise HostError("service_spec", f"{slice_name!r} must be a top-level .slice")
+        self._slice = slice_name
+        if bind_to is None and bind_to_own_unit:
+            with open("/proc/self/cgroup", encoding="ascii") as listing:
+                bind_to = own_unit(listing.read(1 << 20))
+            if bind_to is None:
+                raise HostError(
+                    "service_unsupported",
+                    "this process does not run in a systemd service unit, so attempts "
+                    "cannot be bound to it (a daemon stop would leave them running); run "
+                    "the daemon as its systemd service or use the cgroupfs supervisor",
+                )
+        self._bind_to = None if bind_to is None else check_unit(bind_to)
+        self._layout = layout if layout is not None else cgroups.discover()
+        self._files = CgroupfsService(
+            slice_name, layout=self._layout, interpreter=interpreter, stop_timeout=stop_timeout
+        )
+        self._interpreter = trusted_interpreter(interpreter or DEFAULT_INTERPRETER)
+        self._runtime_dir = runtime_dir
+        self._start_timeout = start_timeout
+        self._stop_timeout = stop_timeout
+        self._root_supervisor = root_supervisor
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def bind_to(self) -> str | None:
+        return self._bind_to
+
+    # --- create ----------------------------------------------------------------------
+
+    def create(self, spec: ServiceSpec) -> ServiceHandle:
+        if 0 in (spec.uid, spec.gid) and not self._root_supervisor:
+            raise HostError(
+                "service_spec",
+                f"service {spec.name} would run as UID/GID 0; run it as the slot account, "
+                "or configure a root supervisor explicitly",
+            )
+        unit = unit_name(spec.name)
+        for device in spec.devices:
+            cgroups.check_device_node(device)
+        if not os.path.isdir(spec.cwd):
+            raise HostError(
+                "service_create", f"working directory {spec.cwd} of {spec.name} does not exist"
+            )
+        with open("/proc/devices", encoding="ascii") as listing:
+            classes = parse_proc_devices(listing.read(1 << 20))
+        # A short random name: a socket path must fit in 108 bytes, a unit name may not.
+        gate_dir = os.path.join(self._runtime_dir, secrets.token_hex(8))
+        properties = run_properties(
+            spec,
+            slice_name=self._slice,
+            bind_to=self._bind_to,
+            cgroup_version=self._layout.version,
+            classes=classes,
+            stdin_file=os.path.join(gate_dir, "empty"),
+        )
+        if self._show(unit, "LoadState").get("LoadState") not in {"not-found", None}:
+            raise HostError(
+                "service_exists",
+                f"unit {unit} already exists; stop and remove the old service (adopt it by "
+                "name) before creating it again",
+            )
+        # The program's stdin is the host's /dev/null, opened here, outside the unit's
+        # device policy (as the cgroupfs backend does).
+        outputs = [os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)]
+        listener: socket.socket | None = None
+        started = False
+        try:
+            outputs.append(open_output(spec.stdout))
+            outputs.append(open_output(spec.stderr))
+            listener = self._listen(gate_dir, spec)
+            started = self._run(unit, properties, os.path.join(gate_dir, "gate"))
+            handle = self._gate(spec, unit, listener, outputs)
+        except BaseException as error:
+            if started:
+                try:
+                    self._abandon(spec.name)
+                except HostError as cleanup:
+                    error.add_note(f"cleanup after the refusal also failed: {cleanup}")
+            if isinstance(error, OSError):
+                raise HostError(
+                    "service_create",
+                    f"creating unit {unit} failed: {error}; check systemd, the working "
+                    "directory and the output paths",
+                ) from error
+            raise
+        finally:
+            for fd in outputs:
+                os.close(fd)
+            if listener is not None:
+                listener.close()
+            shutil.rmtree(gate_dir, ignore_errors=True)
+        return handle
+
+    def _listen(self, gate_dir: str, spec: ServiceSpec) -> socket.socket:
+        """The gate socket: only root can create it (root-owned 0711 directories), only
+        the slot account (and root) can connect to it. Modes are set explicitly: the
+        daemon's own umask (UMask=0077 in its unit) would make them 0700."""
+        for directory in (os.path.dirname(self._runtime_dir), self._runtime_dir):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o711)
+                os.chmod(directory, 0o711)  # noqa: S103  (traverse only: the shim reaches its socket)
+            info = os.lstat(directory)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o066:
+                raise HostError(
+                    "service_create",
+                    f"{directory} must be a root-owned directory that only root can list "
+                    "or write (0711); fix or remove it",
+                )
+        os.mkdir(gate_dir, 0o711)
+        os.chmod(gate_dir, 0o711)  # noqa: S103  (traverse only, as above)
+        empty = os.open(
+            os.path.join(gate_dir, "empty"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+        )
+        os.fchmod(empty, 0o644)
+        os.close(empty)
+        path = os.path.join(gate_dir, "gate")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            os.chown(path, spec.uid, spec.gid, follow_symlinks=False)
+            os.chmod(path, 0o600, follow_symlinks=False)
+            listener.listen(1)
+            listener.settimeout(self._start_timeout)
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    def _run(self, unit: str, properties: list[str], gate: str) -> bool:
+        """Create and start the unit; True once it is ours (even if its start failed,
+        so the caller cleans it up), an exception naming the cause otherwise.
+
+        A unit of that name created meanwhile by someone else is `service_exists` and
+        is never cleaned up here: it is not ours.
+        """
+        argv = [SYSTEMD_RUN, "--quiet", f"--unit={unit}"]
+        argv += [f"--property={p}" for p in properties]
+        argv += ["--", self._interpreter, "-I", "-S", "-c", _SHIM, gate]
+        result = _command(argv, self._start_timeout)
+        if result.returncode == 0:
+            return True
+        reason = result.stderr.strip()[:2000]
+        if "already" in reason:
+            raise HostError("service_exists", f"unit {unit} already exists: {reason}")
+        self._abandon(unit.removesuffix(_UNIT_SUFFIX))
+        raise HostError("service_start", f"systemd could not start unit {unit}: {reason}")
+
+    def _gate(
+        self, spec: ServiceSpec, unit: str, listener: socket.socket, outputs: list[int]
+    ) -> ServiceHandle:
+        try:
+            link, _ = listener.accept()
+        except TimeoutError as error:
+            raise HostError(
+                "service_start",
+                f"the start shim of {unit} did not connect within {self._start_timeout}s; "
+                f"check `journalctl -u {unit}` and that {self._interpreter} runs as the slot "
+                "account",
+            ) from error
+        with link:
+            link.settimeout(self._start_timeout)
+            pid, uid, gid = _peer(link)
+            if link.recv(1) != b"R":
+                raise HostError("service_start", f"the start shim of {unit} did not report")
+            show = self._show(unit, "MainPID", "ControlGroup")
+            if show.get("MainPID") != str(pid) or (uid, gid) != (spec.uid, spec.gid):
+                raise HostError(
+                    "service_start",
+                    f"the gate peer (pid {pid}, uid {uid}) is not the main process "
+                    f"{show.get('MainPID')} of {unit} as the slot account; refusing to release",
+                )
+            _check_credentials(pid, spec)
+            nodes = self._nodes(spec.name, show.get("ControlGroup", ""))
+            handle = ServiceHandle(
+                spec.name, self.backend, self._layout.version, nodes, pid, start_ticks(pid)
+            )
+            self._check_member(pid, unit_cgroup(self._slice, spec.name), nodes)
+            swap = self._enforce_swap(spec, nodes)
+            self._verify(spec, handle, swap)
+            self._enter_supervisor(pid, spec.name, nodes)
+            _send_order(link, _Order(list(spec.argv), dict(spec.environment)), outputs)
+            link.shutdown(socket.SHUT_WR)
+            report = _recv_report(link)
+            if report:
+                number = int(report[1:]) if report[1:].isdigit() else 0
+                raise HostError(
+                    "service_start",
+                    f"cannot execute {spec.argv[0]}: {os.strerror(number)}; check the "
+                    "provider's argv",
+                )
+        return handle
+
+    def _nodes(self, name: str, control_group: str) -> dict[str, str]:
+        """The unit's node in every hierarchy where systemd made one."""
+        expected = unit_cgroup(self._slice, name)
+        if control_group != expected:
+            raise HostError(
+                "service_start",
+                f"systemd put the unit in cgroup {control_group!r}, not {expected!r}",
+            )
+        nodes = self._existing_nodes(expected)
+        required = ["memory", "pids", "cpu"] + (["devices"] if self._layout.version == 1 else [])
+        missing = [c for c in required if self._key(c) not in nodes]
+        if missing:
+            raise HostError(
+                "service_limits",
+                f"systemd did not create the unit's cgroup for {missing}; limits there "
+                "cannot be enforced",
+            )
+        return nodes
+
+    def _existing_nodes(self, path: str) -> dict[str, str]:
+        """The unit's node in every hierarchy where it exists, except systemd's own
+        controller-less `name=systemd` tree: systemd alone manages it (and inside a
+        container its paths are relative to another root), it limits nothing, and the
+        unified tree already tracks the same membership."""
+        return {
+            h.key: h.mount + path
+            for h in self._layout.hierarchies
+            if not h.key.startswith("name=") and cgroups.is_real_dir(h.mount + path)
+        }
+
+    def _key(self, controller: str) -> str:
+        return self._layout.by_controller(controller).key
+
+    def _check_member(self, pid: int, path: str, nodes: dict[str, str]) -> None:
+        memberships = cgroups.parse_proc_cgroup(cgroups.read_text(f"/proc/{pid}/cgroup"))
+        wrong = [
+            key
+            for key in cgroups.hierarchies_not_at(self._layout, memberships, path)
+            if key in nodes
+        ]
+        if wrong:
+            raise HostError(
+                "service_start",
+                f"process {pid} is not in {path} of the {', '.join(wrong)} hierarchies; "
+                "refusing to release it",
+            )
+
+    def _enforce_swap(self, spec: ServiceSpec, nodes: dict[str, str]) -> bool:
+        """v1: systemd leaves memsw alone, so the host writes it (before release)."""
+        memory = nodes[self._key("memory")]
+        if self._layout.version == 2:
+            return os.path.exists(os.path.join(memory, "memory.swap.max"))
+        path = os.path.join(memory, "memory.memsw.limit_in_bytes")
+        if not os.path.exists(path):
+            if cgroups.host_has_swap():
+                raise HostError(
+                    "service_swap_unenforceable",
+                    "the kernel has no swap accounting but swap is active, so the swap "
+                    "limit cannot be enforced; boot with swapaccount=1 or disable swap",
+                )
+            return False
+        total = cgroups.page_floor(spec.limits.memory_bytes) + cgroups.page_floor(
+            spec.limits.swap_bytes
+        )
+        try:
+            cgroups.write_text(path, str(total))
+        except OSError as error:
+            raise HostError("service_limits", f"the kernel refused {total} for {path}") from error
+        return True
+
+    def _enter_supervisor(self, pid: int, name: str, nodes: dict[str, str]) -> None:
+        """Move the gated shim into `supervisor` in every hierarchy (Delegate=yes makes
+        the unit's subtree ours), so `payload` can be a sibling, as in cgroupfs."""
+        for key, node in nodes.items():
+            leaf = os.path.join(node, SUPERVISOR)
+            cgroups.make_dir(leaf, exclusive=True)
+            if "cpuset" in key.split(","):
+                for file in ("cpuset.cpus", "cpuset.mems"):
+                    value = cgroups.read_text(os.path.join(node, file)).strip()
+                    cgroups.write_text(os.path.join(leaf, file), value)
+            cgroups.write_text(os.path.join(leaf, "cgroup.procs"), str(pid))
+        self._check_member(pid, f"{unit_cgroup(self._slice, name)}/{SUPERVISOR}", nodes)
+
+    def _verify(self, spec: ServiceSpec, handle: ServiceHandle, swap: bool) -> None:
+        """Refuse unless systemd's view and the kernel's both match the plan."""
+        wrong = _compare(self._planned_systemd(spec), self._systemd_view(handle.name))
+        wrong += _compare(_planned_kernel(spec, swap), _kernel_view(self.controls(handle)))
+        if wrong:
+            raise HostError(
+                "service_limits",
+                f"the planned controls of {spec.name} are not in force: " + "; ".join(wrong),
+            )
+
+    def _planned_systemd(self, spec: ServiceSpec) -> dict[str, str]:
+        limits = spec.limits
+        planned = {
+            "CPUQuotaPerSecUSec": str(limits.cpu_millis * 1000),
+            "MemoryMax": str(cgroups.page_floor(limits.memory_bytes)),
+            "TasksMax": str(limits.processes),
+            "LimitCORE": "0",
+            "LimitNOFILE": str(limits.nofile),
+            "LimitNOFILESoft": str(limits.nofile),
+            "KillMode": "control-group",
+            "DevicePolicy": "strict",
+            "Delegate": "yes",
+            "User": str(spec.uid),
+            "Group": str(spec.gid),
+        }
+        if self._bind_to is not None:
+            planned["BindsTo"] = self._bind_to
+        return planned
+
+    def _systemd_view(self, name: str) -> dict[str, str]:
+        keys = [
+            "CPUQuotaPerSecUSec",
+            "MemoryMax",
+            "TasksMax",
+            "LimitCORE",
+            "LimitNOFILE",
+            "LimitNOFILESoft",
+            "KillMode",
+            "DevicePolicy",
+            "Delegate",
+            "User",
+            "Group",
+        ] + (["BindsTo"] if self._bind_to is not None else [])
+        view = self._show(unit_name(name), *keys)
+        view["CPUQuotaPerSecUSec"] = str(parse_usec(view.get("CPUQuotaPerSecUSec", "")))
+        return view
+
+    # --- observe ---------------------------------------------------------------------
+
+    def controls(self, handle: ServiceHandle) -> Controls:
+        read = self._files.controls(self._as_files(handle))
+        return msgspec.structs.replace(read, backend=self.backend)
+
+    def members(self, handle: ServiceHandle) -> set[int]:
+        return self._files.members(self._as_files(handle))
+
+    def exit_status(self, handle: ServiceHandle) -> int | None:
+        self._as_files(handle)
+        show = self._show(
+            unit_name(handle.name), "LoadState", "ExecMainCode", "ExecMainStatus", "MainPID"
+        )
+        return exit_status_of(show)
+
+    def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
+        return not self.members(handle) and self._files.account_idle(uid)
+
+    def account_idle(self, uid: int) -> bool:
+        return self._files.account_idle(uid)
+
+    def supervisor_cgroup(self, handle: ServiceHandle) -> str:
+        return self.planned_supervisor_cgroup(handle.name)
+
+    def planned_supervisor_cgroup(self, name: str) -> str:
+        return f"{unit_cgroup(self._slice, name)}/{PAYLOAD}"
+
+    def adopt(self, name: str) -> ServiceHandle | None:
+        """The unit if systemd knows it, or its cgroups if any are left behind."""
+        nodes = self._existing_nodes(unit_cgroup(self._slice, name))
+        show = self._show(unit_name(name), "LoadState", "Slice")
+        loaded = show.get("LoadState") == "loaded"
+        if loaded and show.get("Slice") != self._slice:
+            raise HostError(
+                "service_handle",
+                f"unit {unit_name(name)} exists in {show.get('Slice')!r}, not in "
+                f"{self._slice}: it is not an attempt's service; leave it alone",
+            )
+        if not nodes and not loaded:
+            return None
+        return ServiceHandle(name, self.backend, self._layout.version, nodes, None, None)
+
+    def _as_files(self, handle: ServiceHandle) -> ServiceHandle:
+        """The same nodes as a handle of the private cgroupfs reader (base = slice),
+        refused unless each node is exactly this unit's cgroup (`service_handle`)."""
+        if handle.backend != self.backend or handle.cgroup_version != self._layout.version:
+            raise HostError("service_handle", f"handle of {handle.name} is not a systemd one")
+        path = unit_cgroup(self._slice, handle.name)
+        mounts = {h.key: h.mount for h in self._layout.hierarchies}
+        for key, node in handle.cgroups.items():
+            if key not in mounts or key.startswith("name=") or node != mounts[key] + path:
+                raise HostError(
+                    "service_handle",
+                    f"handle of {handle.name} names cgroup {node!r}, which is not its unit's "
+                    f"node for {key!r}; adopt the service by name instead",
+                )
+        unit = unit_name(handle.name)
+        return msgspec.structs.replace(handle, name=unit, backend=self._files.backend)
+
+    def _show(self, unit: str, *keys: str) -> dict[str, str]:
+        argv = [SYSTEMCTL, "show", unit, *(f"--property={k}" for k in keys)]
+        result = _command(argv, self._stop_timeout)
+        if result.returncode != 0:
+            raise HostError(
+                "service_unsupported",
+                f"systemctl show {unit} failed: {result.stderr.strip()[:2000]}; is systemd "
+                "PID 1 and D-Bus running?",
+            )
+        return parse_show(result.stdout)
+
+    # --- stop and remove -------------------------------------------------------------
+
+    def stop(self, handle: ServiceHandle) -> None:
+        files = self._as_files(handle)
+        unit = unit_name(handle.name)
+        deadline = time.monotonic() + self._stop_timeout
+        # Fails harmlessly when the unit is already gone; the cgroup files decide.
+        _command([SYSTEMCTL, "kill", "--signal=SIGKILL", unit], self._stop_timeout)
+        if not wait_until(
+            lambda: not self._files.members(files), min(deadline, time.monotonic() + 1.0)
+        ):
+            # systemd removes a unit's cgroups once they are empty, possibly while the
+            # cgroupfs path (cgroup.kill, then freeze and kill) is working on them.
+            with contextlib.suppress(FileNotFoundError):
+                self._files.stop(files)
+        pids = self._files.members(files)
+        if pids:
+            raise HostError(
+                "service_stop_unconfirmed",
+                f"unit {unit} still has processes {sorted(pids)[:16]}; keep the attempt "
+                "quarantined and retry stop",
+            )
+        result = _command([SYSTEMCTL, "stop", unit], self._stop_timeout)
+        if not wait_until(lambda: self._settled(unit), deadline):
+            raise HostError(
+                "service_stop_unconfirmed",
+                f"unit {unit} is empty but systemd did not confirm the stop "
+                f"({result.stderr.strip()[:500]}); retry stop",
+            )
+
+    def _settled(self, unit: str) -> bool:
+        show = self._show(unit, "LoadState", "ActiveState")
+        return show.get("LoadState") != "loaded" or show.get("ActiveState") in {
+            "inactive",
+            "failed",
+        }
+
+    def remove(self, handle: ServiceHandle) -> None:
+        files = self._as_files(handle)
+        pids = self._files.members(files)
+        if pids:
+            raise HostError(
+                "service_not_empty",
+                f"service {handle.name} still has processes {sorted(pids)[:16]}; stop it "
+                "and confirm it is empty before removing it",
+            )
+        unit = unit_name(handle.name)
+        if not self._settled(unit):
+            raise HostError(
+                "service_not_empty", f"unit {unit} is still active; stop it before removing"
+            )
+        _command([SYSTEMCTL, "reset-failed", unit], self._stop_timeout)
+        self._files.remove(files)
+        self._trim(handle.name)
+        deadline = time.monotonic() + self._stop_timeout
+        if not wait_until(
+            lambda: self._show(unit, "LoadState").get("LoadState") != "loaded", deadline
+        ):
+            raise HostError(
+                "service_not_empty", f"systemd still has unit {unit} loaded; retry remove"
+            )
+
+    def _trim(self, name: str) -> None:
+        """Remove what a runtime left below the unit in hierarchies systemd does not
+        manage for it (runc with the cgroupfs driver creates its `payload/libpod-*`
+        path in every hierarchy, e.g. cpuset and freezer; systemd trims only its own)."""
+        path = unit_cgroup(self._slice, name)
+        for hierarchy in self._layout.hierarchies:
+            if hierarchy.key.startswith("name="):
+                continue
+            top = hierarchy.mount + path
+            try:
+                cgroups.remove_tree(top)
+            except OSError as error:
+                raise HostError(
+                    "service_not_empty",
+                    f"cgroup {top} could not be removed ({error}); stop the service and retry",
+                ) from error
+
+    def _abandon(self, name: str) -> None:
+        handle = self.adopt(name)
+        if handle is not None:
+            self.stop(handle)
+            self.remove(handle)
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _command(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """systemctl/systemd-run with a fixed environment, a deadline and bounded output."""
+    try:
+        result = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C", "SYSTEMD_PAGER": ""},
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise HostError(
+            "service_unsupported", f"{argv[0]} did not answer within {timeout}s"
+        ) from error
+    except FileNotFoundError as error:
+        raise HostError("service_unsupported", f"{argv[0]} is missing: {error}") from error
+    result.stdout = result.stdout[:_OUTPUT_LIMIT]
+    return result
+
+
+def _check_credentials(pid: int, spec: ServiceSpec) -> None:
+    """The gated shim must already be exactly the slot account, with core dumps off.
+
+    Unlike the cgroupfs shim (no supplementary groups at all), systemd gives `User=`
+    the account's group list, which for a slot account is just its own primary GID:
+    that grants nothing more, and the payload gate accepts it too.
+    """
+    status = proc_status(pid)
+    uids, gids = status["Uid"].split(), status["Gid"].split()
+    limits = proc_limits(pid)
+    problems = []
+    if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4:
+        problems.append(f"credentials uid={uids} gid={gids}")
+    if set(status["Groups"].split()) - {str(spec.gid)}:
+        problems.append(f"supplementary groups {status['Groups']!r}")
+    if limits.get("Max core file size") != ("0", "0"):
+        problems.append(f"core limit {limits.get('Max core file size')}")
+    nofile = str(spec.limits.nofile)
+    if limits.get("Max open files") != (nofile, nofile):
+        problems.append(f"nofile limit {limits.get('Max open files')}")
+    if problems:
+        raise HostError(
+            "service_start",
+            f"the start shim of {spec.name} is not confined as planned: {', '.join(problems)}",
+        )
+
+
+def _peer(link: socket.socket) -> tuple[int, int, int]:
+    raw = link.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    pid, uid, gid = (int.from_bytes(raw[i : i + 4], "little") for i in (0, 4, 8))
+    return pid, uid, gid
+
+
+def _send_order(link: socket.socket, order: _Order, stdio: list[int]) -> None:
+    data = msgspec.json.encode(order)
+    if len(data) > _ORDER_LIMIT:
+        raise HostError("service_spec", "argv and environment exceed 16 MiB; shorten them")
+    first = socket.send_fds(link, [data[:65536]], stdio)
+    link.sendall(data[first:])
+
+
+def _recv_report(link: socket.socket) -> bytes:
+    """EOF (b"") once the shim exec'd; `E<errno>` if exec failed."""
+    try:
+        return link.recv(64)
+    except TimeoutError as error:
+        raise HostError("service_start", "the program was not executed in time") from error
+
+
+def _planned_kernel(spec: ServiceSpec, swap: bool) -> dict[str, object]:
+    limits = spec.limits
+    return {
+        "memory_bytes": cgroups.page_floor(limits.memory_bytes),
+        "swap_bytes": cgroups.page_floor(limits.swap_bytes) if swap else None,
+        "processes": limits.processes,
+        "cpu_millis": limits.cpu_millis,
+        "devices": sorted(_device_key(d) for d in cgroups.expected_devices(spec.devices)),
+    }
+
+
+def _kernel_view(controls: Controls) -> dict[str, object]:
+    return {
+        "memory_bytes": controls.memory_bytes,
+        "swap_bytes": controls.swap_bytes,
+        "processes": controls.processes,
+        "cpu_millis": controls.cpu_millis,
+        "devices": None
+        if controls.devices is None
+        else sorted(_device_key(d) for d in controls.devices),
+    }
+
+
+def _device_key(device: DeviceAccess) -> tuple[str, int, int, str]:
+    major = -1 if device.major is None else device.major
+    return (device.kind, major, -1 if device.minor is None else device.minor, device.access)
+
+
+def _compare(planned: Mapping[str, object], actual: Mapping[str, object]) -> list[str]:
+    return [
+        f"{key}: planned {value!r}, read {actual.get(key)!r}"
+        for key, value in planned.items()
+        if actual.get(key) != value
+    ]

@@ -1,0 +1,265 @@
+"""The daemon as the systemd service it ships as, under a real systemd (PID 1).
+
+Runs inside the container of `tools/systemd/run.py` (it skips elsewhere, saying why):
+the shipped unit file (packages/ficc-executor-host/packaging) is installed as is, with
+a drop-in that only points it at this test's configuration and provider and shortens
+the watchdog and restart timings. The configuration, accounts and pinned test provider
+come from the integration harness (tests-integration/harness.py), so the daemon is the
+real one: `systemctl start` returns only after its READY=1, it pings the watchdog, a
+hung daemon is killed by the watchdog and restarted, and `systemctl stop` stops it
+cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HARNESS = Path(os.environ.get("FICC_HARNESS_DIR", "/opt/ficc/tests-integration"))
+UNIT_FILE = Path(os.environ.get("FICC_UNIT_FILE", "/opt/ficc/ficc-executor-host.service"))
+PROVIDER_WHEELS = Path(os.environ.get("FICC_WHEELS", "/opt/ficc/wheels"))
+UNIT = "ficc-executor-host.service"
+SYSTEMCTL = "/usr/bin/systemctl"
+
+
+def _pid1_is_systemd() -> bool:
+    try:
+        return Path("/proc/1/comm").read_text().strip() == "systemd"
+    except OSError:
+        return False
+
+
+if not (os.geteuid() == 0 and _pid1_is_systemd() and (HARNESS / "harness.py").exists()):
+    pytest.skip(
+        "needs root, systemd as PID 1 and the integration harness; run "
+        "`python tools/systemd/run.py`, which runs this inside a systemd container",
+        allow_module_level=True,
+    )
+
+sys.path.insert(0, str(HARNESS))
+import harness  # noqa: E402  (found through FICC_HARNESS_DIR, not an installed package)
+from ficc.execution.host import daemon  # noqa: E402
+from ficc.execution.host.errors import HostError  # noqa: E402
+from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # noqa: E402
+from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
+
+
+def show(*keys: str) -> dict[str, str]:
+    argv = [SYSTEMCTL, "show", UNIT, *(f"--property={k}" for k in keys)]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+def journal() -> str:
+    argv = ["journalctl", "-u", UNIT, "-u", "ficc-work-*", "--no-pager", "-n", "80"]
+    return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        time.sleep(0.05)
+    return value
+
+
+@dataclass
+class Installed:
+    layout: harness.Layout
+    provider: harness.InstalledProvider
+    accounts: harness.Accounts
+
+
+def _systemd_backend_wired() -> bool:
+    """Whether this daemon build can run with supervisor=systemd (daemon.py wiring)."""
+    try:
+        daemon.service_backend("systemd")
+    except HostError as error:
+        return error.code != "supervisor_unsupported"
+    return True
+
+
+@pytest.fixture(params=["cgroupfs", "systemd"])
+def installed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Installed]:
+    """The shipped unit plus a drop-in for this test's configuration and provider,
+    with each supervisor (the daemon's choice of system-service backend)."""
+    if request.param == "systemd" and not _systemd_backend_wired():
+        pytest.skip("daemon.service_backend does not offer supervisor=systemd yet")
+    accounts = harness.Accounts.ensure()
+    base = harness.private_directory("/run", "ficc-it-unit-")
+    (wheel,) = PROVIDER_WHEELS.glob("ficc_test_provider-*.whl")
+    provider = harness.install_provider(wheel, base / "provider")
+    layout = harness.Layout.create(base, accounts, provider, supervisor=request.param)
+    shutil.copy(UNIT_FILE, f"/etc/systemd/system/{UNIT}")
+    dropin = Path(f"/etc/systemd/system/{UNIT}.d")
+    dropin.mkdir(exist_ok=True)
+    (dropin / "test.conf").write_text(
+        "[Service]\n"
+        "ExecStart=\n"
+        f"ExecStart={sys.executable} -I -m ficc.execution serve --config {layout.config_path}"
+        f" --provider-path {provider.site}\n"
+        # Reset first: the shipped /srv/ficc/slots does not exist here (a missing
+        # ReadWritePaths= entry fails the start with 226/NAMESPACE).
+        "ReadWritePaths=\n"
+        f"ReadWritePaths={base} /sys/fs/cgroup\n"
+        "WatchdogSec=3s\n"
+        "TimeoutStopSec=10s\n"
+        "RestartSec=100ms\n"
+    )
+    subprocess.run([SYSTEMCTL, "daemon-reload"], check=True)
+    try:
+        yield Installed(layout, provider, accounts)
+    finally:
+        subprocess.run([SYSTEMCTL, "stop", UNIT], check=False)
+        subprocess.run([SYSTEMCTL, "reset-failed", UNIT], check=False, capture_output=True)
+        shutil.rmtree(dropin)
+        Path(f"/etc/systemd/system/{UNIT}").unlink()
+        subprocess.run([SYSTEMCTL, "daemon-reload"], check=True)
+        shutil.rmtree(base, ignore_errors=True)
+        accounts.remove()
+
+
+def test_start_returns_after_ready_and_the_watchdog_is_fed(installed: Installed) -> None:
+    started = subprocess.run([SYSTEMCTL, "start", UNIT], capture_output=True, check=False)
+    assert started.returncode == 0, journal()
+    state = show("ActiveState", "SubState", "Type", "WatchdogUSec", "StatusText")
+    assert (state["ActiveState"], state["SubState"], state["Type"]) == (
+        "active",
+        "running",
+        "notify",
+    )
+    assert state["WatchdogUSec"] == "3s"
+    assert state["StatusText"]
+    assert Path(installed.layout.socket("admin")).exists()  # READY=1 came after the sockets
+    # Each WATCHDOG=1 moves the timestamp; two moves prove periodic pings (every 1.5 s).
+    first = show("WatchdogTimestampMonotonic")["WatchdogTimestampMonotonic"]
+    second = wait_for(
+        lambda: (
+            (v := show("WatchdogTimestampMonotonic")["WatchdogTimestampMonotonic"]) != first and v
+        )
+    )
+    wait_for(lambda: show("WatchdogTimestampMonotonic")["WatchdogTimestampMonotonic"] != second)
+    assert show("ActiveState")["ActiveState"] == "active"
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+    assert show("ActiveState", "Result") == {"ActiveState": "inactive", "Result": "success"}
+
+
+def test_a_hung_daemon_is_killed_by_the_watchdog_and_restarted(installed: Installed) -> None:
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    hung = int(show("MainPID")["MainPID"])
+    os.kill(hung, signal.SIGSTOP)  # alive but silent: no more WATCHDOG=1
+    wait_for(lambda: int(show("NRestarts")["NRestarts"]) >= 1)
+    wait_for(
+        lambda: show("ActiveState", "SubState") == {"ActiveState": "active", "SubState": "running"}
+    )
+    assert int(show("MainPID")["MainPID"]) not in {0, hung}
+    assert not Path(f"/proc/{hung}").exists()
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def test_an_attempt_runs_in_a_transient_unit_of_the_daemon(installed: Installed) -> None:
+    """One attempt through the daemon under systemd, up to the payload gate's refusal
+    of the unconfined test runtime (as in tests-integration/test_daemon_lifecycle.py):
+    with supervisor=systemd the attempt's service is the unit
+    ficc-work-<installation>-<attempt>.service, started and stopped by the daemon."""
+    if installed.layout.document["supervisor"] != "systemd":
+        pytest.skip("this test is about the systemd supervisor")
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    plan = daemon.plan()
+    harness.rows(daemon.prepare([plan]))
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    daemon.start_attempt(plan)
+    ended = daemon.wait_state(plan, lambda r: r.state in {"failed", "unknown"}, "the end")
+    assert ended.state == "failed", ended
+    assert ended.reason is not None
+    if not ended.reason.startswith("gate_"):
+        print(journal())  # shown by pytest with the failure
+    assert ended.reason.startswith("gate_"), ended.reason
+    work = f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}.service"
+    log = subprocess.run(
+        ["journalctl", "-u", work, "--no-pager", "-o", "cat"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    assert "Started" in log, log
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    # Stopped and empty, kept (failed: it was killed) until release removes it.
+    kept = show_unit(work, "BindsTo", "Slice", "ActiveState", "ControlGroup", "User")
+    assert kept["BindsTo"] == UNIT
+    assert kept["Slice"] == "ficc.slice"
+    assert kept["ActiveState"] in {"failed", "inactive"}
+    assert kept["User"] == str(installed.accounts["slot0"].uid) or kept["User"] == str(
+        installed.accounts["slot1"].uid
+    )
+    released = harness.attempt(daemon.release(plan))
+    assert released.state == "released", released
+    wait_for(lambda: show_unit(work, "LoadState")["LoadState"] == "not-found")
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def show_unit(unit: str, *keys: str) -> dict[str, str]:
+    argv = [SYSTEMCTL, "show", unit, *(f"--property={k}" for k in keys)]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
+    installed: Installed, tmp_path: Path
+) -> None:
+    """BindsTo= the shipped unit: `systemctl restart` and a SIGKILL of the daemon (then
+    Restart=on-failure) each stop the attempt's unit, and nothing starts it again."""
+    if installed.layout.document["supervisor"] != "cgroupfs":
+        pytest.skip("independent of the daemon's supervisor; runs once")
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    slot = installed.accounts["slot0"]
+    backend = SystemdService(bind_to=UNIT)
+    for index, disrupt in enumerate(
+        ([SYSTEMCTL, "restart", UNIT], [SYSTEMCTL, "kill", "--signal=SIGKILL", UNIT])
+    ):
+        daemon_pid = show("MainPID")["MainPID"]
+        name = f"ficc-work-t{os.getpid()}-bound-{index}"
+        handle = backend.create(
+            ServiceSpec(
+                name=name,
+                argv=["/bin/sleep", "1000"],
+                uid=slot.uid,
+                gid=slot.gid,
+                cwd="/",
+                environment={},
+                limits=ServiceLimits(
+                    cpu_millis=100, memory_bytes=32 << 20, swap_bytes=0, processes=8, nofile=64
+                ),
+                devices=[],
+                stdout=str(tmp_path / f"{name}.out"),
+                stderr=str(tmp_path / f"{name}.err"),
+            )
+        )
+        assert backend.members(handle) == {handle.main_pid}
+        subprocess.run(disrupt, check=True)
+        wait_for(lambda handle=handle: backend.members(handle) == set())
+        wait_for(
+            lambda: (
+                show("ActiveState", "SubState") == {"ActiveState": "active", "SubState": "running"}
+            )
+        )
+        wait_for(lambda old=daemon_pid: show("MainPID")["MainPID"] not in {old, "0"})
+        # stopped with the daemon, and not started again with the new one
+        assert show_unit(f"{name}.service", "ActiveState")["ActiveState"] != "active"
+        assert backend.members(handle) == set()
+        backend.stop(handle)
+        backend.remove(handle)
+    assert int(show("NRestarts")["NRestarts"]) >= 1  # the SIGKILL was a crash: restarted
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
