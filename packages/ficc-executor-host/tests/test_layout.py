@@ -188,3 +188,51 @@ def test_leftovers_lists_attempt_and_staging_directories(layout: Layout) -> None
     assert layout.leftovers() == [f"ficc-staging/{attempt}", f"ficc/{attempt}"]
     assert layout.exists(attempt)
     assert not layout.exists(new_id())
+
+
+# --- a daemon killed between mkdir and fchown/fchmod ----------------------------------------
+
+
+def _half_create(path: str) -> None:
+    """What a SIGKILL right after `mkdir` leaves: an empty root-owned 0700 directory."""
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o700)
+
+
+def test_a_half_created_attempt_directory_is_finished_then_released(layout: Layout) -> None:
+    attempt = new_id()
+    base = Path(layout.create(new_id()).root).parent  # the attempts base exists
+    _half_create(str(base / attempt))
+    paths = layout.create(attempt)  # re-prepare after the restart
+    st = os.stat(paths.root)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o711)
+    _half_create(str(base / (other := new_id())))
+    layout.remove(other)  # release of an attempt whose creation was cut short
+    assert not (base / other).exists()
+
+
+def test_a_half_created_slot_owned_part_gets_its_owner(layout: Layout) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    os.rmdir(paths.storage)
+    _half_create(paths.storage)
+    layout.create(attempt)
+    os.close(layout.open_part(attempt, STORAGE))
+    assert os.stat(paths.storage).st_gid == SLOT_GID
+    for part in PARTS:
+        st = os.stat(os.path.join(paths.root, part.name))
+        owner = SLOT_UID if part.slot_owned else 0
+        assert st.st_uid == owner, part.name
+
+
+def test_a_root_0700_directory_with_content_is_still_refused(layout: Layout) -> None:
+    """Not what a killed mkdir leaves: someone used it, so an operator must look."""
+    attempt = new_id()
+    paths = layout.create(attempt)
+    os.chmod(paths.root, 0o700)
+    with pytest.raises(HostError) as caught:
+        layout.create(attempt)
+    assert caught.value.code == "layout_unsafe"
+    with pytest.raises(HostError) as caught:
+        layout.remove(attempt)
+    assert caught.value.code == "layout_unsafe"

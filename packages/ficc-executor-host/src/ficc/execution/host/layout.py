@@ -205,9 +205,9 @@ class Layout:
         except `storage`, whose mode the payload may change: only its owner is checked)."""
         attempt_fd = self.open_attempt(attempt_id)
         try:
-            uid = self.uid if part.slot_owned else _ROOT
+            uid, gid = (self.uid, self.gid) if part.slot_owned else (_ROOT, _ROOT)
             mode = None if part is STORAGE else part.mode
-            return _open_checked(attempt_fd, part.name, uid, mode)
+            return _open_checked(attempt_fd, part.name, uid, mode, gid)
         finally:
             os.close(attempt_fd)
 
@@ -309,17 +309,41 @@ class Layout:
 # --- helpers ------------------------------------------------------------------------
 
 
-def _open_checked(parent_fd: int, name: str, uid: int, mode: int | None) -> int:
-    """Open a directory and refuse it unless owned by `uid` with exactly `mode`."""
+def _open_checked(
+    parent_fd: int, name: str, uid: int, mode: int | None, gid: int | None = None
+) -> int:
+    """Open a directory and refuse it unless owned by `uid` with exactly `mode`.
+
+    One exception: a directory this host was killed while creating (see
+    `_finish_half_created`) is finished instead of refused, when `gid` is known.
+    """
     fd = fsutil.open_dir_at(parent_fd, name)
     try:
         st = os.fstat(fd)
         if st.st_uid != uid or (mode is not None and stat.S_IMODE(st.st_mode) != mode):
-            raise _unsafe(f"directory {name!r}", st, uid, mode)
+            group = _ROOT if gid is None and uid == _ROOT else gid
+            if mode is None or group is None or not _finish_half_created(fd, st, uid, group, mode):
+                raise _unsafe(f"directory {name!r}", st, uid, mode)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _finish_half_created(fd: int, st: os.stat_result, uid: int, gid: int, mode: int) -> bool:
+    """Finish a directory left between `mkdir` and `fchown`/`fchmod` by a SIGKILL.
+
+    `_ensure_dir` creates every directory root-owned 0700, then gives it its owner and
+    mode. Killed in between, it leaves an EMPTY root-owned 0700 directory: only root
+    can make one, and nothing has used it yet, so completing the two calls is exactly
+    what the killed daemon would have done. Anything else stays refused.
+    """
+    if st.st_uid != _ROOT or stat.S_IMODE(st.st_mode) != 0o700 or os.listdir(fd):
+        return False
+    os.fchown(fd, uid, gid)
+    os.fchmod(fd, mode)
+    os.fsync(fd)
+    return True
 
 
 def _ensure_dir(parent_fd: int, name: str, uid: int, gid: int, mode: int) -> int:
@@ -328,7 +352,7 @@ def _ensure_dir(parent_fd: int, name: str, uid: int, gid: int, mode: int) -> int
     try:
         os.mkdir(name, 0o700, dir_fd=parent_fd)
     except FileExistsError:
-        return _open_checked(parent_fd, name, uid, mode)
+        return _open_checked(parent_fd, name, uid, mode, gid)
     fd = fsutil.open_dir_at(parent_fd, name)
     try:
         os.fchown(fd, uid, gid)

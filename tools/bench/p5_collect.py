@@ -1,0 +1,142 @@
+"""P5: `collect` throughput of a 256 MiB output vs reading and encoding the file.
+
+Value: a client forked as the transport account reads one declared output of 256 MiB
+(32 MiB with --quick) through transport.sock with `collect` requests of 1 MiB (the
+per-request bound), one after another. Per request the daemon decodes it, reads the
+record and plan on the ledger thread, opens the output below the attempt's storage
+component by component without following links, preads 1 MiB, base64-encodes it and
+replies; the client only receives the frames during the timed loop, then checks the
+SHA-256 of the decoded data against the file's.
+
+How the output exists: the test provider is unconfined, so the payload gate refuses it
+and no payload ever runs. The benchmark admits a plan that declares the output, stops
+it once ready (cancelled, cleanup confirmed: its attempt layout stays until release),
+then writes the file as root into the attempt's `storage/` directory. So P5 measures
+`collect`, not a payload.
+
+Baseline: read + base64-encode of the same file in 1 MiB blocks, in one process (the
+file is in the page cache for both sides). Ratio = value rate / baseline rate (higher
+is better); QUALITY.md wants >= 0.5x. Rounds alternate; figures are medians.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import statistics
+import time
+
+from daemon_support import MIB, BenchHost, SlotPlan, bench_host, decode, timed_exchanges
+from figures import Figure
+
+from ficc.execution.plan import Output, Plan
+from ficc.execution.protocol import CollectRequest, Read, StopRequest, encode_request
+
+BLOCK = 1 * MIB
+OUTPUT = Output(name="result", path="result.bin")
+
+
+def _settled_attempt(host: BenchHost) -> Plan:
+    """A cancelled attempt with confirmed cleanup whose layout (and storage) remains."""
+    import harness as h  # noqa: PLC0415
+
+    plan = host.plan(outputs=[OUTPUT])
+    host.prepare([plan])
+    host.wait_ready([plan])
+    h.rows(host.send(StopRequest(version=1, id=h.new_id(), attempts=[h.fence(plan)])))
+
+    def settled() -> bool:
+        (row,) = host.observe_rows([h.fence(plan)])
+        return bool(row.state == "cancelled" and row.cleanup_confirmed)
+
+    h.wait_until(settled, "the attempt to be cancelled with cleanup confirmed")
+    return plan
+
+
+def _write_output(host: BenchHost, plan: Plan, size: int) -> tuple[str, str]:
+    """The output file (as root, in the attempt's storage); returns (path, digest)."""
+    import harness as h  # noqa: PLC0415
+
+    (row,) = host.observe_rows([h.fence(plan)])
+    storage = host.slot_dir(row.slot) / "ficc" / plan.attempt_id / "storage"
+    path = storage / OUTPUT.path
+    digest = hashlib.sha256()
+    with open(path, "xb") as out:
+        for _ in range(0, size, BLOCK):
+            block = os.urandom(BLOCK)
+            digest.update(block)
+            out.write(block)
+        out.flush()
+        os.fsync(out.fileno())
+    return str(path), "sha256:" + digest.hexdigest()
+
+
+def _daemon_round(host: BenchHost, plan: Plan, size: int, digest: str) -> float:
+    import harness as h  # noqa: PLC0415
+
+    fence = h._fence_fields(plan)
+    frames = [
+        encode_request(
+            CollectRequest(
+                version=1,
+                id=h.new_id(),
+                reads=[Read(**fence, object="output:result", offset=offset, length=BLOCK)],
+            )
+        )
+        for offset in range(0, size, BLOCK)
+    ]
+    path = host.transport
+
+    def client() -> bytes:
+        elapsed, _, replies = timed_exchanges(path, frames)
+        whole = hashlib.sha256()
+        for reply in replies:
+            (row,) = decode(reply)["results"]
+            whole.update(base64.b64decode(row["data"]))
+        last = decode(replies[-1])["results"][0]
+        assert last["eof"], last
+        assert last["complete"], last
+        assert "sha256:" + whole.hexdigest() == digest, "collected bytes differ from the file"
+        return repr(elapsed).encode()
+
+    return float(host.as_transport(client))
+
+
+def _baseline_round(path: str) -> float:
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as source:
+        while True:
+            block = source.read(BLOCK)
+            if not block:
+                break
+            base64.b64encode(block)
+    return time.perf_counter() - start
+
+
+def run(quick: bool) -> list[Figure]:
+    size = 32 * MIB if quick else 256 * MIB
+    rounds = 1 if quick else 3
+    daemon_s, baseline_s = [], []
+    with bench_host([SlotPlan("small", 64 * MIB)]) as host:
+        plan = _settled_attempt(host)
+        path, digest = _write_output(host, plan, size)
+        _baseline_round(path)  # warm the page cache for both sides
+        for _ in range(rounds):
+            daemon_s.append(_daemon_round(host, plan, size, digest))
+            baseline_s.append(_baseline_round(path))
+    mib = size / MIB
+    rate = mib / statistics.median(daemon_s)
+    base = mib / statistics.median(baseline_s)
+    return [
+        Figure(
+            "P5",
+            f"collect {mib:.0f} MiB output in 1 MiB reads (MiB/s)",
+            rate,
+            "MiB/s",
+            base,
+            rate / base,
+            target=0.5,
+            higher_is_better=True,
+        )
+    ]

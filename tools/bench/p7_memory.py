@@ -1,0 +1,140 @@
+"""P7: daemon memory with many records and active attempts, and while streaming.
+
+Setup: a real daemon with 64 slots. 10,000 durable ledger records (1,000 with --quick)
+are created with `reject_absent` batches of 64 (each a failed `admission_rejected`
+record), then 64 attempts are admitted in one `prepare`: 63 small ones, all waited to
+ready (provider prepare done), and one in the `big` slot class that declares one
+streamed input of 1 GiB (128 MiB with --quick).
+
+Figures (memory from /proc/PID/status of the daemon process):
+1. VmRSS with the records and the 64 active attempts. QUALITY.md: at most 100 MiB.
+   Baseline = that budget, ratio = value / 100 MiB (<= 1 passes).
+2. Growth while streaming the input in `input_chunk_bytes` (8 MiB) chunks over the
+   socket: the peak is reset just before (`clear_refs` 5), so VmHWM after the stream
+   minus VmRSS before it is the highest resident growth at any moment. QUALITY.md: at
+   most 3 chunk sizes (24 MiB). Baseline = 24 MiB, ratio = value / 24 MiB.
+3. Without a target, the VmRSS growth that remains after the stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+from daemon_support import MIB, BenchHost, SlotPlan, bench_host, decode, exchange
+from figures import Figure
+
+from ficc.execution.plan import InputObject, Plan
+from ficc.execution.protocol import (
+    InputStatusRequest,
+    InputWrite,
+    InputWriteRequest,
+    ObjectRef,
+    encode_request,
+)
+
+CHUNK = 8 * MIB
+ACTIVE = 64
+
+
+def _streamed_plan(host: BenchHost, size: int, chunk: bytes) -> tuple[Plan, InputObject]:
+    """The big attempt's plan: its input is `chunk` repeated up to `size` bytes."""
+    import harness as h  # noqa: PLC0415
+
+    whole = hashlib.sha256()
+    for _ in range(size // len(chunk)):
+        whole.update(chunk)
+    item = InputObject(
+        id=h.new_id(),
+        name="input.bin",
+        bytes=size,
+        digest="sha256:" + whole.hexdigest(),
+        delivery="stream",
+    )
+    return host.plan(slot_class="big", inputs=[item], storage_bytes=size + 16 * MIB), item
+
+
+def _stream(host: BenchHost, plan: Plan, item: InputObject, chunk: bytes) -> None:
+    """Stream the input from a client forked as the transport account."""
+    import harness as h  # noqa: PLC0415
+
+    fence = h._fence_fields(plan)
+    data = base64.b64encode(chunk).decode("ascii")
+    digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
+    path = host.transport
+    count = item.bytes // len(chunk)
+
+    def client() -> bytes:
+        for n in range(count):
+            write = InputWrite(
+                **fence, object=item.id, offset=n * len(chunk), data=data, digest=digest
+            )
+            payload = encode_request(InputWriteRequest(version=1, id=h.new_id(), writes=[write]))
+            (row,) = decode(exchange(path, payload))["results"]
+            assert "error" not in row, row
+        assert row["complete"] is True, row
+        return b"ok"
+
+    host.as_transport(client)
+
+
+def _wait_staged(host: BenchHost, plan: Plan, item: InputObject) -> None:
+    import harness as h  # noqa: PLC0415
+
+    ref = ObjectRef(**h._fence_fields(plan), object=item.id)
+
+    def staged() -> bool:
+        request = InputStatusRequest(version=1, id=h.new_id(), objects=[ref])
+        (row,) = h.rows(host.send(request))
+        return h.row_code(row) != "inputs_preparing"
+
+    h.wait_until(staged, "staging to be initialised")
+
+
+def run(quick: bool) -> list[Figure]:
+    records = 1_000 if quick else 10_000
+    size = 128 * MIB if quick else 1024 * MIB
+    slots = [SlotPlan("big", size + 64 * MIB)] + [SlotPlan() for _ in range(ACTIVE - 1)]
+    chunk = bytes(range(256)) * (CHUNK // 256)
+    with bench_host(slots) as host:
+        host.reject_absent(records)
+        small = [host.plan() for _ in range(ACTIVE - 1)]
+        big, item = _streamed_plan(host, size, chunk)
+        host.prepare([*small, big])
+        host.wait_ready(small)
+        _wait_staged(host, big, item)
+        rss = host.memory_kib("VmRSS") / 1024
+        host.reset_peak()
+        before = host.memory_kib("VmRSS") / 1024
+        _stream(host, big, item, chunk)
+        peak = host.memory_kib("VmHWM") / 1024
+        after = host.memory_kib("VmRSS") / 1024
+    budget, growth_budget = 100.0, 3 * CHUNK / MIB
+    return [
+        Figure(
+            "P7",
+            f"RSS, {records} records + {ACTIVE} active attempts",
+            rss,
+            "MiB",
+            budget,
+            rss / budget,
+            target=1.0,
+        ),
+        Figure(
+            "P7",
+            f"peak RSS growth streaming {size // MIB} MiB",
+            peak - before,
+            "MiB",
+            growth_budget,
+            (peak - before) / growth_budget,
+            target=1.0,
+        ),
+        Figure(
+            "P7",
+            "  RSS growth left after the stream",
+            after - before,
+            "MiB",
+            growth_budget,
+            (after - before) / growth_budget,
+        ),
+    ]
