@@ -1,46 +1,91 @@
-"""P6: a whole attempt of a `true` payload with the Podman provider vs a bare `podman run`.
+"""P6: a whole attempt of a `true` payload through the daemon and the Podman provider.
 
-Value: provider `prepare` (inputs none, the pinned image already in the slot's Podman
-storage, so steady state) until the prepare result is validated (ready), plus the
-host's cgroupfs service creation with the prepared argv as the slot account, provider
-`start`, `observe` until the barrier's PID, the payload gate on the live barrier, the
-release marker and `observe` until `finished`. That is what the daemon runs between
-"prepare accepted" and "finished", measured directly on its parts (provider, service,
-gate) rather than through the daemon process.
+Value (QUALITY.md P6): through the real daemon (`python -m ficc.execution serve`) with
+the real ficc-provider-podman installed from a wheel into a root-owned prefix and
+pinned, rootless Podman as the slot account (attempt_support.podman_host). One client, a
+forked child as the transport account speaking through ficc.execution.client.Client
+over the real transport socket, times: sending `prepare` until `observe` reports
+`ready`, plus sending `start` until `observe` reports a terminal state (`succeeded`,
+exit 0). `observe` is polled with a 10 ms pause between a reply and the next request,
+so each phase may read up to one pause (plus one observe round trip) late. Stop,
+cleanup confirmation and release are not timed.
 
-Baseline: `podman run --rm` of the same image with the same isolation flags, as the same
-slot account, with `/bin/true` as the command, followed by the same cleanup of the
-account's leftovers (the pause process) that every attempt must also leave behind.
+Baseline: `podman run --rm` of the same image with the same isolation flags as the
+provider's argv (container.run_argv: network none, read-only, no capabilities,
+no-new-privileges, private cgroup/IPC/UTS/PID namespaces, passthrough logs, the same
+ulimits), as the same slot account in the same Podman storage, of `/bin/true`. Only the
+`podman run` is timed; removing the account's pause process afterwards is not.
 
-Cleanup of the attempt (stop, idle check, provider release, layout removal) is not
-timed on either side. QUALITY.md: ratio value / baseline at most 2x.
+Rounds alternate attempt and baseline (drift hits both alike); medians of 5 (quick) or
+15 rounds after one untimed round that loads the image into the slot's storage.
+QUALITY.md: whole attempt / baseline at most 2x. The two phases are reported
+separately (no target), and so is the earlier direct measurement of the provider, the
+cgroupfs service and the payload gate without the daemon (no target; its own world,
+its own baseline).
 
-Needs root, podman, runc and busybox-static; creates and removes its own slot account.
+Needs root, podman, runc and busybox-static; creates and removes its own accounts.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
+from types import ModuleType
 
+import attempt_support as p6
 from figures import Figure
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "packages/ficc-provider-podman/tests"))
-
-import harness as h  # noqa: E402
-from ficc_provider_podman.account import (  # noqa: E402
-    SlotAccount,
-    kill_leftovers,
-    reset_runtime_state,
-)
-from ficc_provider_podman.container import container_name  # noqa: E402
+DIRECT_HARNESS = HERE.parents[1] / "packages/ficc-provider-podman/tests/harness.py"
 
 
-def _attempt(w: h.World) -> float:
+def _daemon_figures(rounds: int) -> list[Figure]:
+    with p6.podman_host() as world:
+        p6.timed_attempt(world)  # loads the image into the slot's storage: not timed
+        p6.bare_run(world)
+        attempts: list[p6.Phases] = []
+        bares: list[float] = []
+        for _ in range(rounds):
+            attempts.append(p6.timed_attempt(world))
+            bares.append(p6.bare_run(world))
+    baseline = statistics.median(bares)
+    whole = statistics.median(a.whole for a in attempts)
+    ready = statistics.median(a.prepare_to_ready for a in attempts)
+    finished = statistics.median(a.start_to_finished for a in attempts)
+
+    def figure(name: str, value: float, target: float | None = None) -> Figure:
+        return Figure("P6", name, value * 1000, "ms", baseline * 1000, value / baseline, target)
+
+    return [
+        figure("whole attempt of `true` via daemon vs podman run", whole, target=2.0),
+        figure("  prepare->ready via daemon vs podman run", ready),
+        figure("  start->finished via daemon vs podman run", finished),
+    ]
+
+
+# --- the earlier measurement: provider + service + gate, no daemon -----------------------
+
+
+def _direct_harness() -> ModuleType:
+    """The provider tests' harness, loaded under its own name (tests-integration has a
+    `harness` module too)."""
+    name = "ficc_podman_direct_harness"
+    spec = importlib.util.spec_from_file_location(name, DIRECT_HARNESS)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _direct_attempt(h: ModuleType, w: object) -> float:
+    """Provider prepare until validated, the cgroupfs service as the slot account,
+    provider start, observe to the barrier, the gate, the release marker, observe to
+    finished: what the daemon runs, measured on its parts."""
     plan = h.make_plan(w, ["/bin/true"], devices=())
     attempt = h.new_attempt(w, plan)
     try:
@@ -58,67 +103,28 @@ def _attempt(w: h.World) -> float:
     return elapsed
 
 
-def _bare(w: h.World) -> float:
-    slot = SlotAccount(w.slot.uid, w.slot.gid, w.slot.path)
-    argv = [
-        "setpriv",
-        f"--reuid={slot.uid}",
-        f"--regid={slot.gid}",
-        "--clear-groups",
-        "env",
-        "-i",
-        *(f"{k}={v}" for k, v in slot.environment().items()),
-        *slot.podman(w.driver.config, log_level="fatal"),
-        "run",
-        "--rm",
-        "--name",
-        container_name("f" * 32),
-        "--pull=never",
-        "--network=none",
-        "--read-only",
-        "--cap-drop=all",
-        "--security-opt",
-        "no-new-privileges",
-        "--cgroupns=private",
-        "--ipc=private",
-        "--uts=private",
-        "--pid=private",
-        "--log-driver=passthrough",
-        "--ulimit",
-        "core=0:0",
-        "--ulimit",
-        "nofile=1024:1024",
-        "--ulimit",
-        "nproc=256:256",
-        w.image["image_id"].removeprefix("sha256:"),
-        "/bin/true",
-    ]
-    start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
-    kill_leftovers(slot.uid)
-    elapsed = time.perf_counter() - start
-    reset_runtime_state(slot)
-    return elapsed
+def _direct_figure(rounds: int) -> Figure:
+    h = _direct_harness()
+    with h.world() as w:
+        _direct_attempt(h, w)  # loads the image into the slot's storage: not timed
+        p6.bare_run_as(w.slot.uid, w.slot.gid, w.slot.path, w.driver.config, w.image)
+        attempts, bares = [], []
+        for _ in range(rounds):
+            attempts.append(_direct_attempt(h, w))
+            bares.append(
+                p6.bare_run_as(w.slot.uid, w.slot.gid, w.slot.path, w.driver.config, w.image)
+            )
+    value, baseline = statistics.median(attempts), statistics.median(bares)
+    return Figure(
+        "P6",
+        "(provider+service+gate, no daemon) vs podman run",
+        value * 1000,
+        "ms",
+        baseline * 1000,
+        value / baseline,
+    )
 
 
 def run(quick: bool) -> list[Figure]:
-    repeat = 3 if quick else 11
-    with h.world() as w:
-        _attempt(w)  # loads the image into the slot's storage: not timed
-        _bare(w)
-        attempts, bares = [], []
-        for _ in range(repeat):  # interleaved, so drift hits both sides alike
-            attempts.append(_attempt(w))
-            bares.append(_bare(w))
-    value, baseline = statistics.median(attempts), statistics.median(bares)
-    return [
-        Figure(
-            "P6",
-            "attempt of `true` (provider+service+gate) vs podman run",
-            value * 1000,
-            "ms",
-            baseline * 1000,
-            value / baseline,
-            target=2.0,
-        )
-    ]
+    rounds = 5 if quick else 15
+    return [*_daemon_figures(rounds), _direct_figure(3 if quick else 11)]

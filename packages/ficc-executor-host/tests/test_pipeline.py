@@ -972,3 +972,29 @@ def test_an_unknown_provider_fails_its_rows_without_a_call() -> None:
         workers.shutdown()
     assert result.code == "provider_unavailable"
     assert driver.batches == []
+
+
+def test_the_monitor_is_woken_when_a_released_service_main_process_exits(world: World) -> None:
+    """The end of a payload is seen at once, not at the next monitor tick: the runner
+    watches the service's main process with a pidfd and wakes the monitor on exit."""
+    read_end, write_end = os.pipe()
+    child = subprocess.Popen(["/bin/sh", "-c", "read _ <&3"], pass_fds=(read_end,))
+    os.close(read_end)
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        woken = asyncio.Event()
+        runner.monitor.wake = woken.set  # type: ignore[method-assign]
+        runner._wake_on_exit(child.pid)
+        await asyncio.sleep(0)
+        assert not woken.is_set()  # the process still runs
+        os.close(write_end)  # now it exits
+        await asyncio.wait_for(woken.wait(), timeout=30)
+        assert runner._exit_watches == set()  # the pidfd is closed again
+        await runner.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        child.kill()
+        child.wait()

@@ -263,6 +263,8 @@ class Runner:
         self._batcher = _Batcher(ctx, self._settings.provider_timeout)
         self._monitor = Monitor(self, interval=self._settings.tick, on_tick=on_tick)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._exit_watches: set[int] = set()
+        """pidfds of released services' main processes (see `_wake_on_exit`)."""
         self._preparing: set[str] = set()
         self._again: set[str] = set()
         self._closing = False
@@ -338,6 +340,8 @@ class Runner:
     async def close(self) -> None:
         """Cancel every task of this runner (a provider call already in a thread runs on)."""
         self._closing = True
+        for fd in list(self._exit_watches):
+            self._unwatch(fd)
         tasks = [*self._tasks, *self._batcher.tasks]
         for task in tasks:
             task.cancel()
@@ -601,6 +605,36 @@ class Runner:
         if not verdict.ok:
             raise HostError(verdict.failures[0].code, verdict.failures[0].message)
         await self._release_payload(attempt)
+        self._wake_on_exit(handle.main_pid)
+
+    def _wake_on_exit(self, pid: int | None) -> None:
+        """Wake the monitor the moment the service's main process exits.
+
+        The monitor otherwise notices the end of a payload only at its next tick; a
+        pidfd becomes readable when the process exits, so the outcome is observed at
+        once. A PID that is already gone (or reused) only costs an early tick.
+        """
+        if pid is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            self._monitor.wake()
+            return
+        loop = asyncio.get_running_loop()
+        self._exit_watches.add(fd)
+
+        def exited() -> None:
+            self._unwatch(fd)
+            self._monitor.wake()
+
+        loop.add_reader(fd, exited)
+
+    def _unwatch(self, fd: int) -> None:
+        if fd in self._exit_watches:
+            self._exit_watches.discard(fd)
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
 
     async def _prepared(self, attempt: _Attempt) -> PrepareResult:
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)

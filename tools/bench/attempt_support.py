@@ -1,0 +1,243 @@
+"""The real daemon with the real Podman provider, for P6 (a whole attempt of `true`).
+
+`podman_host()` builds what tests-integration/podman_support.py builds for the Podman
+end-to-end tests, from its own building blocks (imported read-only): the busybox test
+image as a pinned OCI archive, ficc-provider-podman built into a wheel, installed into
+a root-owned prefix and pinned by its digest, a root 0600 configuration naming the
+Podman provider, and `python -m ficc.execution serve` started with NOTIFY_SOCKET and
+waited for READY=1. Differences, so the figure measures one thing:
+- ONE slot (one slot account, `ficc-bp6-*`), so every attempt and every baseline run
+  uses the same rootless Podman storage, which holds the image after the first
+  (untimed) attempt;
+- the daemon gets the `Environment=` of the packaged unit, as daemon_support does.
+
+`timed_attempt()` runs prepare -> ready -> start -> finished from one forked child
+as the transport account, through the real Client over the real transport socket,
+polling `observe` every POLL_S between replies. `bare_run()` is the baseline: `podman
+run --rm` of the same image with the provider's isolation flags, as the slot account.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pathlib
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "tests-integration"))
+
+from daemon_support import _environment, unit_environment  # noqa: E402
+
+import harness as h  # noqa: E402
+import podman_support as ps  # noqa: E402
+from ficc.execution.client import Client  # noqa: E402
+from ficc.execution.plan import Payload, Plan  # noqa: E402
+from ficc.execution.protocol import (  # noqa: E402
+    Fence,
+    ObserveRequest,
+    PrepareAttempt,
+    PrepareRequest,
+    StartRequest,
+)
+from ficc.execution.wire import AttemptRow, ErrorReply, ErrorRow  # noqa: E402
+from ficc_provider_podman import config as podman_config  # noqa: E402
+from ficc_provider_podman.account import (  # noqa: E402
+    SlotAccount,
+    forget_pause_process,
+    kill_leftovers,
+    reset_runtime_state,
+)
+from ficc_provider_podman.config import MAX_ULIMIT, Config  # noqa: E402
+from ficc_provider_podman.container import container_name  # noqa: E402
+
+POLL_S = 0.010
+"""Pause between one observe reply and the next observe request."""
+PHASE_TIMEOUT_S = 120.0
+PROCESSES = 128
+"""The plan's process limit, and so the container's nproc ulimit on both sides."""
+
+
+@dataclass(frozen=True)
+class Phases:
+    """Seconds from sending prepare to observing ready, and from start to finished."""
+
+    prepare_to_ready: float
+    start_to_finished: float
+
+    @property
+    def whole(self) -> float:
+        return self.prepare_to_ready + self.start_to_finished
+
+
+@contextlib.contextmanager
+def podman_host() -> Iterator[ps.PodmanWorld]:
+    """A started daemon with the pinned Podman provider and one slot; all removed after."""
+    tag = secrets.token_hex(3)
+    base = h.private_directory("/run", f"ficc-bp6-{tag}-")
+    accounts: list[h.Account] = []
+    process: h.DaemonProcess | None = None
+    installation_id: str | None = None
+    try:
+        for role in ("s0", "tr"):
+            accounts.append(ps.create_account(f"ficc-bp6-{tag}-{role}"))
+        slot, transport = accounts
+        image = ps.build_image(base / "image")
+        provider = ps.install_podman_provider(base)
+        layout = ps.write_config(base, [slot], transport, provider, image)
+        installation_id = layout.installation_id
+        process = h.DaemonProcess(layout, provider)
+        with _environment(unit_environment()):
+            process.start()
+        yield ps.PodmanWorld(base, layout, provider, image, [slot], transport, process)
+        status = process.stop()
+        if status != 0:
+            print(f"daemon exited {status}:\n{process.log()}", file=sys.stderr)
+    finally:
+        if process is not None:
+            process.kill()
+        if installation_id is not None:
+            ps._purge_services(installation_id)
+        for account in accounts:
+            ps._remove_account(account)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def true_plan(world: ps.PodmanWorld) -> Plan:
+    """A plan whose payload is `/bin/true` itself (no shell), tracked for teardown."""
+    plan = world.plan("true", processes=PROCESSES)
+    payload = Payload(argv=["/bin/true"], environment={})
+    job = msgspec.structs.replace(plan.job, payload=payload)
+    world.plans[-1] = plan = msgspec.structs.replace(plan, job=job)
+    return plan
+
+
+def timed_attempt(world: ps.PodmanWorld) -> Phases:
+    """One attempt of `true`, timed in the client; then stopped/released (untimed)."""
+    plan = true_plan(world)
+    request = PrepareRequest(
+        version=1,
+        id=h.new_id(),
+        **world.bindings(),
+        attempts=[PrepareAttempt(plan=plan, lease=h.renewal(plan, 1, h.now_ms() + 300_000))],
+    )
+    socket = world.socket
+    raw = h.run_as(
+        world.transport, lambda: json.dumps(asyncio.run(_phases(socket, request))).encode()
+    )
+    result = json.loads(raw)
+    world.finish(plan)
+    if result["error"]:
+        raise RuntimeError(f"the benchmark attempt did not finish: {result['error']}")
+    return Phases(result["prepare_to_ready"], result["start_to_finished"])
+
+
+async def _phases(socket: str, prepare: PrepareRequest) -> dict[str, object]:
+    """Runs in the transport account's child: the timed part of one attempt."""
+    client = Client(socket, read_timeout=PHASE_TIMEOUT_S)
+    fence = h.fence(prepare.attempts[0].plan)
+    began = time.perf_counter()
+    _row(await client.request(prepare))
+    ready = await _poll(client, fence, lambda r: r.ready or r.state != "prepared")
+    readied = time.perf_counter()
+    _row(await client.request(StartRequest(version=1, id=h.new_id(), attempts=[fence])))
+    done = await _poll(client, fence, lambda r: r.state in ps.TERMINAL)
+    finished = time.perf_counter()
+    error = None
+    if (ready.state, ready.ready) != ("prepared", True):
+        error = f"not ready: {ready}"
+    elif (done.state, done.exit_code) != ("succeeded", 0):
+        error = f"not succeeded: {done}"
+    return {
+        "prepare_to_ready": readied - began,
+        "start_to_finished": finished - readied,
+        "error": error,
+    }
+
+
+async def _poll(client: Client, fence: Fence, accept: Callable[[AttemptRow], bool]) -> AttemptRow:
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while True:
+        row = _row(await client.request(ObserveRequest(version=1, id=h.new_id(), attempts=[fence])))
+        if accept(row):
+            return row
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no progress within {PHASE_TIMEOUT_S} s: {row}")
+        await asyncio.sleep(POLL_S)
+
+
+def _row(reply: object) -> AttemptRow:
+    if isinstance(reply, ErrorReply):
+        raise RuntimeError(f"refused: {reply.error.code}: {reply.error.message}")
+    (row,) = reply.results  # type: ignore[attr-defined]
+    if isinstance(row, ErrorRow):
+        raise RuntimeError(f"row refused: {row.error.code}: {row.error.message}")
+    assert isinstance(row, AttemptRow), row
+    return row
+
+
+def bare_run(world: ps.PodmanWorld) -> float:
+    """The baseline in the daemon's world: its one slot, storage and configuration."""
+    (account,) = world.slots
+    config = podman_config.load(world.layout.document["providers"][0]["configuration"])
+    slot_path = world.layout.slot_paths[0]
+    return bare_run_as(account.uid, account.gid, slot_path, config, world.image)
+
+
+def bare_run_as(
+    uid: int, gid: int, slot_path: object, config: Config, image: dict[str, str]
+) -> float:
+    """`podman run --rm IMAGE /bin/true` as the slot account with the provider's
+    isolation flags (container.run_argv); seconds. The slot account's leftovers (the
+    rootless pause process) are removed afterwards, untimed, so the next attempt's
+    provider finds the account idle."""
+    slot = SlotAccount(uid, gid, str(slot_path))
+    nproc = min(PROCESSES, MAX_ULIMIT)
+    argv = [
+        "setpriv",
+        f"--reuid={slot.uid}",
+        f"--regid={slot.gid}",
+        "--clear-groups",
+        "env",
+        "-i",
+        *(f"{k}={v}" for k, v in slot.environment().items()),
+        *slot.podman(config, log_level="fatal"),
+        "run",
+        "--rm",
+        "--name",
+        container_name("f" * 32),
+        "--pull=never",
+        "--network=none",
+        "--read-only",
+        "--cap-drop=all",
+        "--security-opt",
+        "no-new-privileges",
+        "--cgroupns=private",
+        "--ipc=private",
+        "--uts=private",
+        "--pid=private",
+        "--log-driver=passthrough",
+        "--ulimit",
+        "core=0:0",
+        "--ulimit",
+        f"nofile={config.nofile}:{config.nofile}",
+        "--ulimit",
+        f"nproc={nproc}:{nproc}",
+        image["image_id"].removeprefix("sha256:"),
+        "/bin/true",
+    ]
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=slot.home)
+    elapsed = time.perf_counter() - start
+    kill_leftovers(slot.uid)
+    reset_runtime_state(slot)
+    forget_pause_process(slot)
+    return elapsed
