@@ -14,7 +14,9 @@ the `provider-digest` pin), with a configuration generated for the benchmark:
   the passwd and group databases): admission, layouts and staging only chown to them,
   and no benchmark starts a payload on them;
 - the test provider built into a wheel, installed into a root-owned prefix and pinned
-  by its real digest.
+  by its real digest;
+- the `Environment=` of the packaged systemd unit (MALLOC_MMAP_THRESHOLD_), so memory
+  figures are those of the daemon as it is deployed.
 
 Clients talk raw frames over the real sockets (`exchange`) in forked children that drop
 to the transport account (`as_transport`), so what a benchmark times is the daemon and
@@ -30,6 +32,7 @@ import json
 import os
 import pathlib
 import pwd
+import shlex
 import shutil
 import socket
 import sys
@@ -366,6 +369,35 @@ def _document(
     return document, paths
 
 
+UNIT = ROOT / "packages/ficc-executor-host/packaging/ficc-executor-host.service"
+
+
+def unit_environment() -> dict[str, str]:
+    """The `Environment=` assignments of the packaged unit (glibc reads them at start)."""
+    values: dict[str, str] = {}
+    for line in UNIT.read_text().splitlines():
+        if line.startswith("Environment="):
+            for assignment in shlex.split(line.removeprefix("Environment=")):
+                name, _, value = assignment.partition("=")
+                values[name] = value
+    return values
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set `values` in os.environ for a child started inside (harness copies os.environ)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 @contextlib.contextmanager
 def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
     """A started daemon with these slots; stopped (SIGTERM) and removed afterwards."""
@@ -388,7 +420,8 @@ def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
             document,
         )
         process = h.DaemonProcess(layout, provider)
-        process.start()
+        with _environment(unit_environment()):
+            process.start()
         try:
             yield BenchHost(base, layout, provider, accounts, process, paths)
         finally:

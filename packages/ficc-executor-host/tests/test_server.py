@@ -351,6 +351,59 @@ def test_a_large_request_is_decoded_and_dispatched(server: Running, fake: FakeDa
     assert received.writes[0].chunk == data
 
 
+def _pieces(data: bytes, sizes: list[int]) -> Iterator[bytes]:
+    """`data` cut at irregular places: the given sizes, then the rest in 64 KiB + 7 steps."""
+    at = 0
+    for size in sizes:
+        yield data[at : at + size]
+        at += size
+    while at < len(data):
+        yield data[at : at + 65543]
+        at += 65543
+
+
+def test_a_frame_sent_in_small_pieces_is_read_exactly_to_its_declared_length(
+    server: Running, fake: FakeDaemon
+) -> None:
+    """The server receives a frame piece by piece into one buffer of the declared size.
+
+    Each piece is sent only once the server has read everything before it, so every
+    boundary (inside the header, between header and payload, inside the payload) is a
+    separate receive. Bytes sent after the frame, while the request is in dispatch, stay
+    unread to the end (the close resets us): the buffer is exactly the declared length
+    and nothing is read ahead. Then the server keeps serving.
+    """
+    data = os.urandom(600 * 1024)  # a frame over the off-loop decoding threshold
+    write = InputWrite(
+        attempt_id="a" * 32,
+        generation=1,
+        plan_digest="sha256:" + "b" * 64,
+        object="c" * 32,
+        offset=0,
+        data=base64.b64encode(data).decode(),
+        digest="sha256:" + hashlib.sha256(data).hexdigest(),
+    )
+    sent = frame(encode_request(InputWriteRequest(version=1, id=request_id(8), writes=[write])))
+    trailing = frame(encode_request(snapshot(9)))
+    release = _hold(server, fake)
+    sock = raw_connect(server.paths["transport"])
+    for piece in _pieces(sent, [1, 2, 1, 5, 4093]):
+        sock.sendall(piece)
+        wait_for(lambda: _outq(sock) == 0, "the server to read the piece")
+    wait_for(lambda: len(fake.calls) == 1, "the request in dispatch")
+    sock.sendall(trailing)
+    assert _outq(sock) > 0  # queued, unread while the request is held
+    release()
+    assert error_of(read_reply(sock))[:2] == ("unknown_attempt", request_id(8))  # the fake
+    assert reset_unread(sock), "the server read past the declared length"
+    sock.close()
+    (received,) = fake.requests
+    assert isinstance(received, InputWriteRequest)
+    assert received.writes[0].chunk == data
+    assert isinstance(ask(server.paths["transport"], snapshot(10)), SnapshotReply)
+    assert [c[3] for c in fake.calls] == [request_id(8), request_id(10)]
+
+
 # --- the peer is checked before anything is read ----------------------------------------
 
 

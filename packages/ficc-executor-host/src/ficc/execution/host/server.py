@@ -13,7 +13,8 @@ A thin asyncio shell around the sans-I/O codecs of ficc-protocol and the daemon'
    reply (ID zero) and a close, again without anything read.
 3. One frame, within `read_timeout` (a slow peer is cut off, without a reply), at most
    12 MiB, and only if the request-byte budget has room (else `busy`): the header is
-   checked before the payload is buffered.
+   checked before the payload is received, into one buffer of exactly its length
+   (nothing past the frame is read).
 4. `decode_request` (large frames off the loop), then `may_send` from the socket kind
    alone; every refusal is an ErrorReply with the ProtocolError's code, its JSON path in
    the message, and the request ID when it could be read.
@@ -35,7 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 
@@ -187,23 +188,12 @@ class Server:
 
     async def _serve(self, conn: socket.socket, info: _Connection) -> None:
         try:
-            reader, writer = await asyncio.open_unix_connection(sock=conn)
-        except OSError:
-            conn.close()
-            self._release(info)
-            return
-        try:
-            reply = await self._reply_for(reader, info)
+            reply = await self._reply_for(conn, info)
             if reply is not None:
-                await self._write(writer, reply, info)
+                await self._write(conn, reply, info)
         finally:
             self._release(info)
-            if writer.transport.get_write_buffer_size():  # unsent after a write timeout
-                writer.transport.abort()
-            writer.close()
-            with contextlib.suppress(OSError, TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await writer.wait_closed()
+            conn.close()  # a reply not fully sent (write timeout) is dropped with it
 
     def _release(self, info: _Connection) -> None:
         path = info.endpoint.path
@@ -211,10 +201,10 @@ class Server:
         if not self._active[path]:
             del self._active[path]
 
-    async def _reply_for(self, reader: asyncio.StreamReader, info: _Connection) -> AnyReply | None:
+    async def _reply_for(self, conn: socket.socket, info: _Connection) -> AnyReply | None:
         """The reply to send, or None to close silently (timeout, EOF)."""
         try:
-            request = await self._read_request(reader, info)
+            request = await self._read_request(conn, info)
             return await self._dispatch(request, info)
         except _Refused as refused:
             code = refused.reply.error.code if refused.reply is not None else None
@@ -232,8 +222,8 @@ class Server:
             )
             return _internal(info.request_id, "the executor failed while reading this request")
 
-    async def _read_request(self, reader: asyncio.StreamReader, info: _Connection) -> AnyRequest:
-        frame = await self._read_frame(reader)
+    async def _read_request(self, conn: socket.socket, info: _Connection) -> AnyRequest:
+        frame = await self._read_frame(conn)
         try:
             if len(frame) > _OFF_LOOP_BYTES:
                 request = await asyncio.to_thread(self._decode, frame)
@@ -256,14 +246,22 @@ class Server:
             )
         return request
 
-    def _decode(self, frame: bytes) -> AnyRequest:
-        return decode_request(frame, input_chunk_bytes=self.daemon.input_chunk_bytes())
+    def _decode(self, frame: bytearray) -> AnyRequest:
+        # msgspec decodes any buffer in place; decode_request is annotated for bytes only
+        payload = cast(bytes, frame)
+        return decode_request(payload, input_chunk_bytes=self.daemon.input_chunk_bytes())
 
-    async def _read_frame(self, reader: asyncio.StreamReader) -> bytes:
-        """One frame: header within the read timeout, budget reserved, then the payload."""
+    async def _read_frame(self, conn: socket.socket) -> bytearray:
+        """One frame: header within the read timeout, budget reserved, then the payload.
+
+        The payload is received straight into one buffer of exactly the declared length
+        (the decoder reads it in place): a stream reader would hold its own buffer, a
+        slice of it and the returned copy at once, three times an 8 MiB chunk's frame.
+        """
         try:
             async with asyncio.timeout(self.limits.read_timeout):
-                header = await reader.readexactly(HEADER.size)
+                header = bytearray(HEADER.size)
+                await _receive_exactly(conn, header, closed_empty=True)
                 (length,) = HEADER.unpack(header)
                 check_length(length, REQUEST_MAX)
                 if length > self._budget:
@@ -271,19 +269,15 @@ class Server:
                     raise _Refused(error_reply(None, ErrorCode.BUSY, message), "busy")
                 self._budget -= length
                 try:
-                    return await reader.readexactly(length)
+                    payload = bytearray(length)
+                    await _receive_exactly(conn, payload, closed_empty=False)
+                    return payload
                 finally:
                     self._budget += length
         except FrameError as exc:
             raise _Refused(error_reply(None, exc.code, exc.message), "frame_refused") from None
         except TimeoutError:
             raise _Refused(None, "read_timeout") from None
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial and exc.expected == HEADER.size:
-                raise _Refused(None, "closed_empty") from None
-            message = f"the peer ended the connection inside a frame ({len(exc.partial)} bytes)"
-            refusal = error_reply(None, ErrorCode.BAD_FRAME, message)
-            raise _Refused(refusal, "frame_truncated") from None
         except ConnectionError:
             raise _Refused(None, "connection_reset") from None
 
@@ -304,17 +298,15 @@ class Server:
             )
             return _internal(request.id, "the executor failed while handling this request")
 
-    async def _write(
-        self, writer: asyncio.StreamWriter, reply: AnyReply, info: _Connection
-    ) -> None:
+    async def _write(self, conn: socket.socket, reply: AnyReply, info: _Connection) -> None:
         payload = encode_reply(reply)
         if len(payload) > REPLY_MAX:  # a handler bug: never send an oversized frame
             self._event("error", "reply_too_large", info.endpoint, info=info, bytes=len(payload))
             payload = encode_reply(_internal(info.request_id, "the reply was over 2 MiB"))
+        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.limits.write_timeout):
-                writer.write(HEADER.pack(len(payload)) + payload)
-                await writer.drain()
+                await loop.sock_sendall(conn, HEADER.pack(len(payload)) + payload)
         except TimeoutError:
             self._event("warning", "write_timeout", info.endpoint, info=info)
             return
@@ -366,6 +358,25 @@ class Server:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+
+
+async def _receive_exactly(conn: socket.socket, buffer: bytearray, *, closed_empty: bool) -> None:
+    """Fill `buffer` from the socket, refusing a peer that ends the connection first.
+
+    An end before the first byte is `closed_empty` (no reply) where that is allowed:
+    a peer that connects and leaves is not an error.
+    """
+    loop = asyncio.get_running_loop()
+    view = memoryview(buffer)
+    filled = 0
+    while filled < len(buffer):
+        received = await loop.sock_recv_into(conn, view[filled:])
+        if not received:
+            if closed_empty and not filled:
+                raise _Refused(None, "closed_empty")
+            message = f"the peer ended the connection inside a frame ({filled} bytes)"
+            raise _Refused(error_reply(None, ErrorCode.BAD_FRAME, message), "frame_truncated")
+        filled += received
 
 
 def _busy(what: str) -> str:
