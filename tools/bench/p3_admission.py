@@ -80,7 +80,7 @@ FACTS = HostFacts(
     slots=[SlotSpec(f"slot{i}", "cpu", 1 << 34, 10**6) for i in range(2 * ROWS)],
     devices=frozenset(),
     ceiling=_offer(),
-    now=Now(BOOT, 0),
+    now=Now(BOOT, 0, 0),
 )
 
 

@@ -481,6 +481,34 @@ def test_observe_checks_fences(host: Host) -> None:
     assert row_code(reply) == "fence_mismatch"
 
 
+def test_mixed_batches_answer_each_row_as_alone(host: Host) -> None:
+    """Renew and observe read a batch at once: every row still gets its own answer."""
+    plans = [make_plan() for _ in range(3)]
+    host.prepare(*plans)  # two slots: the third is a failed admission_rejected record
+    wrong = Fence(plans[1].attempt_id, 2, fence(plans[1]).plan_digest)
+    fences = [fence(plans[0]), Fence(new_id(), 1, SHA), wrong, fence(plans[2])]
+
+    def answers(reply: Any) -> list[Any]:
+        return [row.error.code if isinstance(row, ErrorRow) else row for row in reply.results]
+
+    def observe(*attempts: Fence) -> Any:
+        return host.send(ObserveRequest(version=1, id=new_id(), attempts=list(attempts)))
+
+    together = answers(observe(*fences))
+    assert together == [answers(observe(f))[0] for f in fences]
+    codes = [row.state if isinstance(row, AttemptRow) else row for row in together]
+    assert codes == ["prepared", "unknown_attempt", "fence_mismatch", "failed"]
+
+    def renewal(f: Fence, sequence: int) -> Renewal:
+        return Renewal(f.attempt_id, f.generation, f.plan_digest, sequence, 10**13 + sequence)
+
+    renewals = [renewal(f, 2) for f in fences]
+    renewed = answers(host.send(RenewRequest(version=1, id=new_id(), leases=renewals)))
+    assert renewed[1:] == ["unknown_attempt", "fence_mismatch", "invalid_state"]
+    assert renewed[0].lease_sequence == 2
+    assert renewed[0] == answers(observe(*fences))[0]  # what was committed
+
+
 def test_stop_and_release(host: Host) -> None:
     plan = make_plan()
     host.prepare(plan)
@@ -871,6 +899,10 @@ def test_collect_reads_logs_and_outputs_of_a_real_record(host: Host) -> None:
         "object_unknown",
         "object_unavailable",
     ]
+    observed = row_ok(host.send(fences_request(ObserveRequest, plan)))
+    assert (observed.stdout_bytes, observed.stderr_bytes) == (0, 0)  # no service wrote them
+    host.ready(plan)
+    assert row_ok(host.send(fences_request(StartRequest, plan))).state == "starting"
     observed = row_ok(host.send(fences_request(ObserveRequest, plan)))
     assert (observed.stdout_bytes, observed.stderr_bytes) == (6, 0)
 

@@ -997,3 +997,193 @@ def test_a_rolled_back_transaction_logs_nothing(
     assert _state_lines(caplog) == []
     admitted(ledger, plan)  # and the next transaction logs only its own change
     assert [x["cause"] for x in _state_lines(caplog)] == ["admitted"]
+
+
+# --- batched reads: one query per batch, the same per-row answers -------------------
+
+
+def _outcome(result: object) -> object:
+    """A row's answer without the transaction ordinals (which differ between twins)."""
+    if isinstance(result, HostError):
+        return result.code
+    record = result.record if isinstance(result, Applied) else result
+    assert not isinstance(record, Admitted)
+    fields = msgspec.structs.asdict(record) | {"created": None, "updated": None}
+    return (fields, getattr(result, "changed", None))
+
+
+def _twins(tmp_path: Path, plans: list[planlib.Plan]) -> tuple[Ledger, Ledger]:
+    """Two ledgers holding the same records: one for a batch, one for row-by-row calls."""
+    twins = []
+    for name in ("batch", "rows"):
+        state = tmp_path / name
+        state.mkdir(mode=0o700)
+        led = Ledger.create(str(state), INSTALLATION, limits(), CEILING)
+        admit(led, *plans, f=facts(slots=len(plans)))
+        twins.append(led)
+    return twins[0], twins[1]
+
+
+def _mixed_fences(plans: list[planlib.Plan]) -> list[Fence]:
+    """Known, unknown, wrong generation, wrong digest, and a known one repeated."""
+    known = fence(plans[0])
+    return [
+        known,
+        Fence(new_id(), 1, SHA),
+        Fence(plans[1].attempt_id, plans[1].generation + 1, fence(plans[1]).plan_digest),
+        Fence(plans[2].attempt_id, plans[2].generation, SHA),
+        fence(plans[3]),
+        known,
+    ]
+
+
+def test_fenced_batch_answers_each_row_as_a_single_read(ledger: Ledger) -> None:
+    plans = [make_plan() for _ in range(4)]
+    admit(ledger, *plans)
+    fences = _mixed_fences(plans)
+    results = ledger.fenced(fences)
+    assert [_outcome(r) for r in results] == [_outcome(ledger.fenced([f])[0]) for f in fences]
+    codes = [r.code if isinstance(r, HostError) else r.attempt_id for r in results]
+    assert codes == [
+        plans[0].attempt_id,
+        "unknown_attempt",
+        "fence_mismatch",
+        "fence_mismatch",
+        plans[3].attempt_id,
+        plans[0].attempt_id,
+    ]
+    for f, result in zip(fences, results, strict=True):
+        if not isinstance(result, HostError):
+            assert result == ledger.get(f.attempt_id)
+
+
+def test_a_renew_batch_gives_the_answers_of_its_rows_one_by_one(tmp_path: Path) -> None:
+    plans = [make_plan() for _ in range(5)]
+    batch, rows = _twins(tmp_path, plans)
+    try:
+        for led in (batch, rows):
+            to_released(led, plans[4])  # holds no lease any more
+        known, unknown, generation, digest, later, _ = _mixed_fences(plans)
+        renewals = [
+            (known, Renew(2, 6000)),
+            (unknown, Renew(2, 6000)),
+            (generation, Renew(2, 6000)),
+            (digest, Renew(2, 6000)),
+            (later, Renew(2, 6000)),
+            (known, Renew(2, 6000)),  # identical duplicate of the first row: no change
+            (later, Renew(3, 7000)),  # sees the row before it in the same batch
+            (later, Renew(3, 1)),  # same sequence, other expiry
+            (fence(plans[4]), Renew(2, 6000)),
+        ]
+        together = batch.renew_batch(renewals, NOW, MAX_LEASE)
+        alone = [rows.renew_batch([row], NOW, MAX_LEASE)[0] for row in renewals]
+        assert [_outcome(r) for r in together] == [_outcome(r) for r in alone]
+        codes = [r.code if isinstance(r, HostError) else r.changed for r in together]
+        assert codes == [True, "unknown_attempt", "fence_mismatch", "fence_mismatch", True,
+                         False, True, "lease_sequence", "invalid_state"]  # fmt: skip
+        # What each row returned is what the ledger holds after that row.
+        assert together[5] == Applied(together[0].record, changed=False)  # type: ignore[union-attr]
+        assert together[6].record == batch.get(plans[3].attempt_id)  # type: ignore[union-attr]
+        assert together[0].record == batch.get(plans[0].attempt_id)  # type: ignore[union-attr]
+    finally:
+        batch.close()
+        rows.close()
+
+
+def test_a_renew_batch_that_changes_nothing_commits_nothing(ledger: Ledger) -> None:
+    plans = [make_plan() for _ in range(3)]
+    admit(ledger, *plans)
+    renewals = [(fence(p), Renew(2, 6000)) for p in plans]
+
+    def ordinal() -> int:
+        return int(raw(ledger).execute("SELECT ordinal FROM meta").fetchone()[0])
+
+    first = ledger.renew_batch(renewals, NOW, MAX_LEASE)
+    assert all(isinstance(r, Applied) and r.changed for r in first)
+    committed = ordinal()
+    later = Now(BOOT, NOW.boottime_ns + 10**9, WALL)
+    again = ledger.renew_batch([*renewals, (Fence(new_id(), 1, SHA), Renew(2, 6000))], later,
+                               MAX_LEASE)  # fmt: skip
+    assert [r.record if isinstance(r, Applied) else r.code for r in again] == [
+        *(r.record for r in first if isinstance(r, Applied)),
+        "unknown_attempt",
+    ]
+    assert ordinal() == committed  # identical duplicates and refusals: no transaction
+    assert [ledger.get(p.attempt_id) for p in plans] == [
+        r.record for r in first if isinstance(r, Applied)
+    ]
+    ledger.renew_batch([(fence(plans[0]), Renew(3, 6000))], NOW, MAX_LEASE)
+    assert ordinal() == committed + 1
+
+
+def test_an_apply_batch_gives_the_answers_of_its_rows_one_by_one(tmp_path: Path) -> None:
+    plans = [make_plan() for _ in range(4)]
+    batch, rows = _twins(tmp_path, plans)
+    try:
+        known, unknown, generation, digest, other, _ = _mixed_fences(plans)
+        events: list[tuple[Fence, lc.AnyEvent]] = [
+            (known, lc.PrepareBegun()),
+            (unknown, lc.PrepareBegun()),
+            (generation, lc.StopRequested()),
+            (digest, lc.StopRequested()),
+            (known, lc.PrepareOk(result=b"{}")),  # sees the first row
+            (known, lc.PrepareBegun()),  # refused: already ready
+            (other, lc.StopRequested()),
+            (other, lc.StopRequested()),  # no change
+        ]
+        together = batch.apply_batch(events)
+        alone = [rows.apply_batch([row])[0] for row in events]
+        assert [_outcome(r) for r in together] == [_outcome(r) for r in alone]
+        assert together[4].record == batch.get(plans[0].attempt_id)  # type: ignore[union-attr]
+        assert together[6].record == batch.get(plans[3].attempt_id)  # type: ignore[union-attr]
+        assert batch.prepare_result(plans[0].attempt_id) == b"{}"
+    finally:
+        batch.close()
+        rows.close()
+
+
+def test_a_start_batch_gives_the_answers_of_its_rows_one_by_one(tmp_path: Path) -> None:
+    plans = [make_plan() for _ in range(4)]
+    batch, rows = _twins(tmp_path, plans)
+    try:
+        for led in (batch, rows):
+            to_ready(led, plans[0])
+            to_ready(led, plans[3])
+        fences = _mixed_fences(plans)
+        together = batch.start_batch(fences, NOW)
+        alone = [rows.start_batch([f], NOW)[0] for f in fences]
+        assert [_outcome(r) for r in together] == [_outcome(r) for r in alone]
+        codes = [r.code if isinstance(r, HostError) else r.changed for r in together]
+        assert codes == [True, "unknown_attempt", "fence_mismatch", "fence_mismatch", True, False]
+        assert together[0].record == batch.get(plans[0].attempt_id)  # type: ignore[union-attr]
+    finally:
+        batch.close()
+        rows.close()
+
+
+def test_staged_bytes_of_a_batch(ledger: Ledger) -> None:
+    small, large = stream(10), stream(20)
+    two_streams, one_stream, none = (
+        make_plan(inputs=(small, large)),
+        make_plan(inputs=(stream(10),)),
+        make_plan(),
+    )
+    admit(ledger, two_streams, one_stream, none)
+    ledger.commit_input_offset(fence(two_streams), small.id, 0, 4)
+    ledger.commit_input_offset(fence(two_streams), large.id, 0, 20)
+    unknown = new_id()
+    ids = [none.attempt_id, two_streams.attempt_id, unknown, one_stream.attempt_id]
+    assert ledger.staged_bytes([*ids, two_streams.attempt_id]) == {
+        none.attempt_id: 0,
+        two_streams.attempt_id: 24,
+        unknown: 0,
+        one_stream.attempt_id: 0,
+    }
+    assert ledger.staged_bytes([]) == {}
+    inputs = ledger.inputs_of(ids)
+    assert list(inputs) == ids
+    assert inputs == {attempt_id: ledger.inputs(attempt_id) for attempt_id in ids}
+    assert [i.offset for i in inputs[two_streams.attempt_id]] == [
+        {small.id: 4, large.id: 20}[i.object_id] for i in inputs[two_streams.attempt_id]
+    ]
+    assert inputs[unknown] == inputs[none.attempt_id] == []

@@ -31,7 +31,7 @@ import asyncio
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -172,8 +172,17 @@ def host_facts(ctx: HostContext, now: leases.Now) -> ledgerlib.HostFacts:
 # --- reply rows ----------------------------------------------------------------------
 
 
+def _has_logs(record: ledgerlib.AttemptRecord) -> bool:
+    """Whether the attempt can have written logs: only a service writes them, and a
+    service is created only after a start was requested (the flag is never cleared)."""
+    return record.status.start_requested
+
+
 def _log_bytes(ctx: HostContext, record: ledgerlib.AttemptRecord) -> tuple[int, int]:
-    """Current sizes of the attempt's stdout and stderr (0 when absent or not a file)."""
+    """Current sizes of the attempt's stdout and stderr (0 when absent or not a file,
+    and without a look at the disk for an attempt that never started)."""
+    if not _has_logs(record):
+        return 0, 0
     slot = ctx.slots.get(record.slot_id or "")
     if slot is None:
         return 0, 0
@@ -220,21 +229,53 @@ def attempt_status(
     )
 
 
+class _Read(NamedTuple):
+    """A batch's records (or row refusals) with their staged bytes, read together."""
+
+    results: list[ledgerlib.AttemptRecord | HostError]
+    staged: dict[str, int]
+
+
+def _with_staged(
+    ledger: ledgerlib.Ledger, results: list[ledgerlib.AttemptRecord | HostError]
+) -> _Read:
+    """Add the staged bytes in the same ledger-thread call that produced `results`, so
+    a hot request queues once on the ledger thread instead of twice."""
+    ids = [r.attempt_id for r in results if isinstance(r, ledgerlib.AttemptRecord)]
+    return _Read(results, ledger.staged_bytes(ids))
+
+
 async def attempt_rows(
-    ctx: HostContext, results: Sequence[ledgerlib.AttemptRecord | HostError]
+    ctx: HostContext,
+    results: Sequence[ledgerlib.AttemptRecord | HostError],
+    staged: dict[str, int] | None = None,
 ) -> list[AttemptResult]:
-    """Rows for records (with staged and log byte counts) and refusals, in order."""
+    """Rows for records (with staged and log byte counts) and refusals, in order.
+    `staged` is read from the ledger unless the caller already has it."""
     records = [r for r in results if isinstance(r, ledgerlib.AttemptRecord)]
     ids = [r.attempt_id for r in records]
-    staged = await ctx.workers.db(ctx.ledger.staged_bytes, ids) if ids else {}
-    logs = await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in records})
+    if staged is None:
+        staged = await ctx.workers.db(ctx.ledger.staged_bytes, ids) if ids else {}
+    logs = await _logs_of(ctx, records)
     rows: list[AttemptResult] = []
     for result in results:
         if isinstance(result, HostError):
             rows.append(error_row(result.code, result.message))
         else:
-            rows.append(attempt_row(result, staged[result.attempt_id], logs[result.attempt_id]))
+            logged = logs.get(result.attempt_id, (0, 0))
+            rows.append(attempt_row(result, staged[result.attempt_id], logged))
     return rows
+
+
+async def _logs_of(
+    ctx: HostContext, records: Sequence[ledgerlib.AttemptRecord]
+) -> dict[str, tuple[int, int]]:
+    """Log sizes of the records that can have logs, read on an I/O thread (none: no
+    thread hop; the others have (0, 0))."""
+    started = [r for r in records if _has_logs(r)]
+    if not started:
+        return {}
+    return await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in started})
 
 
 def _reply(request: AnyRequest, rows: list[AttemptResult]) -> AttemptsReply:
@@ -443,10 +484,13 @@ async def renew(
     """Renew leases by `leases.renew`, in one transaction."""
     now = ctx.clock.now()
     rows = [(r.fence, r) for r in request.leases]
-    results = await ctx.workers.db(
-        ctx.ledger.renew_batch, rows, now, ctx.config.maximum_lease_seconds
-    )
-    return _reply(request, await attempt_rows(ctx, _records_of(results)))
+
+    def commit() -> _Read:
+        results = ctx.ledger.renew_batch(rows, now, ctx.config.maximum_lease_seconds)
+        return _with_staged(ctx.ledger, _records_of(results))
+
+    read = await ctx.workers.db(commit)
+    return _reply(request, await attempt_rows(ctx, read.results, read.staged))
 
 
 def _changed(results: Sequence[ledgerlib.Applied | HostError]) -> list[str]:
@@ -471,8 +515,12 @@ async def observe(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: ObserveRequest
 ) -> AnyReply:
     """The records as the monitor keeps them."""
-    results = await ctx.workers.db(ctx.ledger.fenced, request.attempts)
-    return _reply(request, await attempt_rows(ctx, results))
+
+    def read_rows() -> _Read:
+        return _with_staged(ctx.ledger, ctx.ledger.fenced(request.attempts))
+
+    read = await ctx.workers.db(read_rows)
+    return _reply(request, await attempt_rows(ctx, read.results, read.staged))
 
 
 async def stop(
@@ -525,14 +573,23 @@ async def release(
 # --- streamed inputs -----------------------------------------------------------------
 
 
+class _StagingFacts(NamedTuple):
+    """What every input row of one request is checked against (read once)."""
+
+    now: leases.Now
+    inputs: dict[str, list[ledgerlib.InputRecord]]
+    """The declared streamed inputs of each fenced attempt of the request."""
+    control: ledgerlib.Control
+
+
 def _staging_record(
-    ctx: HostContext, record: ledgerlib.AttemptRecord | HostError, now: leases.Now, object_id: str
+    record: ledgerlib.AttemptRecord | HostError, object_id: str, facts: _StagingFacts
 ) -> ledgerlib.AttemptRecord:
     """Refuse input operations unless the attempt is prepared with a current lease and
-    the offer keeps leases alive. Runs on the ledger thread (reads the offer)."""
+    the offer keeps leases alive."""
     if isinstance(record, HostError):
         raise record
-    declared = {i.object_id: i for i in ctx.ledger.inputs(record.attempt_id)}
+    declared = {i.object_id: i for i in facts.inputs[record.attempt_id]}
     if object_id not in declared:
         raise HostError(
             ErrorCode.INPUT_UNKNOWN,
@@ -550,9 +607,9 @@ def _staging_record(
             ErrorCode.INVALID_STATE,
             f"inputs are staged only while the attempt is prepared; it is {record.status.state}",
         )
-    if record.lease is None or not leases.is_current(record.lease, now):
+    if record.lease is None or not leases.is_current(record.lease, facts.now):
         raise HostError(ErrorCode.LEASE_EXPIRED, "the lease is not current; inputs are closed")
-    control = ctx.ledger.offer().control
+    control = facts.control
     if "renew" not in ledgerlib.OFFER_ALLOWS[control]:
         raise HostError(ErrorCode.OFFER_CLOSED, f"the offer is {control}; staging is closed")
     return record
@@ -561,12 +618,15 @@ def _staging_record(
 def _authorized(
     ctx: HostContext, rows: Sequence[ObjectRef | InputWrite], now: leases.Now
 ) -> list[ledgerlib.AttemptRecord | HostError]:
-    """Fence, state, lease and offer checks for each input row (one ledger-thread call)."""
+    """Fence, state, lease and offer checks for each input row. One ledger-thread call,
+    so records, inputs and offer are read with no write in between."""
     results: list[ledgerlib.AttemptRecord | HostError] = []
     records = ctx.ledger.fenced([row.fence for row in rows])
+    known = [r.attempt_id for r in records if isinstance(r, ledgerlib.AttemptRecord)]
+    facts = _StagingFacts(now, ctx.ledger.inputs_of(known), ctx.ledger.offer().control)
     for row, record in zip(rows, records, strict=True):
         try:
-            results.append(_staging_record(ctx, record, now, row.object))
+            results.append(_staging_record(record, row.object, facts))
         except HostError as error:
             results.append(error)
     return results
@@ -752,7 +812,7 @@ async def snapshot(
     offer, capacity, records, cursor, staged = await ctx.workers.db(
         _snapshot_state, ctx, request.after
     )
-    logs = await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in records})
+    logs = await _logs_of(ctx, records)
     bindings = ctx.ledger.bindings()
     return SnapshotReply(
         version=1,
@@ -764,7 +824,9 @@ async def snapshot(
         input_chunk_bytes=INPUT_CHUNK_BYTES,
         offer=wire_offer(offer),
         capacity=capacity,
-        attempts=[attempt_status(r, staged[r.attempt_id], logs[r.attempt_id]) for r in records],
+        attempts=[
+            attempt_status(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0))) for r in records
+        ],
         next=cursor,
     )
 

@@ -40,7 +40,7 @@ import sqlite3
 import stat
 import threading
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple
 
@@ -762,15 +762,10 @@ class Ledger:
         return records, (records[-1].attempt_id if len(rows) > limit else None)
 
     def fenced(self, fences: Sequence[Fence]) -> list[AttemptRecord | HostError]:
-        """The record of each fence, or `unknown_attempt` / `fence_mismatch` (one read)."""
-        results: list[AttemptRecord | HostError] = []
+        """The record of each fence, or `unknown_attempt` / `fence_mismatch` (one query)."""
         with self._lock:
-            for fence in fences:
-                try:
-                    results.append(self._fenced(fence))
-                except HostError as error:
-                    results.append(error)
-        return results
+            records = self._records(f.attempt_id for f in fences)
+        return [_fenced_in(records, fence) for fence in fences]
 
     def reservations(self) -> tuple[set[str], dict[str, int]]:
         """Slots held by unreleased records, and what they reserve per resource."""
@@ -781,22 +776,37 @@ class Ledger:
     def staged_bytes(self, attempt_ids: Sequence[str]) -> dict[str, int]:
         """Durable streamed bytes per attempt (0 for attempts without streams)."""
         totals = dict.fromkeys(attempt_ids, 0)
+        ids = list(totals)
+        if not ids:
+            return totals
         with self._lock:
-            for attempt_id in attempt_ids:
-                row = self._db.execute(
-                    "SELECT coalesce(sum(offset), 0) FROM input_objects WHERE attempt_id = ?",
-                    (attempt_id,),
-                ).fetchone()
-                totals[attempt_id] = int(row[0])
+            marks = _marks(len(ids))
+            rows = self._db.execute(
+                f"SELECT attempt_id, sum(offset) FROM input_objects WHERE attempt_id IN ({marks})"  # noqa: S608
+                " GROUP BY attempt_id",
+                ids,
+            ).fetchall()
+        totals.update((attempt_id, int(total)) for attempt_id, total in rows)
         return totals
 
     def inputs(self, attempt_id: str) -> list[InputRecord]:
+        return self.inputs_of([attempt_id])[attempt_id]
+
+    def inputs_of(self, attempt_ids: Sequence[str]) -> dict[str, list[InputRecord]]:
+        """The streamed inputs of each attempt, ordered by object ID (one query)."""
+        found: dict[str, list[InputRecord]] = {attempt_id: [] for attempt_id in attempt_ids}
+        ids = list(found)
+        if not ids:
+            return found
         with self._lock:
             rows = self._db.execute(
-                "SELECT * FROM input_objects WHERE attempt_id = ? ORDER BY object_id",
-                (attempt_id,),
+                f"SELECT * FROM input_objects WHERE attempt_id IN ({_marks(len(ids))})"  # noqa: S608
+                " ORDER BY attempt_id, object_id",
+                ids,
             ).fetchall()
-        return [_input_record(r) for r in rows]
+        for record in map(_input_record, rows):
+            found[record.attempt_id].append(record)
+        return found
 
     # -- admission ------------------------------------------------------------------
 
@@ -994,7 +1004,8 @@ class Ledger:
         """
         _check_batch(rows)
         with self._write() as ordinal:
-            return [self._apply_one(fence, event, ordinal) for fence, event in rows]
+            records = self._records(fence.attempt_id for fence, _ in rows)
+            return [self._apply_one(fence, event, ordinal, records) for fence, event in rows]
 
     def apply(self, fence: Fence, event: lifecycle.AnyEvent) -> Applied:
         """One event; raises the row's HostError."""
@@ -1019,20 +1030,21 @@ class Ledger:
         with self._write() as ordinal:
             offer = self._offer()
             started = self._started_usage()
+            records = self._records(fence.attempt_id for fence in fences)
+            plans = self._plan_blobs(records)
             results: list[Applied | HostError] = []
             for fence in fences:
-                try:
-                    record = self._fenced(fence)
-                except HostError as error:
-                    results.append(error)
+                record = _fenced_in(records, fence)
+                if isinstance(record, HostError):
+                    results.append(record)
                     continue
-                plan = planlib.decode_plan(self._plan_bytes(fence.attempt_id))
+                plan = planlib.decode_plan(plans[fence.attempt_id])
                 event = lifecycle.StartRequested(
                     lease_current=_current(record.lease, now),
                     offer_open="start" in OFFER_ALLOWS[offer.control],
                     offer_fits=_fits(plan, offer, ceiling, started),
                 )
-                result = self._apply_one(fence, event, ordinal)
+                result = self._apply_one(fence, event, ordinal, records)
                 if isinstance(result, Applied) and result.changed:
                     _add_usage(started, plan.job.limits)
                 results.append(result)
@@ -1050,17 +1062,27 @@ class Ledger:
                 usage[name] += amount
         return usage
 
-    def _plan_bytes(self, attempt_id: str) -> bytes:
-        row = self._db.execute(
-            "SELECT plan FROM attempts WHERE attempt_id = ?", (attempt_id,)
-        ).fetchone()
-        return bytes(row[0])
+    def _plan_blobs(self, attempt_ids: Iterable[str]) -> dict[str, bytes]:
+        """The plan bytes of these attempts, by ID, in one query."""
+        ids = list(attempt_ids)
+        rows = self._db.execute(
+            f"SELECT attempt_id, plan FROM attempts WHERE attempt_id IN ({_marks(len(ids))})",  # noqa: S608
+            ids,
+        ).fetchall()
+        return {attempt_id: bytes(plan) for attempt_id, plan in rows}
 
     def _apply_one(
-        self, fence: Fence, event: lifecycle.AnyEvent, ordinal: int
+        self,
+        fence: Fence,
+        event: lifecycle.AnyEvent,
+        ordinal: int,
+        records: dict[str, AttemptRecord],
     ) -> Applied | HostError:
+        """Apply one event; `records` (this transaction's, by ID) is kept current."""
+        record = _fenced_in(records, fence)
+        if isinstance(record, HostError):
+            return record
         try:
-            record = self._fenced(fence)
             step = lifecycle.apply(record.status, event)
         except HostError as error:
             return error
@@ -1077,8 +1099,8 @@ class Ledger:
                 "UPDATE attempts SET prepare_result = ? WHERE attempt_id = ?",
                 (event.result, fence.attempt_id),
             )
-        updated = self._get(fence.attempt_id)
-        assert updated is not None
+        updated = msgspec.structs.replace(record, status=step.status, updated=ordinal)
+        records[fence.attempt_id] = updated
         self._changed.append((updated, event.name))
         return Applied(updated, changed=True)
 
@@ -1089,15 +1111,18 @@ class Ledger:
         preparations now `failed`); the monitor then confirms their cleanup.
         """
         with self._write() as ordinal:
-            fences = [
-                _record(r).fence
-                for r in self._db.execute(
-                    f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
-                ).fetchall()
-            ]
+            records = {
+                record.attempt_id: record
+                for record in map(
+                    _record,
+                    self._db.execute(
+                        f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
+                    ).fetchall(),
+                )
+            }
             changed = []
-            for fence in fences:
-                result = self._apply_one(fence, lifecycle.DaemonRestarted(), ordinal)
+            for fence in [record.fence for record in records.values()]:
+                result = self._apply_one(fence, lifecycle.DaemonRestarted(), ordinal, records)
                 if isinstance(result, Applied) and result.changed:
                     changed.append(result.record)
             return changed
@@ -1116,16 +1141,22 @@ class Ledger:
         with self._write() as ordinal:
             offer = self._offer()
             terms = _RenewTerms(now, maximum_lease_seconds, offer, ordinal)
-            return [self._renew_one(fence, renewal, terms) for fence, renewal in rows]
+            records = self._records(fence.attempt_id for fence, _ in rows)
+            return [self._renew_one(fence, renewal, terms, records) for fence, renewal in rows]
 
     def _renew_one(
-        self, fence: Fence, renewal: leases.Renewal, terms: _RenewTerms
+        self,
+        fence: Fence,
+        renewal: leases.Renewal,
+        terms: _RenewTerms,
+        records: dict[str, AttemptRecord],
     ) -> Applied | HostError:
+        """Renew one row; `records` (this transaction's, by ID) is kept current, so a
+        later row of the same attempt sees this one's lease."""
         now, maximum_lease_seconds, offer, ordinal = terms
-        try:
-            record = self._fenced(fence)
-        except HostError as error:
-            return error
+        record = _fenced_in(records, fence)
+        if isinstance(record, HostError):
+            return record
         held = record.lease
         if record.status.state not in lifecycle.ACTIVE or held is None:
             return HostError(
@@ -1146,8 +1177,8 @@ class Ledger:
             " updated = ? WHERE attempt_id = ?",
             [*_lease_values(lease), ordinal, fence.attempt_id],
         )
-        updated = self._get(fence.attempt_id)
-        assert updated is not None
+        updated = msgspec.structs.replace(record, lease=lease, updated=ordinal)
+        records[fence.attempt_id] = updated
         return Applied(updated, changed=True)
 
     # -- streamed inputs ------------------------------------------------------------
@@ -1210,7 +1241,10 @@ class Ledger:
                 " WHERE attempt_id = ? AND object_id = ?",
                 (state.failed, fence.attempt_id, state.id),
             )
-            result = self._apply_one(fence, lifecycle.PrepareFailed(reason=reason), ordinal)
+            records = self._records([fence.attempt_id])
+            result = self._apply_one(
+                fence, lifecycle.PrepareFailed(reason=reason), ordinal, records
+            )
             if isinstance(result, HostError):
                 raise result
             return msgspec.structs.replace(current, failed=state.failed, complete=False)
@@ -1279,7 +1313,8 @@ class Ledger:
         """One write transaction; yields this transaction's ordinal.
 
         With `bindings`, they are checked inside the transaction before any write, so a
-        mismatch writes nothing.
+        mismatch writes nothing. A transaction that wrote nothing besides its ordinal
+        is rolled back instead of committed: no record can refer to that ordinal.
         """
         with self._lock:
             self._changed.clear()
@@ -1291,15 +1326,21 @@ class Ledger:
                         "installation, ledger or admission version differ from this host's;"
                         " take a new snapshot and save its bindings before preparing",
                     )
-                ordinal = self._db.execute(
+                ((ordinal,),) = self._db.execute(
                     "UPDATE meta SET ordinal = ordinal + 1 RETURNING ordinal"
-                ).fetchone()[0]
+                ).fetchall()
+                bumped = self._db.total_changes
                 yield ordinal
             except BaseException:
                 self._db.execute("ROLLBACK")
                 self._changed.clear()
                 raise
-            self._db.execute("COMMIT")
+            if self._db.total_changes == bumped:
+                # Nothing but the ordinal was written (say, identical duplicate renewals):
+                # there is nothing to make durable, so skip the commit and its fsync.
+                self._db.execute("ROLLBACK")
+            else:
+                self._db.execute("COMMIT")
             changed, self._changed = self._changed, []
             for record, cause in changed:
                 _log_change(record, cause)
@@ -1308,14 +1349,19 @@ class Ledger:
         row = self._db.execute(f"{_SELECT} WHERE attempt_id = ?", (attempt_id,)).fetchone()
         return None if row is None else _record(row)
 
+    def _records(self, attempt_ids: Iterable[str]) -> dict[str, AttemptRecord]:
+        """The records of these attempts by ID, read with one query (a batch's rows);
+        unknown IDs are simply absent."""
+        ids = list(dict.fromkeys(attempt_ids))
+        if not ids:
+            return {}
+        rows = self._db.execute(f"{_SELECT} WHERE attempt_id IN ({_marks(len(ids))})", ids)
+        return {record.attempt_id: record for record in map(_record, rows.fetchall())}
+
     def _fenced(self, fence: Fence) -> AttemptRecord:
-        record = self._get(fence.attempt_id)
-        if record is None:
-            raise HostError(ErrorCode.UNKNOWN_ATTEMPT, "no such attempt; prepare it first")
-        if record.fence != fence:
-            raise HostError(
-                ErrorCode.FENCE_MISMATCH, "generation or plan digest differ from the record"
-            )
+        record = _fenced_in(self._records([fence.attempt_id]), fence)
+        if isinstance(record, HostError):
+            raise record
         return record
 
     def _offer(self) -> Offer:
@@ -1323,6 +1369,23 @@ class Ledger:
             "SELECT revision, control, limits FROM offer"
         ).fetchone()
         return Offer(revision, control, msgspec.json.decode(limits, type=OfferLimits))
+
+
+def _fenced_in(records: dict[str, AttemptRecord], fence: Fence) -> AttemptRecord | HostError:
+    """The record of `fence` among a batch's `records`, or why the row is refused."""
+    record = records.get(fence.attempt_id)
+    if record is None:
+        return HostError(ErrorCode.UNKNOWN_ATTEMPT, "no such attempt; prepare it first")
+    if record.fence != fence:
+        return HostError(
+            ErrorCode.FENCE_MISMATCH, "generation or plan digest differ from the record"
+        )
+    return record
+
+
+def _marks(count: int) -> str:
+    """`?, ?, ...` for an `IN (...)` of `count` values (a batch has at most 64)."""
+    return ", ".join("?" * count)
 
 
 def _identity_blob(identity: fsutil.FileIdentity | None) -> bytes | None:
