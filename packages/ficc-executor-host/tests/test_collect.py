@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import secrets
@@ -117,16 +116,16 @@ def test_logs_read_in_bounded_chunks_with_offsets(layout: Layout, plan: planlib.
     Path(paths.stdout).write_bytes(content)
     record = record_of(plan, RUNNING)
     first = read_object(layout, record, plan, read(plan, "stdout"))
-    assert base64.b64decode(first.data) == content[:COLLECT_MAX_BYTES]
+    assert first.data == content[:COLLECT_MAX_BYTES]
     assert (first.next_offset, first.eof, first.complete) == (COLLECT_MAX_BYTES, False, False)
     second = read_object(layout, record, plan, read(plan, "stdout", first.next_offset, 4096))
-    assert base64.b64decode(second.data) == content[COLLECT_MAX_BYTES:]
+    assert second.data == content[COLLECT_MAX_BYTES:]
     assert (second.next_offset, second.eof, second.complete) == (len(content), True, False)
     assert first.identity == second.identity
     st = os.stat(paths.stdout)
     assert first.identity == identity_digest(st.st_dev, st.st_ino)
     empty = read_object(layout, record, plan, read(plan, "stderr"))
-    assert (empty.data, empty.eof) == ("", True)
+    assert (empty.data, empty.eof) == (b"", True)
 
 
 def test_complete_only_once_settled_and_cleaned_up(layout: Layout, plan: planlib.Plan) -> None:
@@ -134,7 +133,7 @@ def test_complete_only_once_settled_and_cleaned_up(layout: Layout, plan: planlib
     Path(paths.stderr).write_bytes(b"done\n")
     assert not read_object(layout, record_of(plan, DONE), plan, read(plan, "stderr")).complete
     final = read_object(layout, record_of(plan, CLEAN), plan, read(plan, "stderr"))
-    assert (final.complete, final.eof, base64.b64decode(final.data)) == (True, True, b"done\n")
+    assert (final.complete, final.eof, final.data) == (True, True, b"done\n")
     partial = read_object(layout, record_of(plan, CLEAN), plan, read(plan, "stderr", 0, 2))
     assert (partial.eof, partial.complete) == (False, False)
 
@@ -145,7 +144,7 @@ def test_declared_outputs_below_storage(layout: Layout, plan: planlib.Plan) -> N
     (storage / "out").mkdir()
     (storage / "out" / "result.txt").write_bytes(b"42\n")
     row = read_object(layout, record_of(plan, RUNNING), plan, read(plan, "output:result", 1))
-    assert (base64.b64decode(row.data), row.offset, row.next_offset) == (b"2\n", 1, 3)
+    assert (row.data, row.offset, row.next_offset) == (b"2\n", 1, 3)
     code = refused(lambda: read_object(layout, record_of(plan, RUNNING), plan,
                                        read(plan, "output:other")))  # fmt: skip
     assert code == "object_unknown"
@@ -189,7 +188,7 @@ def test_an_offset_past_the_end_means_the_file_changed(layout: Layout, plan: pla
                                        read(plan, "stdout", 6)))  # fmt: skip
     assert code == "object_changed"
     at_end = read_object(layout, record_of(plan, RUNNING), plan, read(plan, "stdout", 5))
-    assert (at_end.data, at_end.eof) == ("", True)
+    assert (at_end.data, at_end.eof) == (b"", True)
 
 
 def test_a_replaced_log_has_another_identity(layout: Layout, plan: planlib.Plan) -> None:
@@ -206,7 +205,7 @@ def test_no_resource_records_have_empty_final_logs_and_no_outputs(plan: planlib.
         record = record_of(plan, status, slot_id=None)
         rows = [read_object(None, record, plan, read(plan, name)) for name in ("stdout", "stderr")]
         for row in rows:
-            assert (row.data, row.eof, row.complete, row.next_offset) == ("", True, True, 0)
+            assert (row.data, row.eof, row.complete, row.next_offset) == (b"", True, True, 0)
         again = read_object(None, record, plan, read(plan, "stdout"))
         assert again.identity == rows[0].identity != rows[1].identity
         name = f"empty:{plan.attempt_id}:stdout".encode()

@@ -7,6 +7,7 @@ import copy
 import json
 from typing import Any
 
+import msgspec
 import pytest
 
 import ficc_protocol_examples as ex
@@ -192,18 +193,50 @@ def test_input_row_keeps_u63_offsets_exact() -> None:
     ("changes", "where"),
     [
         ({"data": "aGVsbG9="}, "$.results[0].data"),  # non-canonical
-        ({"data": "aGVsbG8"}, "$.results[0]"),  # length arithmetic fails first
+        ({"data": "aGVsbG8"}, "$.results[0].data"),  # unpadded
+        ({"data": "aGVs bG8="}, "$.results[0].data"),  # whitespace
+        ({"data": "aGVsbG8-"}, "$.results[0].data"),  # url-safe alphabet
         ({"next_offset": U63 - 1}, "$.results[0]"),
         ({"eof": False, "complete": True}, "$.results[0]"),
         ({"object": "output:"}, "$.results[0].object"),
         ({"identity": "abc"}, "$.results[0].identity"),
         ({"data": "A" * (1398104 + 4)}, "$.results[0].data"),
+        ({"data": "AAAA" * (1398104 // 4)}, "$.results[0].data"),  # 1 MiB + 2 bytes
     ],
 )
 def test_read_row_constraints(changes: dict[str, Any], where: str) -> None:
     doc = _doc("collect")
     doc["results"][0].update(changes)
     assert _refused(doc, "collect").path == where
+
+
+@pytest.mark.parametrize(
+    ("spelling", "canonical"),
+    [
+        ("aGVsbG8=", True),
+        ("aGVsbG\\u0038=", True),  # a JSON escape inside, same string
+        ("aGVsbG\\u0039=", False),  # the same escape hiding nonzero unused bits
+        ("aGVsbG8\\u003d", True),
+    ],
+)
+def test_read_row_base64_spelling_through_json_escapes(spelling: str, canonical: bool) -> None:
+    doc = _doc("collect")
+    frame = json.dumps(doc).replace('"aGVsbG8="', f'"{spelling}"').encode()
+    if canonical:
+        assert decode_reply(frame, "collect").results[0].data == b"hello"  # type: ignore[union-attr]
+    else:
+        with pytest.raises(ProtocolError) as info:
+            decode_reply(frame, "collect")
+        assert (info.value.code, info.value.path) == ("invalid_reply", "$.results[0].data")
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 4, 5, 1 << 20])
+def test_read_row_bytes_travel_as_standard_padded_base64(size: int) -> None:
+    chunk = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    row = msgspec.structs.replace(EXAMPLES["collect"].results[1], data=chunk, next_offset=size)
+    frame = encode_reply(msgspec.structs.replace(EXAMPLES["collect"], results=[row]))
+    assert json.loads(frame)["results"][0]["data"] == base64.b64encode(chunk).decode()
+    assert decode_reply(frame, "collect", rows=1).results[0] == row
 
 
 def test_read_row_chunk_and_largest_offsets() -> None:

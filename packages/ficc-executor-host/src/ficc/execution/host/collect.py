@@ -16,12 +16,12 @@ Records that never held resources (`admission_rejected`, `legacy_absence_acknowl
 have empty logs with a stable identity, `eof` and `complete`, and no outputs
 (`object_unavailable`). No provider is called for any read.
 
-Reads run in an I/O thread; the records are read first on the ledger thread.
+Reads run in an I/O thread; the records are read first on the ledger thread. A row
+carries the bytes read: the reply encoder writes them as base64 in C (`ReadRow.data`).
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 from typing import Any
@@ -142,7 +142,7 @@ def _read_row(read: Read, data: bytes, *, eof: bool, complete: bool, identity: s
         plan_digest=read.plan_digest,
         object=read.object,
         offset=read.offset,
-        data=base64.b64encode(data).decode("ascii"),
+        data=data,
         next_offset=read.offset + len(data),
         eof=eof,
         complete=complete,
