@@ -35,7 +35,7 @@ Decisions the seed leaves to the host, made here:
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal, NamedTuple
+from typing import Annotated, Final, Literal, NamedTuple, get_args
 
 import msgspec
 
@@ -43,17 +43,7 @@ from ficc.execution.errors import ErrorCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.wire import State
 
-STATES: Final[tuple[State, ...]] = (
-    "prepared",
-    "starting",
-    "running",
-    "succeeded",
-    "failed",
-    "cancelled",
-    "expired",
-    "unknown",
-    "released",
-)
+STATES: Final[tuple[State, ...]] = get_args(State)
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled", "expired"})
 SETTLED: Final = TERMINAL | {"unknown"}
 """States a release may follow (after confirmed cleanup)."""

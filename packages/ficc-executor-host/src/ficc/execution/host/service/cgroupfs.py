@@ -63,6 +63,7 @@ from ficc.execution.host.service.interface import (
     DeviceAccess,
     ServiceHandle,
     ServiceSpec,
+    check_account,
     check_name,
 )
 
@@ -138,12 +139,7 @@ class CgroupfsService:
     # --- create ----------------------------------------------------------------------
 
     def create(self, spec: ServiceSpec) -> ServiceHandle:
-        if 0 in (spec.uid, spec.gid) and not self._root_supervisor:
-            raise HostError(
-                "service_spec",
-                f"service {spec.name} would run as UID/GID 0; run it as the slot account, "
-                "or configure a root supervisor explicitly",
-            )
+        check_account(spec, root_supervisor=self._root_supervisor)
         for device in spec.devices:
             cgroups.check_device_node(device)
         outputs = [open_output(spec.stdout)]

@@ -62,6 +62,17 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_account(spec: ServiceSpec, *, root_supervisor: bool) -> None:
+    """Refuse a service that would run as root, unless a root supervisor is configured:
+    the provider's argv runs as the slot account, never with the daemon's authority."""
+    if 0 in (spec.uid, spec.gid) and not root_supervisor:
+        raise HostError(
+            "service_spec",
+            f"service {spec.name} would run as UID/GID 0; run it as the slot account, "
+            "or configure a root supervisor explicitly",
+        )
+
+
 class ServiceLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The plan's resource limits as the service enforces them.
 

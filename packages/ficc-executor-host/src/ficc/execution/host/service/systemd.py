@@ -90,6 +90,7 @@ from ficc.execution.host.service.interface import (
     DeviceRule,
     ServiceHandle,
     ServiceSpec,
+    check_account,
     check_name,
 )
 
@@ -373,12 +374,7 @@ class SystemdService:
     # --- create ----------------------------------------------------------------------
 
     def create(self, spec: ServiceSpec) -> ServiceHandle:
-        if 0 in (spec.uid, spec.gid) and not self._root_supervisor:
-            raise HostError(
-                "service_spec",
-                f"service {spec.name} would run as UID/GID 0; run it as the slot account, "
-                "or configure a root supervisor explicitly",
-            )
+        check_account(spec, root_supervisor=self._root_supervisor)
         unit = unit_name(spec.name)
         for device in spec.devices:
             cgroups.check_device_node(device)
