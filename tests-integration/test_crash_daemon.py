@@ -284,7 +284,18 @@ class Crasher:
 
     def hold(self, plan: Plan) -> None:
         """The barrier is alive as the slot account; observe it a few times, then stop."""
-        wait_until(self.slot_processes, "the held barrier to run")
+
+        def barrier_running() -> bool:
+            if self.slot_processes():
+                return True
+            # Not through self.request: looking must not move the armed kill point.
+            (row,) = send(self.daemon.admin, _fenced(ObserveRequest, [plan])).results
+            if isinstance(row, AttemptRow) and row.state not in LIVE:
+                log = self.daemon.process.log(tail=6000)
+                raise AssertionError(f"the held attempt ended before its barrier ran: {row}\n{log}")
+            return False
+
+        wait_until(barrier_running, "the held barrier to run")
         for _ in range(2):
             self.observe("running", plan)
         self.request("release", _fenced(StopRequest, [plan]))
