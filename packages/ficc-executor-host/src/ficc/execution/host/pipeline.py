@@ -112,7 +112,7 @@ class Settings:
     provider_timeout: float = PROVIDER_CALL_TIMEOUT_S
     start_timeout: float = 120.0
     """How long start waits for the barrier's PID."""
-    observe_interval: float = 0.05
+    observe_interval: float = 0.01
     rescan_ticks: int = 25
     """Every this many ticks the monitor reads every record, not just the watched ones."""
     nofile: int = DEFAULT_NOFILE
