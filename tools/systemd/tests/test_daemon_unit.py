@@ -47,11 +47,14 @@ if not (os.geteuid() == 0 and _pid1_is_systemd() and (HARNESS / "harness.py").ex
     )
 
 sys.path.insert(0, str(HARNESS))
+import msgspec  # noqa: E402
+
 import harness  # noqa: E402  (found through FICC_HARNESS_DIR, not an installed package)
 from ficc.execution.host import daemon  # noqa: E402
 from ficc.execution.host.errors import HostError  # noqa: E402
 from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # noqa: E402
 from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
+from ficc.execution.plan import Payload  # noqa: E402
 
 
 def show(*keys: str) -> dict[str, str]:
@@ -262,4 +265,66 @@ def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
         backend.stop(handle)
         backend.remove(handle)
     assert int(show("NRestarts")["NRestarts"]) >= 1  # the SIGKILL was a crash: restarted
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def slot_processes(accounts: harness.Accounts) -> list[str]:
+    """Every live process of a slot account, as `pid name` (empty: none left)."""
+    uids = {str(accounts["slot0"].uid), str(accounts["slot1"].uid)}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = dict(
+                line.split(":", 1) for line in (entry / "status").read_text().splitlines()
+            )
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+        if status["Uid"].split()[0] in uids and status["State"].split()[0] != "Z":
+            found.append(f"{entry.name} {status['Name'].strip()}")
+    return found
+
+
+def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown(
+    installed: Installed,
+) -> None:
+    """Issue 6: `systemctl stop` of the daemon's unit stops every attempt unit bound to it
+    (BindsTo=), and the next start reports the attempt `unknown` (executor_restarted)
+    with its cleanup confirmed; the provider's `start` is never called again."""
+    if installed.layout.document["supervisor"] != "systemd":
+        pytest.skip("this test is about the systemd supervisor's attempt units")
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    plan = daemon.plan()
+    held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
+    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
+    harness.rows(daemon.prepare([plan]))
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    harness.attempt(daemon.start_attempt(plan))
+    work = f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}.service"
+    # The barrier is held before it reports its PID: the attempt stays `starting`
+    # with its unit active and a process of the slot account alive inside it.
+    wait_for(lambda: show_unit(work, "ActiveState")["ActiveState"] == "active")
+    wait_for(lambda: slot_processes(installed.accounts))
+    assert daemon.observe(plan).state == "starting", journal()
+    assert show_unit(work, "BindsTo")["BindsTo"] == UNIT
+
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+    assert show("ActiveState")["ActiveState"] == "inactive"
+    wait_for(lambda: show_unit(work, "ActiveState")["ActiveState"] != "active")
+    assert show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
+    wait_for(lambda: not slot_processes(installed.accounts))
+
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    settled = daemon.wait_state(plan, lambda r: r.state not in {"starting", "running"}, "settled")
+    assert (settled.state, settled.reason) == ("unknown", "executor_restarted"), settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert show_unit(work, "ActiveState")["ActiveState"] != "active"
+    assert not slot_processes(installed.accounts)
+    assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # never replayed
+    released = harness.attempt(daemon.release(plan))
+    assert released.state == "released", released
+    assert installed.layout.provider_calls("start", plan.attempt_id) == 1
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
