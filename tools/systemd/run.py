@@ -50,6 +50,7 @@ TEST_FILES = [
 ]
 # Copied next to the tests: (source in the repository, directory inside the container).
 SUPPORT_FILES = [
+    ("packages/ficc-executor-host/tests/service_support.py", "tests"),
     ("tests-integration/harness.py", "tests-integration"),
     ("packages/ficc-executor-host/packaging/ficc-executor-host.service", "."),
 ]

@@ -34,9 +34,18 @@ from ficc.execution.host.service import (
     cgroups,
 )
 from ficc.execution.host.service.cgroups import Hierarchy, Layout
-
-PYTHON = "/usr/bin/python3"
-SOAK = os.environ.get("FICC_SOAK") == "1"
+from service_support import (
+    DAEMONIZER,
+    FORKER,
+    NULL,
+    OPENER,
+    SLEEPERS,
+    SOAK,
+    all_nodes_gone,
+    py,
+    status,
+    wait_for,
+)
 
 if os.geteuid() != 0:
     pytest.skip("the cgroupfs service tests need root (real cgroups)", allow_module_level=True)
@@ -126,27 +135,10 @@ def make_spec(
     )
 
 
-def wait_for(condition: Callable[[], object], timeout: float = 20.0) -> None:
-    """Poll a condition with a deadline (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.01)
-
-
 def member_count_is(
     service: CgroupfsService, handle: ServiceHandle, count: int
 ) -> Callable[[], bool]:
     return lambda: len(service.members(handle)) == count
-
-
-def py(code: str) -> list[str]:
-    return [PYTHON, "-I", "-S", "-c", code]
-
-
-def status(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
 
 
 def slot_tasks(uid: int) -> list[int]:
@@ -166,13 +158,7 @@ def node(handle: ServiceHandle, key: str) -> Path:
     return Path(handle.cgroups[key])
 
 
-def all_nodes_gone(handle: ServiceHandle) -> bool:
-    return not any(os.path.exists(p) for p in handle.cgroups.values())
-
-
 #: dash opens /dev/null for background jobs, so most tests allow exactly that device.
-NULL = DeviceRule("/dev/null", 1, 3)
-SLEEPERS = ["/bin/sh", "-c", "sleep 1000 & sleep 1000 & wait"]
 
 
 # --- behaviour on real cgroups --------------------------------------------------------
@@ -262,28 +248,6 @@ def test_memory_limit_oom_kills(
     service.remove(handle)
 
 
-FORKER = """
-import json, os
-r, w = os.pipe()
-ok = failed = 0
-for _ in range(20):
-    try:
-        pid = os.fork()
-    except BlockingIOError:
-        failed += 1
-        continue
-    if pid == 0:
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    ok += 1
-os.write(1, json.dumps({"ok": ok, "failed": failed}).encode())
-os.close(w)
-for _ in range(ok):
-    os.wait()
-"""
-
-
 def test_pids_limit_blocks_forks(
     service: CgroupfsService, slot: tuple[int, int], tmp_path: Path
 ) -> None:
@@ -297,19 +261,6 @@ def test_pids_limit_blocks_forks(
     assert int(events[1]) >= 16
     service.stop(handle)
     service.remove(handle)
-
-
-OPENER = """
-import json, os
-result = {}
-for name, flags in (("null", os.O_WRONLY), ("zero", os.O_RDONLY)):
-    try:
-        os.close(os.open("/dev/" + name, flags))
-        result[name] = "ok"
-    except OSError as error:
-        result[name] = __import__("errno").errorcode[error.errno]
-os.write(1, json.dumps(result).encode())
-"""
 
 
 def test_device_policy_allows_exactly_the_prepared_devices(
@@ -343,19 +294,6 @@ def test_device_rule_must_name_that_exact_node(
         service.create(spec)
     assert refused.value.code == "service_devices"
     assert service.adopt(spec.name) is None
-
-
-DAEMONIZER = """
-import os, time
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        os.write(1, b"%d\\n" % os.getpid())
-        time.sleep(1000)
-    os._exit(0)
-os.wait()
-time.sleep(1000)
-"""
 
 
 def test_stop_kills_a_daemonized_grandchild(

@@ -20,8 +20,7 @@ import select
 import shutil
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,12 +36,21 @@ from ficc.execution.host.service.interface import (
     ServiceSpec,
 )
 from ficc.execution.host.service.systemd import SystemdService
+from service_support import (
+    DAEMONIZER,
+    FORKER,
+    NULL,
+    OPENER,
+    PYTHON,
+    SLEEPERS,
+    SOAK,
+    all_nodes_gone,
+    py,
+    status,
+    wait_for,
+)
 
-PYTHON = "/usr/bin/python3"
-SOAK = os.environ.get("FICC_SOAK") == "1"
 SYSTEMCTL = "/usr/bin/systemctl"
-NULL = DeviceRule("/dev/null", 1, 3)
-SLEEPERS = ["/bin/sh", "-c", "sleep 1000 & sleep 1000 & wait"]
 
 
 def _pid1_is_systemd() -> bool:
@@ -363,23 +371,6 @@ def restarted(service: Backend, handle: ServiceHandle) -> Backend:
     return CgroupfsService(Path(handle.cgroups["memory"]).parent.name, stop_timeout=15.0)
 
 
-def wait_for(condition: Callable[[], object], timeout: float = 20.0) -> None:
-    """Poll a condition with a deadline (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.01)
-
-
-def py(code: str) -> list[str]:
-    return [PYTHON, "-I", "-S", "-c", code]
-
-
-def status(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return {k: v.strip() for k, _, v in (line.partition(":") for line in lines)}
-
-
 def show(unit: str, *keys: str) -> dict[str, str]:
     argv = [SYSTEMCTL, "show", unit, *(f"--property={k}" for k in keys)]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -388,10 +379,6 @@ def show(unit: str, *keys: str) -> dict[str, str]:
 
 def loaded(name: str) -> bool:
     return show(f"{name}.service", "LoadState")["LoadState"] == "loaded"
-
-
-def all_nodes_gone(handle: ServiceHandle) -> bool:
-    return not any(os.path.exists(p) for p in handle.cgroups.values())
 
 
 def node(handle: ServiceHandle, controller: str) -> Path:
@@ -519,28 +506,6 @@ def _check_unit_properties(name: str) -> None:
     }
 
 
-FORKER = """
-import json, os
-r, w = os.pipe()
-ok = failed = 0
-for _ in range(20):
-    try:
-        pid = os.fork()
-    except BlockingIOError:
-        failed += 1
-        continue
-    if pid == 0:
-        os.close(w)
-        os.read(r, 1)
-        os._exit(0)
-    ok += 1
-os.write(1, json.dumps({"ok": ok, "failed": failed}).encode())
-os.close(w)
-for _ in range(ok):
-    os.wait()
-"""
-
-
 def test_pids_limit_blocks_forks(
     service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
 ) -> None:
@@ -551,19 +516,6 @@ def test_pids_limit_blocks_forks(
     assert json.loads(Path(spec.stdout).read_text()) == {"ok": 4, "failed": 16}
     service.stop(handle)
     service.remove(handle)
-
-
-OPENER = """
-import json, os
-result = {}
-for name, flags in (("null", os.O_WRONLY), ("zero", os.O_RDONLY)):
-    try:
-        os.close(os.open("/dev/" + name, flags))
-        result[name] = "ok"
-    except OSError as error:
-        result[name] = __import__("errno").errorcode[error.errno]
-os.write(1, json.dumps(result).encode())
-"""
 
 
 def test_device_policy_allows_exactly_the_prepared_devices(
@@ -577,19 +529,6 @@ def test_device_policy_allows_exactly_the_prepared_devices(
     assert json.loads(Path(spec.stdout).read_text()) == {"null": "ok", "zero": "EPERM"}
     service.stop(handle)
     service.remove(handle)
-
-
-DAEMONIZER = """
-import os, time
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        os.write(1, b"%d\\n" % os.getpid())
-        time.sleep(1000)
-    os._exit(0)
-os.wait()
-time.sleep(1000)
-"""
 
 
 def test_stop_kills_a_daemonized_grandchild(
