@@ -57,7 +57,7 @@ from ficc_provider_podman.account import (  # noqa: E402
     reset_runtime_state,
 )
 from ficc_provider_podman.config import MAX_ULIMIT, Config  # noqa: E402
-from ficc_provider_podman.container import container_name  # noqa: E402
+from ficc_provider_podman.container import container_name, isolation_flags  # noqa: E402
 
 POLL_S = 0.010
 """Pause between one observe reply and the next observe request."""
@@ -214,23 +214,7 @@ def bare_run_as(
         "--rm",
         "--name",
         container_name("f" * 32),
-        "--pull=never",
-        "--network=none",
-        "--read-only",
-        "--cap-drop=all",
-        "--security-opt",
-        "no-new-privileges",
-        "--cgroupns=private",
-        "--ipc=private",
-        "--uts=private",
-        "--pid=private",
-        "--log-driver=passthrough",
-        "--ulimit",
-        "core=0:0",
-        "--ulimit",
-        f"nofile={config.nofile}:{config.nofile}",
-        "--ulimit",
-        f"nproc={nproc}:{nproc}",
+        *isolation_flags(config, nproc),
         image["image_id"].removeprefix("sha256:"),
         "/bin/true",
     ]

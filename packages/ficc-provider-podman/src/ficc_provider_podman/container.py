@@ -224,6 +224,33 @@ def generated_targets(devices: Devices) -> list[dict[str, Any]]:
     return rules
 
 
+def isolation_flags(config: Config, nproc: int) -> list[str]:
+    """The `podman run` flags that give the isolation the host's gate checks.
+
+    One list, so the P6 baseline (a bare `podman run` "with the same flags") can never
+    drift from what a real attempt runs with.
+    """
+    return [
+        "--pull=never",
+        "--network=none",
+        "--read-only",
+        "--cap-drop=all",
+        "--security-opt",
+        "no-new-privileges",
+        "--cgroupns=private",
+        "--ipc=private",
+        "--uts=private",
+        "--pid=private",
+        "--log-driver=passthrough",
+        "--ulimit",
+        "core=0:0",
+        "--ulimit",
+        f"nofile={config.nofile}:{config.nofile}",
+        "--ulimit",
+        f"nproc={nproc}:{nproc}",
+    ]
+
+
 def run_argv(
     config: Config,
     account: SlotAccount,
@@ -242,23 +269,7 @@ def run_argv(
         "run",
         "--name",
         container_name(attempt_id),
-        "--pull=never",
-        "--network=none",
-        "--read-only",
-        "--cap-drop=all",
-        "--security-opt",
-        "no-new-privileges",
-        "--cgroupns=private",
-        "--ipc=private",
-        "--uts=private",
-        "--pid=private",
-        "--log-driver=passthrough",
-        "--ulimit",
-        "core=0:0",
-        "--ulimit",
-        f"nofile={config.nofile}:{config.nofile}",
-        "--ulimit",
-        f"nproc={nproc}:{nproc}",
+        *isolation_flags(config, nproc),
         "--env-file",
         paths.env_file,
         "--workdir",
