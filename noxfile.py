@@ -5,6 +5,7 @@ Sessions:
   provider_podman                      one distribution's own tests
   integration                          tests that cross distributions (tests-integration/)
   systemd                              the systemd backend under real systemd in a container
+  systemd_unified                      systemd's v2 device programs, systemd in unified mode
   lint                                 ruff
   typecheck                            mypy --strict on every src/
   build                                wheel + sdist of every distribution, each installed alone
@@ -164,6 +165,14 @@ def systemd(session: nox.Session) -> None:
 
 
 @nox.session
+def systemd_unified(session: nox.Session) -> None:
+    """systemd's cgroup v2 device programs under real systemd booted in unified mode
+    (tools/systemd/unified.py; the same rootfs, lock and cleanup as `systemd`)."""
+    session.install(*BUILD_TOOLS)
+    session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"), *session.posargs)
+
+
+@nox.session
 def integration(session: nox.Session) -> None:
     """Tests that cross distributions: real daemon, real socket, real provider."""
     _install_all(session)
@@ -241,6 +250,7 @@ def ci(session: nox.Session) -> None:
         _package_tests(session, name)
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
+    session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
     _lint(session)
     _typecheck(session)
     _build(session)

@@ -25,6 +25,7 @@ import pwd
 import re
 import secrets
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -420,6 +421,133 @@ class DaemonProcess:
                 except ValueError:
                     continue
         return records
+
+
+UNIT = "ficc-executor-host.service"
+SYSTEMCTL = "/usr/bin/systemctl"
+UNIT_DIR = Path("/etc/systemd/system")
+
+
+def shipped_unit_file() -> Path:
+    """The unit file the package ships: in the repository, or where tools/systemd/run.py
+    copies it inside the systemd container (next to tests-integration/)."""
+    packaged = ROOT / "packages" / "ficc-executor-host" / "packaging" / UNIT
+    return packaged if packaged.exists() else ROOT / UNIT
+
+
+def show_unit(unit: str, *keys: str) -> dict[str, str]:
+    """`systemctl show` of the given properties, as a dict."""
+    argv = [SYSTEMCTL, "show", unit, *(f"--property={k}" for k in keys)]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+class UnitDaemon:
+    """The daemon as the systemd service it ships as (needs systemd as PID 1).
+
+    The shipped unit file is installed as is, plus a drop-in that only points it at this
+    layout's configuration and provider, opens this layout's directories (and
+    `read_write`) to it, and shortens the restart delay; `dropin` adds lines to the
+    drop-in's [Service] section, and `shipped_dropins` are drop-in files a package
+    ships, installed as they are (test.conf sorts after them, so it wins). The same
+    interface as DaemonProcess: `start` returns
+    after READY=1 (`systemctl start` waits for it), `kill` is a SIGKILL of the main
+    process (after which the unit's Restart=on-failure brings a new daemon back: see
+    `wait_restarted`), `stop` is `systemctl stop`.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        provider: InstalledProvider,
+        *,
+        read_write: Sequence[str] = (),
+        dropin: str = "",
+        shipped_dropins: Sequence[Path] = (),
+    ) -> None:
+        self.layout = layout
+        self.provider = provider
+        self.pid = 0
+        self.dropin_dir = UNIT_DIR / f"{UNIT}.d"
+        shutil.copy(shipped_unit_file(), UNIT_DIR / UNIT)
+        self.dropin_dir.mkdir(exist_ok=True)
+        for shipped in shipped_dropins:
+            shutil.copy(shipped, self.dropin_dir / shipped.name)
+        paths = " ".join([str(layout.base), "/sys/fs/cgroup", *read_write])
+        (self.dropin_dir / "test.conf").write_text(
+            "[Service]\n"
+            "ExecStart=\n"
+            f"ExecStart={sys.executable} -I -m ficc.execution serve"
+            f" --config {layout.config_path} --provider-path {provider.site}\n"
+            # Reset first: the shipped /srv/ficc/slots does not exist here.
+            "ReadWritePaths=\n"
+            f"ReadWritePaths={paths}\n"
+            "RestartSec=100ms\n" + dropin
+        )
+        self._systemctl("daemon-reload")
+        self._systemctl("reset-failed", UNIT, check=False)
+
+    @staticmethod
+    def _systemctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([SYSTEMCTL, *args], capture_output=True, text=True, check=check)
+
+    def show(self, *keys: str) -> dict[str, str]:
+        return show_unit(UNIT, *keys)
+
+    def start(self) -> None:
+        started = self._systemctl("start", UNIT, check=False)
+        if started.returncode != 0:
+            raise DaemonFailed(f"systemctl start {UNIT}: {started.stderr}\n{self.log()}")
+        self.pid = int(self.show("MainPID")["MainPID"])
+
+    def stop(self) -> int:
+        """`systemctl stop`; 0 when the unit stopped cleanly (Result=success)."""
+        self._systemctl("stop", UNIT, check=False)
+        result = self.show("ActiveState", "Result")
+        return 0 if result == {"ActiveState": "inactive", "Result": "success"} else 1
+
+    def restart_cleanly(self) -> None:
+        """`systemctl restart`: SIGTERM, a clean stop, then a new daemon up to READY=1."""
+        old = self.pid
+        restarted = self._systemctl("restart", UNIT, check=False)
+        if restarted.returncode != 0:
+            raise DaemonFailed(f"systemctl restart {UNIT}: {restarted.stderr}\n{self.log()}")
+        self.pid = int(self.show("MainPID")["MainPID"])
+        assert self.pid not in {0, old}, self.show("MainPID", "ActiveState")
+
+    def kill(self) -> None:
+        """SIGKILL the daemon's main process and wait until systemd has seen it die."""
+        old = self.pid
+        self._systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT, check=False)
+        wait_until(lambda: self.show("MainPID")["MainPID"] != str(old), "systemd to see the kill")
+
+    def wait_restarted(self) -> None:
+        """Restart=on-failure at work: a new main process that said READY=1."""
+        old = self.pid
+
+        def running() -> bool:
+            state = self.show("ActiveState", "SubState", "MainPID")
+            return state["SubState"] == "running" and state["MainPID"] not in {"0", str(old)}
+
+        wait_until(running, "systemd to restart the daemon", READY_TIMEOUT)
+        self.pid = int(self.show("MainPID")["MainPID"])
+
+    @property
+    def alive(self) -> bool:
+        state = self.show("ActiveState", "MainPID")
+        return state["ActiveState"] == "active" and state["MainPID"] == str(self.pid)
+
+    def log(self, tail: int = 200) -> str:
+        argv = ["journalctl", "-u", UNIT, "-u", "ficc-work-*", "--no-pager", "-n", str(tail)]
+        return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+    def uninstall(self) -> None:
+        """Stop the unit and remove it with its drop-in."""
+        self._systemctl("stop", UNIT, check=False)
+        self._systemctl("reset-failed", UNIT, check=False)
+        shutil.rmtree(self.dropin_dir, ignore_errors=True)
+        (UNIT_DIR / UNIT).unlink(missing_ok=True)
+        self._systemctl("daemon-reload")
 
 
 # --- talking to it -----------------------------------------------------------------------

@@ -71,17 +71,20 @@ from harness import (
     DaemonProcess,
     InstalledProvider,
     Layout,
+    UnitDaemon,
     fence,
     new_id,
     now_ms,
     private_directory,
     renewal,
     send,
+    show_unit,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 PODMAN_SOURCE = ROOT / "packages" / "ficc-provider-podman"
 TEST_IMAGE_BUILDER = ROOT / "tools" / "testimage" / "build.py"
+PODMAN_DROPIN = PODMAN_SOURCE / "packaging" / "podman.conf"
 MIB = 1024 * 1024
 PROJECT = "5" * 32
 SLOT_CLASS = "podman"
@@ -91,6 +94,11 @@ DEVICE = "full"
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired", "unknown"})
 WAIT_TIMEOUT = 120.0
 COLLECT_CHUNK = MIB
+PREBUILT_WHEELS = os.environ.get("FICC_PODMAN_WHEELS", "")
+BACKENDS = tuple(os.environ.get("FICC_E2E_BACKENDS", "cgroupfs").split(","))
+"""The system-service backends the end-to-end suite runs with. Default: cgroupfs (this
+workplace has no systemd as PID 1); tools/systemd/run.py sets `systemd` inside its
+container, where the daemon runs as the shipped unit."""
 RETRY_LATER = frozenset({"inputs_preparing", "input_busy"})
 """input_write codes that mean: try again on a later polling cycle (seed)."""
 
@@ -187,11 +195,17 @@ def _pip(*args: str) -> None:
 
 
 def install_podman_provider(base: Path) -> InstalledProvider:
-    """Wheel (hatchling; the hook compiles the barrier) -> root-owned prefix -> pin."""
-    wheels = base / "wheel"
-    wheels.mkdir()
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(PODMAN_SOURCE))
-    (wheel,) = wheels.glob("ficc_provider_podman-*.whl")
+    """Wheel (hatchling; the hook compiles the barrier) -> root-owned prefix -> pin.
+
+    With FICC_PODMAN_WHEELS set (inside the systemd container, which has no compiler),
+    the wheel built outside is taken from that directory instead."""
+    if PREBUILT_WHEELS:
+        (wheel,) = Path(PREBUILT_WHEELS).glob("ficc_provider_podman-*.whl")
+    else:
+        wheels = base / "wheel"
+        wheels.mkdir()
+        _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(PODMAN_SOURCE))
+        (wheel,) = wheels.glob("ficc_provider_podman-*.whl")
     prefix = base / "prefix"
     install = ["install", "--no-deps", "--no-index", "--ignore-installed"]
     _pip(*install, "--prefix", str(prefix), str(wheel))
@@ -218,6 +232,7 @@ def write_config(
     transport: Account,
     provider: InstalledProvider,
     image: dict[str, str],
+    supervisor: str,
 ) -> Layout:
     """The daemon's directories and root 0600 configuration (a harness.Layout)."""
     state_dir, socket_dir, slot_root = base / "state", base / "sockets", base / "slots"
@@ -248,7 +263,7 @@ def write_config(
         "maximum_lease_seconds": 600,
         "state_dir": str(state_dir),
         "socket_dir": str(socket_dir),
-        "supervisor": "cgroupfs",
+        "supervisor": supervisor,
         "slots": [
             {
                 "id": f"s{i}",
@@ -311,17 +326,45 @@ class PodmanWorld:
     image: dict[str, str]
     slots: list[Account]
     transport: Account
-    process: DaemonProcess
+    process: DaemonProcess | UnitDaemon
     plans: list[Plan] = field(default_factory=list)
+
+    @property
+    def backend(self) -> str:
+        """The daemon's system-service backend (`supervisor`): cgroupfs or systemd."""
+        return str(self.layout.document["supervisor"])
 
     # --- the daemon process
 
     def restart(self) -> None:
-        """Start a new daemon on the same configuration and ledger (after the old one
-        died), waiting for READY=1; startup recovery runs before it says so."""
+        """A new daemon on the same configuration and ledger after the old one died,
+        ready (READY=1; startup recovery runs before it says so). Under systemd the
+        shipped unit's Restart=on-failure does it: we only wait for it."""
+        if isinstance(self.process, UnitDaemon):
+            self.process.wait_restarted()
+            return
         assert not self.process.alive, "the old daemon is still running"
         self.process = DaemonProcess(self.layout, self.provider)
         self.process.start()
+
+    def restart_cleanly(self) -> None:
+        """A clean restart: SIGTERM (under systemd, `systemctl restart`), then a new
+        daemon on the same ledger, ready."""
+        if isinstance(self.process, UnitDaemon):
+            self.process.restart_cleanly()
+            return
+        status = self.process.stop()
+        assert status == 0, f"the daemon exited {status} on SIGTERM:\n{self.process.log()}"
+        self.restart()
+
+    def service_cgroup(self, plan: Plan, controller: str) -> Path:
+        """The attempt's service cgroup in a v1 hierarchy, where its backend puts it."""
+        service = f"ficc-work-{self.layout.installation_id}-{plan.attempt_id}"
+        if self.backend == "cgroupfs":
+            return Path("/sys/fs/cgroup", controller, "ficc", service)
+        group = show_unit(f"{service}.service", "ControlGroup")["ControlGroup"]
+        assert group, f"{service}.service has no control group (not running?)"
+        return Path("/sys/fs/cgroup", controller, group.lstrip("/"))
 
     @property
     def socket(self) -> str:
@@ -569,12 +612,15 @@ def _attempt_row(reply: Any) -> AttemptRow:
 
 
 @contextlib.contextmanager
-def podman_world() -> Iterator[PodmanWorld]:
-    """Build the whole world (see the module docstring); tear all of it down after."""
+def podman_world(backend: str = "cgroupfs") -> Iterator[PodmanWorld]:
+    """Build the whole world (see the module docstring) with the daemon's system-service
+    backend `backend`; tear all of it down after. With `systemd` the daemon runs as the
+    shipped unit (harness.UnitDaemon), which needs systemd as PID 1."""
     tag = secrets.token_hex(3)
     base = private_directory("/run", f"ficc-pe2e-{tag}-")
     accounts: list[Account] = []
-    process: DaemonProcess | None = None
+    process: DaemonProcess | UnitDaemon | None = None
+    layout: Layout | None = None
     world: PodmanWorld | None = None
     try:
         for role in ("s0", "s1", "tr"):
@@ -582,23 +628,34 @@ def podman_world() -> Iterator[PodmanWorld]:
         *slots, transport = accounts
         image = build_image(base / "image")
         provider = install_podman_provider(base)
-        layout = write_config(base, slots, transport, provider, image)
-        process = DaemonProcess(layout, provider)
+        layout = write_config(base, slots, transport, provider, image, backend)
+        process = _daemon(backend, layout, provider)
         process.start()
         world = PodmanWorld(base, layout, provider, image, slots, transport, process)
         yield world
         status = world.process.stop()
-        assert status == 0, f"the daemon exited {status} on SIGTERM:\n{world.process.log()}"
+        assert status == 0, f"the daemon did not stop cleanly ({status}):\n{world.process.log()}"
     finally:
         if world is not None:
-            world.process.kill()
+            process = world.process  # a restart may have replaced it
+        if isinstance(process, UnitDaemon):
+            process.uninstall()
         elif process is not None:
             process.kill()
-        if world is not None:
-            _purge_services(world.layout.installation_id)
+        if layout is not None:
+            _purge_services(backend, layout.installation_id)
         for account in accounts:
             _remove_account(account)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def _daemon(
+    backend: str, layout: Layout, provider: InstalledProvider
+) -> DaemonProcess | UnitDaemon:
+    if backend == "cgroupfs":
+        return DaemonProcess(layout, provider)
+    # The provider's drop-in, as it ships: rootless Podman's state in /run/user/<uid>.
+    return UnitDaemon(layout, provider, shipped_dropins=[PODMAN_DROPIN])
 
 
 def _remove_account(account: Account) -> None:
@@ -611,12 +668,16 @@ def _remove_account(account: Account) -> None:
     _account_command("userdel", account.name)
 
 
-def _purge_services(installation_id: str) -> None:
-    """Service cgroups a failed test left behind (a passing run releases every one)."""
+def _purge_services(backend: str, installation_id: str) -> None:
+    """Services a failed test left behind (a passing run releases every one)."""
+    prefix = f"ficc-work-{installation_id}-"
+    if backend == "systemd":
+        for verb in ("stop", "reset-failed"):
+            subprocess.run(["systemctl", verb, f"{prefix}*"], check=False, capture_output=True)
+        return
     from ficc.execution.host.service.cgroupfs import CgroupfsService  # noqa: PLC0415
 
     service = CgroupfsService()
-    prefix = f"ficc-work-{installation_id}-"
     names: set[str] = set()
     for hierarchy in service.layout.hierarchies:
         top = Path(hierarchy.mount, "ficc")

@@ -1,13 +1,21 @@
 """Real jobs end to end: the real daemon, its real sockets, real rootless Podman.
 
-Issue 5, "Must show". Each test talks to `python -m ficc.execution serve` (one daemon
-per module; the SIGKILL test restarts it) over its transport socket with the real
-Client, as the real transport account, and the job runs in a real rootless Podman
-container as a real slot account, inside the host's cgroupfs service, behind the
-provider's static barrier, released only after the host's payload gate passed.
-The world (accounts, image, provider wheel and pin, configuration, daemon) is built
-by podman_support.py. Tests run one after another and each releases its attempt, so
-a slot is free for the next one.
+Issues 5 and 6, "Must show". Each test talks to `python -m ficc.execution serve` (one
+daemon per module and backend; the restart tests restart it) over its transport socket
+with the real Client, as the real transport account, and the job runs in a real
+rootless Podman container as a real slot account, inside the host's system service,
+behind the provider's static barrier, released only after the host's payload gate
+passed. The world (accounts, image, provider wheel and pin, configuration, daemon) is
+built by podman_support.py. Tests run one after another and each releases its
+attempt, so a slot is free for the next one.
+
+The suite is parametrized by the daemon's system-service backend (`supervisor`):
+`cgroupfs` here (the daemon a child process), and `systemd` inside the systemd
+container of tools/systemd/run.py (`nox -s systemd`), where the daemon runs as the
+shipped unit and each attempt's service is a transient unit bound to it
+(podman_support.BACKENDS). The assertions are the same for both; where the backends
+really differ (a SIGKILLed daemon's work outlives it under cgroupfs, and is stopped
+by systemd with the daemon's unit), each test says so.
 
 Evidence is always read from the real system: the attempt rows the daemon returns,
 bytes collected through the protocol, the payload's own output files, the gate's
@@ -20,7 +28,6 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -28,8 +35,10 @@ from ficc.execution.plan import InputObject
 from ficc.execution.wire import ReadRow
 from harness import now_ms
 from podman_support import (
+    BACKENDS,
     DEVICE,
     MIB,
+    PREBUILT_WHEELS,
     PodmanWorld,
     barrier_of,
     podman_world,
@@ -39,15 +48,17 @@ from podman_support import (
 )
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("podman") is None or shutil.which("runc") is None or shutil.which("cc") is None,
+    shutil.which("podman") is None
+    or shutil.which("runc") is None
+    or (shutil.which("cc") is None and not PREBUILT_WHEELS),
     reason="needs podman, runc and a C compiler (apt-get install podman runc gcc libc6-dev "
     "busybox-static)",
 )
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[PodmanWorld]:
-    with podman_world() as built:
+@pytest.fixture(scope="module", params=BACKENDS)
+def world(request: pytest.FixtureRequest) -> Iterator[PodmanWorld]:
+    with podman_world(request.param) as built:
         yield built
 
 
@@ -127,25 +138,28 @@ def test_a_nonzero_exit_fails_the_attempt_with_that_code(e2e: PodmanWorld) -> No
 
 
 def test_the_memory_limit_is_enforced(e2e: PodmanWorld) -> None:
-    """A payload growing a 512 MiB shell variable under a 128 MiB plan is OOM-killed in
-    the attempt's service: failed, it started (`hogging`) but never printed `survived`,
-    and the kernel counted the kill in the service's memory cgroup tree."""
-    hog = "echo hogging; x=$(head -c 536870912 /dev/urandom | tr -d '\\000'); echo survived"
+    """A subshell of the payload grows a 512 MiB shell variable under a 128 MiB plan:
+    the kernel OOM-kills it inside the attempt's service (the kill is counted in the
+    service's memory cgroup tree, read while the service still runs), it never printed
+    `survived`, and the payload, told to end with the subshell's status, fails with
+    137 (SIGKILL)."""
+    hog = (
+        "echo hogging; (x=$(head -c 536870912 /dev/urandom | tr -d '\\000'); echo survived); "
+        "status=$?; echo subshell $status; "
+        "while [ ! -e /work/go ]; do sleep 0.1; done; exit $status"
+    )
     plan = e2e.plan(hog, memory_bytes=128 * MIB)
-    e2e.prepare(plan)
-    e2e.wait_ready(plan)
-    e2e.start(plan)
-    done = e2e.wait_settled(plan)
-    assert done.state == "failed", done
-    assert done.exit_code not in (None, 0), done
-    assert e2e.collect(plan, "stdout").data == b"hogging\n"  # it ran, and never got past it
-    service = f"ficc-work-{e2e.layout.installation_id}-{plan.attempt_id}"
-    memory = Path("/sys/fs/cgroup/memory/ficc", service)
+    running = e2e.run_to_running(plan)
+    wait_for(lambda: b"subshell" in e2e.collect(plan, "stdout").data, "the subshell's end")
+    assert e2e.collect(plan, "stdout").data == b"hogging\nsubshell 137\n"
     kills = [
         int(f.read_text().split("oom_kill ")[1].split()[0])
-        for f in memory.rglob("memory.oom_control")
+        for f in e2e.service_cgroup(plan, "memory").rglob("memory.oom_control")
     ]
     assert sum(kills) >= 1, kills
+    (e2e.attempt_dir(running) / "storage" / "go").touch()
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.exit_code) == ("failed", 137), done
 
 
 def test_the_process_limit_is_enforced(e2e: PodmanWorld) -> None:
@@ -314,11 +328,21 @@ def test_a_replaced_barrier_the_provider_misses_is_refused_by_the_gate(e2e: Podm
     assert not (attempt / "storage" / "ran.txt").exists()
 
 
-def test_daemon_sigkill_during_a_job_gives_unknown_and_no_second_run(e2e: PodmanWorld) -> None:
-    """SIGKILL of the daemon while a payload runs, then a restart on the same ledger: the
-    attempt is unknown with cleanup confirmed (recovery adopted and stopped the service),
-    no process of the slot account is left, the payload ran exactly once (it appends a
-    line per run), and release removes the container from the slot's Podman storage."""
+@pytest.mark.parametrize("disruption", ["sigkill", "clean restart"])
+def test_a_daemon_crash_or_restart_during_a_job_gives_unknown_and_no_second_run(
+    e2e: PodmanWorld, disruption: str
+) -> None:
+    """SIGKILL of the daemon while a payload runs (or a clean restart: SIGTERM, under
+    systemd `systemctl restart`), then a new daemon on the same ledger: the attempt is
+    unknown (its outcome cannot be confirmed, so it is neither guessed nor replayed)
+    with cleanup confirmed, no process of the slot account is left, the payload ran
+    exactly once (it appends a line per run), and release removes the container from
+    the slot's Podman storage.
+
+    After a SIGKILL the backends differ, and both are checked: under cgroupfs the job
+    outlives the daemon until the new one's recovery stops it; under systemd the
+    attempt's unit is bound to the daemon's (BindsTo=), so systemd stops the work with
+    the daemon, and its Restart=on-failure brings the daemon back."""
     plan = e2e.plan("echo run >> /work/runs.txt; sleep 1000", outputs=[("runs", "runs.txt")])
     running = e2e.run_to_running(plan)
     slot_uid = e2e.slot_account(running.slot).uid
@@ -328,11 +352,18 @@ def test_daemon_sigkill_during_a_job_gives_unknown_and_no_second_run(e2e: Podman
     containers = e2e.slot_path(running.slot) / "ficc-podman/storage/overlay-containers"
     assert f"ficc-{plan.attempt_id}" in (containers / "containers.json").read_text()
 
-    e2e.process.kill()  # SIGKILL: the daemon gets no chance to stop anything
-    assert processes_of(slot_uid) != [], "the job should outlive the daemon"
-    e2e.restart()
+    if disruption == "sigkill":
+        e2e.process.kill()  # the daemon gets no chance to stop anything
+        if e2e.backend == "cgroupfs":
+            assert processes_of(slot_uid) != [], "the job should outlive the daemon"
+        else:
+            wait_for(lambda: processes_of(slot_uid) == [], "systemd to stop the bound work")
+        e2e.restart()
+    else:
+        e2e.restart_cleanly()
     after = e2e.wait_settled(plan)
     assert (after.state, after.outcome, after.exit_code) == ("unknown", "unknown", None), after
+    assert (after.reason, after.cleanup_confirmed) == ("executor_restarted", True), after
     assert processes_of(slot_uid) == []
     assert runs.read_bytes() == b"run\n"
 

@@ -92,7 +92,7 @@ def podman_host() -> Iterator[ps.PodmanWorld]:
         slot, transport = accounts
         image = ps.build_image(base / "image")
         provider = ps.install_podman_provider(base)
-        layout = ps.write_config(base, [slot], transport, provider, image)
+        layout = ps.write_config(base, [slot], transport, provider, image, "cgroupfs")
         installation_id = layout.installation_id
         process = h.DaemonProcess(layout, provider)
         with _environment(unit_environment()):
@@ -105,7 +105,7 @@ def podman_host() -> Iterator[ps.PodmanWorld]:
         if process is not None:
             process.kill()
         if installation_id is not None:
-            ps._purge_services(installation_id)
+            ps._purge_services("cgroupfs", installation_id)
         for account in accounts:
             ps._remove_account(account)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -23,6 +23,16 @@ separately (no target), and so is the earlier direct measurement of the provider
 cgroupfs service and the payload gate without the daemon (no target; its own world,
 its own baseline).
 
+Where the time goes (medians of 8 traced attempts, 2026-11-29, bare run ~185 ms,
+whole attempt ~340-355 ms): the provider's deliberate `podman image inspect` as the slot
+account at prepare ~75 ms (a whole rootless Podman start-up: kept, it is the image-ID
+check); the service ~20 ms (cgroups, limits read back, one RCU grace period for the
+first cgroup.procs write ~12 ms, overlapped with the shim's ~8 ms interpreter start);
+`podman run` up to the waiting barrier ~150 ms and from release to its exit ~60 ms
+(the bare run's own work, plus its extra mounts, the 10 ms barrier poll and the
+observe polling lag); gate, ledger commits and admission ~15 ms; this client's own
+10 ms observe polling ~5-10 ms. Before the shim change the service took ~36 ms.
+
 Needs root, podman, runc and busybox-static; creates and removes its own accounts.
 """
 

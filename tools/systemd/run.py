@@ -43,8 +43,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import rootfs  # a sibling script, not a package
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+INSIDE = "/opt/ficc"
 PACKAGES = ["ficc-protocol", "ficc-executor-host"]
 TEST_FILES = [
+    "packages/ficc-executor-host/tests/test_service_behaviour.py",
     "packages/ficc-executor-host/tests/test_service_systemd.py",
     "tools/systemd/tests/test_daemon_unit.py",
 ]
@@ -54,12 +56,22 @@ SUPPORT_FILES = [
     ("tests-integration/harness.py", "tests-integration"),
     ("packages/ficc-executor-host/packaging/ficc-executor-host.service", "."),
 ]
+# The Podman end-to-end suite, run there with supervisor=systemd (the daemon as the
+# shipped unit): copied with the integration suite's layout, so its paths hold inside.
+E2E_FILES = [
+    "tests-integration/conftest.py",
+    "tests-integration/podman_support.py",
+    "tests-integration/test_podman_e2e.py",
+    "tools/testimage/build.py",
+    "packages/ficc-provider-podman/packaging/podman.conf",
+]
+E2E_TESTS = f"{INSIDE}/tests-integration/test_podman_e2e.py"
 TEST_PROVIDER = "tests-integration/providers/ficc-test-provider"
+PODMAN_PROVIDER = "packages/ficc-provider-podman"
 REQUIREMENTS = ["msgspec>=0.18,<1", "uvloop>=0.19,<1", "psutil>=5.9,<8", "pytest>=8"]
 LABEL = "ficc-systemd-test"
 LOCK = pathlib.Path("/run/ficc-systemd-run.lock")
 PODMAN = rootfs.HOST_PODMAN
-INSIDE = "/opt/ficc"
 UNIT_SUFFIXES = (".scope", ".slice", ".service")
 
 
@@ -103,9 +115,11 @@ def build_wheelhouse(target: pathlib.Path) -> None:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-    provider = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    provider += ["-w", str(target), str(ROOT / TEST_PROVIDER)]
-    _run(provider, check=True)
+    # The Podman provider's build hook compiles its static barrier: built here, since
+    # the container has no compiler (podman_support takes it from FICC_PODMAN_WHEELS).
+    for provider in (TEST_PROVIDER, PODMAN_PROVIDER):
+        wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        _run([*wheel, "-w", str(target), str(ROOT / provider)], check=True)
     download = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:"]
     download += ["--dest", str(target), *REQUIREMENTS]
     _run(download, check=True)
@@ -272,20 +286,31 @@ def install(name: str, wheelhouse: pathlib.Path) -> None:
         inside = f"{INSIDE}/{directory}"
         _run([*PODMAN, "exec", name, "mkdir", "-p", inside], check=True)
         _run([*PODMAN, "cp", str(ROOT / source), f"{name}:{inside}/"], check=True)
+    for source in E2E_FILES:
+        inside = f"{INSIDE}/{pathlib.PurePath(source).parent}"
+        _run([*PODMAN, "exec", name, "mkdir", "-p", inside], check=True)
+        _run([*PODMAN, "cp", str(ROOT / source), f"{name}:{inside}/"], check=True)
     _run([*PODMAN, "exec", name, "python3", "-m", "venv", f"{INSIDE}/venv"], check=True)
     pip = [*PODMAN, "exec", name, f"{INSIDE}/venv/bin/pip", "install", "-q", "--no-index"]
-    pip += ["--find-links", f"{INSIDE}/wheels", "ficc-executor-host", "pytest"]
+    # psutil: the integration suite's conftest (it kills what a failed test left).
+    pip += ["--find-links", f"{INSIDE}/wheels", "ficc-executor-host", "pytest", "psutil"]
     _run(pip, check=True)
 
 
 def run_tests(name: str, pytest_args: list[str]) -> int:
     command = [*PODMAN, "exec", "--env", "FICC_SYSTEMD_REQUIRED=1", "--workdir", INSIDE]
+    command += [
+        "--env",
+        "FICC_E2E_BACKENDS=systemd",
+        "--env",
+        f"FICC_PODMAN_WHEELS={INSIDE}/wheels",
+    ]
     if os.environ.get("FICC_SOAK") == "1":
         command += ["--env", "FICC_SOAK=1"]
     command += [name, f"{INSIDE}/venv/bin/pytest", "-q", "-ra", "-p", "no:cacheprovider"]
     # The marker is declared in each package's pyproject, which is not copied in.
     command += ["-o", "markers=soak: long reliability loops (FICC_SOAK=1)"]
-    command += [f"{INSIDE}/tests", *pytest_args]
+    command += [f"{INSIDE}/tests", E2E_TESTS, *pytest_args]
     return _run(command, check=False).returncode
 
 

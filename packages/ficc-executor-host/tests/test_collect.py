@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import secrets
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.collect import identity_digest, read_object
+from ficc.execution.host.collect import ReadBuffers, identity_digest, read_object
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout
 from ficc.execution.host.ledger import AttemptRecord
@@ -179,6 +181,62 @@ def test_outputs_that_are_not_plain_files_are_refused(
     name = "output:result" if kind == "linked_parent" else "output:flat"
     row = lambda: read_object(layout, record_of(plan, RUNNING), plan, read(plan, name))  # noqa: E731
     assert refused(row) == "object_unavailable"
+
+
+def test_large_reads_held_at_once_keep_their_own_bytes(layout: Layout, plan: planlib.Plan) -> None:
+    """Reads share reused buffers, yet a row still held is never overwritten."""
+    paths = layout.create(plan.attempt_id)
+    content = os.urandom(3 * COLLECT_MAX_BYTES)
+    Path(paths.stdout).write_bytes(content)
+    record = record_of(plan, RUNNING)
+    rows = [
+        read_object(layout, record, plan, read(plan, "stdout", offset))
+        for offset in range(0, len(content), COLLECT_MAX_BYTES)
+    ]
+    assert b"".join(row.data for row in rows) == content
+    del rows
+    gc.collect()
+    again = read_object(layout, record, plan, read(plan, "stdout", COLLECT_MAX_BYTES))
+    assert again.data == content[COLLECT_MAX_BYTES : 2 * COLLECT_MAX_BYTES]
+
+
+def test_a_read_buffer_is_handed_out_again_only_once_no_view_of_it_is_left() -> None:
+    buffers = ReadBuffers(1 << 20, keep=2)
+    first, second = buffers.view(1 << 20), buffers.view(1 << 19)
+    third = buffers.view(1 << 20)  # both kept buffers are in use: a fresh one
+    assert len({id(first.obj), id(second.obj), id(third.obj)}) == 3
+    assert (len(first), len(second), len(third)) == (1 << 20, 1 << 19, 1 << 20)
+    kept = first.obj
+    part = first[10:20]
+    del first
+    assert buffers.view(1 << 20).obj is not kept  # a slice of it is still alive
+    del part
+    assert buffers.view(1 << 20).obj is kept
+    assert len(buffers.view(100).obj) == 100  # small reads never hold a kept buffer
+    with pytest.raises(ValueError, match="does not fit"):
+        buffers.view((1 << 20) + 1)
+
+
+def test_read_buffers_are_never_shared_between_threads() -> None:
+    buffers = ReadBuffers(1 << 16, keep=2)
+    together = threading.Barrier(4)
+    failures: list[str] = []
+
+    def fill(mark: int) -> None:
+        for _ in range(100):
+            view = buffers.view(1 << 16)
+            view[:] = bytes([mark]) * len(view)
+            together.wait(30)  # all four views are alive here, two of them kept buffers
+            if view.tobytes() != bytes([mark]) * len(view):
+                failures.append(f"thread {mark} saw another thread's bytes")
+            together.wait(30)
+
+    threads = [threading.Thread(target=fill, args=(mark,)) for mark in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
 
 
 def test_an_offset_past_the_end_means_the_file_changed(layout: Layout, plan: planlib.Plan) -> None:

@@ -64,6 +64,46 @@ def test_open_dir_refuses_a_symlink_as_the_last_component(tmp_path: Path) -> Non
     assert _code(excinfo) == "unsafe_path"
 
 
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_open_dir_lets_a_caller_check_every_directory_on_the_walk(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    seen: list[tuple[str, bool]] = []
+
+    def check(fd: int, walked: str) -> None:
+        seen.append((walked, os.path.samestat(os.fstat(fd), os.stat(walked))))
+
+    fd = open_dir(str(tmp_path / "a" / "b"), check=check)
+    os.close(fd)
+    walk = ["/", *(str(p) for p in reversed((tmp_path / "a" / "b").parents[:-1]))]
+    assert seen == [(w, True) for w in [*walk, str(tmp_path / "a" / "b")]]
+
+
+def test_a_refusal_by_the_callers_rules_leaks_no_descriptor(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    target = str(tmp_path / "a")
+
+    def check(_fd: int, walked: str) -> None:
+        if walked == target:
+            raise HostError("refused_here", walked)
+
+    def open_child(parent_fd: int, name: str, walked: str) -> int:
+        if walked == str(tmp_path / "a" / "b"):
+            raise HostError("refused_child", walked)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+
+    before = _open_fds()
+    with pytest.raises(HostError) as by_check:
+        open_dir(str(tmp_path / "a" / "b"), check=check)
+    assert (by_check.value.code, by_check.value.message) == ("refused_here", target)
+    with pytest.raises(HostError) as by_opener:
+        open_dir(str(tmp_path / "a" / "b"), open_child=open_child)
+    assert by_opener.value.code == "refused_child"
+    assert _open_fds() == before
+
+
 def test_open_dir_reports_missing_and_non_directory(tmp_path: Path) -> None:
     with pytest.raises(HostError) as missing:
         open_dir(str(tmp_path / "absent"))

@@ -45,6 +45,7 @@ from ficc.execution.protocol import (
     PrepareAttempt,
     PrepareRequest,
     Read,
+    ReceivedInputWriteRequest,
     ReconcileAbsentRequest,
     RejectAbsentRequest,
     ReleaseRequest,
@@ -56,6 +57,8 @@ from ficc.execution.protocol import (
     SnapshotRequest,
     StartRequest,
     StopRequest,
+    encode_request,
+    receive_request,
     validate_request,
 )
 from ficc.execution.wire import (
@@ -224,10 +227,14 @@ class Host:
 
     def send(self, request: Any, sender: Sender = Sender.TRANSPORT) -> Any:
         """Dispatch as the server would, and decode the reply exactly as a client would."""
-        validated, _ = validate_request(request)
-        reply = run(self.daemon.dispatch(sender, 0, validated))
-        rows = validated.row_count or None
-        return decode_reply(encode_reply(reply), validated.action, rows=rows)
+        _, payload = validate_request(request)
+        return self.send_frame(payload, sender)
+
+    def send_frame(self, payload: bytes, sender: Sender = Sender.TRANSPORT) -> Any:
+        received = receive_request(payload)  # the server's decoding call
+        reply = run(self.daemon.dispatch(sender, 0, received))
+        rows = received.row_count or None
+        return decode_reply(encode_reply(reply), received.action, rows=rows)
 
     def bindings(self) -> dict[str, Any]:
         b = self.ctx.ledger.bindings()
@@ -614,6 +621,29 @@ def test_input_upload_resumes_after_a_lost_acknowledgement(host: Host) -> None:
     recorded = {i.object_id: i for i in host.ctx.ledger.inputs(plan.attempt_id)}
     assert recorded[obj.id].complete
     assert recorded[obj.id].identity is not None
+
+
+def test_both_decoded_forms_of_input_write_are_written(host: Host) -> None:
+    """The server gives the handler a ReceivedInputWriteRequest, or an InputWriteRequest
+    when the base64 is spelled with JSON escapes; both write the same bytes."""
+    data = b"\xff" * 3000 + b"tail"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan)
+    stage(host, plan)
+    rows = [write_row(plan, obj, 0, data[:3000]), write_row(plan, obj, 3000, data[3000:])]
+    first = encode_request(InputWriteRequest(version=1, id=new_id(), writes=rows[:1]))
+    assert isinstance(receive_request(first), ReceivedInputWriteRequest)
+    assert row_ok(host.send_frame(first)).offset == 3000
+    escaped = encode_request(InputWriteRequest(version=1, id=new_id(), writes=rows[1:]))
+    escaped = escaped.replace(b"d", b"\\u0064")  # 'd' is in keys, base64 and hex alike
+    assert isinstance(receive_request(escaped), InputWriteRequest)
+    assert row_ok(host.send_frame(escaped)).complete
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.slot_id is not None
+    staged = host.ctx.slots[record.slot_id].stager.status(plan.attempt_id, obj.id)
+    assert (staged.offset, staged.complete) == (len(data), True)
 
 
 def test_a_wrong_digest_fails_the_attempt(host: Host) -> None:

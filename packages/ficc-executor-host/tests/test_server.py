@@ -44,6 +44,7 @@ from ficc.execution.protocol import (
     InputWriteRequest,
     ObserveRequest,
     OfferLimits,
+    ReceivedInputWriteRequest,
     Resources,
     Sender,
     SetOfferRequest,
@@ -57,9 +58,12 @@ from ficc.execution.wire import (
     ErrorReply,
     Offer,
     ProviderInfo,
+    ReadRow,
+    ReadsReply,
     SlotClass,
     SnapshotReply,
     decode_reply,
+    encode_reply,
     error_reply,
     error_row,
 )
@@ -347,6 +351,30 @@ def test_a_large_request_is_decoded_and_dispatched(server: Running, fake: FakeDa
     reply = ask(server.paths["transport"], request)
     assert isinstance(reply, ErrorReply)  # the fake knows no attempts
     (received,) = fake.requests
+    assert isinstance(received, ReceivedInputWriteRequest)  # decoded straight from the frame
+    assert received.writes[0].chunk == data
+
+
+def test_base64_spelled_with_json_escapes_is_received_too(
+    server: Running, fake: FakeDaemon
+) -> None:
+    """`\\/` for `/` leaves the fast path to `decode_request`: dispatched all the same."""
+    data = b"\xff" * 3000
+    write = InputWrite(
+        attempt_id="a" * 32,
+        generation=1,
+        plan_digest="sha256:" + "b" * 64,
+        object="c" * 32,
+        offset=0,
+        data=base64.b64encode(data).decode(),
+        digest="sha256:" + hashlib.sha256(data).hexdigest(),
+    )
+    payload = encode_request(InputWriteRequest(version=1, id=request_id(11), writes=[write]))
+    sock = raw_connect(server.paths["transport"])
+    sock.sendall(frame(payload.replace(b"/", b"\\/")))
+    assert error_of(read_reply(sock))[:2] == ("unknown_attempt", request_id(11))  # the fake
+    sock.close()
+    (received,) = fake.requests
     assert isinstance(received, InputWriteRequest)
     assert received.writes[0].chunk == data
 
@@ -398,7 +426,7 @@ def test_a_frame_sent_in_small_pieces_is_read_exactly_to_its_declared_length(
     assert reset_unread(sock), "the server read past the declared length"
     sock.close()
     (received,) = fake.requests
-    assert isinstance(received, InputWriteRequest)
+    assert isinstance(received, ReceivedInputWriteRequest)
     assert received.writes[0].chunk == data
     assert isinstance(ask(server.paths["transport"], snapshot(10)), SnapshotReply)
     assert [c[3] for c in fake.calls] == [request_id(8), request_id(10)]
@@ -682,6 +710,65 @@ def test_a_reply_over_2_mib_becomes_internal(server: Running, fake: FakeDaemon) 
     assert (code, reply_id) == ("internal", request_id(13))
     assert "2 MiB" in message
     assert server.events("reply_too_large")[0]["bytes"] > REPLY_MAX
+
+
+def reads_reply(request_id: str, size: int) -> ReadsReply:
+    """A collect-shaped reply carrying `size` bytes that name the request."""
+    data = (request_id.encode() * (size // 32 + 1))[:size]
+    row = ReadRow(
+        attempt_id="a" * 32,
+        generation=1,
+        plan_digest="sha256:" + "0" * 64,
+        object="stdout",
+        offset=0,
+        data=data,
+        next_offset=size,
+        eof=True,
+        complete=False,
+        identity="sha256:" + "1" * 64,
+    )
+    return ReadsReply(version=1, id=request_id, results=[row])
+
+
+SIZES = [1 << 20, 0, 300_000, 5, 700_000, 1 << 20, 3]
+
+
+def test_replies_of_any_size_in_turn_are_each_the_canonical_encoding(
+    server: Running, fake: FakeDaemon
+) -> None:
+    """Reply buffers are reused: a frame never carries bytes of an earlier, larger one."""
+    replies: dict[str, AnyReply] = {}
+
+    def sized(request: AnyRequest) -> AnyReply:
+        size = SIZES[int(request.id, 16) % len(SIZES)]
+        replies[request.id] = reads_reply(request.id, size)
+        if size == 5:
+            replies[request.id] = error_reply(request.id, "unknown_attempt", "small")
+        return replies[request.id]
+
+    fake.reply = sized
+    for n in range(2 * len(SIZES)):
+        sock = raw_connect(server.paths["transport"])
+        sock.sendall(frame(encode_request(snapshot(n))))
+        assert read_reply(sock) == encode_reply(replies[request_id(n)])
+        assert at_eof(sock)
+        sock.close()
+    assert server.events("reply_too_large") == []
+
+
+def test_replies_written_at_once_each_get_their_own_bytes(
+    server: Running, fake: FakeDaemon
+) -> None:
+    fake.reply = lambda request: reads_reply(request.id, 600_000 + int(request.id, 16))
+    release = _hold(server, fake)
+    held = [raw_connect(server.paths["transport"]) for _ in range(6)]
+    for n, sock in enumerate(held):
+        sock.sendall(frame(encode_request(snapshot(n))))
+    wait_for(lambda: len(fake.calls) == 6, "six requests in dispatch")
+    release()
+    for n, sock in enumerate(held):
+        assert read_reply(sock) == encode_reply(reads_reply(request_id(n), 600_000 + n))
+        sock.close()
 
 
 # --- one request per connection ------------------------------------------------------------

@@ -192,6 +192,26 @@ def test_truncated_reply(sock_dir: pathlib.Path) -> None:
     assert "10 of" in str(_expect(sock_dir, cut, ReplyTruncated))
 
 
+def test_closed_after_the_header_or_inside_it(sock_dir: pathlib.Path) -> None:
+    async def header_only(payload: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(struct.pack(">I", 100))
+        writer.write_eof()
+
+    async def half_header(payload: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\x00\x00")
+        writer.write_eof()
+
+    assert "0 of 100" in str(_expect(sock_dir, header_only, ReplyTruncated))
+    assert "header" in str(_expect(sock_dir, half_header, ReplyTruncated))
+
+
+def test_a_second_frame_after_the_reply_is_invalid(sock_dir: pathlib.Path) -> None:
+    async def twice(payload: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(_frame(_reply_for(payload)) + _frame(_reply_for(payload)))
+
+    assert "more than one" in str(_expect(sock_dir, twice, ReplyInvalid))
+
+
 def test_closed_without_reply(sock_dir: pathlib.Path) -> None:
     async def silent_close(payload: bytes, writer: asyncio.StreamWriter) -> None:
         writer.write_eof()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from ficc.execution.frames import (
     FrameDecoder,
     FrameError,
     encode_frame,
+    encode_frame_into,
 )
 
 CASES = 100_000 if SOAK else 5_000
@@ -39,6 +41,28 @@ def test_encode_refuses_empty_and_oversized() -> None:
         encode_frame(b"x" * 11, 10)
     assert info.value.code == ErrorCode.FRAME_TOO_LARGE
     assert encode_frame(b"x" * 10, 10)[4:] == b"x" * 10
+
+
+def test_encode_into_writes_the_same_frame_as_encode_and_reuses_the_buffer() -> None:
+    encoder = msgspec.json.Encoder(order="sorted")
+    buffer = bytearray()
+    allocations = set()
+    for value in [{"b": b"x" * 300_000, "a": 1}, {"a": 2}, [b"\x00" * 70_000], "short"] * 2:
+        size = encode_frame_into(encoder, value, buffer, REPLY_MAX)
+        assert bytes(buffer) == encode_frame(encoder.encode(value), REPLY_MAX)
+        assert size == len(buffer)
+        allocations.add(buffer.__alloc__())
+    assert len(allocations) == 1  # a small frame does not give the memory of a large one back
+
+
+def test_encode_into_refuses_an_oversized_payload() -> None:
+    encoder = msgspec.json.Encoder()
+    buffer = bytearray()
+    with pytest.raises(FrameError) as info:
+        encode_frame_into(encoder, "x" * 9, buffer, 10)  # 11 bytes with the quotes
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+    assert encode_frame_into(encoder, "x" * 8, buffer, 10) == 14
+    assert bytes(buffer) == b"\x00\x00\x00\x0a" + b'"' + b"x" * 8 + b'"'
 
 
 def test_decoder_yields_frames_across_any_split() -> None:

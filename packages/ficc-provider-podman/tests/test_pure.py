@@ -161,3 +161,35 @@ def test_device_results_parse_exactly_the_expected_devices() -> None:
         with pytest.raises(ProviderError) as refused:
             parse_device_results(bad, ["/dev/null", "/dev/zero"])
         assert refused.value.code == "runtime_report"
+
+
+HOST_MOUNTINFO = (
+    "22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+    "23 22 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw,size=10m\n"
+    "24 23 0:21 / /dev/pts rw,nosuid,noexec shared:3 - devpts devpts rw\n"
+)
+CONTAINER_MOUNTINFO = (
+    "500 400 0:60 / / rw,relatime - overlay overlay rw\n"
+    "501 500 0:61 / /dev rw,nosuid - tmpfs tmpfs rw,size=64k\n"
+    "502 501 0:62 / /dev/shm rw,nosuid,nodev - tmpfs shm rw\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("mountinfo", "expected"),
+    [(HOST_MOUNTINFO, "devtmpfs"), (CONTAINER_MOUNTINFO, "tmpfs"), ("", "devtmpfs")],
+)
+def test_device_nodes_are_expected_from_the_hosts_own_dev(mountinfo: str, expected: str) -> None:
+    """Bound device nodes carry the type of the host's /dev: devtmpfs on a machine,
+    tmpfs on a host that is itself a container (the systemd test container)."""
+    assert container.host_dev_fs_type(mountinfo) == expected
+    devices = container.Devices(prepared=[], positive=[], negative=[], mapped=[])
+    rules = {r["target"]: r for r in container.generated_targets(devices, expected)}
+    assert rules["/dev/null"]["fs_types"] == [expected]
+    assert rules["/proc/kcore"]["fs_types"] == [expected]
+    assert rules["/dev"]["fs_types"] == ["tmpfs"]  # the container's own /dev, not the host's
+
+
+def test_the_live_dev_type_is_read_from_this_process_mount_table() -> None:
+    with open("/proc/self/mountinfo", encoding="utf-8") as table:
+        assert container.host_dev_fs_type() == container.host_dev_fs_type(table.read())

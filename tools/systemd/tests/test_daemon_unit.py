@@ -26,10 +26,7 @@ from typing import Any
 import pytest
 
 HARNESS = Path(os.environ.get("FICC_HARNESS_DIR", "/opt/ficc/tests-integration"))
-UNIT_FILE = Path(os.environ.get("FICC_UNIT_FILE", "/opt/ficc/ficc-executor-host.service"))
 PROVIDER_WHEELS = Path(os.environ.get("FICC_WHEELS", "/opt/ficc/wheels"))
-UNIT = "ficc-executor-host.service"
-SYSTEMCTL = "/usr/bin/systemctl"
 
 
 def _pid1_is_systemd() -> bool:
@@ -56,11 +53,12 @@ from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # 
 from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
 from ficc.execution.plan import Payload  # noqa: E402
 
+UNIT = harness.UNIT
+SYSTEMCTL = harness.SYSTEMCTL
+
 
 def show(*keys: str) -> dict[str, str]:
-    argv = [SYSTEMCTL, "show", UNIT, *(f"--property={k}" for k in keys)]
-    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+    return harness.show_unit(UNIT, *keys)
 
 
 def journal() -> str:
@@ -93,41 +91,23 @@ def _systemd_backend_wired() -> bool:
 
 
 @pytest.fixture(params=["cgroupfs", "systemd"])
-def installed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Installed]:
-    """The shipped unit plus a drop-in for this test's configuration and provider,
-    with each supervisor (the daemon's choice of system-service backend)."""
+def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
+    """The shipped unit plus a drop-in for this test's configuration and provider
+    (harness.UnitDaemon), with each supervisor (the daemon's system-service backend)."""
     if request.param == "systemd" and not _systemd_backend_wired():
         pytest.skip("daemon.service_backend does not offer supervisor=systemd yet")
     accounts = harness.Accounts.ensure()
     base = harness.private_directory("/run", "ficc-it-unit-")
-    (wheel,) = PROVIDER_WHEELS.glob("ficc_test_provider-*.whl")
-    provider = harness.install_provider(wheel, base / "provider")
-    layout = harness.Layout.create(base, accounts, provider, supervisor=request.param)
-    shutil.copy(UNIT_FILE, f"/etc/systemd/system/{UNIT}")
-    dropin = Path(f"/etc/systemd/system/{UNIT}.d")
-    dropin.mkdir(exist_ok=True)
-    (dropin / "test.conf").write_text(
-        "[Service]\n"
-        "ExecStart=\n"
-        f"ExecStart={sys.executable} -I -m ficc.execution serve --config {layout.config_path}"
-        f" --provider-path {provider.site}\n"
-        # Reset first: the shipped /srv/ficc/slots does not exist here (a missing
-        # ReadWritePaths= entry fails the start with 226/NAMESPACE).
-        "ReadWritePaths=\n"
-        f"ReadWritePaths={base} /sys/fs/cgroup\n"
-        "WatchdogSec=3s\n"
-        "TimeoutStopSec=10s\n"
-        "RestartSec=100ms\n"
-    )
-    subprocess.run([SYSTEMCTL, "daemon-reload"], check=True)
+    unit: harness.UnitDaemon | None = None
     try:
+        (wheel,) = PROVIDER_WHEELS.glob("ficc_test_provider-*.whl")
+        provider = harness.install_provider(wheel, base / "provider")
+        layout = harness.Layout.create(base, accounts, provider, supervisor=request.param)
+        unit = harness.UnitDaemon(layout, provider, dropin="WatchdogSec=3s\nTimeoutStopSec=10s\n")
         yield Installed(layout, provider, accounts)
     finally:
-        subprocess.run([SYSTEMCTL, "stop", UNIT], check=False)
-        subprocess.run([SYSTEMCTL, "reset-failed", UNIT], check=False, capture_output=True)
-        shutil.rmtree(dropin)
-        Path(f"/etc/systemd/system/{UNIT}").unlink()
-        subprocess.run([SYSTEMCTL, "daemon-reload"], check=True)
+        if unit is not None:
+            unit.uninstall()
         shutil.rmtree(base, ignore_errors=True)
         accounts.remove()
 
@@ -200,7 +180,7 @@ def test_an_attempt_runs_in_a_transient_unit_of_the_daemon(installed: Installed)
     assert "Started" in log, log
     daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
     # Stopped and empty, kept (failed: it was killed) until release removes it.
-    kept = show_unit(work, "BindsTo", "Slice", "ActiveState", "ControlGroup", "User")
+    kept = harness.show_unit(work, "BindsTo", "Slice", "ActiveState", "ControlGroup", "User")
     assert kept["BindsTo"] == UNIT
     assert kept["Slice"] == "ficc.slice"
     assert kept["ActiveState"] in {"failed", "inactive"}
@@ -209,14 +189,8 @@ def test_an_attempt_runs_in_a_transient_unit_of_the_daemon(installed: Installed)
     )
     released = harness.attempt(daemon.release(plan))
     assert released.state == "released", released
-    wait_for(lambda: show_unit(work, "LoadState")["LoadState"] == "not-found")
+    wait_for(lambda: harness.show_unit(work, "LoadState")["LoadState"] == "not-found")
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
-
-
-def show_unit(unit: str, *keys: str) -> dict[str, str]:
-    argv = [SYSTEMCTL, "show", unit, *(f"--property={k}" for k in keys)]
-    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
 
 
 def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
@@ -260,7 +234,7 @@ def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
         )
         wait_for(lambda old=daemon_pid: show("MainPID")["MainPID"] not in {old, "0"})
         # stopped with the daemon, and not started again with the new one
-        assert show_unit(f"{name}.service", "ActiveState")["ActiveState"] != "active"
+        assert harness.show_unit(f"{name}.service", "ActiveState")["ActiveState"] != "active"
         assert backend.members(handle) == set()
         backend.stop(handle)
         backend.remove(handle)
@@ -306,22 +280,22 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
     work = f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}.service"
     # The barrier is held before it reports its PID: the attempt stays `starting`
     # with its unit active and a process of the slot account alive inside it.
-    wait_for(lambda: show_unit(work, "ActiveState")["ActiveState"] == "active")
+    wait_for(lambda: harness.show_unit(work, "ActiveState")["ActiveState"] == "active")
     wait_for(lambda: slot_processes(installed.accounts))
     assert daemon.observe(plan).state == "starting", journal()
-    assert show_unit(work, "BindsTo")["BindsTo"] == UNIT
+    assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
 
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
     assert show("ActiveState")["ActiveState"] == "inactive"
-    wait_for(lambda: show_unit(work, "ActiveState")["ActiveState"] != "active")
-    assert show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
+    wait_for(lambda: harness.show_unit(work, "ActiveState")["ActiveState"] != "active")
+    assert harness.show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
     wait_for(lambda: not slot_processes(installed.accounts))
 
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
     settled = daemon.wait_state(plan, lambda r: r.state not in {"starting", "running"}, "settled")
     assert (settled.state, settled.reason) == ("unknown", "executor_restarted"), settled
     daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
-    assert show_unit(work, "ActiveState")["ActiveState"] != "active"
+    assert harness.show_unit(work, "ActiveState")["ActiveState"] != "active"
     assert not slot_processes(installed.accounts)
     assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # never replayed
     released = harness.attempt(daemon.release(plan))

@@ -166,8 +166,9 @@ def mounts(config: Config, paths: AttemptPaths, barrier: str) -> list[dict[str, 
     return result
 
 
-def generated_targets(devices: Devices) -> list[dict[str, Any]]:
-    """What rootless Podman + runc mount themselves (recorded from a real container)."""
+def generated_targets(devices: Devices, dev_fs: str = "devtmpfs") -> list[dict[str, Any]]:
+    """What rootless Podman + runc mount themselves (recorded from a real container);
+    `dev_fs` is the type of the host's /dev (`host_dev_fs_type`)."""
 
     def rule(
         target: str,
@@ -206,7 +207,7 @@ def generated_targets(devices: Devices) -> list[dict[str, Any]]:
             for t in ("/proc/acpi", "/proc/scsi", "/sys/firmware", "/sys/dev/block")
         ),
         *(
-            rule(t, ["devtmpfs"], [])
+            rule(t, [dev_fs], [])
             for t in (
                 "/proc/kcore",
                 "/proc/keys",
@@ -217,11 +218,30 @@ def generated_targets(devices: Devices) -> list[dict[str, Any]]:
             )
         ),
     ]
-    # Rootless runc cannot mknod: every device node is a bind mount from devtmpfs.
-    # The device policy of the service, not the mount, decides whether it opens.
+    # Rootless runc cannot mknod: every device node is a bind mount from the host's
+    # /dev. The device policy of the service, not the mount, decides whether it opens.
     nodes = dict.fromkeys([*OCI_DEFAULT_DEVICES, *devices.mapped])
-    rules += [rule(path, ["devtmpfs"], []) for path in nodes]
+    rules += [rule(path, [dev_fs], []) for path in nodes]
     return rules
+
+
+def host_dev_fs_type(mountinfo: str | None = None) -> str:
+    """The file system type of the host's /dev, where bind-mounted device nodes (and the
+    /dev/null masking /proc files) come from: devtmpfs on most hosts, tmpfs where /dev
+    is populated by a container engine (a host that is itself a container). Read from
+    the provider's own mount table, which is the daemon's: the runtime binds from it.
+    A host without a /dev mount falls back to devtmpfs, which then matches nothing and
+    fails the gate closed."""
+    if mountinfo is None:
+        with open("/proc/self/mountinfo", encoding="utf-8") as table:
+            mountinfo = table.read()
+    found = "devtmpfs"
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 4 and parts[4] == "/dev" and tail.split()[:1]:
+            found = tail.split()[0]  # the last mount on /dev is the visible one
+    return found
 
 
 def isolation_flags(config: Config, nproc: int) -> list[str]:

@@ -265,7 +265,7 @@ class Driver:
             },
             "devices": devices.prepared,
             "mounts": container.mounts(self.config, paths, str(barrier)),
-            "generated_targets": container.generated_targets(devices),
+            "generated_targets": container.generated_targets(devices, container.host_dev_fs_type()),
             "positive_devices": devices.positive,
             "negative_devices": devices.negative,
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Any, Protocol
 
 from ficc.execution.errors import ErrorCode, ProtocolError
 
@@ -39,6 +40,44 @@ def encode_frame(payload: bytes, max_length: int) -> bytes:
     """Length prefix + payload; refuses an empty or oversized payload."""
     check_length(len(payload), max_length)
     return HEADER.pack(len(payload)) + payload
+
+
+class EncodesInto(Protocol):
+    """What `encode_frame_into` needs of an encoder (a `msgspec.json.Encoder` has it)."""
+
+    def encode_into(self, obj: Any, buffer: bytearray, offset: int = 0, /) -> None: ...
+
+
+def encode_frame_into(
+    encoder: EncodesInto, value: object, buffer: bytearray, max_length: int
+) -> int:
+    """Encode `value` as one whole frame at the start of `buffer`; return the frame size.
+
+    The payload is encoded straight after a 4-byte header slot, then the header is
+    filled in, so a frame is built with no copy and can go out in one send. Reusing
+    `buffer` spares a fresh allocation per frame: for a 1.4 MB collect reply, page
+    faults on fresh memory cost about as much as the encoding. Raises FrameError for
+    an empty or oversized payload; `buffer` then holds no valid frame.
+    """
+    _keep_allocation(buffer)
+    encoder.encode_into(value, buffer, HEADER.size)
+    length = len(buffer) - HEADER.size
+    check_length(length, max_length)
+    HEADER.pack_into(buffer, 0, length)
+    return len(buffer)
+
+
+def _keep_allocation(buffer: bytearray) -> None:
+    """Lengthen a reused `buffer` so the encoder's growth cannot give its memory back.
+
+    CPython reallocates a bytearray resized to less than half its allocation down to
+    that size, and msgspec grows a buffer from its current length: after a small
+    frame, the next large one would start from a few bytes of memory again. From half
+    the allocation (zeros, overwritten by the next frame), every resize stays inside.
+    """
+    floor = buffer.__alloc__() // 2 + 1
+    if len(buffer) < floor:
+        buffer.extend(bytes(floor - len(buffer)))
 
 
 class FrameDecoder:
@@ -150,10 +189,12 @@ __all__ = [
     "HEADER",
     "REPLY_MAX",
     "REQUEST_MAX",
+    "EncodesInto",
     "FrameDecoder",
     "FrameError",
     "check_length",
     "encode_frame",
+    "encode_frame_into",
     "read_frame",
     "write_frame",
 ]

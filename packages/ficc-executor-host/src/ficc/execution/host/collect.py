@@ -18,13 +18,15 @@ have empty logs with a stable identity, `eof` and `complete`, and no outputs
 
 Reads run in an I/O thread; the records are read first on the ledger thread. A row
 carries the bytes read: the reply encoder writes them as base64 in C (`ReadRow.data`).
+They are read into reused buffers (`ReadBuffers`), so a row's `data` is a view of one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+import threading
+from typing import Any, cast
 
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import fsutil, lifecycle
@@ -33,13 +35,61 @@ from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import LOGS, STORAGE, Layout
 from ficc.execution.plan import Plan, decode_plan
-from ficc.execution.protocol import CollectRequest, Read
+from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read
 from ficc.execution.wire import ReadResult, ReadRow, ReadsReply, error_row
 
-__all__ = ["collect", "identity_digest", "read_object"]
+__all__ = ["ReadBuffers", "collect", "identity_digest", "read_object"]
 
 _LOGS = {"stdout", "stderr"}
 _OUTPUT_PREFIX = "output:"
+
+
+class ReadBuffers:
+    """Reused buffers of `size` bytes to read into, safe to use from any thread.
+
+    Why: the packaged unit makes malloc map every block of 1 MiB or more afresh
+    (MALLOC_MMAP_THRESHOLD_), so a fresh 1 MiB `bytes` per read costs more in page
+    faults than copying the data from the page cache. A buffer is handed out again
+    only once no view of it is left, i.e. once the reply holding it was encoded and
+    dropped; Python keeps that count already, since a bytearray refuses to resize
+    while a view of it exists. At most `keep` buffers are kept (resident); past that,
+    and for small reads, a read gets a fresh buffer of its own length.
+    """
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self._keep = keep
+        self._kept: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def view(self, length: int) -> memoryview:
+        """A writable view of `length` (<= size) bytes that no one else is using."""
+        if not 0 <= length <= self.size:
+            raise ValueError(f"a read of {length} bytes does not fit buffers of {self.size}")
+        if length < self.size // 16:  # cheap to allocate; it would only hold a kept buffer
+            return memoryview(bytearray(length))
+        with self._lock:  # the view exists before another thread tests the same buffer
+            for buffer in self._kept:
+                if _unviewed(buffer):
+                    return memoryview(buffer)[:length]
+            if len(self._kept) < self._keep:
+                self._kept.append(bytearray(self.size))
+                return memoryview(self._kept[-1])[:length]
+        return memoryview(bytearray(length))
+
+
+def _unviewed(buffer: bytearray) -> bool:
+    """Whether no view of `buffer` is alive (resizing it is refused while one is)."""
+    try:
+        buffer.append(0)
+    except BufferError:
+        return False
+    del buffer[-1]
+    return True
+
+
+_BUFFERS = ReadBuffers(COLLECT_MAX_BYTES, keep=2)
+"""The daemon's read buffers: 2 MiB resident at most, enough for back-to-back reads."""
 
 
 def identity_digest(device: int, inode: int) -> str:
@@ -135,14 +185,17 @@ def _no_resource_read(record: ledgerlib.AttemptRecord, read: Read) -> ReadRow:
     return _read_row(read, b"", eof=True, complete=True, identity=identity)
 
 
-def _read_row(read: Read, data: bytes, *, eof: bool, complete: bool, identity: str) -> ReadRow:
+def _read_row(
+    read: Read, data: bytes | memoryview, *, eof: bool, complete: bool, identity: str
+) -> ReadRow:
     return ReadRow(
         attempt_id=read.attempt_id,
         generation=read.generation,
         plan_digest=read.plan_digest,
         object=read.object,
         offset=read.offset,
-        data=data,
+        # typed bytes for decoding; the encoder writes any buffer as the same base64
+        data=cast(bytes, data),
         next_offset=read.offset + len(data),
         eof=eof,
         complete=complete,
@@ -150,16 +203,16 @@ def _read_row(read: Read, data: bytes, *, eof: bool, complete: bool, identity: s
     )
 
 
-def _pread(fd: int, length: int, offset: int) -> bytes:
-    parts: list[bytes] = []
-    while length > 0:
-        block = os.pread(fd, length, offset)
-        if not block:
+def _pread(fd: int, length: int, offset: int) -> memoryview:
+    """Up to `length` bytes at `offset` (fewer at the end of the file), in a read buffer."""
+    view = _BUFFERS.view(length)
+    filled = 0
+    while filled < length:
+        count = os.preadv(fd, [view[filled:]], offset + filled)
+        if not count:
             break
-        parts.append(block)
-        length -= len(block)
-        offset += len(block)
-    return b"".join(parts)
+        filled += count
+    return view[:filled]
 
 
 def _open_object(layout: Layout, record: ledgerlib.AttemptRecord, plan: Plan, name: str) -> int:

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run the executor host daemon in the foreground",
         description="Load and check the configuration, open the ledger, recover, listen on "
         "the sockets and serve until SIGTERM or SIGINT. Under systemd (Type=notify) it "
-        "reports READY=1 once every socket listens, and pings the watchdog.",
+        "reports READY=1 once every socket listens; its monitor pings the watchdog.",
     )
     run.add_argument("--config", required=True, help="the administrator's configuration file")
     run.add_argument(
@@ -229,7 +229,6 @@ async def _serve_until(
         stderr_log(_line("info", "ready", sockets=[e.name for e in endpoints]))
 
     server = asyncio.ensure_future(serve(daemon, endpoints, limits=limits, ready=ready))
-    watchdog = asyncio.ensure_future(_watchdog())
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -240,24 +239,11 @@ async def _serve_until(
             notify.stopping("stopping: finishing in-flight requests")
         stderr_log(_line("info", "stopping"))
     finally:
-        for task in (server, watchdog, stopped):
+        for task in (server, stopped):
             task.cancel()
-        for task in (server, watchdog, stopped):
+        for task in (server, stopped):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-async def _watchdog() -> None:
-    """WATCHDOG=1 at half the unit's WatchdogSec, while the event loop is responsive."""
-    interval = notify.watchdog_interval()
-    if interval is None:
-        return
-    while True:
-        try:
-            notify.watchdog()
-        except (OSError, ValueError) as exc:
-            stderr_log(_line("error", "watchdog_failed", error=str(exc)))
-        await asyncio.sleep(interval)
 
 
 def _line(level: str, event: str, **fields: Any) -> dict[str, Any]:

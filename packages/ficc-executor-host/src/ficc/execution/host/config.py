@@ -33,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ficc.execution.host import fsutil
 from ficc.execution.host.errors import HostError
 from ficc.execution.plan import Digest, Identity, Name
 
@@ -358,10 +359,9 @@ def _check_json_value(key: str, value: object, depth: int) -> None:
 # --- file safety (I/O) -----------------------------------------------------------------
 
 
-def _components(path: str, key: str, code: str) -> list[str]:
+def _check_normalized(path: str, key: str, code: str) -> None:
     if not path.startswith("/") or path.startswith("//") or posixpath.normpath(path) != path:
         raise _refuse(code, key, f"{path!r} is not a normalized absolute path", "give one")
-    return [part for part in path.split("/") if part]
 
 
 def _check_trusted_directory(st: os.stat_result, key: str, where: str, code: str) -> None:
@@ -376,7 +376,9 @@ def _check_trusted_directory(st: os.stat_result, key: str, where: str, code: str
         )
 
 
-def _open_trusted_child(parent_fd: int, name: str, key: str, where: str, code: str) -> int:
+def _open_unchanged_child(parent_fd: int, name: str, key: str, where: str, code: str) -> int:
+    """The directory `name` in `parent_fd`, refused if it is a link or not a directory,
+    or if what was opened is not what was looked at."""
     before = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     if stat.S_ISLNK(before.st_mode):
         raise _refuse(code, key, f"{where} is a symbolic link", "use the real path")
@@ -385,10 +387,8 @@ def _open_trusted_child(parent_fd: int, name: str, key: str, where: str, code: s
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(name, flags, dir_fd=parent_fd)
     try:
-        after = os.fstat(fd)
-        if not os.path.samestat(before, after):
+        if not os.path.samestat(before, os.fstat(fd)):
             raise _refuse(code, key, f"{where} changed while being checked", "retry")
-        _check_trusted_directory(after, key, where, code)
     except BaseException:
         os.close(fd)
         raise
@@ -403,29 +403,27 @@ def open_trusted_directory(path: str, key: str, code: str, mode: int | None = No
     sticky world-writable directory such as /tmp is refused too). If `mode` is given,
     the final directory must have exactly that mode. The caller owns the returned fd.
     """
-    components = _components(path, key, code)
-    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    _check_normalized(path, key, code)
+
+    def open_child(parent_fd: int, name: str, where: str) -> int:
+        return _open_unchanged_child(parent_fd, name, key, where, code)
+
+    def check(fd: int, where: str) -> None:
+        _check_trusted_directory(os.fstat(fd), key, where, code)
+
     try:
-        _check_trusted_directory(os.fstat(fd), key, "/", code)
-        where = "/"
-        for part in components:
-            where = posixpath.join(where, part)
-            child = _open_trusted_child(fd, part, key, where, code)
-            os.close(fd)
-            fd = child
-        actual = stat.S_IMODE(os.fstat(fd).st_mode)
-        if mode is not None and actual != mode:
-            raise _refuse(code, key, f"{path} has mode {actual:04o}", f"chmod {mode:04o} {path}")
-    except BaseException as error:
+        fd = fsutil.open_dir(path, open_child=open_child, check=check)
+    except FileNotFoundError:
+        missing = "host_path_missing" if code == "host_path_unsafe" else "config_missing"
+        raise _refuse(
+            missing, key, f"{path} does not exist", "create it (owned by root) or fix the path"
+        ) from None
+    except OSError as error:
+        raise _refuse(code, key, f"cannot open {path}: {error.strerror}", "check it") from None
+    actual = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode is not None and actual != mode:
         os.close(fd)
-        if isinstance(error, FileNotFoundError):
-            missing = "host_path_missing" if code == "host_path_unsafe" else "config_missing"
-            raise _refuse(
-                missing, key, f"{path} does not exist", "create it (owned by root) or fix the path"
-            ) from None
-        if isinstance(error, OSError):
-            raise _refuse(code, key, f"cannot open {path}: {error.strerror}", "check it") from None
-        raise
+        raise _refuse(code, key, f"{path} has mode {actual:04o}", f"chmod {mode:04o} {path}")
     return fd
 
 

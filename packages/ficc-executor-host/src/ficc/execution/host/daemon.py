@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ficc.execution.host import fsutil, handlers
+from ficc.execution.host import fsutil, handlers, notify
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config, check_host
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -63,7 +63,8 @@ RunnerFactory = Callable[[HostContext], RunnerLike]
 def _default_runner(ctx: HostContext) -> RunnerLike:
     from ficc.execution.host.pipeline import Runner  # noqa: PLC0415 - keeps the import cheap
 
-    runner: RunnerLike = Runner(ctx)
+    # The monitor feeds systemd's watchdog: its ticks stopping is what must restart us.
+    runner: RunnerLike = Runner(ctx, on_tick=notify.Heartbeat.from_environment().beat)
     return runner
 
 

@@ -29,6 +29,7 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 
 import msgspec
 
@@ -124,11 +125,20 @@ def open_dir_at(dir_fd: int, name: str) -> int:
         raise _refusal(dir_fd, name, error, f"directory {name!r}") from error
 
 
-def open_dir(path: str) -> int:
+def open_dir(
+    path: str,
+    *,
+    open_child: Callable[[int, str, str], int] | None = None,
+    check: Callable[[int, str], None] | None = None,
+) -> int:
     """Open an absolute directory path, refusing a symlink in any component.
 
     The walk starts at `/` and opens each component relative to the previous one, so
-    no component is ever resolved by path again after it has been checked.
+    no component is ever resolved by path again after it has been checked. A caller
+    with stricter rules (config.py: root-owned all the way down) keeps the walk and
+    brings its own: `open_child(parent_fd, name, walked)` opens one component (by
+    default with O_NOFOLLOW, refused as described above), and `check(fd, walked)` may
+    refuse each directory opened, `/` included. The caller owns the returned fd.
     """
     if not path.startswith("/") or os.path.normpath(path) != path or "//" in path or "\0" in path:
         raise HostError(
@@ -136,21 +146,30 @@ def open_dir(path: str) -> int:
             f"{path!r} is not an absolute normalized path; write it without '.', '..', "
             "repeated or trailing '/'",
         )
+    opener = open_child or _open_component
     fd = os.open("/", _DIR_FLAGS)
     try:
+        if check is not None:
+            check(fd, "/")
         walked = ""
         for part in [p for p in path.split("/") if p]:
             walked += "/" + part
-            try:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except OSError as error:
-                raise _refusal(fd, part, error, f"{walked!r}") from error
+            child = opener(fd, part, walked)
             os.close(fd)
             fd = child
+            if check is not None:
+                check(fd, walked)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _open_component(parent_fd: int, name: str, walked: str) -> int:
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as error:
+        raise _refusal(parent_fd, name, error, f"{walked!r}") from error
 
 
 def require_owner(st: os.stat_result, uid: int, where: str) -> None:

@@ -57,6 +57,8 @@ from ficc.execution.protocol import (
     ObserveRequest,
     OfferLimits,
     PrepareRequest,
+    ReceivedInputWrite,
+    ReceivedInputWriteRequest,
     ReconcileAbsentRequest,
     RejectAbsentRequest,
     ReleaseRequest,
@@ -89,6 +91,9 @@ from ficc.execution.wire import (
 
 INPUT_CHUNK_BYTES = INPUT_CHUNK_MAX_BYTES
 """The `input_chunk_bytes` this executor announces and enforces (8 MiB)."""
+
+AnyInputWrite = ReceivedInputWrite | InputWrite
+"""An `input_write` row as `receive_request` may return it."""
 
 
 class RunnerPort(Protocol):
@@ -616,7 +621,7 @@ def _staging_record(
 
 
 def _authorized(
-    ctx: HostContext, rows: Sequence[ObjectRef | InputWrite], now: leases.Now
+    ctx: HostContext, rows: Sequence[ObjectRef | AnyInputWrite], now: leases.Now
 ) -> list[ledgerlib.AttemptRecord | HostError]:
     """Fence, state, lease and offer checks for each input row. One ledger-thread call,
     so records, inputs and offer are read with no write in between."""
@@ -688,21 +693,29 @@ async def input_status(
 
 
 async def input_write(
-    ctx: HostContext, runner: RunnerPort, sender: Sender, request: InputWriteRequest
+    ctx: HostContext,
+    runner: RunnerPort,
+    sender: Sender,
+    request: ReceivedInputWriteRequest | InputWriteRequest,
 ) -> AnyReply:
     """Write chunks: rows of one attempt one after another (else the second would meet
     `input_busy`), different attempts in parallel. Each chunk is synced by the stager
-    before the ledger commits its offset, on the ledger thread."""
+    before the ledger commits its offset, on the ledger thread.
+
+    The server's `receive_request` gives a `ReceivedInputWriteRequest` (chunks decoded
+    straight from the frame), or an `InputWriteRequest` for a document whose base64 is
+    spelled with JSON escapes; both carry checked `chunk` bytes."""
     now = ctx.clock.now()
-    records = await ctx.workers.db(_authorized, ctx, request.writes, now)
-    results: list[InputResult | None] = [None] * len(request.writes)
+    writes: Sequence[AnyInputWrite] = request.writes
+    records = await ctx.workers.db(_authorized, ctx, writes, now)
+    results: list[InputResult | None] = [None] * len(writes)
     by_attempt: dict[str, list[int]] = {}
-    for index, write in enumerate(request.writes):
+    for index, write in enumerate(writes):
         by_attempt.setdefault(write.attempt_id, []).append(index)
 
     async def attempt_writes(indices: list[int]) -> None:
         for index in indices:
-            results[index] = await _write_one(ctx, runner, request.writes[index], records[index])
+            results[index] = await _write_one(ctx, runner, writes[index], records[index])
 
     await asyncio.gather(*(attempt_writes(indices) for indices in by_attempt.values()))
     rows = [r for r in results if r is not None]
@@ -712,7 +725,7 @@ async def input_write(
 async def _write_one(
     ctx: HostContext,
     runner: RunnerPort,
-    write: InputWrite,
+    write: AnyInputWrite,
     record: ledgerlib.AttemptRecord | HostError,
 ) -> InputResult:
     if isinstance(record, HostError):

@@ -8,8 +8,11 @@ The integration tests use a datagram socket of their own to wait for READY=1.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
+from collections.abc import Callable
 
 ENV = "NOTIFY_SOCKET"
 
@@ -66,4 +69,37 @@ def watchdog_interval() -> float | None:
     return int(usec) / 2_000_000
 
 
-__all__ = ["ENV", "notify", "ready", "stopping", "watchdog", "watchdog_interval"]
+class Heartbeat:
+    """WATCHDOG=1 from the monitor: called after every completed monitor tick, it pings
+    at most once per `interval` (half of WatchdogSec).
+
+    The ping proves more than a responsive event loop: the monitor is what enforces
+    leases and stops, so if its ticks stop completing (a wedged loop, a call that never
+    returns) the pings stop, and systemd kills and restarts the daemon. That is safe:
+    a restart never replays work. With no watchdog configured (`interval` None) this
+    does nothing.
+    """
+
+    def __init__(self, interval: float | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval
+        self._clock = clock
+        self._last: float | None = None
+
+    @classmethod
+    def from_environment(cls) -> Heartbeat:
+        return cls(watchdog_interval())
+
+    def beat(self) -> None:
+        if self._interval is None:
+            return
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            return
+        self._last = now
+        try:
+            watchdog()
+        except (OSError, ValueError) as error:  # systemd will restart us; say why
+            logging.getLogger(__name__).error("watchdog_failed: %s", error)
+
+
+__all__ = ["ENV", "Heartbeat", "notify", "ready", "stopping", "watchdog", "watchdog_interval"]

@@ -387,6 +387,14 @@ class Runner:
             self._monitor.wake()
         return True
 
+    async def _refused(
+        self, record: AttemptRecord, event: lifecycle.AnyEvent, error: HostError
+    ) -> None:
+        """Record a failure; the ledger keeps only its code, so the operator's log gets
+        the message that says what went wrong (a provider's refusal text, say)."""
+        _log.warning("attempt %s: %s: %s", record.attempt_id, event.name, error)
+        await self._apply(record, event)
+
     def lease_current(self, record: AttemptRecord) -> bool:
         lease = record.lease
         return lease is not None and leases.is_current(lease, self._ctx.clock.now())
@@ -468,7 +476,7 @@ class Runner:
             attempt = await self._attempt(record)
             inputs_ready = await self._stage(attempt)
         except HostError as error:
-            await self._apply(record, lifecycle.PrepareFailed(reason=error.code))
+            await self._refused(record, lifecycle.PrepareFailed(reason=error.code), error)
             return
         if inputs_ready:
             await self._provider_prepare(attempt)
@@ -478,7 +486,7 @@ class Runner:
         try:
             await self._stage(await self._attempt(record))
         except HostError as error:
-            await self._apply(record, lifecycle.PrepareFailed(reason=error.code))
+            await self._refused(record, lifecycle.PrepareFailed(reason=error.code), error)
 
     async def _stage(self, attempt: _Attempt) -> bool:
         """Layout and staging; True once every streamed input is complete."""
@@ -522,7 +530,7 @@ class Runner:
             result = decode_prepare_result(prepared.reply)
             await self._io(check_prepare_result, result, attempt.plan)
         except HostError as error:
-            await self._apply(attempt.record, lifecycle.PrepareFailed(reason=error.code))
+            await self._refused(attempt.record, lifecycle.PrepareFailed(reason=error.code), error)
             return
         except Exception:
             _log.exception("attempt %s: preparation failed unexpectedly", attempt.id)
@@ -580,7 +588,7 @@ class Runner:
             await self._apply(record, lifecycle.OutcomeLost(reason=uncertain.reason))
         except HostError as error:
             await self._stop_service(attempt)
-            await self._apply(record, lifecycle.StartFailed(reason=error.code))
+            await self._refused(record, lifecycle.StartFailed(reason=error.code), error)
         except Exception:
             _log.exception("attempt %s: start failed unexpectedly", attempt.id)
             await self._stop_service(attempt)
@@ -678,9 +686,15 @@ class Runner:
     async def _await_payload(
         self, attempt: _Attempt, context: dict[str, Any], handle: ServiceHandle
     ) -> tuple[int, list[DeviceOpen] | None]:
-        """Observe until the barrier's host PID is reported (or the deadline)."""
+        """Observe until the barrier's host PID is reported (or the deadline).
+
+        A provider reports `ready` (the device opens) before `payload` (the PID), often
+        on consecutive calls, so the first `ready` is followed by the next observation
+        at once; every other observation waits `observe_interval` first.
+        """
         deadline = time.monotonic() + self._settings.start_timeout
         devices: list[DeviceOpen] | None = None
+        furthest = "waiting"
         while True:
             self._check_abort(attempt)
             result = await self._batcher.call(attempt.provider, "observe", context)
@@ -702,7 +716,10 @@ class Runner:
                     f"no payload PID within {self._settings.start_timeout}s; the payload never"
                     " ran: check the provider",
                 )
-            await asyncio.sleep(self._settings.observe_interval)
+            if seen.phase == "ready" and furthest == "waiting":
+                furthest = "ready"
+            else:
+                await asyncio.sleep(self._settings.observe_interval)
 
     def _run_gate(
         self, attempt: _Attempt, result: PrepareResult, handle: ServiceHandle, pid: int
@@ -765,8 +782,14 @@ class Runner:
     async def watched(self) -> list[AttemptRecord]:
         self._ticks += 1
         if self._ticks % self._settings.rescan_ticks == 1:
-            records = await self._all_records()
-            self._watch.update(r.attempt_id for r in records if self._needs_watch(r))
+            # Page by page: the ledger keeps every record forever, and holding all of
+            # them at once every few seconds costs megabytes of RSS (benchmark P7).
+            after: str | None = None
+            while True:
+                page, after = await self._db(self._ctx.ledger.page, after)
+                self._watch.update(r.attempt_id for r in page if self._needs_watch(r))
+                if after is None:
+                    break
         found = []
         for attempt_id in sorted(self._watch):
             record = await self._db(self._ctx.ledger.get, attempt_id)

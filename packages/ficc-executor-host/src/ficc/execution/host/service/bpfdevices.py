@@ -16,6 +16,8 @@ Shape, with r1 = struct bpf_cgroup_dev_ctx {u32 access_type; u32 major; u32 mino
 
 Attached with BPF_F_ALLOW_MULTI so a runtime can attach its own, stricter program
 below it; the kernel allows an access only if every program on the path allows it.
+The bpf(2) plumbing (`query`, `xlated`, `attach_program`) is shared with
+`systemd_devices`, which reads back the program systemd attaches for its units.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ _PROG_LOAD, _PROG_ATTACH, _PROG_GET_FD_BY_ID, _OBJ_GET_INFO_BY_FD, _PROG_QUERY =
 _PROG_TYPE_CGROUP_DEVICE = 15
 _CGROUP_DEVICE = 6
 _F_ALLOW_MULTI = 2
+_F_QUERY_EFFECTIVE = 1
+_MAX_PROGRAMS = 64
 _DEV_CHAR = 2
 _ACC_MKNOD = 1
 _ATTR_SIZE = 128
@@ -142,7 +146,12 @@ def _attr(*fields: tuple[int, str, int]) -> ctypes.Array[ctypes.c_char]:
 
 def attach(cgroup_dir: str, devices: list[DeviceRule]) -> None:
     """Load the filter for `devices` and attach it to the v2 cgroup directory."""
-    code = ctypes.create_string_buffer(encode(program(devices)))
+    attach_program(cgroup_dir, encode(program(devices)))
+
+
+def attach_program(cgroup_dir: str, raw: bytes, flags: int = _F_ALLOW_MULTI) -> None:
+    """Load a device program (encoded instructions) and attach it with `flags`."""
+    code = ctypes.create_string_buffer(raw, len(raw))
     license_text = ctypes.create_string_buffer(b"GPL")
     log = ctypes.create_string_buffer(65536)
     load = _attr(
@@ -170,7 +179,7 @@ def attach(cgroup_dir: str, devices: list[DeviceRule]) -> None:
                     (0, "<I", target),
                     (4, "<I", prog),
                     (8, "<I", _CGROUP_DEVICE),
-                    (12, "<I", _F_ALLOW_MULTI),
+                    (12, "<I", flags),
                 ),
             )
         finally:
@@ -185,23 +194,33 @@ def attach(cgroup_dir: str, devices: list[DeviceRule]) -> None:
 
 def attached(cgroup_dir: str) -> list[list[DeviceAccess] | None]:
     """The decoded rules of every device program attached directly to the cgroup."""
-    ids = (ctypes.c_uint32 * 64)()
+    _flags, ids = query(cgroup_dir)
+    return [decode(xlated(prog_id)[1]) for prog_id in ids]
+
+
+def query(cgroup_dir: str, *, effective: bool = False) -> tuple[int, list[int]]:
+    """(attach flags, program IDs) of the cgroup's device programs: those attached to
+    the directory itself, or (`effective`) every one the kernel runs for it, its
+    ancestors' included (the kernel then reports no attach flags: 0)."""
+    ids = (ctypes.c_uint32 * _MAX_PROGRAMS)()
     target = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        query = _attr(
+        request = _attr(
             (0, "<I", target),
             (4, "<I", _CGROUP_DEVICE),
+            (8, "<I", _F_QUERY_EFFECTIVE if effective else 0),
             (16, "<Q", ctypes.addressof(ids)),
-            (24, "<I", 64),
+            (24, "<I", _MAX_PROGRAMS),
         )
-        _bpf(_PROG_QUERY, query)
+        _bpf(_PROG_QUERY, request)
     finally:
         os.close(target)
-    count = struct.unpack_from("<I", query, 24)[0]
-    return [_read_program(ids[index]) for index in range(count)]
+    flags, _ids, count = struct.unpack_from("<IQI", request, 12)
+    return flags, [ids[index] for index in range(count)]
 
 
-def _read_program(prog_id: int) -> list[DeviceAccess] | None:
+def xlated(prog_id: int) -> tuple[int, bytes]:
+    """(program type, the kernel's copy of its instructions) of a loaded program."""
     prog = _bpf(_PROG_GET_FD_BY_ID, _attr((0, "<I", prog_id)))
     try:
         info = ctypes.create_string_buffer(_INFO_SIZE)
@@ -214,6 +233,6 @@ def _read_program(prog_id: int) -> list[DeviceAccess] | None:
         struct.pack_into("<Q", info, 32, ctypes.addressof(code))
         request = _attr((0, "<I", prog), (4, "<I", _INFO_SIZE), (8, "<Q", ctypes.addressof(info)))
         _bpf(_OBJ_GET_INFO_BY_FD, request)
-        return decode(code.raw[:length])
+        return struct.unpack_from("<I", info, 0)[0], code.raw[:length]
     finally:
         os.close(prog)

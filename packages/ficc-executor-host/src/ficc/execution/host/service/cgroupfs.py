@@ -13,14 +13,16 @@ Starting the program inside the tree, as the slot account, before it runs any of
 own code, uses a start gate rather than `preexec_fn` (unsafe in a threaded daemon):
 
 1. `subprocess.Popen` (fork+exec in C: no Python runs in the child) starts a tiny
-   shim interpreter as the slot account, with an empty environment, no supplementary
-   groups, a new session, the output files as stdout/stderr and two pipes.
-2. The shim sets RLIMIT_CORE to 0/0 and RLIMIT_NOFILE to N/N itself (root here lacks
-   CAP_SYS_RESOURCE, so prlimit(2) on another user's process is not an option),
-   reports "ready" and blocks reading the gate pipe.
-3. The host checks the shim's credentials and rlimits in /proc, writes its PID into
-   every `supervisor/cgroup.procs`, checks /proc/PID/cgroup, and only then sends the
-   argv and environment through the gate pipe (so neither appears in the shim's
+   shim interpreter (shim.py) as the slot account, with an empty environment, no
+   supplementary groups, a new session, the output files as stdout/stderr and two
+   pipes.
+2. While the interpreter comes up, the host writes its PID into every
+   `supervisor/cgroup.procs` and checks /proc/PID/cgroup. The shim sets RLIMIT_CORE
+   to 0/0 and RLIMIT_NOFILE to N/N itself (root here lacks CAP_SYS_RESOURCE, so
+   prlimit(2) on another user's process is not an option), reports "ready" and
+   blocks reading the gate pipe.
+3. The host checks the shim's credentials and rlimits in /proc, and only then sends
+   the argv and environment through the gate pipe (so neither appears in the shim's
    world-readable /proc cmdline or environ) and closes it.
 4. The shim execs the argv; its ready pipe is close-on-exec, so the host reads EOF
    when the exec succeeded and an errno when it failed (then `create` refuses). If the
@@ -53,10 +55,8 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import msgspec
-
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.service import bpfdevices, cgroups
+from ficc.execution.host.service import bpfdevices, cgroups, shim
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import (
     Controls,
@@ -72,40 +72,6 @@ from ficc.execution.host.service.interface import (
 DEFAULT_INTERPRETER = "/usr/bin/python3"
 SUPERVISOR = "supervisor"
 PAYLOAD = "payload"
-_ORDER_LIMIT = 16 << 20
-
-# Runs as the slot account under `python -I -S`; argv: gate fd, ready fd, nofile.
-# The ready pipe says "R" once the rlimits are set, then stays open close-on-exec:
-# EOF after the order means the exec succeeded, "E<errno>" that it failed.
-_SHIM = """\
-import json, os, resource, sys
-gate, ready, nofile = (int(a) for a in sys.argv[1:4])
-try:
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-    os.write(ready, b"R")
-    os.set_inheritable(ready, False)
-    parts, size = [], 0
-    while chunk := os.read(gate, 65536):
-        size += len(chunk)
-        if size > ORDER_LIMIT:
-            os._exit(125)
-        parts.append(chunk)
-    os.close(gate)
-    order = json.loads(b"".join(parts))
-    try:
-        os.execve(order["argv"][0], order["argv"], order["env"])
-    except OSError as error:
-        os.write(ready, b"E%d" % error.errno)
-except BaseException:
-    pass
-os._exit(125)
-""".replace("ORDER_LIMIT", str(_ORDER_LIMIT))
-
-
-class _Order(msgspec.Struct, frozen=True):
-    argv: list[str]
-    env: dict[str, str]
 
 
 class CgroupfsService:
@@ -281,13 +247,14 @@ class CgroupfsService:
     def _spawn(
         self, spec: ServiceSpec, nodes: dict[str, str], stdout: int, stderr: int
     ) -> subprocess.Popen[bytes]:
+        order = shim.encode_order(spec.argv, spec.environment)
         gate_read, gate_write = os.pipe()
         ready_read, ready_write = os.pipe()
         try:
             process = subprocess.Popen(
                 [
                     self._interpreter,
-                    *("-I", "-S", "-c", _SHIM),
+                    *("-I", "-S", "-c", shim.PIPE_SOURCE),
                     *(str(gate_read), str(ready_write), str(spec.limits.nofile)),
                 ],
                 stdin=subprocess.DEVNULL,
@@ -310,10 +277,12 @@ class CgroupfsService:
             os.close(gate_read)
             os.close(ready_write)
         try:
+            # Joining first overlaps the kernel's cgroup moves with the interpreter's
+            # start-up; the shim runs nothing of the attempt before the order anyway.
+            self._join(process.pid, spec.name, nodes)
             self._await_ready(process, ready_read)
             _check_credentials(process.pid, spec)
-            self._join(process.pid, spec.name, nodes)
-            _send_order(gate_write, _Order(list(spec.argv), dict(spec.environment)))
+            _send_order(gate_write, order)
             os.close(gate_write)
             gate_write = -1
             self._await_exec(process, ready_read, spec.argv[0])
@@ -730,10 +699,7 @@ def proc_limits(pid: int) -> dict[str, tuple[str, str]]:
     return limits
 
 
-def _send_order(fd: int, order: _Order) -> None:
-    data = msgspec.json.encode(order)
-    if len(data) > _ORDER_LIMIT:
-        raise HostError("service_spec", "argv and environment exceed 16 MiB; shorten them")
+def _send_order(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

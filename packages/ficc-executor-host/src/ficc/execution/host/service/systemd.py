@@ -13,7 +13,8 @@ spawn costs nothing that matters. Everything systemd reports is read back with
 The unit's properties (see `run_properties`): the plan's `CPUQuota`, `MemoryMax`,
 `MemorySwapMax` (cgroup v2; on v1 the host writes `memory.memsw.limit_in_bytes`
 itself, which systemd does not manage), `TasksMax`, `LimitCORE=0`,
-`LimitNOFILE=N:N`, `KillMode=control-group`, `DevicePolicy=strict` with
+`LimitNOFILE=N:N`, `KillMode=control-group` with `KillSignal=SIGKILL`,
+`DevicePolicy=strict` with
 `DeviceAllow` for exactly the prepared devices (`closed` would also allow /dev/null,
 /dev/zero, /dev/full, /dev/random and /dev/urandom, so it is not "exactly"), the
 slot account as `User=`/`Group=`, `Delegate=yes` (the provider's runtime creates
@@ -51,9 +52,12 @@ Differences from the cgroupfs backend (the shared behaviour tests pin them down)
 `User=` gives the slot account its own primary GID as the one supplementary group;
 systemd removes a unit's cgroups as soon as they are empty, and stops the whole
 tree when the main process fails (its exit status stays readable until `remove`,
-also after a daemon restart). On cgroup v2, systemd attaches its own device filter,
-which `controls` cannot decode, so `create` refuses (`service_limits`) rather than
-run without a verified device policy; only cgroup v1 (hybrid) is tested.
+also after a daemon restart). On cgroup v2 the device policy is systemd's own BPF
+program on the unit's cgroup, read back and decoded by `systemd_devices` (exactly the
+shapes systemd 252 emits); any other program, a second one, or other flags make
+`create` refuse (`service_devices_unenforceable`) rather than run without a verified
+device policy. The v2 device read-back is tested under systemd booted in unified mode
+(tools/systemd/unified.py); the whole backend is tested on cgroup v1 (hybrid) only.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ from collections.abc import Mapping
 import msgspec
 
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.service import cgroups
+from ficc.execution.host.service import cgroups, shim, systemd_devices
 from ficc.execution.host.service.cgroupfs import (
     DEFAULT_INTERPRETER,
     CgroupfsService,
@@ -102,47 +106,11 @@ PAYLOAD = "payload"
 RUNTIME_DIR = "/run/ficc-executor/service-gates"
 SYSTEMCTL = "/usr/bin/systemctl"
 SYSTEMD_RUN = "/usr/bin/systemd-run"
-_ORDER_LIMIT = 16 << 20
 _OUTPUT_LIMIT = 1 << 20
 _UNIT_SUFFIX = ".service"
 
-# Runs as the slot account under `python -I -S`; argv: socket path. systemd expands
-# `$NAME` in ExecStart arguments, so the code must contain no dollar sign (checked
-# by a test) and no percent sign (specifiers, in case a systemd version expands them).
-_SHIM = """\
-import os, socket, sys
-try:
-    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    link.connect(sys.argv[1])
-    link.sendall(b"R")
-    data, fds, _, _ = socket.recv_fds(link, 65536, 3)
-    parts, size = [data], len(data)
-    while chunk := link.recv(65536):
-        size += len(chunk)
-        if size > ORDER_LIMIT:
-            os._exit(125)
-        parts.append(chunk)
-    if len(fds) != 3:
-        os._exit(125)
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    for fd in fds:
-        os.close(fd)
-    import json
-    order = json.loads(b"".join(parts))
-    try:
-        os.execve(order["argv"][0], order["argv"], order["env"])
-    except OSError as error:
-        link.sendall(b"E" + str(error.errno).encode())
-except BaseException:
-    pass
-os._exit(125)
-""".replace("ORDER_LIMIT", str(_ORDER_LIMIT))
-
-
-class _Order(msgspec.Struct, frozen=True):
-    argv: list[str]
-    env: dict[str, str]
+_SHIM = shim.SOCKET_SOURCE
+"""The gate program the unit runs (shim.py)."""
 
 
 # --- pure helpers ------------------------------------------------------------------
@@ -225,6 +193,10 @@ def run_properties(
         f"Slice={slice_name}",
         "Delegate=yes",
         "KillMode=control-group",
+        # Stopping an attempt is always a kill, as in the cgroupfs backend: also when
+        # systemd stops the unit with the daemon's (BindsTo=), where SIGTERM would leave
+        # a container's PID 1 (which ignores it) running for the 90 s stop timeout.
+        "KillSignal=SIGKILL",
         "SendSIGHUP=no",
         f"User={spec.uid}",
         f"Group={spec.gid}",
@@ -519,7 +491,7 @@ class SystemdService:
             swap = self._enforce_swap(spec, nodes)
             self._verify(spec, handle, swap)
             self._enter_supervisor(pid, spec.name, nodes)
-            _send_order(link, _Order(list(spec.argv), dict(spec.environment)), outputs)
+            _send_order(link, shim.encode_order(spec.argv, spec.environment), outputs)
             link.shutdown(socket.SHUT_WR)
             report = _recv_report(link)
             if report:
@@ -617,7 +589,8 @@ class SystemdService:
     def _verify(self, spec: ServiceSpec, handle: ServiceHandle, swap: bool) -> None:
         """Refuse unless systemd's view and the kernel's both match the plan."""
         wrong = _compare(self._planned_systemd(spec), self._systemd_view(handle.name))
-        wrong += _compare(_planned_kernel(spec, swap), _kernel_view(self.controls(handle)))
+        controls = self._controls(handle, strict=True)
+        wrong += _compare(_planned_kernel(spec, swap), _kernel_view(controls))
         if wrong:
             raise HostError(
                 "service_limits",
@@ -634,6 +607,7 @@ class SystemdService:
             "LimitNOFILE": str(limits.nofile),
             "LimitNOFILESoft": str(limits.nofile),
             "KillMode": "control-group",
+            "KillSignal": "9",
             "DevicePolicy": "strict",
             "Delegate": "yes",
             "User": str(spec.uid),
@@ -652,6 +626,7 @@ class SystemdService:
             "LimitNOFILE",
             "LimitNOFILESoft",
             "KillMode",
+            "KillSignal",
             "DevicePolicy",
             "Delegate",
             "User",
@@ -664,7 +639,18 @@ class SystemdService:
     # --- observe ---------------------------------------------------------------------
 
     def controls(self, handle: ServiceHandle) -> Controls:
-        read = self._files.controls(self._as_files(handle))
+        return self._controls(handle, strict=False)
+
+    def _controls(self, handle: ServiceHandle, *, strict: bool) -> Controls:
+        """The cgroup files' controls; on v2 the devices are decoded from systemd's own
+        program (`systemd_devices`). `strict` raises the reason it cannot be (for the
+        start gate) instead of reporting None (for observers)."""
+        files = self._as_files(handle)
+        read = self._files.controls(files)
+        if handle.cgroup_version == 2:
+            read = msgspec.structs.replace(
+                read, devices=_unit_devices(files.cgroups[cgroups.UNIFIED], strict=strict)
+            )
         return msgspec.structs.replace(read, backend=self.backend)
 
     def members(self, handle: ServiceHandle) -> set[int]:
@@ -735,7 +721,14 @@ class SystemdService:
     # --- stop and remove -------------------------------------------------------------
 
     def stop(self, handle: ServiceHandle) -> None:
-        files = self._as_files(handle)
+        self._as_files(handle)
+        # Look again: a runtime may have made nodes below the unit in hierarchies that
+        # systemd does not manage for it (runc's v1 freezer cgroup of a paused container,
+        # whose tasks SIGKILL cannot reach until they are thawed).
+        current = self._existing_nodes(unit_cgroup(self._slice, handle.name))
+        files = self._as_files(
+            msgspec.structs.replace(handle, cgroups={**handle.cgroups, **current})
+        )
         unit = unit_name(handle.name)
         deadline = time.monotonic() + self._stop_timeout
         # Fails harmlessly when the unit is already gone; the cgroup files decide.
@@ -843,6 +836,15 @@ def _command(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str
     return result
 
 
+def _unit_devices(node: str, *, strict: bool) -> list[DeviceAccess] | None:
+    try:
+        return systemd_devices.read_back(node)
+    except HostError:
+        if strict:
+            raise
+        return None
+
+
 def _check_credentials(pid: int, spec: ServiceSpec) -> None:
     """The gated shim must already be exactly the slot account, with core dumps off.
 
@@ -876,10 +878,7 @@ def _peer(link: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def _send_order(link: socket.socket, order: _Order, stdio: list[int]) -> None:
-    data = msgspec.json.encode(order)
-    if len(data) > _ORDER_LIMIT:
-        raise HostError("service_spec", "argv and environment exceed 16 MiB; shorten them")
+def _send_order(link: socket.socket, data: bytes, stdio: list[int]) -> None:
     first = socket.send_fds(link, [data[:65536]], stdio)
     link.sendall(data[first:])
 

@@ -1,0 +1,773 @@
+"""The behaviour of the system service (service/interface.py), on BOTH backends.
+
+Every test here takes the `service` fixture, parametrized with `cgroupfs` and
+`systemd`, so the two backends implement one contract: real services, a real
+non-root slot account, real cgroups, and what the kernel (and systemd) report or
+enforce. Where the backends genuinely differ, the test says so and asserts each
+backend's own behaviour; where systemd can also be asked (`systemctl show`), the
+test reads it back too.
+
+The `cgroupfs` runs need root on a host whose PID 1 is not systemd. The `systemd`
+runs need root and systemd as PID 1; on this workplace's machines they run inside a
+privileged Podman container that boots Debian's systemd (`python
+tools/systemd/run.py`, which sets FICC_SYSTEMD_REQUIRED=1 so they cannot skip
+there). Elsewhere they skip and say why. What only one backend has is in
+test_service_cgroupfs.py and test_service_systemd.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import pytest
+
+import service_support
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.service import (
+    DeviceRule,
+    ServiceLimits,
+    ServiceSpec,
+    cgroups,
+)
+from service_support import (
+    DAEMONIZER,
+    FORKER,
+    OPENER,
+    PYTHON,
+    RUNC_BASELINE,
+    SLEEPERS,
+    SOAK,
+    SYSTEMD_REASON,
+    UNDER_SYSTEMD,
+    Backend,
+    all_nodes_gone,
+    cgroupfs_backend,
+    loaded,
+    make_spec,
+    member_count_is,
+    node,
+    pid1_is_systemd,
+    py,
+    restarted,
+    show,
+    slot_tasks,
+    status,
+    systemd_backend,
+    wait_for,
+)
+
+# The shared fixtures, defined once in service_support.
+slot = service_support.slot
+prefix = service_support.prefix
+busybox_image = service_support.busybox_image
+
+
+@pytest.fixture(params=["cgroupfs", "systemd"])
+def service(request: pytest.FixtureRequest, prefix: str) -> Iterator[Backend]:
+    """Each backend in turn; teardown stops and removes everything the test made."""
+    if request.param == "systemd":
+        if not UNDER_SYSTEMD:
+            pytest.skip(SYSTEMD_REASON)
+        with systemd_backend(prefix) as units:
+            yield units
+        return
+    if os.geteuid() != 0:
+        pytest.skip("the cgroupfs backend needs root (real cgroups)")
+    if pid1_is_systemd():
+        pytest.skip(
+            "the cgroupfs backend is for hosts whose PID 1 is not systemd (here systemd "
+            "owns the cgroup tree); it runs on such hosts, e.g. outside the container"
+        )
+    with cgroupfs_backend() as files:
+        yield files
+
+
+# --- the tree, its account and its lifetime -------------------------------------------
+
+
+def test_members_are_the_whole_tree_running_as_the_slot_account(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-a")
+    handle = service.create(spec)
+    if service.backend == "systemd":
+        assert show(f"{spec.name}.service", "MainPID")["MainPID"] == str(handle.main_pid)
+    else:
+        assert set(handle.cgroups) == {h.key for h in service.layout.hierarchies}
+    wait_for(member_count_is(service, handle, 3))
+    members = service.members(handle)
+    assert handle.main_pid in members
+    # systemd's User= adds the account's own primary GID as its one supplementary group.
+    groups = str(slot[1]) if service.backend == "systemd" else ""
+    for pid in members:
+        fields = status(pid)
+        assert fields["Uid"].split() == [str(slot[0])] * 4
+        assert fields["Gid"].split() == [str(slot[1])] * 4
+        assert fields["Groups"] == groups
+    for path in handle.cgroups.values():
+        leaf = Path(path) / "supervisor" / "cgroup.procs"
+        assert {int(p) for p in leaf.read_text().split()} == members
+    assert not service.is_idle(handle, slot[0])
+    service.stop(handle)
+    assert service.members(handle) == set()
+    assert service.exit_status(handle) == -signal.SIGKILL
+    service.remove(handle)
+    if service.backend == "systemd":
+        assert not loaded(spec.name)
+    assert all_nodes_gone(handle)
+    assert service.is_idle(handle, slot[0])
+
+
+def test_stop_kills_a_daemonized_grandchild(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = make_spec(tmp_path, slot, py(DAEMONIZER), name=f"{prefix}-daemonizer")
+    handle = service.create(spec)
+    wait_for(lambda: Path(spec.stdout).read_text().endswith("\n"))
+    grandchild = int(Path(spec.stdout).read_text())
+    wait_for(lambda: service.members(handle) == {handle.main_pid, grandchild})
+    assert int(status(grandchild)["PPid"]) != handle.main_pid
+    assert handle.main_pid is not None
+    assert os.getsid(grandchild) != os.getsid(handle.main_pid)
+    pidfd = os.pidfd_open(grandchild)
+    try:
+        service.stop(handle)
+        assert service.members(handle) == set()
+        assert select.select([pidfd], [], [], 0)[0] == [pidfd]  # readable: it exited
+    finally:
+        os.close(pidfd)
+    assert service.exit_status(handle) == -signal.SIGKILL
+    service.remove(handle)
+    assert all_nodes_gone(handle)
+
+
+def test_stop_empties_a_runtime_frozen_child_cgroup(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """A paused container is a frozen v1 freezer cgroup the runtime made under the
+    supervisor path. systemd makes no freezer node for a unit (runc does, as here), so
+    its backend's stop must find the node itself and thaw it: SIGKILL does not reach
+    a frozen task."""
+    freezer = next(h.mount for h in service.layout.hierarchies if "freezer" in h.controllers)
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-paused"))
+    wait_for(member_count_is(service, handle, 3))
+    paused = Path(freezer + service.supervisor_cgroup(handle)) / "paused"
+    paused.mkdir(parents=True)
+    try:
+        sleeper = max(service.members(handle) - {handle.main_pid})
+        (paused / "cgroup.procs").write_text(str(sleeper))
+        (paused / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: (paused / "freezer.state").read_text().strip() == "FROZEN")
+        service.stop(handle)
+        assert service.members(handle) == set()
+    finally:
+        if paused.exists():  # so that teardown can empty the tree after a failure
+            (paused / "freezer.state").write_text("THAWED")
+    service.remove(handle)
+    assert all_nodes_gone(handle)
+    assert not paused.exists()
+
+
+def test_the_tree_outlives_its_main_process_until_stopped(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """RemainAfterExit: the exit status stays readable and a leftover process stays in
+    the tree (never escapes it) until the host stops the service."""
+    script = "sleep 1000 >/dev/null 2>&1 & echo $!"
+    spec = make_spec(tmp_path, slot, ["/bin/sh", "-c", script], name=f"{prefix}-left")
+    handle = service.create(spec)
+    wait_for(lambda: service.exit_status(handle) is not None)
+    assert service.exit_status(handle) == 0
+    leftover = int(Path(spec.stdout).read_text())
+    assert service.members(handle) == {leftover}
+    assert not service.is_idle(handle, slot[0])
+    service.stop(handle)
+    assert service.members(handle) == set()
+    service.remove(handle)
+    assert service.is_idle(handle, slot[0])
+
+
+def test_is_idle_sees_slot_processes_outside_the_service(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-idle"))
+    stray = subprocess.Popen(
+        ["setpriv", f"--reuid={slot[0]}", f"--regid={slot[1]}", "--clear-groups", "sleep", "1000"]
+    )
+    try:
+        wait_for(lambda: status(stray.pid)["Uid"].split()[0] == str(slot[0]))
+        assert stray.pid not in service.members(handle)
+        assert not service.is_idle(handle, slot[0])
+        service.stop(handle)
+        assert service.members(handle) == set()
+        assert not service.is_idle(handle, slot[0])
+    finally:
+        stray.kill()
+        stray.wait()
+    assert service.is_idle(handle, slot[0])
+    service.remove(handle)
+
+
+def test_is_idle_ignores_a_zombie_of_the_slot_account(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """A zombie cannot run code or hold resources; PID 1 may reap orphans lazily."""
+    handle = service.create(make_spec(tmp_path, slot, ["/bin/true"], name=f"{prefix}-zombie"))
+    wait_for(lambda: service.exit_status(handle) is not None)
+    zombie = subprocess.Popen(
+        ["setpriv", f"--reuid={slot[0]}", f"--regid={slot[1]}", "--clear-groups", "true"]
+    )
+    try:
+        wait_for(lambda: status(zombie.pid)["State"].startswith("Z"))
+        assert status(zombie.pid)["Uid"].split()[0] == str(slot[0])
+        assert service.is_idle(handle, slot[0])
+    finally:
+        zombie.wait()
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_adopt_after_restart_finds_and_stops_the_service(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    name = f"{prefix}-adopted"
+    original = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    wait_for(member_count_is(service, original, 3))
+    before = service.members(original)
+    again = restarted(service)
+    adopted = again.adopt(name)
+    assert adopted is not None
+    assert adopted.cgroups == original.cgroups
+    assert adopted.main_pid is None
+    assert again.members(adopted) == before
+    # Running (systemd), or unknown after a restart (cgroupfs): no status either way.
+    assert again.exit_status(adopted) is None
+    again.stop(adopted)
+    assert again.members(adopted) == set()
+    # systemd remembers the status; the cgroupfs backend knows none after a restart.
+    expected = -signal.SIGKILL if service.backend == "systemd" else None
+    assert again.exit_status(adopted) == expected
+    again.remove(adopted)
+    assert again.adopt(name) is None
+    assert service.adopt(f"{prefix}-never-created") is None
+    service.stop(original)  # (cgroupfs) reaps the old daemon's main process
+
+
+def test_remove_refuses_a_non_empty_service(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-busy"))
+    with pytest.raises(HostError) as refused:
+        service.remove(handle)
+    assert refused.value.code == "service_not_empty"
+    assert handle.main_pid in service.members(handle)
+    service.stop(handle)
+    service.remove(handle)
+    assert all_nodes_gone(handle)
+
+
+def test_parallel_creates_from_threads_stay_separate(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    specs = [make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-p{i}") for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        handles = list(pool.map(service.create, specs))
+    for handle in handles:
+        wait_for(member_count_is(service, handle, 3))
+    trees = [service.members(h) for h in handles]
+    assert len(set().union(*trees)) == 12
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(service.stop, handles))
+    for handle in handles:
+        assert service.exit_status(handle) == -signal.SIGKILL
+        service.remove(handle)
+    assert service.is_idle(handles[0], slot[0])
+
+
+@pytest.mark.soak
+def test_create_stop_remove_cycles_leave_no_trace(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    for index in range(200 if SOAK else 5):
+        spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-cycle-{index}")
+        handle = service.create(spec)
+        wait_for(member_count_is(service, handle, 3))
+        service.stop(handle)
+        service.remove(handle)
+        assert all_nodes_gone(handle)
+        assert service.adopt(spec.name) is None
+        assert service.is_idle(handle, slot[0])
+
+
+# --- limits ---------------------------------------------------------------------------
+
+
+def test_limits_read_back_from_the_kernel_and_systemd(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = make_spec(
+        tmp_path,
+        slot,
+        SLEEPERS,
+        name=f"{prefix}-limits",
+        cpu_millis=250,
+        memory_bytes=48 << 20,
+        swap_bytes=16 << 20,
+        processes=7,
+        nofile=512,
+        devices=[DeviceRule("/dev/null", 1, 3)],
+    )
+    handle = service.create(spec)
+    controls = service.controls(handle)
+    assert controls.backend == service.backend
+    assert controls.memory_bytes == 48 << 20
+    memsw = os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
+    swap_counted = memsw or controls.cgroup_version == 2
+    assert controls.swap_bytes == (16 << 20 if swap_counted else None)
+    assert (controls.processes, controls.cpu_millis) == (7, 250)
+    devices = [(d.kind, d.major, d.minor, d.access) for d in controls.devices or []]
+    assert sorted(devices, key=str) == [
+        ("b", None, None, "m"),
+        ("c", 1, 3, "rwm"),
+        ("c", None, None, "m"),
+    ]
+    if service.backend == "systemd":
+        _check_unit_properties(spec.name)
+    else:
+        assert controls.swap_bytes == 16 << 20  # this kernel accounts swap
+        # The order the host wrote them in (systemd writes the listed devices first).
+        assert devices == [("c", None, None, "m"), ("b", None, None, "m"), ("c", 1, 3, "rwm")]
+    if controls.cgroup_version == 1:
+        memory, cpu = node(handle, "memory"), node(handle, "cpu")
+        assert (memory / "memory.limit_in_bytes").read_text().strip() == str(48 << 20)
+        if memsw:
+            memsw_limit = (memory / "memory.memsw.limit_in_bytes").read_text().strip()
+            assert memsw_limit == str(64 << 20)
+        assert (node(handle, "pids") / "pids.max").read_text().strip() == "7"
+        assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "25000"
+        assert (cpu / "cpu.cfs_period_us").read_text().strip() == "100000"
+        leaf_devices = node(handle, "devices") / "supervisor" / "devices.list"
+        listed = leaf_devices.read_text().splitlines()
+        assert sorted(listed) == ["b *:* m", "c *:* m", "c 1:3 rwm"]
+        if service.backend == "cgroupfs":
+            assert listed == ["c *:* m", "b *:* m", "c 1:3 rwm"]
+    limits = Path(f"/proc/{handle.main_pid}/limits").read_text()
+    assert [line.split()[4:6] for line in limits.splitlines() if "core file" in line] == [
+        ["0", "0"]
+    ]
+    assert [line.split()[3:5] for line in limits.splitlines() if "open files" in line] == [
+        ["512", "512"]
+    ]
+    service.stop(handle)
+    service.remove(handle)
+
+
+def _check_unit_properties(name: str) -> None:
+    seen = show(
+        f"{name}.service",
+        "MemoryMax",
+        "TasksMax",
+        "CPUQuotaPerSecUSec",
+        "LimitCORE",
+        "LimitNOFILE",
+        "KillMode",
+        "KillSignal",
+        "DevicePolicy",
+    )
+    assert seen == {
+        "MemoryMax": str(48 << 20),
+        "TasksMax": "7",
+        "CPUQuotaPerSecUSec": "250ms",
+        "LimitCORE": "0",
+        "LimitNOFILE": "512",
+        "KillMode": "control-group",
+        "KillSignal": "9",
+        "DevicePolicy": "strict",
+    }
+
+
+def test_a_fractional_cpu_quota_reads_back_exactly(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """1.555 CPUs: systemd prints 1.555000s, the kernel holds a 155500 us quota."""
+    spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-cpu", cpu_millis=1555)
+    handle = service.create(spec)
+    assert service.controls(handle).cpu_millis == 1555
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_memory_limit_oom_kills_the_main_process(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    code = "import os; b = bytearray(256 << 20); os.write(1, b'survived')"
+    spec = make_spec(
+        tmp_path, slot, py(code), name=f"{prefix}-oom-main", memory_bytes=64 << 20, swap_bytes=0
+    )
+    handle = service.create(spec)
+    wait_for(lambda: service.exit_status(handle) is not None)
+    assert service.exit_status(handle) == -signal.SIGKILL
+    assert Path(spec.stdout).read_bytes() == b""
+    if service.backend == "cgroupfs":
+        # The kernel counts the kill in the memory cgroup of the killed task (the leaf).
+        # systemd stops a unit whose main process was killed and removes its cgroups
+        # (and these counters) with it; the next test reads them from a surviving tree.
+        oom_control = node(handle, "memory") / "supervisor" / "memory.oom_control"
+        oom = dict(line.split() for line in oom_control.open())
+        assert int(oom["oom_kill"]) >= 1
+        peak = int((node(handle, "memory") / "memory.max_usage_in_bytes").read_text())
+        assert 32 << 20 < peak <= 64 << 20
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_memory_limit_oom_kills_a_child_and_the_tree_keeps_the_counters(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """The child that allocates is OOM-killed; its parent shell survives, reports and
+    stays, so the service's cgroups (with the kernel's OOM counters) are still there
+    on both backends (systemd removes a unit's cgroups as soon as they are empty)."""
+    code = "import os; b = bytearray(256 << 20); os.write(1, b'survived')"
+    script = f'{PYTHON} -I -S -c "{code}"; echo status=$?; exec sleep 1000'
+    spec = make_spec(
+        tmp_path, slot, ["/bin/sh", "-c", script], name=f"{prefix}-oom", memory_bytes=64 << 20
+    )
+    handle = service.create(spec)
+    wait_for(lambda: Path(spec.stdout).read_text().endswith("\n"))
+    assert Path(spec.stdout).read_text() == f"status={128 + signal.SIGKILL}\n"
+    if handle.cgroup_version == 1:
+        # The kernel counts the kill in the memory cgroup of the killed task (the leaf).
+        oom_control = node(handle, "memory") / "supervisor" / "memory.oom_control"
+        oom = dict(line.split() for line in oom_control.open())
+        assert int(oom["oom_kill"]) >= 1
+        peak = int((node(handle, "memory") / "memory.max_usage_in_bytes").read_text())
+        assert 32 << 20 < peak <= 64 << 20
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_pids_limit_blocks_forks(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = make_spec(tmp_path, slot, py(FORKER), name=f"{prefix}-pids", processes=5)
+    handle = service.create(spec)
+    wait_for(lambda: service.exit_status(handle) is not None)
+    assert service.exit_status(handle) == 0, Path(spec.stderr).read_text()
+    assert json.loads(Path(spec.stdout).read_text()) == {"ok": 4, "failed": 16}
+    if service.backend == "cgroupfs":
+        # systemd removes the emptied unit's cgroups (with this counter) once the main
+        # process has exited; the fork refusals above are what the limit did.
+        events = (node(handle, "pids") / "supervisor" / "pids.events").read_text().split()
+        assert events[0] == "max"
+        assert int(events[1]) >= 16
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_refused_start_leaves_nothing_behind(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """A nofile limit above the daemon's own hard limit cannot be set on the program."""
+    hard = int(Path("/proc/self/limits").read_text().split("Max open files")[1].split()[1])
+    spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-nofile", nofile=hard + 1)
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_start"
+    assert service.adopt(spec.name) is None
+    assert slot_tasks(slot[0]) == []
+
+
+# --- devices --------------------------------------------------------------------------
+
+
+def test_device_policy_allows_exactly_the_prepared_devices(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    assert os.stat("/dev/zero").st_mode & 0o004, "the test needs a world-readable /dev/zero"
+    spec = make_spec(
+        tmp_path, slot, py(OPENER), name=f"{prefix}-dev", devices=[DeviceRule("/dev/null", 1, 3)]
+    )
+    handle = service.create(spec)
+    wait_for(lambda: service.exit_status(handle) is not None)
+    assert service.exit_status(handle) == 0, Path(spec.stderr).read_text()
+    assert json.loads(Path(spec.stdout).read_text()) == {"null": "ok", "zero": "EPERM"}
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_service_allowed_no_device_at_all_still_starts(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """stdin is the host's /dev/null, opened outside the closed device policy."""
+    script = "cat; echo done; if (: </dev/null); then echo allowed; else echo denied; fi"
+    spec = make_spec(tmp_path, slot, ["/bin/sh", "-c", script], name=f"{prefix}-nodev")
+    handle = service.create(msgspec.structs.replace(spec, devices=[]))
+    wait_for(lambda: service.exit_status(handle) is not None)
+    assert Path(spec.stdout).read_text() == "done\ndenied\n", Path(spec.stderr).read_text()
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_whole_major_rule_needs_the_class_directory(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    devices = [DeviceRule("/dev/null", 136, None)]
+    spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-major", devices=devices)
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_devices"
+    assert service.adopt(spec.name) is None
+
+
+def test_device_rule_must_name_that_exact_node(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    devices = [DeviceRule("/dev/null", 1, 5)]
+    spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-node", devices=devices)
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_devices"
+    assert service.adopt(spec.name) is None
+
+
+# --- what the program gets: outputs, environment, descriptors -------------------------
+
+
+def test_output_files_are_never_opened_through_a_symlink(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    before = os.stat(target)
+    spec = make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-link")
+    Path(spec.stdout).symlink_to(target)
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_output"
+    assert service.adopt(spec.name) is None
+    after = os.stat(target)
+    assert (after.st_uid, after.st_mode, after.st_size) == (0, before.st_mode, 0)
+
+
+def test_output_files_are_root_private(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = make_spec(
+        tmp_path, slot, ["/bin/sh", "-c", "echo out; echo err >&2"], name=f"{prefix}-out"
+    )
+    handle = service.create(spec)
+    wait_for(lambda: service.exit_status(handle) is not None)
+    for path, text in ((spec.stdout, "out\n"), (spec.stderr, "err\n")):
+        info = os.stat(path)
+        assert (info.st_uid, info.st_mode & 0o777) == (0, 0o600)
+        assert Path(path).read_text() == text
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_environment_is_exactly_the_spec(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """Nothing of the daemon's environment (nor systemd's: USER, HOME, INVOCATION_ID...)."""
+    os.environ["FICC_T_SVC_LEAK"] = "daemon-secret"
+    try:
+        spec = make_spec(tmp_path, slot, ["/usr/bin/env"], name=f"{prefix}-env")
+        handle = service.create(spec)
+        wait_for(lambda: service.exit_status(handle) is not None)
+    finally:
+        del os.environ["FICC_T_SVC_LEAK"]
+    shown = dict(line.split("=", 1) for line in Path(spec.stdout).read_text().splitlines())
+    assert shown == spec.environment
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_the_program_gets_exactly_three_descriptors(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """No gate pipe or socket, no daemon descriptor leaks into the program (ls's own
+    directory descriptor is 3), whether it is exec'd directly or from a shell."""
+    for index, argv in enumerate(
+        (["/bin/ls", "/proc/self/fd"], ["/bin/sh", "-c", "env; ls /proc/self/fd >&2"])
+    ):
+        spec = make_spec(tmp_path, slot, argv, name=f"{prefix}-fds{index}")
+        handle = service.create(spec)
+        wait_for(lambda handle=handle: service.exit_status(handle) is not None)
+        listing = spec.stdout if index == 0 else spec.stderr
+        assert Path(listing).read_text().split() == ["0", "1", "2", "3"]
+        service.stop(handle)
+        service.remove(handle)
+
+
+# --- refusals -------------------------------------------------------------------------
+
+
+def test_create_refuses_an_existing_name(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    name = f"{prefix}-twice"
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    (tmp_path / "second").mkdir()
+    with pytest.raises(HostError) as refused:
+        service.create(make_spec(tmp_path / "second", slot, SLEEPERS, name=name))
+    assert refused.value.code == "service_exists"
+    assert handle.main_pid in service.members(handle)
+    assert all(os.path.isdir(p) for p in handle.cgroups.values())
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_failed_duplicate_create_keeps_the_original_service(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    name = f"{prefix}-exited"
+    handle = service.create(make_spec(tmp_path, slot, ["/bin/sh", "-c", "exit 7"], name=name))
+    wait_for(lambda: service.exit_status(handle) is not None)
+    (tmp_path / "second").mkdir()
+    with pytest.raises(HostError) as refused:
+        service.create(make_spec(tmp_path / "second", slot, SLEEPERS, name=name))
+    assert refused.value.code == "service_exists"
+    assert service.exit_status(handle) == 7
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_foreign_handle_is_refused(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-forged"))
+    forged = msgspec.structs.replace(
+        handle, cgroups={**handle.cgroups, "memory": "/sys/fs/cgroup/memory"}
+    )
+    for operation in (service.members, service.stop, service.remove, service.controls):
+        with pytest.raises(HostError) as refused:
+            operation(forged)
+        assert refused.value.code == "service_handle"
+    assert handle.main_pid in service.members(handle)
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_root_is_refused_unless_the_backend_allows_a_root_supervisor(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = msgspec.structs.replace(
+        make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-root"), uid=0
+    )
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_spec"
+    assert service.adopt(spec.name) is None
+
+
+def test_a_missing_working_directory_is_a_create_refusal(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = msgspec.structs.replace(
+        make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-nocwd"), cwd=str(tmp_path / "absent")
+    )
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_create"
+    assert service.adopt(spec.name) is None
+
+
+def test_a_program_that_cannot_be_executed_is_a_start_refusal(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    spec = make_spec(tmp_path, slot, ["/nonexistent/program"], name=f"{prefix}-noexec")
+    with pytest.raises(HostError) as refused:
+        service.create(spec)
+    assert refused.value.code == "service_start"
+    assert "No such file" in refused.value.message
+    assert service.adopt(spec.name) is None
+    assert slot_tasks(slot[0]) == []
+
+
+def test_spec_refuses_what_the_service_cannot_run_safely(tmp_path: Path) -> None:
+    """Checked by the spec itself, before any backend sees it."""
+    good = make_spec(tmp_path, (1000, 1000), SLEEPERS)
+    raw = msgspec.to_builtins(good)
+    with pytest.raises(HostError, match="absolute"):
+        msgspec.convert({**raw, "argv": ["sleep", "1"]}, ServiceSpec)
+    twice = [{"path": "/dev/null", "major": 1, "minor": 3}] * 2
+    with pytest.raises(HostError, match="twice"):
+        msgspec.convert({**raw, "devices": twice}, ServiceSpec)
+    for name in ("../escape", "a/b", ".hidden", ""):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({**raw, "name": name}, ServiceSpec)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({**raw, "environment": {"BAD=NAME": "x"}}, ServiceSpec)
+
+
+# --- a real container runtime under the supervisor cgroup ------------------------------
+
+
+def test_podman_payload_lands_under_the_supervisor_cgroup_and_stop_empties_it(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path, busybox_image: str
+) -> None:
+    """The real runtime, rootful as the design's recipe runs it, under --cgroup-parent."""
+    root_supervisor = restarted(service, root_supervisor=True)
+    container = f"{prefix}-podman"
+    spec = make_spec(tmp_path, slot, ["/bin/true"], name=f"{prefix}-podman")
+    parent = root_supervisor.planned_supervisor_cgroup(spec.name)
+    if service.backend == "cgroupfs":
+        base = service.planned_supervisor_cgroup("x").split("/")[1]
+        assert parent == f"/{base}/{spec.name}/payload"
+    argv = ["/usr/bin/podman", "run", "--rm", "--name", container, "--runtime", "runc"]
+    argv += ["--cgroup-manager=cgroupfs", f"--cgroup-parent={parent}", "--network=none"]
+    argv += ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+    argv += [busybox_image, "/bin/busybox", "sleep", "1000"]
+    limits = ServiceLimits(
+        cpu_millis=1000, memory_bytes=512 << 20, swap_bytes=0, processes=256, nofile=4096
+    )
+    spec = msgspec.structs.replace(
+        spec,
+        argv=argv,
+        uid=0,
+        gid=0,
+        environment={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        limits=limits,
+        devices=RUNC_BASELINE,
+    )
+    try:
+        handle = root_supervisor.create(spec)
+        assert root_supervisor.supervisor_cgroup(handle) == parent
+
+        def payload() -> int | None:
+            for pid in root_supervisor.members(handle):
+                with contextlib.suppress(FileNotFoundError):
+                    if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/busybox"):
+                        return pid
+            assert root_supervisor.exit_status(handle) is None, Path(spec.stderr).read_text()
+            return None
+
+        wait_for(payload, timeout=60)
+        pid = payload()
+        assert pid is not None
+        proc_cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+        memberships = cgroups.parse_proc_cgroup(proc_cgroup)
+        for key in handle.cgroups:
+            controllers = frozenset() if key == "unified" else frozenset(key.split(","))
+            assert memberships[controllers].startswith(parent + "/"), key
+        if service.backend == "cgroupfs":
+            # Every hierarchy of the layout, and nothing else, holds the payload there.
+            lines = proc_cgroup.splitlines()
+            assert len(lines) == len(root_supervisor.layout.hierarchies)
+            assert all(line.split(":", 2)[2].startswith(parent + "/") for line in lines)
+        root_supervisor.stop(handle)
+        assert root_supervisor.members(handle) == set()
+        root_supervisor.remove(handle)
+        assert all_nodes_gone(handle)
+        assert root_supervisor.adopt(spec.name) is None
+    finally:
+        subprocess.run(["podman", "rm", "--force", container], check=False, capture_output=True)
