@@ -363,7 +363,15 @@ def test_a_daemon_crash_or_restart_during_a_job_gives_unknown_and_no_second_run(
         e2e.restart_cleanly()
     after = e2e.wait_settled(plan)
     assert (after.state, after.outcome, after.exit_code) == ("unknown", "unknown", None), after
-    assert (after.reason, after.cleanup_confirmed) == ("executor_restarted", True), after
+    assert after.cleanup_confirmed, after
+    # Why unknown. Usually the new daemon's recovery says so (`executor_restarted`). But
+    # `systemctl restart` stops the attempt's unit (ordered After= the daemon's) BEFORE
+    # it stops the daemon: the old daemon may still see its service die without an
+    # exit it can trust, and records that itself (never as a failure of the job).
+    reasons = {"executor_restarted"}
+    if disruption == "clean restart" and e2e.backend == "systemd":
+        reasons |= {"outcome_unreadable", "outcome_conflict"}
+    assert after.reason in reasons, after
     assert processes_of(slot_uid) == []
     assert runs.read_bytes() == b"run\n"
 
