@@ -127,7 +127,7 @@ class Account:
     gid: int
 
 
-def _account_command(*command: str) -> None:
+def account_command(*command: str) -> None:
     """useradd/userdel, retrying while another process holds the passwd lock."""
     deadline = time.monotonic() + 30
     while True:
@@ -166,7 +166,7 @@ class Accounts:
                 if result.returncode == 0:
                     accounts.created.append(name)
                 elif not _exists(name):  # not made by a concurrent session either: retry
-                    _account_command(*command)
+                    account_command(*command)
                     accounts.created.append(name)
             entry = pwd.getpwnam(name)
             accounts.by_role[role] = Account(name, entry.pw_uid, entry.pw_gid)
@@ -176,7 +176,7 @@ class Accounts:
         """Best effort: another session may still run processes as these accounts."""
         for name in self.created:
             try:
-                _account_command("userdel", name)
+                account_command("userdel", name)
             except AssertionError as exc:
                 print(f"warning: could not remove account {name}: {exc}", file=sys.stderr)
 
@@ -187,7 +187,8 @@ class Accounts:
 # --- the provider --------------------------------------------------------------------------
 
 
-def _pip(*args: str) -> None:
+def pip(*args: str) -> None:
+    """pip of this interpreter, quiet, writing world-readable files (root installs)."""
     subprocess.run(
         [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
         check=True,
@@ -203,14 +204,14 @@ class InstalledProvider:
 
 def build_provider_wheel(out: Path) -> Path:
     """The test provider's wheel, built by hatchling from its source tree."""
-    _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(PROVIDER_SOURCE))
+    pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(PROVIDER_SOURCE))
     (wheel,) = out.glob("ficc_test_provider-*.whl")
     return wheel
 
 
 def install_provider(wheel: Path, prefix: Path) -> InstalledProvider:
     """pip install into a root-owned prefix, then ask the host for the digest to pin."""
-    _pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
+    pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
     (site,) = prefix.glob("lib/python3*/site-packages")
     command = [sys.executable, "-m", "ficc.execution", "provider-digest", "test"]
     result = subprocess.run(

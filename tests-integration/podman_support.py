@@ -72,13 +72,16 @@ from harness import (
     InstalledProvider,
     Layout,
     UnitDaemon,
+    account_command,
     fence,
     new_id,
     now_ms,
+    pip,
     private_directory,
     renewal,
     send,
     show_unit,
+    wait_until,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,33 +111,15 @@ def sha256(data: bytes) -> str:
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout: float = WAIT_TIMEOUT) -> Any:
-    """Poll `condition` (every 50 ms) until it returns something truthy, or fail."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return value
+    """harness.wait_until with this module's longer default (Podman jobs are slower)."""
+    return wait_until(condition, what, timeout)
 
 
 # --- accounts and processes -----------------------------------------------------------
 
 
-def _account_command(*command: str) -> None:
-    """useradd/userdel, retrying while another process holds the passwd lock."""
-    deadline = time.monotonic() + 30
-    while (
-        result := subprocess.run(command, check=False, capture_output=True, text=True)
-    ).returncode:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{' '.join(command)}: {result.stderr.strip()}")
-        time.sleep(0.1)
-
-
 def create_account(name: str) -> Account:
-    _account_command(
-        "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name
-    )
+    account_command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
     entry = pwd.getpwnam(name)
     return Account(name, entry.pw_uid, entry.pw_gid)
 
@@ -186,14 +171,6 @@ def build_image(out: Path) -> dict[str, str]:
     return built
 
 
-def _pip(*args: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-        check=True,
-        umask=0o022,
-    )
-
-
 def install_podman_provider(base: Path) -> InstalledProvider:
     """Wheel (hatchling; the hook compiles the barrier) -> root-owned prefix -> pin.
 
@@ -204,11 +181,11 @@ def install_podman_provider(base: Path) -> InstalledProvider:
     else:
         wheels = base / "wheel"
         wheels.mkdir()
-        _pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(PODMAN_SOURCE))
+        pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(PODMAN_SOURCE))
         (wheel,) = wheels.glob("ficc_provider_podman-*.whl")
     prefix = base / "prefix"
     install = ["install", "--no-deps", "--no-index", "--ignore-installed"]
-    _pip(*install, "--prefix", str(prefix), str(wheel))
+    pip(*install, "--prefix", str(prefix), str(wheel))
     (site,) = prefix.glob("lib/python3*/site-packages")
     command = [sys.executable, "-m", "ficc.execution", "provider-digest", "podman"]
     result = subprocess.run(
@@ -665,7 +642,7 @@ def _remove_account(account: Account) -> None:
     shutil.rmtree(f"/run/user/{account.uid}", ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"/dev/shm/libpod_rootless_lock_{account.uid}")
-    _account_command("userdel", account.name)
+    account_command("userdel", account.name)
 
 
 def _purge_services(backend: str, installation_id: str) -> None:

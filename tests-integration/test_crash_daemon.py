@@ -81,7 +81,7 @@ from harness import (
     InstalledProvider,
     Layout,
     StreamedInput,
-    _account_command,
+    account_command,
     chunk_digest,
     fence,
     new_id,
@@ -479,7 +479,7 @@ def crash_accounts() -> Iterator[Accounts]:
         try:
             pwd.getpwnam(name)
         except KeyError:
-            _account_command(
+            account_command(
                 "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name
             )
             made.created.append(name)

@@ -89,7 +89,7 @@ def ensure_accounts() -> h.Accounts:
         try:
             pwd.getpwnam(name)
         except KeyError:
-            h._account_command(
+            h.account_command(
                 "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name
             )
             made.created.append(name)

@@ -34,6 +34,7 @@ import service_support
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import (
     DeviceRule,
+    ServiceHandle,
     ServiceLimits,
     ServiceSpec,
     cgroups,
@@ -418,16 +419,21 @@ def test_memory_limit_oom_kills_the_main_process(
     assert service.exit_status(handle) == -signal.SIGKILL
     assert Path(spec.stdout).read_bytes() == b""
     if service.backend == "cgroupfs":
-        # The kernel counts the kill in the memory cgroup of the killed task (the leaf).
         # systemd stops a unit whose main process was killed and removes its cgroups
         # (and these counters) with it; the next test reads them from a surviving tree.
-        oom_control = node(handle, "memory") / "supervisor" / "memory.oom_control"
-        oom = dict(line.split() for line in oom_control.open())
-        assert int(oom["oom_kill"]) >= 1
-        peak = int((node(handle, "memory") / "memory.max_usage_in_bytes").read_text())
-        assert 32 << 20 < peak <= 64 << 20
+        assert_oom_counted(handle)
     service.stop(handle)
     service.remove(handle)
+
+
+def assert_oom_counted(handle: ServiceHandle) -> None:
+    """The kernel counted an OOM kill in the memory cgroup of the killed task (the
+    supervisor leaf, v1), and the tree's peak stayed within the 64 MiB limit."""
+    oom_control = node(handle, "memory") / "supervisor" / "memory.oom_control"
+    oom = dict(line.split() for line in oom_control.open())
+    assert int(oom["oom_kill"]) >= 1
+    peak = int((node(handle, "memory") / "memory.max_usage_in_bytes").read_text())
+    assert 32 << 20 < peak <= 64 << 20
 
 
 def test_memory_limit_oom_kills_a_child_and_the_tree_keeps_the_counters(
@@ -445,12 +451,7 @@ def test_memory_limit_oom_kills_a_child_and_the_tree_keeps_the_counters(
     wait_for(lambda: Path(spec.stdout).read_text().endswith("\n"))
     assert Path(spec.stdout).read_text() == f"status={128 + signal.SIGKILL}\n"
     if handle.cgroup_version == 1:
-        # The kernel counts the kill in the memory cgroup of the killed task (the leaf).
-        oom_control = node(handle, "memory") / "supervisor" / "memory.oom_control"
-        oom = dict(line.split() for line in oom_control.open())
-        assert int(oom["oom_kill"]) >= 1
-        peak = int((node(handle, "memory") / "memory.max_usage_in_bytes").read_text())
-        assert 32 << 20 < peak <= 64 << 20
+        assert_oom_counted(handle)
     service.stop(handle)
     service.remove(handle)
 

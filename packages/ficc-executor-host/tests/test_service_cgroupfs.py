@@ -27,6 +27,7 @@ from ficc.execution.host.service import (
     DeviceRule,
     ServiceLimits,
     bpfdevices,
+    cgroupfs,
     cgroups,
 )
 from ficc.execution.host.service.cgroups import Hierarchy, Layout
@@ -316,3 +317,10 @@ def test_membership_check_names_v2_by_its_empty_controller_field() -> None:
         "name=systemd",
         "blkio",
     ]
+
+
+def test_a_device_filter_that_cannot_be_read_back_is_a_refusal(tmp_path: Path) -> None:
+    """bpf() or the cgroup failing while the policy is read back is `service_devices`
+    (the payload is not released), never a raw OSError."""
+    with pytest.raises(HostError, match=r"^service_devices: the device filter of .* cannot"):
+        cgroupfs._single_filter(str(tmp_path / "gone"))

@@ -642,7 +642,14 @@ def _delegate_controllers(parent: str, controllers: frozenset[str]) -> None:
 
 def _single_filter(node: str) -> list[DeviceAccess] | None:
     """The device rules if exactly one filter of our shape is attached, else None."""
-    filters = bpfdevices.attached(node)
+    try:
+        filters = bpfdevices.attached(node)
+    except OSError as error:  # bpf() refused (no CAP_BPF?) or the cgroup went away
+        raise HostError(
+            "service_devices",
+            f"the device filter of {node} cannot be read back ({error}); the payload is not "
+            "released: give the daemon CAP_BPF and CAP_SYS_ADMIN",
+        ) from error
     return filters[0] if len(filters) == 1 else None
 
 
