@@ -243,7 +243,7 @@ def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
 
 
 def slot_processes(accounts: harness.Accounts) -> list[str]:
-    """Every live process of a slot account, as `pid name` (empty: none left)."""
+    """Every live process of a slot account, as `pid uid name` (empty: none left)."""
     uids = {str(accounts["slot0"].uid), str(accounts["slot1"].uid)}
     found = []
     for entry in Path("/proc").iterdir():
@@ -256,7 +256,7 @@ def slot_processes(accounts: harness.Accounts) -> list[str]:
         except (OSError, ValueError):
             continue  # exited meanwhile
         if status["Uid"].split()[0] in uids and status["State"].split()[0] != "Z":
-            found.append(f"{entry.name} {status['Name'].strip()}")
+            found.append(f"{entry.name} {status['Uid'].split()[0]} {status['Name'].strip()}")
     return found
 
 
@@ -264,41 +264,56 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
     installed: Installed,
 ) -> None:
     """Issue 6: `systemctl stop` of the daemon's unit stops every attempt unit bound to it
-    (BindsTo=), and the next start reports the attempt `unknown` (executor_restarted)
-    with its cleanup confirmed; the provider's `start` is never called again."""
+    (BindsTo=; here one attempt in each of the two slots), and the next start reports
+    each attempt `unknown` (executor_restarted) with its cleanup confirmed; the
+    provider's `start` is never called again for either."""
     if installed.layout.document["supervisor"] != "systemd":
         pytest.skip("this test is about the systemd supervisor's attempt units")
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
     daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
-    plan = daemon.plan()
     held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
-    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
-    harness.rows(daemon.prepare([plan]))
-    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
-    assert (ready.state, ready.ready) == ("prepared", True), ready
-    harness.attempt(daemon.start_attempt(plan))
-    work = f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}.service"
-    # The barrier is held before it reports its PID: the attempt stays `starting`
-    # with its unit active and a process of the slot account alive inside it.
-    wait_for(lambda: harness.show_unit(work, "ActiveState")["ActiveState"] == "active")
-    wait_for(lambda: slot_processes(installed.accounts))
-    assert daemon.observe(plan).state == "starting", journal()
-    assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
+    plans = [
+        msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
+        for plan in (daemon.plan(), daemon.plan())
+    ]
+    harness.rows(daemon.prepare(plans))
+    works = []
+    for plan in plans:
+        ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+        assert (ready.state, ready.ready) == ("prepared", True), ready
+        harness.attempt(daemon.start_attempt(plan))
+        works.append(f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}.service")
+    # Each barrier is held before it reports its PID: the attempts stay `starting` with
+    # their units active and a process of each slot account alive inside them.
+    for work in works:
+        wait_for(
+            lambda work=work: harness.show_unit(work, "ActiveState")["ActiveState"] == "active"
+        )
+        assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
+    wait_for(lambda: len({p.split()[1] for p in slot_processes(installed.accounts)}) == 2)
+    assert [daemon.observe(plan).state for plan in plans] == ["starting"] * 2, journal()
 
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
     assert show("ActiveState")["ActiveState"] == "inactive"
-    wait_for(lambda: harness.show_unit(work, "ActiveState")["ActiveState"] != "active")
-    assert harness.show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
+    for work in works:
+        wait_for(
+            lambda work=work: harness.show_unit(work, "ActiveState")["ActiveState"] != "active"
+        )
+        assert harness.show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
     wait_for(lambda: not slot_processes(installed.accounts))
 
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
-    settled = daemon.wait_state(plan, lambda r: r.state not in {"starting", "running"}, "settled")
-    assert (settled.state, settled.reason) == ("unknown", "executor_restarted"), settled
-    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
-    assert harness.show_unit(work, "ActiveState")["ActiveState"] != "active"
+    for plan, work in zip(plans, works, strict=True):
+        settled = daemon.wait_state(
+            plan, lambda r: r.state not in {"starting", "running"}, "settled"
+        )
+        assert (settled.state, settled.reason) == ("unknown", "executor_restarted"), settled
+        daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+        assert harness.show_unit(work, "ActiveState")["ActiveState"] != "active"
     assert not slot_processes(installed.accounts)
-    assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # never replayed
-    released = harness.attempt(daemon.release(plan))
-    assert released.state == "released", released
-    assert installed.layout.provider_calls("start", plan.attempt_id) == 1
+    for plan in plans:
+        assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # never replayed
+        released = harness.attempt(daemon.release(plan))
+        assert released.state == "released", released
+        assert installed.layout.provider_calls("start", plan.attempt_id) == 1
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
