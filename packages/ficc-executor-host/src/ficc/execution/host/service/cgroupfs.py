@@ -281,7 +281,7 @@ class CgroupfsService:
             # start-up; the shim runs nothing of the attempt before the order anyway.
             self._join(process.pid, spec.name, nodes)
             self._await_ready(process, ready_read)
-            _check_credentials(process.pid, spec)
+            check_credentials(process.pid, spec, groups=frozenset())
             _send_order(gate_write, order)
             os.close(gate_write)
             gate_write = -1
@@ -676,14 +676,20 @@ def start_ticks(pid: int) -> int:
     return int(stat_line.rpartition(")")[2].split()[19])
 
 
-def _check_credentials(pid: int, spec: ServiceSpec) -> None:
-    """The gated shim must already be exactly the slot account, with core dumps off."""
+def check_credentials(pid: int, spec: ServiceSpec, *, groups: frozenset[str]) -> None:
+    """The gated shim must already be exactly the slot account, with core dumps off and
+    no supplementary group beyond `groups` (GIDs as /proc prints them). The cgroupfs
+    shim has none; systemd gives `User=` the account's group list, which for a slot
+    account is just its own primary GID: that grants nothing more, and the payload
+    gate accepts it too."""
     status = proc_status(pid)
     uids, gids = status["Uid"].split(), status["Gid"].split()
     limits = proc_limits(pid)
     problems = []
-    if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4 or status["Groups"]:
-        problems.append(f"credentials uid={uids} gid={gids} groups={status['Groups']!r}")
+    if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4:
+        problems.append(f"credentials uid={uids} gid={gids}")
+    if set(status["Groups"].split()) - groups:
+        problems.append(f"supplementary groups {status['Groups']!r}")
     if limits.get("Max core file size") != ("0", "0"):
         problems.append(f"core limit {limits.get('Max core file size')}")
     nofile = str(spec.limits.nofile)

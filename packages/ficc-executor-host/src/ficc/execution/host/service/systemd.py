@@ -80,9 +80,8 @@ from ficc.execution.host.service import cgroups, shim, systemd_devices
 from ficc.execution.host.service.cgroupfs import (
     DEFAULT_INTERPRETER,
     CgroupfsService,
+    check_credentials,
     open_output,
-    proc_limits,
-    proc_status,
     start_ticks,
     trusted_interpreter,
     wait_until,
@@ -482,7 +481,7 @@ class SystemdService:
                     f"the gate peer (pid {pid}, uid {uid}) is not the main process "
                     f"{show.get('MainPID')} of {unit} as the slot account; refusing to release",
                 )
-            _check_credentials(pid, spec)
+            check_credentials(pid, spec, groups=frozenset({str(spec.gid)}))
             nodes = self._nodes(spec.name, show.get("ControlGroup", ""))
             handle = ServiceHandle(
                 spec.name, self.backend, self._layout.version, nodes, pid, start_ticks(pid)
@@ -843,33 +842,6 @@ def _unit_devices(node: str, *, strict: bool) -> list[DeviceAccess] | None:
         if strict:
             raise
         return None
-
-
-def _check_credentials(pid: int, spec: ServiceSpec) -> None:
-    """The gated shim must already be exactly the slot account, with core dumps off.
-
-    Unlike the cgroupfs shim (no supplementary groups at all), systemd gives `User=`
-    the account's group list, which for a slot account is just its own primary GID:
-    that grants nothing more, and the payload gate accepts it too.
-    """
-    status = proc_status(pid)
-    uids, gids = status["Uid"].split(), status["Gid"].split()
-    limits = proc_limits(pid)
-    problems = []
-    if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4:
-        problems.append(f"credentials uid={uids} gid={gids}")
-    if set(status["Groups"].split()) - {str(spec.gid)}:
-        problems.append(f"supplementary groups {status['Groups']!r}")
-    if limits.get("Max core file size") != ("0", "0"):
-        problems.append(f"core limit {limits.get('Max core file size')}")
-    nofile = str(spec.limits.nofile)
-    if limits.get("Max open files") != (nofile, nofile):
-        problems.append(f"nofile limit {limits.get('Max open files')}")
-    if problems:
-        raise HostError(
-            "service_start",
-            f"the start shim of {spec.name} is not confined as planned: {', '.join(problems)}",
-        )
 
 
 def _peer(link: socket.socket) -> tuple[int, int, int]:
