@@ -501,6 +501,42 @@ def test_a_batch_reserves_in_order_within_one_transaction(ledger: Ledger) -> Non
     assert len(updated) == 1  # one transaction
 
 
+def test_a_mixed_batch_stores_each_record_as_returned_and_in_order(ledger: Ledger) -> None:
+    """Admitted records are written by a statement with their status fixed as SQL
+    literals, rejections by one binding every column: both must store exactly what
+    binding the record's own values stores, and in the batch's order."""
+    obj = stream(10)
+    plans = [make_plan(inputs=(obj,)), make_plan(slot_class="gpu"), make_plan(), make_plan()]
+    results = admit(ledger, *plans)
+    refused(results[1], "slot_capacity")
+    expected = {
+        plans[1].attempt_id: (lc.admission_rejected(), "slot_capacity"),
+        **{p.attempt_id: (lc.admitted(), None) for p in (plans[0], *plans[2:])},
+    }
+    columns = [*lc.Status.__struct_fields__, "detail"]
+    stored_sql = ", ".join(f"{c}, typeof({c})" for c in columns)
+    bound_sql = ", ".join("?, typeof(?)" for _ in columns)
+    db = raw(ledger)
+    for plan, result in zip(plans, results, strict=True):
+        record = ledger.get(plan.attempt_id)
+        assert record is not None
+        if isinstance(result, Admitted):
+            assert result.record == record
+        status, detail = expected[plan.attempt_id]
+        assert (record.status, record.detail) == (status, detail)
+        stored = db.execute(
+            f"SELECT {stored_sql} FROM attempts WHERE attempt_id = ?",
+            (plan.attempt_id,),
+        ).fetchone()
+        values = [*msgspec.structs.astuple(status), detail]
+        bound = db.execute(f"SELECT {bound_sql}", [v for v in values for _ in (0, 1)]).fetchone()
+        assert stored == bound
+    order = [r for (r,) in db.execute("SELECT attempt_id FROM attempts ORDER BY rowid")]
+    assert order == [p.attempt_id for p in plans]
+    assert [i.object_id for i in ledger.inputs(plans[0].attempt_id)] == [obj.id]
+    db.close()
+
+
 def test_batch_bounds(ledger: Ledger) -> None:
     with pytest.raises(HostError) as error:
         ledger.admit_batch(ledger.bindings(), [], facts())
@@ -1187,3 +1223,16 @@ def test_staged_bytes_of_a_batch(ledger: Ledger) -> None:
         {small.id: 4, large.id: 20}[i.object_id] for i in inputs[two_streams.attempt_id]
     ]
     assert inputs[unknown] == inputs[none.attempt_id] == []
+
+
+@pytest.mark.parametrize("query", ["_OCCUPANCY_SQL", "_STARTED_SQL", "_ACTIVE_SQL"])
+def test_what_a_growing_ledger_looks_up_goes_through_an_index(ledger: Ledger, query: str) -> None:
+    """Records are never deleted, so the reservations (every admission), the started
+    usage (every start) and the active records (every restart) must be index lookups,
+    not scans of every record ever made."""
+    from ficc.execution.host import ledger as ledger_module  # noqa: PLC0415
+
+    sql = getattr(ledger_module, query)
+    plan = [row[3] for row in ledger._db.execute(f"EXPLAIN QUERY PLAN {sql}")]
+    assert any("USING INDEX attempts_" in step for step in plan), plan
+    assert not any(step.startswith("SCAN attempts") for step in plan), plan

@@ -33,14 +33,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import itertools
 import logging
+import operator
 import os
 import secrets
 import sqlite3
 import stat
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple
 
@@ -251,6 +253,11 @@ CREATE TABLE attempts (
     updated INTEGER NOT NULL
 ) STRICT;
 CREATE INDEX attempts_job ON attempts (job_id, generation);
+-- Records are never deleted: what admission, starts and recovery look for (the records
+-- holding a slot, the active ones) must not cost a scan of every record ever made.
+CREATE INDEX attempts_held ON attempts (slot_id)
+    WHERE slot_id IS NOT NULL AND state != 'released';
+CREATE INDEX attempts_state ON attempts (state);
 CREATE TABLE input_objects (
     attempt_id TEXT NOT NULL REFERENCES attempts (attempt_id),
     object_id TEXT NOT NULL,
@@ -295,11 +302,49 @@ _OCCUPANCY_SQL: Final = (
     " WHERE slot_id IS NOT NULL AND state != 'released'"
 )
 """The reservations: every record that holds a slot and is not released."""
+_STARTED_SQL: Final = f"SELECT {_AMOUNTS} FROM attempts WHERE state IN ('starting', 'running')"  # noqa: S608
+"""What started attempts hold (start authority)."""
+_ACTIVE_SQL: Final = f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
+"""The records a restart must settle."""
 _INSERT_COLUMNS: Final = _RECORD_FIELDS + _RESOURCES + _STORAGE + ("devices", "plan")
-_INSERT_SQL: Final = (
-    f"INSERT INTO attempts ({', '.join(_INSERT_COLUMNS)})"  # noqa: S608
-    f" VALUES ({', '.join('?' * len(_INSERT_COLUMNS))})"
-)
+
+
+def _literal(value: object) -> str:
+    """The SQL literal of a constant of this module (a status value, never input)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool | int):
+        return str(int(value))
+    if isinstance(value, str) and value.isidentifier():
+        return f"'{value}'"
+    raise TypeError(f"no SQL literal for {value!r}")
+
+
+class _Insert(NamedTuple):
+    """An INSERT of a new record: its full row (in `_INSERT_COLUMNS` order) minus the
+    columns the statement fixes as literals, which `bound` drops from the row."""
+
+    sql: str
+    bound: Callable[[tuple[object, ...]], tuple[object, ...]]
+
+    @classmethod
+    def fixing(cls, fixed: dict[str, object]) -> _Insert:
+        kept = [i for i, column in enumerate(_INSERT_COLUMNS) if column not in fixed]
+        values = [_literal(fixed[c]) if c in fixed else "?" for c in _INSERT_COLUMNS]
+        sql = (
+            f"INSERT INTO attempts ({', '.join(_INSERT_COLUMNS)})"  # noqa: S608
+            f" VALUES ({', '.join(values)})"
+        )
+        return cls(sql, operator.itemgetter(*kept))
+
+
+_ADMITTED: Final = lifecycle.admitted()
+"""The status of every new admitted record (a frozen value, shared)."""
+_INSERT_ANY: Final = _Insert.fixing({})
+_INSERT_ADMITTED: Final = _Insert.fixing(msgspec.structs.asdict(_ADMITTED) | {"detail": None})
+"""The usual new record. Its status and detail are fixed in the statement: the sqlite3
+module binds a None or a bool far more slowly than an int or a str (an adapter lookup
+each), and they are a third of the columns."""
 
 
 def _record(row: tuple[object, ...]) -> AttemptRecord:
@@ -332,6 +377,22 @@ def _lease_values(lease: Lease | None) -> list[object]:
 
 # --- admission arithmetic (pure) ----------------------------------------------------
 
+_COUNTED: Final = ("attempts", *_RESOURCES, *_STORAGE)
+"""What admission counts per reservation, in the order it checks them."""
+
+
+def _amounts(limits: planlib.Limits) -> tuple[int, ...]:
+    """What one reservation of `limits` adds, aligned with `_COUNTED`."""
+    return (
+        1,
+        limits.cpu_millis,
+        limits.memory_bytes,
+        limits.swap_bytes,
+        limits.processes,
+        limits.storage_bytes,
+        limits.storage_inodes,
+    )
+
 
 @dataclass
 class _Occupancy:
@@ -339,7 +400,8 @@ class _Occupancy:
 
     slots: set[str]
     devices: set[str]
-    used: dict[str, int]
+    used: list[int]
+    """What they hold of each resource, aligned with `_COUNTED`."""
     free: dict[str, list[SlotSpec]] = dataclasses.field(default_factory=dict)
     """Free slots by class, in configuration order, filled on first use in a batch."""
 
@@ -355,9 +417,7 @@ class _Occupancy:
         if slot in self.free.get(slot.slot_class, ()):
             self.free[slot.slot_class].remove(slot)
         self.devices.update(limits.devices)
-        self.used["attempts"] += 1
-        for name in _RESOURCES + _STORAGE:
-            self.used[name] += getattr(limits, name)
+        self.used = list(map(operator.add, self.used, _amounts(limits)))
 
 
 class _Rejection(HostError):
@@ -369,7 +429,22 @@ AdmissionRejection = _Rejection
 
 
 def _allowed(value: str, offered: list[str] | None, ceiling: list[str] | None) -> bool:
-    return all(allow is None or value in allow for allow in (offered, ceiling))
+    return (offered is None or value in offered) and (ceiling is None or value in ceiling)
+
+
+class _Terms(NamedTuple):
+    """What every row of one admission transaction is judged against, worked out once:
+    the offer, the ceiling, and the tighter of their bounds (aligned with `_COUNTED`)."""
+
+    offer: Offer
+    ceiling: OfferLimits
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def of(cls, offer: Offer, ceiling: OfferLimits) -> _Terms:
+        offered, most = offer.limits.resources, ceiling.resources
+        bounds = tuple(min(getattr(offered, n), getattr(most, n)) for n in _COUNTED)
+        return cls(offer, ceiling, bounds)
 
 
 def _choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: _Occupancy) -> SlotSpec:
@@ -391,9 +466,10 @@ def _choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: _Occupancy) ->
 
 
 def _admissible_slot(
-    plan: planlib.Plan, lease: Lease, offer: Offer, facts: HostFacts, occupancy: _Occupancy
+    plan: planlib.Plan, lease: Lease, terms: _Terms, facts: HostFacts, occupancy: _Occupancy
 ) -> SlotSpec:
     """Every check of DESIGN 5.3 that needs no provider; raises _Rejection or returns a slot."""
+    offer, ceiling = terms.offer, terms.ceiling
     if "admit" not in OFFER_ALLOWS[offer.control]:
         raise _Rejection(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}; try later")
     if plan.offer_revision != offer.revision:
@@ -404,7 +480,6 @@ def _admissible_slot(
         )
     if not _current(lease, facts.now):
         raise _Rejection(ErrorCode.LEASE_EXPIRED, "the first lease is already past its deadline")
-    ceiling = facts.ceiling
     if not _allowed(plan.project_id, offer.limits.projects, ceiling.projects):
         raise _Rejection(ErrorCode.ADMISSION_REJECTED, "this project is not in the offer")
     if not _allowed(plan.job.runtime.provider, offer.limits.runtimes, ceiling.runtimes):
@@ -415,13 +490,14 @@ def _admissible_slot(
             raise _Rejection(
                 ErrorCode.ADMISSION_REJECTED, f"device {device!r} is not configured or is in use"
             )
-    wanted = {"attempts": 1} | {name: getattr(limits, name) for name in _RESOURCES + _STORAGE}
-    for name, amount in wanted.items():
-        bound = min(getattr(offer.limits.resources, name), getattr(ceiling.resources, name))
-        if occupancy.used[name] + amount > bound:
+    asked = _amounts(limits)
+    for name, held, amount, bound in zip(
+        _COUNTED, occupancy.used, asked, terms.bounds, strict=True
+    ):
+        if held + amount > bound:
             raise _Rejection(
                 ErrorCode.ADMISSION_REJECTED,
-                f"{name}: {occupancy.used[name]} reserved + {amount} asked > {bound} offered",
+                f"{name}: {held} reserved + {amount} asked > {bound} offered",
             )
     return _choose_slot(plan, facts, occupancy)
 
@@ -470,9 +546,10 @@ class _Encoded(NamedTuple):
     digest: str
 
     @classmethod
-    def of(cls, plan: planlib.Plan) -> _Encoded:
-        data = planlib.encode_plan(plan)
-        return cls(plan, data, planlib.digest_of(data))
+    def each(cls, plans: Iterable[planlib.Plan]) -> list[_Encoded]:
+        plans = list(plans)
+        data = list(map(planlib.encode_plan, plans))
+        return list(map(cls, plans, data, map(planlib.digest_of, data)))
 
 
 @dataclass
@@ -523,12 +600,20 @@ class _RenewTerms(NamedTuple):
 
 @dataclass
 class _Batch:
-    """What one admission transaction reads once and updates as it records rows."""
+    """What one admission transaction reads once and updates as it records rows.
+
+    The rows of new records and of their streamed inputs wait in `records` and `inputs`
+    and are written together once every row is judged (`Ledger._write_new`): nothing in
+    the transaction reads them back from the database, since `known` and `occupancy`
+    already account for them.
+    """
 
     ordinal: int
-    offer: Offer
+    terms: _Terms
     occupancy: _Occupancy
     known: _Known
+    records: list[tuple[_Insert, tuple[object, ...]]] = dataclasses.field(default_factory=list)
+    inputs: list[tuple[object, ...]] = dataclasses.field(default_factory=list)
 
 
 # --- the ledger ---------------------------------------------------------------------
@@ -568,6 +653,8 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
 
 def _log_change(record: AttemptRecord, cause: str) -> None:
     """One structured log line per committed change of an attempt's record."""
+    if not _log.isEnabledFor(logging.INFO):
+        return  # skip building the fields of a line nobody keeps
     status = record.status
     _log.info(
         "attempt %s: %s (%s)",
@@ -771,7 +858,7 @@ class Ledger:
         """Slots held by unreleased records, and what they reserve per resource."""
         with self._lock:
             occupancy = self._occupancy()
-        return set(occupancy.slots), dict(occupancy.used)
+        return set(occupancy.slots), dict(zip(_COUNTED, occupancy.used, strict=True))
 
     def staged_bytes(self, attempt_ids: Sequence[str]) -> dict[str, int]:
         """Durable streamed bytes per attempt (0 for attempts without streams)."""
@@ -821,9 +908,10 @@ class Ledger:
         slot, cleanup confirmed) and a HostError with the precise code.
         """
         _check_batch(rows)
-        encoded = [_Encoded.of(r.plan) for r in rows]
+        encoded = _Encoded.each(r.plan for r in rows)
         with self._write(bindings) as ordinal:
-            batch = _Batch(ordinal, self._offer(), self._occupancy(), self._known(encoded))
+            terms = _Terms.of(self._offer(), facts.ceiling)
+            batch = _Batch(ordinal, terms, self._occupancy(), self._known(encoded))
             results: list[Row] = []
             for row, plan in zip(rows, encoded, strict=True):
                 try:
@@ -835,6 +923,7 @@ class Ledger:
                     results.append(Admitted(existing, new=False))
                 else:
                     results.append(self._admit_new(plan, row, facts, batch))
+            self._write_new(batch.records, batch.inputs)
         return results
 
     def _admit_new(self, plan: _Encoded, row: PrepareRow, facts: HostFacts, batch: _Batch) -> Row:
@@ -843,24 +932,19 @@ class Ledger:
         try:
             if row.refusal is not None:
                 raise _Rejection(row.refusal.code, row.refusal.message)
-            slot = _admissible_slot(plan.plan, lease, batch.offer, facts, batch.occupancy)
+            slot = _admissible_slot(plan.plan, lease, batch.terms, facts, batch.occupancy)
         except _Rejection as rejection:
             status = lifecycle.admission_rejected()
-            record = self._insert(plan, status, slot_id=None, lease=lease, ordinal=batch.ordinal,
-                                  detail=rejection.code)  # fmt: skip
+            record = self._insert(plan, status, batch.records, slot_id=None, lease=lease,
+                                  ordinal=batch.ordinal, detail=rejection.code)  # fmt: skip
             batch.known.add(record)
             return rejection
-        record = self._insert(
-            plan, lifecycle.admitted(), slot_id=slot.id, lease=lease, ordinal=batch.ordinal
-        )
+        record = self._insert(plan, _ADMITTED, batch.records, slot_id=slot.id, lease=lease,
+                              ordinal=batch.ordinal)  # fmt: skip
         batch.known.add(record)
         batch.occupancy.add(slot, plan.plan.job.limits)
         streamed = plan.plan.streamed_inputs
-        if streamed:
-            self._db.executemany(
-                "INSERT INTO input_objects VALUES (?, ?, ?, ?, ?, 0, 0, NULL, NULL)",
-                [(record.attempt_id, i.id, i.name, i.bytes, i.digest) for i in streamed],
-            )
+        batch.inputs += [(record.attempt_id, i.id, i.name, i.bytes, i.digest) for i in streamed]
         return Admitted(record, new=True)
 
     def reject_absent(self, bindings: Bindings, plans: Sequence[planlib.Plan]) -> list[Row]:
@@ -899,7 +983,7 @@ class Ledger:
         _check_batch(plans)
         if len({p.attempt_id for p in plans}) != len(plans):
             raise HostError(ErrorCode.INVALID_REQUEST, "plans must have distinct attempt IDs")
-        encoded = [_Encoded.of(p) for p in plans]
+        encoded = _Encoded.each(plans)
         with self._write(bindings) as ordinal:
             if require_idle and self._occupancy().slots:
                 raise HostError(
@@ -908,6 +992,7 @@ class Ledger:
                 )
             known = self._known(encoded)
             results: list[Row] = []
+            new: list[tuple[_Insert, tuple[object, ...]]] = []
             for plan in encoded:
                 try:
                     existing = known.existing(plan)
@@ -916,12 +1001,13 @@ class Ledger:
                     continue
                 if existing is None:
                     record = self._insert(
-                        plan, status, slot_id=None, lease=None, ordinal=ordinal, detail=detail
+                        plan, status, new, slot_id=None, lease=None, ordinal=ordinal, detail=detail
                     )
                     known.add(record)
                     results.append(Admitted(record, new=True))
                 else:
                     results.append(Admitted(existing, new=False))
+            self._write_new(new, [])
         return results
 
     def _known(self, plans: Sequence[_Encoded]) -> _Known:
@@ -945,13 +1031,15 @@ class Ledger:
         self,
         plan: _Encoded,
         status: lifecycle.Status,
+        pending: list[tuple[_Insert, tuple[object, ...]]],
         *,
         slot_id: str | None,
         lease: Lease | None,
         ordinal: int,
         detail: str | None = None,
     ) -> AttemptRecord:
-        """Write a new record and return it as written."""
+        """A new record: its row is appended to `pending` (for `_write_new`, in this
+        transaction) and its change to the log of this transaction."""
         record = AttemptRecord(
             attempt_id=plan.plan.attempt_id,
             job_id=plan.plan.job_id,
@@ -966,7 +1054,7 @@ class Ledger:
             updated=ordinal,
         )
         limits = plan.plan.job.limits
-        values = (  # in _INSERT_COLUMNS order
+        row = (  # in _INSERT_COLUMNS order
             *(record.attempt_id, record.job_id, record.generation, record.plan_digest),
             record.offer_revision,
             *msgspec.structs.astuple(status),
@@ -977,19 +1065,35 @@ class Ledger:
             msgspec.json.encode(limits.devices).decode(),
             plan.data,
         )
-        self._db.execute(_INSERT_SQL, values)
+        insert = _INSERT_ADMITTED if status == _ADMITTED and detail is None else _INSERT_ANY
+        pending.append((insert, insert.bound(row)))
         self._changed.append((record, "admitted" if status.reason is None else status.reason))
         return record
 
+    def _write_new(
+        self,
+        records: list[tuple[_Insert, tuple[object, ...]]],
+        inputs: list[tuple[object, ...]],
+    ) -> None:
+        """Insert the records `_insert` collected, in order (one `executemany` per run of
+        the same statement), then their streamed inputs, which refer to them."""
+        for insert, run in itertools.groupby(records, key=operator.itemgetter(0)):
+            self._db.executemany(insert.sql, [values for _, values in run])
+        if inputs:
+            self._db.executemany(
+                "INSERT INTO input_objects VALUES (?, ?, ?, ?, ?, 0, 0, NULL, NULL)", inputs
+            )
+
     def _occupancy(self) -> _Occupancy:
-        occupancy = _Occupancy(set(), set(), dict.fromkeys(Resources.__struct_fields__, 0))
-        for slot_id, devices, *amounts in self._db.execute(_OCCUPANCY_SQL):
-            occupancy.slots.add(slot_id)
+        """The reservations, summed column by column (one row per reserving record)."""
+        rows = self._db.execute(_OCCUPANCY_SQL).fetchall()
+        # zip(*rows) of no rows has no columns at all, not empty ones
+        columns = list(zip(*rows, strict=True)) or [()] * (2 + len(_RESOURCES + _STORAGE))
+        slot_ids, device_lists, *amounts = columns
+        occupancy = _Occupancy(set(slot_ids), set(), [len(rows), *map(sum, amounts)])
+        for devices in device_lists:
             if devices != "[]":
                 occupancy.devices.update(msgspec.json.decode(devices, type=list[str]))
-            occupancy.used["attempts"] += 1
-            for name, amount in zip(_RESOURCES + _STORAGE, amounts, strict=True):
-                occupancy.used[name] += amount
         return occupancy
 
     # -- lifecycle ------------------------------------------------------------------
@@ -1053,9 +1157,7 @@ class Ledger:
     def _started_usage(self) -> dict[str, int]:
         """What attempts in `starting` or `running` hold, summed per resource."""
         usage = dict.fromkeys(Resources.__struct_fields__, 0)
-        rows = self._db.execute(
-            f"SELECT {_AMOUNTS} FROM attempts WHERE state IN ('starting', 'running')"  # noqa: S608
-        )
+        rows = self._db.execute(_STARTED_SQL)
         for amounts in rows:
             usage["attempts"] += 1
             for name, amount in zip(_RESOURCES + _STORAGE, amounts, strict=True):
@@ -1115,9 +1217,7 @@ class Ledger:
                 record.attempt_id: record
                 for record in map(
                     _record,
-                    self._db.execute(
-                        f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
-                    ).fetchall(),
+                    self._db.execute(_ACTIVE_SQL).fetchall(),
                 )
             }
             changed = []
