@@ -2,14 +2,16 @@
 
 Value: a client forked as the transport account reads one declared output of 256 MiB
 (32 MiB with --quick) through transport.sock with `collect` requests of 1 MiB (the
-per-request bound), one after another. Per request the daemon decodes it, reads the
-record and plan on the ledger thread, opens the output below the attempt's storage
-component by component without following links, preads 1 MiB, base64-encodes it and
-replies. The client only receives the frames during the timed loop, each request on
-its own connection, into one arena whose pages were all written before the timer
-started (as a client streaming through one reused buffer would: P5 times the daemon
-and the socket, not the client's page faults); then it checks the SHA-256 of the
-decoded data against the file's.
+per-request bound), one after another. Per request the daemon decodes it, reads and
+checks the record on the ledger thread (the decoded plan comes from a small cache),
+which hands it straight to an I/O thread that opens the output below the attempt's
+storage component by component without following links and preads 1 MiB; back on the
+loop the reply is base64-encoded into a reused buffer and sent. The client only
+receives the frames during the timed loop, each request on its own connection, into
+one arena whose pages were all written before the timer started (as a client
+streaming through one reused buffer would: P5 times the daemon and the socket, not
+the client's page faults); then it checks the SHA-256 of the decoded data against
+the file's.
 
 How the output exists: the test provider is unconfined, so the payload gate refuses it
 and no payload ever runs. The benchmark admits a plan that declares the output, stops
@@ -20,6 +22,13 @@ then writes the file as root into the attempt's `storage/` directory. So P5 meas
 Baseline: read + base64-encode of the same file in 1 MiB blocks, in one process (the
 file is in the page cache for both sides). Ratio = value rate / baseline rate (higher
 is better); QUALITY.md wants >= 0.5x. Rounds alternate; figures are medians.
+
+Where a 1 MiB request's ~1.9 ms goes (daemon timestamps, quiet machine, 2026-11-29):
+base64 encoding 0.8 ms, the send 0.1-0.4 ms (the woken client often shares the
+daemon's CPU), open + pread 0.19 ms, ledger lookup 0.07 ms, three thread wake-ups
+about 0.14 ms, accept + frame + decode 0.09 ms, the log line 0.04 ms. The baseline
+is about 1.3 ms (b64encode 1.26 ms/MiB is slower than msgspec's 0.82): what is left
+above it is mostly the socket and the thread hand-offs, not Python per byte.
 """
 
 from __future__ import annotations

@@ -10,11 +10,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.collect import ReadBuffers, identity_digest, read_object
+from ficc.execution.host.collect import PlanCache, ReadBuffers, identity_digest, read_object
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout
 from ficc.execution.host.ledger import AttemptRecord
@@ -271,6 +272,47 @@ def test_no_resource_records_have_empty_final_logs_and_no_outputs(plan: planlib.
         with pytest.raises(HostError) as caught:
             read_object(None, record, plan, read(plan, "output:result"))
         assert caught.value.code == "object_unavailable"
+
+
+class PlanLedger:
+    """The one ledger call PlanCache makes (`plan_bytes`), counted; pure logic only."""
+
+    def __init__(self, *plans: planlib.Plan) -> None:
+        self.plans = {p.attempt_id: planlib.encode_plan(p) for p in plans}
+        self.reads: list[str] = []
+
+    def plan_bytes(self, attempt_id: str) -> bytes | None:
+        self.reads.append(attempt_id)
+        return self.plans.get(attempt_id)
+
+
+def test_a_plan_is_decoded_once_then_kept_by_attempt_and_digest(plan: planlib.Plan) -> None:
+    ledger, cache = PlanLedger(plan), PlanCache(2)
+    record = record_of(plan, RUNNING)
+    assert cache.get(ledger, record) == plan  # type: ignore[arg-type]
+    assert cache.get(ledger, record) == plan  # type: ignore[arg-type]
+    assert ledger.reads == [plan.attempt_id]
+
+
+def test_the_plan_cache_keeps_the_most_recently_used_few() -> None:
+    a, b, c = (make_plan({"result": f"{name}.txt"}) for name in "abc")
+    ledger, cache = PlanLedger(a, b, c), PlanCache(2)
+    for p in (a, b, a, c):  # c evicts b, the least recently used
+        cache.get(ledger, record_of(p, RUNNING))  # type: ignore[arg-type]
+    ledger.reads.clear()
+    assert cache.get(ledger, record_of(a, RUNNING)) == a  # type: ignore[arg-type]
+    assert cache.get(ledger, record_of(b, RUNNING)) == b  # type: ignore[arg-type]
+    assert ledger.reads == [b.attempt_id]
+
+
+def test_another_plan_digest_under_the_same_attempt_id_is_never_served_from_the_cache() -> None:
+    first = make_plan({"result": "first.txt"})
+    second = msgspec.structs.replace(first, job=msgspec.structs.replace(first.job, name="other"))
+    ledger, cache = PlanLedger(first), PlanCache(2)
+    assert cache.get(ledger, record_of(first, RUNNING)) == first  # type: ignore[arg-type]
+    ledger.plans[first.attempt_id] = planlib.encode_plan(second)  # as a different ledger holds it
+    assert cache.get(ledger, record_of(second, RUNNING)) == second  # type: ignore[arg-type]
+    assert ledger.reads == [first.attempt_id, first.attempt_id]
 
 
 def test_the_request_bounds_a_batch_to_one_mebibyte(plan: planlib.Plan) -> None:

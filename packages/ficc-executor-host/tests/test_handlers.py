@@ -937,6 +937,29 @@ def test_collect_reads_logs_and_outputs_of_a_real_record(host: Host) -> None:
     assert (observed.stdout_bytes, observed.stderr_bytes) == (6, 0)
 
 
+def test_every_collect_checks_its_fence_and_state_against_the_ledger(host: Host) -> None:
+    """Plans are kept decoded between requests; the records they are checked with are not."""
+    plan = make_plan(outputs=[planlib.Output("result", "result.txt")])
+    host.prepare(plan)
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.slot_id is not None
+    paths = Layout(host.ctx.slots[record.slot_id]).create(plan.attempt_id)
+    Path(paths.storage, "result.txt").write_bytes(b"42")
+    digest = planlib.plan_digest(plan)
+
+    def collect(generation: int = plan.generation, plan_digest: str = digest) -> Any:
+        read = Read(plan.attempt_id, generation, plan_digest, "output:result", 0, 1024)
+        return host.send(CollectRequest(version=1, id=new_id(), reads=[read]))
+
+    first = row_ok(collect())
+    assert (first.chunk, first.eof, first.complete) == (b"42", True, False)
+    assert row_code(collect(generation=plan.generation + 1)) == "fence_mismatch"
+    assert row_code(collect(plan_digest="sha256:" + "0" * 64)) == "fence_mismatch"
+    host.apply(plan, lc.StopRequested(), lc.CleanupConfirmed())  # settled since the first read
+    assert row_ok(collect()).complete
+
+
 def test_reconcile_absent_refuses_a_leftover_service_of_a_known_attempt(host: Host) -> None:
     """A released attempt whose service tree is still there (a real cgroup directory)."""
     plan = make_plan()

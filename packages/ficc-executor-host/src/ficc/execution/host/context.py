@@ -6,7 +6,9 @@ runs where is the concurrency design:
 - `db`: ONE thread owns the SQLite ledger. Every ledger call goes through it, so
   transactions never interleave and the loop never waits on fsync.
 - `io`: a small pool for file I/O (staging writes, collect reads, layout), outside any
-  lock the monitor needs; staging's own per-attempt guard gives `input_busy`.
+  lock the monitor needs; staging's own per-attempt guard gives `input_busy`. Work
+  that must read the ledger first and files next (collect) goes from the ledger
+  thread straight to this pool (`db_then_io`), without a return to the loop between.
 - `provider`: a small pool for provider batch calls, which are synchronous and may be
   slow; each call is bounded by a timeout, and a call that times out leaves its rows'
   outcome uncertain (never a reason to replay).
@@ -33,6 +35,7 @@ from ficc.execution.host.service.interface import SystemService
 from ficc.execution.host.staging import Stager
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 PROVIDER_CALL_TIMEOUT_S = 300.0
 """Longest a provider batch call may take before its rows count as uncertain."""
@@ -89,6 +92,31 @@ class Workers:
         """Run blocking file I/O off the loop."""
         return await _run(self._io, fn, args, kwargs)
 
+    async def db_then_io(self, lookup: Callable[[], U], then: Callable[[U], T]) -> T:
+        """`then(lookup())`: `lookup` on the ledger thread, `then` in an I/O thread.
+
+        Why: awaiting `db` and then `io` wakes the event loop in between only to hand
+        the result on: two thread round trips of about 0.1 ms each on a small VM, for
+        a request (a 1 MiB collect) of about 2 ms. Here the ledger thread submits
+        `then` itself (a queue put: it never waits on the I/O), and the loop wakes
+        once, with the outcome. An exception from either step
+        is raised here; a cancelled caller stops `lookup` only if it has not started.
+        """
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def first() -> None:
+            if not outcome.set_running_or_notify_cancel():
+                return  # the caller is gone: no lookup, no I/O
+            try:
+                second = self._io.submit(then, lookup())
+            except BaseException as exc:  # the lookup's refusal, or a pool shut down
+                outcome.set_exception(exc)
+                return
+            second.add_done_callback(functools.partial(_settle, outcome))
+
+        self._db.submit(first)
+        return await asyncio.wrap_future(outcome)
+
     async def provider(
         self,
         fn: Callable[..., T],
@@ -113,6 +141,16 @@ async def _run(
 ) -> T:
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+
+def _settle(outcome: concurrent.futures.Future[T], done: concurrent.futures.Future[T]) -> None:
+    """Give `outcome` the result or exception of `done` (a shut-down pool cancels it)."""
+    if done.cancelled():
+        outcome.set_exception(RuntimeError("the I/O threads shut down before the call ran"))
+    elif (error := done.exception()) is not None:
+        outcome.set_exception(error)
+    else:
+        outcome.set_result(done.result())
 
 
 @dataclasses.dataclass

@@ -36,7 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import msgspec
 
@@ -418,14 +418,25 @@ async def _receive_exactly(conn: socket.socket, buffer: bytearray, *, closed_emp
     loop = asyncio.get_running_loop()
     view = memoryview(buffer)
     filled = 0
+    try:  # what has arrived already, without a trip around the loop (the socket never blocks)
+        filled = conn.recv_into(view) if view else 0
+    except BlockingIOError:
+        pass
+    else:
+        if view and not filled:
+            _ended(0, closed_empty=closed_empty)
     while filled < len(buffer):
         received = await loop.sock_recv_into(conn, view[filled:])
         if not received:
-            if closed_empty and not filled:
-                raise _Refused(None, "closed_empty")
-            message = f"the peer ended the connection inside a frame ({filled} bytes)"
-            raise _Refused(error_reply(None, ErrorCode.BAD_FRAME, message), "frame_truncated")
+            _ended(filled, closed_empty=closed_empty)
         filled += received
+
+
+def _ended(filled: int, *, closed_empty: bool) -> NoReturn:
+    if closed_empty and not filled:
+        raise _Refused(None, "closed_empty")
+    message = f"the peer ended the connection inside a frame ({filled} bytes)"
+    raise _Refused(error_reply(None, ErrorCode.BAD_FRAME, message), "frame_truncated")
 
 
 def _busy(what: str) -> str:

@@ -1,0 +1,92 @@
+"""Workers: where each step of a request runs, with real thread pools and a real loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from ficc.execution.host.context import Workers
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    pool = Workers(io_threads=2, provider_threads=1)
+    yield pool
+    pool.shutdown()
+
+
+def test_db_then_io_looks_up_on_the_ledger_thread_then_reads_on_an_io_thread(
+    workers: Workers,
+) -> None:
+    seen: list[str] = []
+
+    def lookup() -> int:
+        seen.append(threading.current_thread().name)
+        return 20
+
+    def then(found: int) -> int:
+        seen.append(threading.current_thread().name)
+        return found + 1
+
+    async def scenario() -> int:
+        ledger_thread = await workers.db(lambda: threading.current_thread().name)
+        seen.append(ledger_thread)
+        return await workers.db_then_io(lookup, then)
+
+    assert asyncio.run(scenario()) == 21
+    ledger_thread, looked_up_in, read_in = seen
+    assert looked_up_in == ledger_thread
+    assert read_in.startswith("ficc-io")
+
+
+def test_a_refused_lookup_is_raised_and_nothing_is_read(workers: Workers) -> None:
+    read: list[object] = []
+
+    def lookup() -> int:
+        raise LookupError("fence_mismatch")
+
+    with pytest.raises(LookupError, match="fence_mismatch"):
+        asyncio.run(workers.db_then_io(lookup, read.append))
+    assert read == []
+
+
+def test_a_failed_read_is_raised(workers: Workers) -> None:
+    def then(found: int) -> int:
+        raise OSError(f"cannot read {found}")
+
+    with pytest.raises(OSError, match="cannot read 7"):
+        asyncio.run(workers.db_then_io(lambda: 7, then))
+
+
+def test_a_caller_cancelled_before_the_lookup_starts_runs_neither_step(workers: Workers) -> None:
+    release = threading.Event()
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        busy = asyncio.ensure_future(workers.db(release.wait, 30))  # holds the ledger thread
+        chained = asyncio.ensure_future(
+            workers.db_then_io(lambda: ran.append("lookup"), lambda _: ran.append("read"))
+        )
+        await asyncio.sleep(0)  # both are queued on the ledger thread now
+        chained.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await chained
+        release.set()
+        assert await busy
+        await workers.db(lambda: None)  # everything queued before it has run
+
+    asyncio.run(scenario())
+    assert ran == []
+
+
+def test_io_threads_shut_down_make_the_chain_fail_not_hang() -> None:
+    pool = Workers(io_threads=1, provider_threads=1)
+    try:
+        pool._io.shutdown(wait=True)
+        with pytest.raises(RuntimeError):
+            asyncio.run(pool.db_then_io(lambda: 1, lambda found: found))
+    finally:
+        pool.shutdown()
