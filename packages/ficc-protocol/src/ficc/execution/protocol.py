@@ -389,8 +389,11 @@ class InputStatusRequest(Request, frozen=True, kw_only=True, tag="input_status")
             seen.add((ref.attempt_id, ref.object))
 
 
-class InputWriteRequest(Request, frozen=True, kw_only=True, tag="input_write"):
-    writes: _InputWrites
+class _Writes:
+    """What both spellings of an input_write request answer about their rows."""
+
+    __slots__ = ()
+    writes: Sequence[InputWrite | ReceivedInputWrite]
 
     @property
     def row_count(self) -> int:
@@ -401,11 +404,15 @@ class InputWriteRequest(Request, frozen=True, kw_only=True, tag="input_write"):
         """Decoded bytes over all writes (compare with the snapshot's input_chunk_bytes)."""
         return sum(len(w.chunk) for w in self.writes)
 
+
+class InputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag="input_write"):
+    writes: _InputWrites
+
     def __post_init__(self) -> None:
         _check_writes(self, self.writes)
 
 
-class ReceivedInputWriteRequest(Request, frozen=True, kw_only=True, tag="input_write"):
+class ReceivedInputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag="input_write"):
     """`InputWriteRequest` as the executor receives it: rows are `ReceivedInputWrite`.
 
     Not for building requests (a controller builds `InputWriteRequest` with base64
@@ -413,15 +420,6 @@ class ReceivedInputWriteRequest(Request, frozen=True, kw_only=True, tag="input_w
     """
 
     writes: _ReceivedInputWrites
-
-    @property
-    def row_count(self) -> int:
-        return len(self.writes)
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Decoded bytes over all writes (compare with the snapshot's input_chunk_bytes)."""
-        return sum(len(w.chunk) for w in self.writes)
 
     def __post_init__(self) -> None:
         _check_writes(self, self.writes)
