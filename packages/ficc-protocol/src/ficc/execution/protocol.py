@@ -130,7 +130,33 @@ class ObjectRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
 
-class InputWrite(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=True):
+class _ChunkRow:
+    """What both spellings of an `input_write` row answer: the fence, and the chunk."""
+
+    __slots__ = ()
+    attempt_id: str
+    generation: int
+    plan_digest: str
+    __dict__: dict[str, Any]
+
+    def _base64(self) -> str | memoryview:
+        raise NotImplementedError
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.attempt_id, self.generation, self.plan_digest)
+
+    @property
+    def chunk(self) -> bytes:
+        """The decoded chunk (decoded once, when the request was validated)."""
+        cached: bytes | None = self.__dict__.get("_chunk")
+        if cached is None:
+            cached = canonical_b64decode(self._base64())
+            self.__dict__["_chunk"] = cached
+        return cached
+
+
+class InputWrite(msgspec.Struct, _ChunkRow, frozen=True, forbid_unknown_fields=True, dict=True):
     """An `input_write` row: one chunk at the object's durable next offset.
 
     `data` is canonical base64 and `digest` the SHA-256 of the decoded chunk; the
@@ -145,21 +171,13 @@ class InputWrite(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=T
     data: str
     digest: Digest
 
-    @property
-    def fence(self) -> Fence:
-        return Fence(self.attempt_id, self.generation, self.plan_digest)
-
-    @property
-    def chunk(self) -> bytes:
-        """The decoded chunk (decoded once, when the request was validated)."""
-        cached = self.__dict__.get("_chunk")
-        if cached is None:
-            cached = canonical_b64decode(self.data)
-            self.__dict__["_chunk"] = cached
-        return cached
+    def _base64(self) -> str | memoryview:
+        return self.data
 
 
-class ReceivedInputWrite(msgspec.Struct, frozen=True, forbid_unknown_fields=True, dict=True):
+class ReceivedInputWrite(
+    msgspec.Struct, _ChunkRow, frozen=True, forbid_unknown_fields=True, dict=True
+):
     """An `input_write` row as the executor receives it (see `receive_request`).
 
     The same fields and checks as `InputWrite`, but `data` is left as raw JSON, a view
@@ -176,18 +194,8 @@ class ReceivedInputWrite(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     data: msgspec.Raw
     digest: Digest
 
-    @property
-    def fence(self) -> Fence:
-        return Fence(self.attempt_id, self.generation, self.plan_digest)
-
-    @property
-    def chunk(self) -> bytes:
-        """The decoded chunk (decoded once, when the request was validated)."""
-        cached = self.__dict__.get("_chunk")
-        if cached is None:
-            cached = canonical_b64decode(_json_string_body(self.data))
-            self.__dict__["_chunk"] = cached
-        return cached
+    def _base64(self) -> str | memoryview:
+        return _json_string_body(self.data)
 
 
 class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
