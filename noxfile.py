@@ -14,7 +14,8 @@ Sessions:
   demo                                 one real job end to end (tools/demo.py)
   ci                                   everything CI needs: all of the above but bench, soak, demo
 
-`nox -s ci` is what the README's test command and `.ci/run` run.
+`nox -s ci` is what the README's test command runs (`tools/dev test`); `.ci/run` runs
+`tools/dev setup`, then that command.
 """
 
 from __future__ import annotations
