@@ -79,10 +79,11 @@ def layout(
 ) -> Iterator[Layout]:
     base = private_directory(str(session_dir), "t-")
     overrides = getattr(request, "param", {})
+    made = Layout.create(base, accounts, provider, **overrides)
     try:
-        yield Layout.create(base, accounts, provider, **overrides)
+        yield made
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        made.destroy()
 
 
 @pytest.fixture

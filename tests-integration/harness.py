@@ -42,6 +42,7 @@ import msgspec
 
 from ficc.execution.client import Client, ClientError
 from ficc.execution.frames import HEADER, REPLY_MAX
+from ficc.execution.host import provision
 from ficc.execution.plan import (
     InputObject,
     Job,
@@ -89,6 +90,9 @@ PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider
 PREFIX = "ficc-it-"
 ACCOUNTS = ("transport", "owner", "slot0", "slot1", "other")
 MIB = 1024 * 1024
+SLOT_BYTES = 64 * MIB
+SLOT_INODES = 4_000
+"""Each test daemon's two slots: real ext4 filesystems this size (loop-mounted)."""
 PROJECT = "3" * 32
 IMAGE = "sha256:" + "0" * 64
 PROVIDER_CALLS = "provider-calls.log"
@@ -235,6 +239,44 @@ def private_directory(parent: str, prefix: str) -> Path:
 # --- the configuration ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SlotFilesystem:
+    """A real slot filesystem made for a test: an ext4 image loop-mounted on `path`."""
+
+    path: Path
+    image: Path
+    filesystem_uuid: str
+    size: int
+    """The bytes the slot account can use (the configured `storage_bytes`)."""
+
+    def remove(self) -> None:
+        provision.remove_slot(str(self.path), str(self.image))
+
+
+def slot_filesystems(base: Path, sizes: Sequence[int], storage_inodes: int) -> list[SlotFilesystem]:
+    """Slot filesystems of these sizes under `base/slots` (images in `base/slot-images`), made
+    by the shipped provisioning code; the caller removes them (`remove_slots`), also
+    when the test fails. `base/slots` is made root 0755 if absent."""
+    images, mounts = base / "slot-images", base / "slots"
+    images.mkdir(mode=0o700, exist_ok=True)
+    mounts.mkdir(mode=0o755, exist_ok=True)
+    made: list[SlotFilesystem] = []
+    try:
+        for i, size in enumerate(sizes):
+            path, image = mounts / f"s{i}", images / f"s{i}.img"
+            slot = provision.create_image_slot(str(image), str(path), size, storage_inodes)
+            made.append(SlotFilesystem(path, image, slot.filesystem_uuid, size))
+    except BaseException:
+        remove_slots(made)
+        raise
+    return made
+
+
+def remove_slots(slots: Sequence[SlotFilesystem]) -> None:
+    for slot in slots:
+        slot.remove()
+
+
 @dataclass
 class Layout:
     """One daemon's directory tree and configuration file, all root-owned."""
@@ -245,6 +287,12 @@ class Layout:
     socket_dir: Path
     slot_paths: list[Path]
     document: dict[str, Any]
+    slot_filesystems: list[SlotFilesystem] = field(default_factory=list)
+
+    def destroy(self) -> None:
+        """Unmount the slot filesystems and remove the tree (teardown; never raises)."""
+        remove_slots(self.slot_filesystems)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(self.base)], check=False)
 
     @classmethod
     def create(
@@ -252,16 +300,15 @@ class Layout:
         base: Path,
         accounts: Accounts,
         provider: InstalledProvider,
+        slot_bytes: Sequence[int] = (SLOT_BYTES, SLOT_BYTES),
         **overrides: Any,
     ) -> Layout:
-        state_dir, socket_dir, slots = base / "state", base / "sockets", base / "slots"
+        state_dir, socket_dir = base / "state", base / "sockets"
         state_dir.mkdir(mode=0o700)
         socket_dir.mkdir()
         os.chmod(socket_dir, 0o711)
-        slots.mkdir(mode=0o755)
-        slot_paths = [slots / "s0", slots / "s1"]
-        for path in slot_paths:
-            path.mkdir(mode=0o755)
+        filesystems = slot_filesystems(base, slot_bytes, SLOT_INODES)
+        slot_paths = [slot.path for slot in filesystems]
         resources = {
             "cpu_millis": 2000,
             "memory_bytes": 1 << 30,
@@ -291,8 +338,9 @@ class Layout:
                     "path": str(path),
                     "uid": accounts[f"slot{i}"].uid,
                     "gid": accounts[f"slot{i}"].gid,
-                    "storage_bytes": 256 * MIB,
-                    "storage_inodes": 10_000,
+                    "storage_bytes": slot_bytes[i],
+                    "storage_inodes": SLOT_INODES,
+                    "filesystem_uuid": filesystems[i].filesystem_uuid,
                 }
                 for i, path in enumerate(slot_paths)
             ],
@@ -313,10 +361,14 @@ class Layout:
         }
         document.update(overrides)
         config_path = base / "executor-host.json"
-        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(document, out, indent=2)
-        return cls(base, config_path, state_dir, socket_dir, slot_paths, document)
+        try:
+            fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump(document, out, indent=2)
+        except BaseException:
+            remove_slots(filesystems)
+            raise
+        return cls(base, config_path, state_dir, socket_dir, slot_paths, document, filesystems)
 
     def provider_calls(self, method: str, attempt_id: str) -> int:
         """How many rows of `method` the provider has been called with for the attempt."""

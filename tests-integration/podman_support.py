@@ -71,6 +71,7 @@ from harness import (
     DaemonProcess,
     InstalledProvider,
     Layout,
+    SlotFilesystem,
     UnitDaemon,
     account_command,
     fence,
@@ -78,9 +79,11 @@ from harness import (
     now_ms,
     pip,
     private_directory,
+    remove_slots,
     renewal,
     send,
     show_unit,
+    slot_filesystems,
     wait_until,
 )
 
@@ -96,6 +99,9 @@ DEVICE = "full"
 """The one named device of the configuration (/dev/full); /dev/zero is never allowed."""
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired", "unknown"})
 WAIT_TIMEOUT = 120.0
+SLOT_BYTES = 512 * MIB
+SLOT_INODES = 20_000
+"""The slot filesystems of the end-to-end world (loop-mounted ext4 images, sparse)."""
 COLLECT_CHUNK = MIB
 PREBUILT_WHEELS = os.environ.get("FICC_PODMAN_WHEELS", "")
 BACKENDS = tuple(os.environ.get("FICC_E2E_BACKENDS", "cgroupfs").split(","))
@@ -210,16 +216,16 @@ def write_config(
     provider: InstalledProvider,
     image: dict[str, str],
     supervisor: str,
+    filesystems: Sequence[SlotFilesystem],
+    slot_inodes: int,
 ) -> Layout:
-    """The daemon's directories and root 0600 configuration (a harness.Layout)."""
-    state_dir, socket_dir, slot_root = base / "state", base / "sockets", base / "slots"
+    """The daemon's directories and root 0600 configuration (a harness.Layout) for
+    these slot filesystems (one per slot account)."""
+    state_dir, socket_dir = base / "state", base / "sockets"
     state_dir.mkdir(mode=0o700)
     socket_dir.mkdir()
     os.chmod(socket_dir, 0o711)
-    slot_root.mkdir(mode=0o755)
-    slot_paths = [slot_root / f"s{i}" for i in range(len(slots))]
-    for path in slot_paths:
-        path.mkdir(mode=0o755)
+    slot_paths = [slot.path for slot in filesystems]
     resources = {
         "cpu_millis": 2000,
         "memory_bytes": 2 << 30,
@@ -249,10 +255,13 @@ def write_config(
                 "path": str(path),
                 "uid": account.uid,
                 "gid": account.gid,
-                "storage_bytes": 4 << 30,
-                "storage_inodes": 100_000,
+                "storage_bytes": filesystem.size,
+                "storage_inodes": slot_inodes,
+                "filesystem_uuid": filesystem.filesystem_uuid,
             }
-            for i, (path, account) in enumerate(zip(slot_paths, slots, strict=True))
+            for i, (filesystem, path, account) in enumerate(
+                zip(filesystems, slot_paths, slots, strict=True)
+            )
         ],
         "ceiling": resources,
         "initial_offer": {"control": "active", **resources},
@@ -279,7 +288,7 @@ def write_config(
     fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump(document, out, indent=2)
-    return Layout(base, config_path, state_dir, socket_dir, slot_paths, document)
+    return Layout(base, config_path, state_dir, socket_dir, slot_paths, document, [*filesystems])
 
 
 # --- the world -------------------------------------------------------------------------
@@ -402,8 +411,9 @@ class PodmanWorld:
                     memory_bytes=memory_bytes,
                     swap_bytes=0,
                     processes=processes,
-                    storage_bytes=256 * MIB,
-                    storage_inodes=10_000,
+                    # half of a slot: the image and Podman's own files take room too
+                    storage_bytes=doc["slots"][0]["storage_bytes"] // 2,
+                    storage_inodes=doc["slots"][0]["storage_inodes"] // 2,
                     devices=list(devices),
                 ),
                 inputs=list(inputs),
@@ -589,13 +599,17 @@ def _attempt_row(reply: Any) -> AttemptRow:
 
 
 @contextlib.contextmanager
-def podman_world(backend: str = "cgroupfs") -> Iterator[PodmanWorld]:
+def podman_world(
+    backend: str = "cgroupfs", slot_bytes: int = SLOT_BYTES, slot_inodes: int = SLOT_INODES
+) -> Iterator[PodmanWorld]:
     """Build the whole world (see the module docstring) with the daemon's system-service
-    backend `backend`; tear all of it down after. With `systemd` the daemon runs as the
-    shipped unit (harness.UnitDaemon), which needs systemd as PID 1."""
+    backend `backend` and two slot filesystems of `slot_bytes` and `slot_inodes`; tear
+    all of it down after. With `systemd` the daemon runs as the shipped unit
+    (harness.UnitDaemon), which needs systemd as PID 1."""
     tag = secrets.token_hex(3)
     base = private_directory("/run", f"ficc-pe2e-{tag}-")
     accounts: list[Account] = []
+    filesystems: list[SlotFilesystem] = []
     process: DaemonProcess | UnitDaemon | None = None
     layout: Layout | None = None
     world: PodmanWorld | None = None
@@ -605,7 +619,10 @@ def podman_world(backend: str = "cgroupfs") -> Iterator[PodmanWorld]:
         *slots, transport = accounts
         image = build_image(base / "image")
         provider = install_podman_provider(base)
-        layout = write_config(base, slots, transport, provider, image, backend)
+        filesystems = slot_filesystems(base, [slot_bytes] * len(slots), slot_inodes)
+        layout = write_config(
+            base, slots, transport, provider, image, backend, filesystems, slot_inodes
+        )
         process = _daemon(backend, layout, provider)
         process.start()
         world = PodmanWorld(base, layout, provider, image, slots, transport, process)
@@ -623,6 +640,7 @@ def podman_world(backend: str = "cgroupfs") -> Iterator[PodmanWorld]:
             _purge_services(backend, layout.installation_id)
         for account in accounts:
             _remove_account(account)
+        remove_slots(filesystems)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 

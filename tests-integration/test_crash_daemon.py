@@ -498,7 +498,8 @@ def crash_daemon(
     """A daemon this test kills and restarts itself; killed at the end, with anything
     left running as its slot accounts."""
     base = private_directory(str(session_dir), "crash-")
-    running = Daemon(Layout.create(base, crash_accounts, provider), provider, crash_accounts)
+    layout = Layout.create(base, crash_accounts, provider)
+    running = Daemon(layout, provider, crash_accounts)
     running.start()
     try:
         yield running
@@ -511,7 +512,7 @@ def crash_daemon(
                     process.kill()
             except (psutil.Error, AttributeError):
                 continue
-        shutil.rmtree(base, ignore_errors=True)
+        layout.destroy()
 
 
 @pytest.mark.soak

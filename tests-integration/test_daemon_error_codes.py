@@ -28,7 +28,6 @@ import json
 import os
 import re
 import resource
-import shutil
 import signal
 import socket
 import subprocess
@@ -90,7 +89,7 @@ from harness import (
 ROOT = Path(__file__).resolve().parent.parent
 HOST_SRC = ROOT / "packages" / "ficc-executor-host" / "src" / "ficc" / "execution" / "host"
 PROTOCOL_DOC = ROOT / "docs" / "protocol.md"
-TINY_SLOT = "12m"
+ROOM_ON_S1 = 12 * MIB
 CHUNK = 8 * MIB
 SETTLED = {"succeeded", "failed", "cancelled", "expired", "unknown"}
 RACE_DEADLINE = 30.0
@@ -101,14 +100,9 @@ RACE_DEADLINE = 30.0
 
 @pytest.fixture(scope="module")
 def host(session_dir: Path, accounts: Accounts, provider: InstalledProvider) -> Iterator[Daemon]:
-    """One daemon for the module; slot s1 is a 12 MiB tmpfs (a real full filesystem)."""
+    """One daemon for the module; its slots are real filesystems."""
     base = private_directory(str(session_dir), "ec-")
     layout = Layout.create(base, accounts, provider)
-    tiny = layout.slot_paths[1]
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TINY_SLOT},mode=0755", "ficc-it-ec", str(tiny)],
-        check=True,
-    )
     daemon = Daemon(layout, provider, accounts)
     status, bugs = None, []
     try:
@@ -119,8 +113,7 @@ def host(session_dir: Path, accounts: Accounts, provider: InstalledProvider) -> 
             status = daemon.stop()
             bugs = [e for e in daemon.process.events() if e.get("code") == "internal"]
         finally:
-            subprocess.run(["umount", "-l", str(tiny)], check=False)
-            shutil.rmtree(base, ignore_errors=True)
+            layout.destroy()
     assert status == 0, f"the daemon exited {status} on SIGTERM"
     assert not bugs, f"a refusal above was a daemon bug (`internal`): {bugs}"
 
@@ -734,13 +727,22 @@ def test_input_failed(d: Daemon) -> None:
 
 
 def test_slot_full(d: Daemon) -> None:
-    """The second slot is a 12 MiB tmpfs: its second 8 MiB chunk cannot fit."""
-    admitted(d, plan_of(d))  # takes s0, so the next attempt gets the tiny s1
-    plan, item = streamed(d, size=2 * CHUNK)
-    assert attempt(d.observe(plan)).slot == "s1"
-    input_row(write(d, plan, item, 0, item.data[:CHUNK]))
-    assert error_of(write(d, plan, item, CHUNK, item.data[CHUNK:]))[0] == "slot_full"
-    d.wait_state(plan, lambda r: r.state == "failed", "the attempt to fail")
+    """Slot s1's filesystem filled from outside to 12 MiB of room: the second 8 MiB
+    chunk cannot fit."""
+    admitted(d, plan_of(d))  # takes s0, so the next attempt gets s1
+    filler = d.layout.slot_paths[1] / "filler"
+    room = os.statvfs(d.layout.slot_paths[1])
+    with open(filler, "wb") as out:
+        out.truncate(0)
+        os.posix_fallocate(out.fileno(), 0, room.f_bavail * room.f_frsize - ROOM_ON_S1)
+    try:
+        plan, item = streamed(d, size=2 * CHUNK)
+        assert attempt(d.observe(plan)).slot == "s1"
+        input_row(write(d, plan, item, 0, item.data[:CHUNK]))
+        assert error_of(write(d, plan, item, CHUNK, item.data[CHUNK:]))[0] == "slot_full"
+        d.wait_state(plan, lambda r: r.state == "failed", "the attempt to fail")
+    finally:
+        filler.unlink()
 
 
 def test_input_storage_failed(d: Daemon) -> None:

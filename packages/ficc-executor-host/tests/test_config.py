@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from ficc.execution.host.config import (
     MAX_CONFIG_BYTES,
     Config,
+    check_directories,
     check_host,
     load_config,
     parse_config,
@@ -72,6 +73,7 @@ def document(root: str = "/srv/ficc") -> dict[str, Any]:
                 "gid": 2000 + i,
                 "storage_bytes": 10 * 2**30,
                 "storage_inodes": 100_000,
+                "filesystem_uuid": f"{i:08x}-1111-4222-8333-444455556666",
             }
             for i in range(3)
         ],
@@ -504,8 +506,9 @@ def host_root(trusted_dir: Path) -> Path:
     return trusted_dir
 
 
-def test_check_host_accepts_real_root_owned_directories(host_root: Path) -> None:
-    check_host(parse(document(str(host_root))))
+def test_check_directories_accepts_real_root_owned_directories(host_root: Path) -> None:
+    # check_host's slot filesystem and account checks: test_slotfs.py, on real mounts
+    check_directories(parse(document(str(host_root))))
 
 
 def _mutated(root: Path, key: str, value: Any) -> Config:

@@ -25,7 +25,7 @@ import pytest
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.config import Config, parse_config
+from ficc.execution.host.config import Config, check_directories, parse_config
 from ficc.execution.host.context import HostContext, ProviderRuntime
 from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, service_backend
 from ficc.execution.host.errors import HostError
@@ -164,6 +164,7 @@ def make_config(root: Path, slots: int = 2, **overrides: Any) -> Config:
                 "gid": SLOT_BASE_UID + i,
                 "storage_bytes": 1 << 34,
                 "storage_inodes": 100_000,
+                "filesystem_uuid": f"{i:08x}-0000-4000-8000-000000000000",
             }
             for i in range(slots)
         ],
@@ -216,7 +217,7 @@ class Host:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.daemon = Daemon.open(config, runner_factory=FakeRunner)
+        self.daemon = Daemon.open(config, runner_factory=FakeRunner, host_check=check_directories)
         self.ctx = self.daemon.ctx
         # The provider itself is exercised by the pipeline tests; admission only needs
         # to know it is configured and loaded, so mark it loaded.
@@ -859,7 +860,7 @@ def test_the_ledger_is_created_once_and_never_silently_recreated(host_root: Path
     for suffix in ("-wal", "-shm"):
         (state / (LEDGER_FILE + suffix)).unlink(missing_ok=True)
     with pytest.raises(HostError) as caught:
-        Daemon.open(config, runner_factory=FakeRunner)
+        Daemon.open(config, runner_factory=FakeRunner, host_check=check_directories)
     assert caught.value.code == "ledger_missing"
 
 
@@ -880,7 +881,7 @@ def test_the_systemd_supervisor_is_refused_outside_a_systemd_unit(host_root: Pat
     could be stopped while its work runs on, so it refuses to open."""
     config = msgspec.structs.replace(make_config(host_root), supervisor="systemd")
     with pytest.raises(HostError) as caught:
-        Daemon.open(config, runner_factory=FakeRunner)
+        Daemon.open(config, runner_factory=FakeRunner, host_check=check_directories)
     assert caught.value.code == "service_unsupported"
     # and the ledger lock was released: the daemon can open with a usable supervisor
     Host(make_config(host_root)).close()

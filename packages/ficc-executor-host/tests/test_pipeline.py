@@ -34,7 +34,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, lifecycle, pipeline
+from ficc.execution.host import gate, lifecycle, pipeline, provision
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -71,7 +71,8 @@ MODULE = "ficc_test_provider"
 INSTALLATION = "1" * 32
 SHA = "sha256:" + "a" * 64
 BIG = 2**40
-SLOT_BYTES = 1 << 30
+SLOT_BYTES = 256 << 20
+SLOT_INODES = 10_000
 HOLD = {"FICC_TEST_PROVIDER_HOLD": "1"}
 FAST = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.02)
 
@@ -158,7 +159,7 @@ def offer_limits() -> OfferLimits:
     return OfferLimits(resources, projects=None, runtimes=None)
 
 
-def make_config(slot: Path, state: Path, uid: int, gid: int) -> Config:
+def make_config(slot: Path, state: Path, uid: int, gid: int, filesystem_uuid: str) -> Config:
     allowance = {
         "cpu_millis": BIG, "memory_bytes": BIG, "swap_bytes": BIG, "processes": 4096,
         "slots": 4, "devices": ["null", "gpu"], "projects": [], "runtimes": ["test"],
@@ -184,7 +185,8 @@ def make_config(slot: Path, state: Path, uid: int, gid: int) -> Config:
                     "uid": uid,
                     "gid": gid,
                     "storage_bytes": SLOT_BYTES,
-                    "storage_inodes": 10**6,
+                    "storage_inodes": SLOT_INODES,
+                    "filesystem_uuid": filesystem_uuid,
                 }
             ],
             "ceiling": allowance,
@@ -213,9 +215,12 @@ class World:
         self.state = self.base / "state"
         self.state.mkdir(mode=0o700)
         self.slot = self.base / "slot0"
-        self.slot.mkdir(mode=0o755)
+        made = provision.create_image_slot(
+            str(self.base / "slot0.img"), str(self.slot), SLOT_BYTES, SLOT_INODES
+        )
+        self.filesystem_uuid = made.filesystem_uuid
         self.cgroup_base = f"ficc-t-run-{os.getpid()}-{secrets.token_hex(3)}"
-        self.config = make_config(self.slot, self.state, uid, gid)
+        self.config = make_config(self.slot, self.state, uid, gid, self.filesystem_uuid)
         self.clock = BootClock()
         ledger = Ledger.create(str(self.state), INSTALLATION, offer_limits(), offer_limits())
         self.ctx = self._context(ledger)
@@ -223,7 +228,15 @@ class World:
     def _context(self, ledger: Ledger) -> HostContext:
         stager = Stager(str(self.slot), self.gid)
         slot = SlotRuntime(
-            "slot0", "cpu", str(self.slot), self.uid, self.gid, SLOT_BYTES, 10**6, stager
+            "slot0",
+            "cpu",
+            str(self.slot),
+            self.uid,
+            self.gid,
+            SLOT_BYTES,
+            SLOT_INODES,
+            self.filesystem_uuid,
+            stager,
         )
         digest = self.installed.loaded.verified.digest
         return HostContext(
@@ -346,6 +359,7 @@ class World:
             with contextlib.suppress(Exception):
                 self.ctx.ledger.close()
             self.ctx.workers.shutdown()
+            provision.remove_slot(str(self.slot))
             shutil.rmtree(self.base)
 
 

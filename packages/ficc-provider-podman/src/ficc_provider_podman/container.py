@@ -24,7 +24,7 @@ Isolation (DESIGN.md section 6) and how each flag is realised rootless on this h
 - The exit status: `podman run` exits with the container's status (125-127 for
   Podman's own failures). A minimal `/bin/sh` wrapper records it in the provider's
   run directory, inside the service, because an attached run removes Podman's own
-  exit file.
+  exit file. The file it writes is made at prepare, so a full slot cannot lose it.
 """
 
 from __future__ import annotations
@@ -51,9 +51,14 @@ EXIT_STATUS = "exit-status"
 
 _WRAPPER = (
     'exit_file=$0; "$@"; status=$?; '
-    'printf "%s" "$status" > "$exit_file.tmp" && mv -f "$exit_file.tmp" "$exit_file"; '
+    'printf "%-3s\\n" "$status" 1<> "$exit_file.tmp" && mv -f "$exit_file.tmp" "$exit_file"; '
     'exit "$status"'
 )
+"""`1<>` overwrites the 4 bytes of the file prepare made (`EXIT_STATUS_BLANK`) in place:
+no block and no inode is allocated, so the status is recorded even when the payload
+filled the slot's filesystem."""
+EXIT_STATUS_BLANK = b"    "
+
 _NSE = ["nosuid", "nodev", "noexec"]
 _UNSAFE_IN_VOLUME = (":", ",", "\n", "\x00")
 

@@ -281,6 +281,7 @@ class Driver:
         capabilities = {str(c.get("id")): c for c in context.get("inputs") or []}
         _fresh_dir(paths.inputs, 0, slot.gid, 0o750)
         _fresh_dir(paths.run, slot.uid, slot.gid, 0o700)
+        _blank_exit_status(f"{paths.exit_file}.tmp", slot)
         placed = []
         dir_fd = os.open(paths.inputs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
@@ -470,6 +471,18 @@ def _check_host_layout(paths: AttemptPaths, slot: SlotAccount) -> None:
             )
         if any(char in path for char in ":,\n"):
             raise ProviderError("path_unsupported", f"{path} cannot be given to podman -v")
+
+
+def _blank_exit_status(path: str, slot: SlotAccount) -> None:
+    """The file the run wrapper overwrites with the exit status, allocated on disk now
+    (written and synced) so that recording the status needs no space at exit."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, container.EXIT_STATUS_BLANK)
+        os.fchown(fd, slot.uid, slot.gid)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fresh_dir(path: str, uid: int, gid: int, mode: int) -> None:

@@ -114,7 +114,7 @@ def exit_status(run_dir: str, name: str) -> int | None:
         os.close(dir_fd)
     if data is None:
         return None
-    text = data.decode(errors="replace")
+    text = data.decode(errors="replace").rstrip(" \n")
     if not text.isdigit() or not 0 <= int(text) <= 255:
         raise ProviderError("runtime_report", f"exit status {text!r} is not 0..255")
     return int(text)

@@ -57,6 +57,7 @@ REASONS: dict[str, str] = {
     "gate_refused": "the payload gate found the live process out of policy",
     "input_digest_mismatch": "a streamed input did not match its declared digest",
     "storage_failed": "staging or storage failed",
+    "storage_exhausted": "the payload ran its slot's filesystem out of bytes or inodes",
     "executor_restarted": "the executor restarted while the outcome was uncertain",
     "cleanup_failed": "cleanup could not be confirmed",
 }
@@ -92,7 +93,8 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     `prepared` (false while inputs stage and the provider prepares). `lease_sequence`
     is 0 and
     `lease_expires_at_ms` null for records that never held a lease (no-resource
-    rejections). `slot` is null when no slot is reserved.
+    rejections). `slot` is null when no slot is reserved. A payload that fills its
+    slot fails with reason `storage_exhausted` and the two storage flags.
     """
 
     attempt_id: Identity
@@ -110,6 +112,12 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     stdout_bytes: Count
     stderr_bytes: Count
     cleanup_confirmed: bool
+    storage_exhausted: bool | msgspec.UnsetType = msgspec.UNSET
+    """Present (true) only when the payload ran its slot's filesystem out of bytes or
+    inodes; absent otherwise, so replies stay readable by earlier clients."""
+    log_cut_short: bool | msgspec.UnsetType = msgspec.UNSET
+    """Present (true) only when the slot ran out of bytes while the logs were open:
+    stdout or stderr may end before the payload stopped writing."""
 
     def __post_init__(self) -> None:
         if self.state in TERMINAL and self.outcome != self.state:

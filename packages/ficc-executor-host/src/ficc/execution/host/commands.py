@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ficc.execution.client import Client, ClientError
-from ficc.execution.host import notify
+from ficc.execution.host import notify, provision
 from ficc.execution.host.config import Config, check_host, load_config
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import socket_paths
@@ -99,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     digest.add_argument("--quiet", action="store_true", help="print only the digest")
     digest.set_defaults(run=_provider_digest)
+
+    provision.add_parser(commands)
     return parser
 
 

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ficc.execution.host import fsutil
+from ficc.execution.host import fsutil, slotfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.plan import Digest, Identity, Name
 
@@ -49,7 +49,7 @@ Control = Literal["active", "paused", "draining", "stopped"]
 
 
 class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One finite unit of work capacity: an account and a directory on reserved storage."""
+    """One finite unit of work capacity: an account and a filesystem of its own."""
 
     id: Name
     slot_class: Name = msgspec.field(name="class")
@@ -59,6 +59,9 @@ class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gid: AccountId
     storage_bytes: Positive
     storage_inodes: Positive
+    filesystem_uuid: Annotated[str, msgspec.Meta(pattern=slotfs.UUID_PATTERN)]
+    """The UUID of the slot's own filesystem (`blkid`, or `ficc-executor provision-slot`
+    prints it): binds the slot to that filesystem, so nothing else is ever written to."""
 
 
 class Allowance(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -221,6 +224,7 @@ def _check_slot_identities(config: Config) -> None:
     """Slot ids name reservations and slot groups can read staged inputs: both are unique."""
     ids: dict[str, int] = {}
     gids: dict[int, int] = {}
+    uuids: dict[str, int] = {}
     for i, slot in enumerate(config.slots):
         if slot.id in ids:
             raise _refuse(
@@ -242,6 +246,14 @@ def _check_slot_identities(config: Config) -> None:
                 "give every slot its own group, so no slot can read another's inputs",
             )
         gids[slot.gid] = i
+        if slot.filesystem_uuid in uuids:
+            raise _refuse(
+                "config_conflict",
+                f"slots[{i}].filesystem_uuid",
+                f"is also slots[{uuids[slot.filesystem_uuid]}].filesystem_uuid",
+                "give every slot a filesystem of its own",
+            )
+        uuids[slot.filesystem_uuid] = i
 
 
 def _check_paths(config: Config) -> None:
@@ -509,17 +521,40 @@ SOCKET_DIR_MODE = 0o711
 
 
 def check_host(config: Config) -> None:
-    """Check that the directories the configuration names exist and only root controls them.
+    """Check that the directories the configuration names exist and only root controls them,
+    and that every slot is a filesystem of its own run by its own account.
 
     `state_dir` must be mode 0700 and `socket_dir` mode 0711 (peers must be able to reach
     their socket, but not list the directory). Each slot path must be a real directory
     owned by root and not writable by group or others, because the host creates
-    root-private attempt directories inside it.
+    root-private attempt directories inside it, and the root of the slot's own mounted
+    filesystem (`slotfs`).
     """
+    check_directories(config)
+    check_slots(config)
+
+
+def check_directories(config: Config) -> None:
+    """`state_dir` (0700) and `socket_dir` (0711) exist and only root controls them."""
     checks: list[tuple[str, str, int | None]] = [
         ("state_dir", config.state_dir, STATE_DIR_MODE),
         ("socket_dir", config.socket_dir, SOCKET_DIR_MODE),
     ]
-    checks += [(f"slots[{i}].path", slot.path, None) for i, slot in enumerate(config.slots)]
     for key, path, mode in checks:
         os.close(open_trusted_directory(path, key, "host_path_unsafe", mode))
+
+
+def check_slots(config: Config) -> None:
+    """Every slot is a root-controlled directory that is the root of the slot's own
+    filesystem (`slotfs.check_filesystem`), run by its own account."""
+    devices: list[tuple[str, int]] = []
+    for i, slot in enumerate(config.slots):
+        key = f"slots[{i}]"
+        fd = open_trusted_directory(slot.path, f"{key}.path", "host_path_unsafe")
+        try:
+            devices.append((key, slotfs.check_filesystem(slot, key, fd)))
+        finally:
+            os.close(fd)
+        slotfs.check_account(slot, key)
+    others = [("/", os.stat("/").st_dev), ("state_dir", os.stat(config.state_dir).st_dev)]
+    slotfs.check_distinct(devices, others)

@@ -52,6 +52,7 @@ class SlotRuntime:
     gid: int
     storage_bytes: int
     storage_inodes: int
+    filesystem_uuid: str
     stager: Stager
 
 

@@ -85,9 +85,12 @@ class Daemon:
         provider_path: list[str] | None = None,
         runner_factory: RunnerFactory | None = None,
         service: SystemService | None = None,
+        host_check: Callable[[Config], None] = check_host,
     ) -> Daemon:
-        """Build every part (synchronously). Refusals raise HostError with their code."""
-        check_host(config)
+        """Build every part (synchronously). Refusals raise HostError with their code.
+        `host_check` is `check_host`; a unit test of request handling may check only
+        the directories (`config.check_directories`)."""
+        host_check(config)
         clock = BootClock()
         ledger = open_ledger(config)
         try:
@@ -101,6 +104,7 @@ class Daemon:
                     gid=s.gid,
                     storage_bytes=s.storage_bytes,
                     storage_inodes=s.storage_inodes,
+                    filesystem_uuid=s.filesystem_uuid,
                     stager=Stager(s.path, s.gid),
                 )
                 for s in config.slots

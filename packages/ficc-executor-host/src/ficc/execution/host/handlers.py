@@ -231,6 +231,8 @@ def attempt_status(
         stdout_bytes=logs[0],
         stderr_bytes=logs[1],
         cleanup_confirmed=status.cleanup_confirmed,
+        storage_exhausted=True if status.storage_exhausted else msgspec.UNSET,
+        log_cut_short=True if status.log_cut_short else msgspec.UNSET,
     )
 
 

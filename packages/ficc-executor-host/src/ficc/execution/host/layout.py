@@ -275,6 +275,43 @@ class Layout:
                 " filesystem and retry the release",
             ) from error
 
+    def free_payload_data(self, attempt_id: str) -> None:
+        """Delete what the payload wrote (its storage tree and the logs) and nothing else.
+
+        Release calls this first, once cleanup is confirmed: a payload that filled its
+        slot must not leave the provider's release (which may need a little space, as
+        `podman rm` does) without room. Absent parts are success; refusals as `remove`.
+        """
+        check_attempt_id(attempt_id)
+        try:
+            attempt_fd = self.open_attempt(attempt_id)
+        except HostError as error:
+            if error.code == "not_found":
+                return
+            raise
+        try:
+            device = os.fstat(attempt_fd).st_dev
+            for part in (STORAGE, LOGS):
+                try:
+                    st = os.stat(part.name, dir_fd=attempt_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISDIR(st.st_mode) or st.st_dev != device:
+                    raise _unexpected(f"{self.attempt_dir(attempt_id)}/{part.name}", st)
+                if part is STORAGE:
+                    _remove_tree(attempt_fd, part.name, device)
+                else:
+                    _remove_flat(attempt_fd, part.name)
+            fsutil.fsync_dir(attempt_fd)
+        except OSError as error:
+            raise HostError(
+                "layout_cleanup_failed",
+                f"removing what attempt {attempt_id} wrote on slot {self.slot_path} failed"
+                f" ({error.strerror or error}); the reservation stays: retry the release",
+            ) from error
+        finally:
+            os.close(attempt_fd)
+
     def _remove_attempt(self, base_fd: int, attempt_id: str) -> None:
         try:
             attempt_fd = _open_checked(base_fd, attempt_id, _ROOT, _BASE_MODE)

@@ -57,7 +57,16 @@ from ficc.execution.host.staging import StreamState
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 
 LEDGER_FILE: Final = "ledger.sqlite3"
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+_MIGRATIONS: Final = {
+    # from version: the statements that bring a ledger to the next version, in one
+    # transaction. Columns are only ever added, with defaults that are true of every
+    # record made before them.
+    1: (
+        "ALTER TABLE attempts ADD COLUMN storage_exhausted INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE attempts ADD COLUMN log_cut_short INTEGER NOT NULL DEFAULT 0",
+    ),
+}
 ADMISSION_VERSION: Final = 1
 PAGE_MAX: Final = 64
 BATCH_MAX: Final = planlib.MAX_ROWS
@@ -235,6 +244,8 @@ CREATE TABLE attempts (
     exit_code INTEGER,
     cleanup_confirmed INTEGER NOT NULL,
     quarantined INTEGER NOT NULL,
+    storage_exhausted INTEGER NOT NULL DEFAULT 0,
+    log_cut_short INTEGER NOT NULL DEFAULT 0,
     detail TEXT,
     slot_id TEXT,
     cpu_millis INTEGER NOT NULL,
@@ -679,6 +690,25 @@ def _log_change(record: AttemptRecord, cause: str) -> None:
     )
 
 
+def _migrate(db: sqlite3.Connection) -> None:
+    """Bring a ledger written by an earlier release to this schema, one version per
+    transaction; a crash in between leaves a ledger of one version or the next."""
+    while db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
+        row = db.execute("SELECT schema_version FROM meta").fetchone()
+        statements = _MIGRATIONS.get(row[0]) if row is not None else None
+        if statements is None:
+            return
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in statements:
+                db.execute(statement)
+            db.execute("UPDATE meta SET schema_version = ?", (row[0] + 1,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+
 class Ledger:
     """The open ledger. Create it once with `create`, then `open` it on every start."""
 
@@ -787,6 +817,7 @@ class Ledger:
                     f"{state_dir}/{LEDGER_FILE} failed its integrity check (journal {mode});"
                     " restore it from backup",
                 )
+            _migrate(db)
             ledger = cls(db, dir_fd, f"{state_dir}/{LEDGER_FILE}")
             if ledger._bindings.installation_id != installation_id:
                 raise HostError(

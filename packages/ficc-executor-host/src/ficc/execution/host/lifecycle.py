@@ -55,6 +55,7 @@ STOP_REASONS: Final = {"cancelled": "stopped", "expired": "lease_expired"}
 ADMISSION_REJECTED: Final = "admission_rejected"
 LEGACY_ABSENCE_ACKNOWLEDGED: Final = "legacy_absence_acknowledged"
 EXECUTOR_RESTARTED: Final = "executor_restarted"
+STORAGE_EXHAUSTED: Final = "storage_exhausted"
 
 _Reason = Annotated[str, msgspec.Meta(pattern=r"\A[a-z][a-z0-9_.-]{0,79}\Z")]
 _ExitCode = Annotated[int, msgspec.Meta(ge=0, le=255)]
@@ -75,6 +76,10 @@ class Status(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     cleanup_confirmed: bool = False
     quarantined: bool = False
     """Cleanup was tried and failed: the reservation stays until it succeeds."""
+    storage_exhausted: bool = False
+    """The slot's filesystem ran out of bytes or inodes while the payload ran."""
+    log_cut_short: bool = False
+    """The slot ran out of bytes while the logs were open: a log may end early."""
 
 
 # --- events -------------------------------------------------------------------------
@@ -131,6 +136,12 @@ class Finished(Event, frozen=True, tag="finished"):
     exit_code: _ExitCode
 
 
+class StorageExhausted(Event, frozen=True, tag="storage_exhausted"):
+    """The slot's filesystem was found full while the payload ran (bytes or inodes)."""
+
+    log_cut_short: bool
+
+
 class StopRequested(Event, frozen=True, tag="stop"):
     """A `stop` row."""
 
@@ -173,6 +184,7 @@ AnyEvent = (
     | Started
     | StartFailed
     | Finished
+    | StorageExhausted
     | StopRequested
     | LeaseExpired
     | Stopped
@@ -208,7 +220,8 @@ TRANSITIONS: Final[dict[str, dict[str, str | Refuse]]] = {
     "start":             {_P: _S, _S: SAME, _R: SAME, **_SETTLED_SAME, _X: SAME},
     "started":           {_S: _R},
     "start_failed":      {_S: "failed"},
-    "finished":          {_R: "succeeded"},                # failed when exit_code != 0
+    "finished":          {_R: "succeeded"},                # failed: exit_code != 0, full slot
+    "storage_exhausted": {_S: SAME, _R: SAME},              # flags only
     "stop":              {_P: "cancelled", _S: SAME, _R: SAME,  # _S, _R: stop_pending
                           **_SETTLED_SAME, _X: SAME},
     "lease_expired":     {_P: "expired", _S: SAME, _R: SAME,    # _S, _R: stop_pending
@@ -318,9 +331,14 @@ def _effect(status: Status, event: AnyEvent, target: str) -> Status:
             return _with(s, state="running")
         case StartFailed(reason=reason):
             return _settle(s, "failed", reason)
+        case Finished(exit_code=code) if s.storage_exhausted:
+            done = _settle(s, "failed", STORAGE_EXHAUSTED)
+            return _with(done, exit_code=code, stop_pending=None)
         case Finished(exit_code=code):
             done = _settle(s, "succeeded" if code == 0 else "failed", "exited")
             return _with(done, exit_code=code, stop_pending=None)
+        case StorageExhausted(log_cut_short=cut):
+            return _with(s, storage_exhausted=True, log_cut_short=s.log_cut_short or cut)
         case StopRequested() | LeaseExpired() if s.state in ACTIVE:
             cause = "cancelled" if isinstance(event, StopRequested) else "expired"
             if s.state == "prepared":
@@ -403,6 +421,7 @@ __all__ = [
     "Step",
     "StopRequested",
     "Stopped",
+    "StorageExhausted",
     "absence_acknowledged",
     "admission_rejected",
     "admitted",

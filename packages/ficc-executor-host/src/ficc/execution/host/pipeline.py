@@ -69,7 +69,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import gate, layout, leases, lifecycle, procfs
+from ficc.execution.host import gate, layout, leases, lifecycle, procfs, slotfs
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import (
@@ -303,6 +303,8 @@ class Runner:
         if record.slot_id is None or record.status.reason in NO_RESOURCE_REASONS:
             return
         attempt = await self._attempt(record)
+        # What the payload wrote goes first, so a full slot leaves room for the provider.
+        await self._io(attempt.layout.free_payload_data, attempt.id)
         context = await self._later_context(attempt)
         result = await self._batcher.call(attempt.provider, "release", context)
         if not result.ok:
@@ -490,6 +492,7 @@ class Runner:
 
     async def _stage(self, attempt: _Attempt) -> bool:
         """Layout and staging; True once every streamed input is complete."""
+        await self._io(slotfs.verify, attempt.slot)
         await self._io(attempt.layout.create, attempt.id)
         if not attempt.plan.streamed_inputs:
             return True
@@ -827,6 +830,7 @@ class Runner:
         if result.code == PROVIDER_TIMEOUT:
             await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
             return
+        await self._note_storage(attempt)
         handle = self._handles.get(attempt.id) or await self._io(
             self._ctx.service.adopt, attempt.service
         )
@@ -849,6 +853,15 @@ class Runner:
         if not alive:
             # The service is gone but the provider reports no exit: unreadable outcome.
             await self._apply(record, lifecycle.OutcomeLost(reason="outcome_unreadable"))
+
+    async def _note_storage(self, attempt: _Attempt) -> None:
+        """A full slot fails the job: looked at on every observation while the payload
+        runs and before its exit is recorded (a payload that fills its slot and then
+        deletes what it wrote before the next look is not seen)."""
+        use = await self._io(slotfs.usage, attempt.slot.path)
+        if use.bytes_exhausted or use.inodes_exhausted:
+            event = lifecycle.StorageExhausted(log_cut_short=use.bytes_exhausted)
+            await self._apply(attempt.record, event)
 
     async def cleanup(self, record: AttemptRecord) -> None:
         fresh = await self._db(self._ctx.ledger.get, record.attempt_id)

@@ -1,0 +1,300 @@
+"""Provisioning a slot filesystem: `ficc-executor provision-slot`.
+
+A slot must be a filesystem of its own (`slotfs`). On a host with a spare partition or
+logical volume, that device is formatted; on a host without one, an image file on an
+existing filesystem is allocated in full (never sparse: the slot's room is taken from
+that filesystem now, not when the payload writes), formatted and loop-mounted. Either
+way the result is an ext4 filesystem made for the slot:
+
+- `-m 0`: no blocks reserved for root, so what `statvfs` reports is what the slot
+  account can use, and the configured `storage_bytes` is checked against that;
+- `-N storage_inodes`, and the image grown until the mounted filesystem really holds
+  `storage_bytes` for the slot account (ext4's own metadata takes a share);
+- mounted `nodev,nosuid`, root directory owned by root, mode 0755;
+- optionally made persistent with an `/etc/fstab` line or a systemd mount unit, with
+  `nofail`: a mount that fails at boot leaves an empty directory, which the daemon
+  refuses by the filesystem UUID it prints (`filesystem_uuid` in the configuration).
+
+The functions are also what the project's tests and tools use to make and remove real
+slot filesystems, so the shipped tool is the tested one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from ficc.execution.host import procfs, slotfs
+from ficc.execution.host.errors import HostError
+
+MIB: Final = 1 << 20
+MOUNT_OPTIONS: Final = "nodev,nosuid"
+_INODE_SIZE: Final = 256
+_MAX_TRIES: Final = 6
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """A slot filesystem made and mounted: what the configuration's slot entry needs."""
+
+    mount: str
+    source: str
+    filesystem_uuid: str
+    storage_bytes: int
+    storage_inodes: int
+    loop: bool
+
+
+def _run(*argv: str) -> str:
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout).strip()
+        raise HostError("provision_failed", f"{' '.join(argv)} failed: {detail}")
+    return result.stdout
+
+
+def _first_guess(storage_bytes: int, storage_inodes: int) -> int:
+    """Image size: the payload's bytes, the inode table, the journal and ~3% metadata."""
+    journal = 4 * MIB if storage_bytes < 512 * MIB else 64 * MIB
+    size = storage_bytes + storage_inodes * _INODE_SIZE + journal + storage_bytes // 32 + 2 * MIB
+    return -(-size // MIB) * MIB
+
+
+def _allocate(image: str, size: int) -> None:
+    """Give the image all its blocks now: a sparse image would reserve nothing, and a
+    slot filling up would then fill the filesystem the image lives on."""
+    fd = os.open(image, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.ftruncate(fd, 0)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as error:
+        raise HostError(
+            "provision_failed", f"cannot allocate {size} bytes for {image}: {error.strerror}"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _mkfs(source: str, storage_inodes: int) -> None:
+    # -E root_owner: the root directory is root's, whoever runs mkfs; nodiscard: keep an
+    # image's allocated blocks (mkfs would punch them out again); -F: an image file.
+    # mkfs rounds the inode count down to whole block groups: ask for some more.
+    inodes = storage_inodes + storage_inodes // 16 + 64
+    _run("mkfs.ext4", "-q", "-F", "-m", "0", "-N", str(inodes),
+         "-E", "root_owner=0:0,nodiscard", source)  # fmt: skip
+
+
+def _prepare_mount_point(mount: str) -> None:
+    path = pathlib.Path(mount)
+    if not path.is_absolute() or os.path.normpath(mount) != mount:
+        raise HostError("provision_failed", f"{mount} is not a normalized absolute path")
+    path.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if path.is_symlink() or not path.is_dir():
+        raise HostError("provision_failed", f"{mount} is not a directory")
+    if os.path.ismount(mount):
+        raise HostError("provision_failed", f"something is already mounted on {mount}")
+    if any(path.iterdir()):
+        raise HostError("provision_failed", f"{mount} is not empty; use an empty directory")
+
+
+def _fits(mount: str, storage_bytes: int, storage_inodes: int) -> int:
+    """How many bytes the mounted filesystem lacks (0 if it holds what the slot needs)."""
+    st = os.statvfs(mount)
+    usable = (st.f_blocks - (st.f_bfree - st.f_bavail)) * st.f_frsize
+    if st.f_files < storage_inodes:
+        raise HostError("provision_failed", f"mkfs made {st.f_files} inodes, not {storage_inodes}")
+    return max(0, storage_bytes - usable)
+
+
+def _finish(
+    mount: str, source: str, storage_bytes: int, storage_inodes: int, loop: bool
+) -> Provisioned:
+    os.chown(mount, 0, 0)
+    os.chmod(mount, 0o755)  # noqa: S103 (root-owned: the host makes root-private dirs in it)
+    fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with open("/proc/self/mountinfo", "rb") as table:
+            mounts = procfs.parse_mountinfo(table.read())
+        mount_entry = [m for m in mounts if m.mount_point == mount][-1]
+        found = slotfs.filesystem_uuid(fd, mount_entry)
+    finally:
+        os.close(fd)
+    if found is None:
+        raise HostError("provision_failed", f"cannot read the UUID of the filesystem on {mount}")
+    return Provisioned(mount, source, found, storage_bytes, storage_inodes, loop)
+
+
+def create_image_slot(
+    image: str, mount: str, storage_bytes: int, storage_inodes: int
+) -> Provisioned:
+    """Make `image` (must not exist) an ext4 slot filesystem and loop-mount it on `mount`."""
+    _prepare_mount_point(mount)
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    size = _first_guess(storage_bytes, storage_inodes)
+    try:
+        for _ in range(_MAX_TRIES):
+            _allocate(image, size)
+            _mkfs(image, storage_inodes)
+            _run("mount", "-t", "ext4", "-o", f"loop,{MOUNT_OPTIONS}", image, mount)
+            lacking = _fits(mount, storage_bytes, storage_inodes)
+            if not lacking:
+                return _finish(mount, image, storage_bytes, storage_inodes, loop=True)
+            _run("umount", mount)
+            size += -(-(lacking + lacking // 8 + MIB) // MIB) * MIB
+        raise HostError("provision_failed", f"could not size {image} for {storage_bytes} bytes")
+    except BaseException:
+        remove_slot(mount, image)
+        raise
+
+
+def create_device_slot(
+    device: str, mount: str, storage_bytes: int, storage_inodes: int
+) -> Provisioned:
+    """Format the block device `device` as an ext4 slot filesystem and mount it."""
+    _prepare_mount_point(mount)
+    if _has_signature(device):
+        raise HostError(
+            "provision_failed",
+            f"{device} already holds a filesystem; wipe it first (wipefs -a {device}) "
+            "if its data is really unwanted",
+        )
+    _mkfs(device, storage_inodes)
+    _run("mount", "-t", "ext4", "-o", MOUNT_OPTIONS, device, mount)
+    lacking = _fits(mount, storage_bytes, storage_inodes)
+    if lacking:
+        _run("umount", mount)
+        raise HostError("provision_failed", f"{device} lacks {lacking} bytes for storage_bytes")
+    return _finish(mount, device, storage_bytes, storage_inodes, loop=False)
+
+
+def _has_signature(device: str) -> bool:
+    result = subprocess.run(["blkid", "-p", device], capture_output=True, check=False)
+    return result.returncode == 0
+
+
+def remove_slot(mount: str, image: str | None = None) -> None:
+    """Unmount `mount` (its loop device detaches with it) and delete `image` if given.
+    Quiet about what is already gone: it is what every test's teardown calls."""
+    if os.path.ismount(mount):
+        subprocess.run(["umount", mount], capture_output=True, check=False)
+        if os.path.ismount(mount):
+            subprocess.run(["umount", "-l", mount], capture_output=True, check=False)
+    if image is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(image)
+
+
+# --- persistence ----------------------------------------------------------------------
+
+
+def fstab_line(slot: Provisioned) -> str:
+    what = slot.source if slot.loop else f"UUID={slot.filesystem_uuid}"
+    options = f"{'loop,' if slot.loop else ''}{MOUNT_OPTIONS},nofail"
+    return f"{what} {slot.mount} ext4 {options} 0 2\n"
+
+
+def mount_unit(slot: Provisioned) -> tuple[str, str]:
+    """(file name, text) of a systemd mount unit for the slot."""
+    name = _run("systemd-escape", "--path", "--suffix=mount", slot.mount).strip()
+    what = slot.source if slot.loop else f"/dev/disk/by-uuid/{slot.filesystem_uuid}"
+    options = f"{'loop,' if slot.loop else ''}{MOUNT_OPTIONS}"
+    text = (
+        "[Unit]\n"
+        f"Description=ficc slot filesystem {slot.mount}\n"
+        "Before=ficc-executor-host.service\n\n"
+        "[Mount]\n"
+        f"What={what}\nWhere={slot.mount}\nType=ext4\nOptions={options}\n\n"
+        "[Install]\nWantedBy=local-fs.target\n"
+    )
+    return name, text
+
+
+def _persist(slot: Provisioned, how: str) -> str:
+    if how == "fstab":
+        line = fstab_line(slot)
+        with open("/etc/fstab", "a+", encoding="utf-8") as fstab:
+            fstab.seek(0)
+            if line not in fstab.read():
+                fstab.write(line)
+        return f"added to /etc/fstab: {line.strip()}"
+    if how == "unit":
+        name, text = mount_unit(slot)
+        path = pathlib.Path("/etc/systemd/system") / name
+        path.write_text(text, encoding="utf-8")
+        return f"wrote {path}; run: systemctl daemon-reload && systemctl enable {name}"
+    return "not made persistent: mount it again after a reboot before the daemon starts"
+
+
+# --- the command ----------------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    scale = units.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale != 1 else text
+    if not digits.isdigit() or int(digits) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4G, 512M or 1048576")
+    return int(digits) * scale
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register `provision-slot` on the `ficc-executor` command."""
+    parser = commands.add_parser(
+        "provision-slot",
+        help="make and mount a slot filesystem (an image file or a block device)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--image", help="image file to create (a host without a spare disk)")
+    source.add_argument("--device", help="block device to format (a partition or LV)")
+    parser.add_argument("--mount", required=True, help="the slot path (an empty directory)")
+    parser.add_argument("--bytes", required=True, type=_size, help="storage_bytes, e.g. 20G")
+    parser.add_argument("--inodes", required=True, type=int, help="storage_inodes")
+    parser.add_argument(
+        "--persist", choices=("fstab", "unit", "none"), default="none",
+        help="make the mount survive a reboot (default: none)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.image:
+            slot = create_image_slot(args.image, args.mount, args.bytes, args.inodes)
+        else:
+            slot = create_device_slot(args.device, args.mount, args.bytes, args.inodes)
+        persisted = _persist(slot, args.persist)
+    except HostError as error:
+        print(f"ficc-executor provision-slot: {error.code}: {error.message}", file=sys.stderr)
+        return 1
+    entry = {
+        "path": slot.mount,
+        "storage_bytes": slot.storage_bytes,
+        "storage_inodes": slot.storage_inodes,
+        "filesystem_uuid": slot.filesystem_uuid,
+    }
+    if args.json:
+        print(json.dumps({"slot": entry, "source": slot.source, "persist": persisted}))
+    else:
+        print(f"slot filesystem {slot.filesystem_uuid} on {slot.mount} ({slot.source})")
+        print(persisted)
+        print("slot entry for the configuration (add id, class, generation, uid, gid):")
+        print(json.dumps(entry, indent=2))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ficc-executor")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.run(args))

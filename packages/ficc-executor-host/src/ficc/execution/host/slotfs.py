@@ -1,0 +1,340 @@
+"""A slot is a finite filesystem of its own, bound by identity, run by its own account.
+
+Disk is enforced by the kernel, not counted: a payload can write only where its slot's
+filesystem ends, so a slot must BE a filesystem, not a directory on a shared one. The
+checks here are what makes that true, and they fail closed:
+
+- the slot path is the root of a mount (the directory is the top of its filesystem,
+  not a directory inside one, not a bind of a subdirectory), on a device no other slot,
+  `state_dir` or `/` uses;
+- the mount is `nodev,nosuid`;
+- the filesystem holds at least the configured `storage_bytes` (counted as what an
+  unprivileged writer may use) and `storage_inodes`;
+- its UUID equals the configured `filesystem_uuid`. This binding is what catches a
+  mount that failed at boot (an empty directory on the root filesystem is left in its
+  place) or another filesystem mounted there; it is checked at startup and again
+  before each attempt's storage is used.
+
+The slot account must exist with the configured UID and GID, use a shell that cannot
+log in, have that group as its own (no other account's primary group, no members) and
+belong to no other group.
+
+The UUID is read with the FS_IOC_GETFSUUID ioctl where the kernel has it (Linux 6.5
+and later for ext4, later for xfs and btrfs), else from the superblock on the mount's
+block device (ext2/3/4, xfs, btrfs).
+
+`usage` reads how full a slot is; the pipeline uses it to tell that a payload ran its
+slot out of space or inodes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import grp
+import os
+import pwd
+import re
+import stat
+import uuid
+from collections.abc import Iterable
+from typing import Final, NamedTuple, Protocol
+
+from ficc.execution.host import procfs
+from ficc.execution.host.errors import HostError
+
+NOLOGIN_SHELLS: Final = frozenset(
+    {"/usr/sbin/nologin", "/sbin/nologin", "/bin/false", "/usr/bin/false"}
+)
+UUID_PATTERN: Final = r"\A[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z"
+FULL_BYTES: Final = 1 << 20
+"""Less than this left to an unprivileged writer counts as a full slot."""
+FULL_INODES: Final = 16
+"""Fewer free inodes than this counts as a full slot."""
+
+_FS_IOC_GETFSUUID: Final = (2 << 30) | (17 << 16) | (0x15 << 8)
+"""_IOR(0x15, 0, struct fsuuid2 {u8 len; u8 uuid[16];})"""
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_UUID_RE: Final = re.compile(UUID_PATTERN)
+
+
+class SlotSpec(Protocol):
+    """The slot fields the checks need (the configuration's `Slot` fits)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def storage_bytes(self) -> int: ...
+    @property
+    def storage_inodes(self) -> int: ...
+    @property
+    def filesystem_uuid(self) -> str: ...
+
+
+class Usage(NamedTuple):
+    """How much of a slot filesystem an unprivileged writer can still use."""
+
+    free_bytes: int
+    free_inodes: int
+
+    @property
+    def bytes_exhausted(self) -> bool:
+        return self.free_bytes < FULL_BYTES
+
+    @property
+    def inodes_exhausted(self) -> bool:
+        return self.free_inodes < FULL_INODES
+
+
+def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:
+    return HostError(code, f"{key}: {problem}; {fix}")
+
+
+# --- the filesystem -------------------------------------------------------------------
+
+
+def check_filesystem(slot: SlotSpec, key: str, dir_fd: int) -> int:
+    """Check the open slot directory `dir_fd` is the slot's own filesystem (see module
+    docstring); returns its device number. Code `slot_filesystem` on any refusal."""
+    mount = _mount_of(dir_fd, key)
+    if mount.root != "/" or mount.mount_point != slot.path:
+        where = mount.mount_point if mount.root == "/" else f"{mount.root} of {mount.source}"
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"{slot.path} is not the root of its own filesystem (it is inside {where})",
+            "mount a filesystem made for this slot there "
+            "(`ficc-executor provision-slot`, see docs/operations.md)",
+        )
+    _check_options(slot, key, dir_fd)
+    _check_size(slot, key, dir_fd)
+    check_identity(slot, key, dir_fd, mount)
+    return os.fstat(dir_fd).st_dev
+
+
+def check_identity(
+    slot: SlotSpec, key: str, dir_fd: int, mount: procfs.Mount | None = None
+) -> None:
+    """The filesystem at `dir_fd` has the configured UUID (code `slot_identity`)."""
+    found = filesystem_uuid(dir_fd, mount if mount is not None else _mount_of(dir_fd, key))
+    if found != slot.filesystem_uuid:
+        raise _refuse(
+            "slot_identity",
+            key,
+            f"{slot.path} holds filesystem {found or 'without a UUID'}, "
+            f"not the configured {slot.filesystem_uuid}",
+            "mount the slot's own filesystem there (a mount that failed at boot leaves an "
+            "empty directory), or correct filesystem_uuid if the slot was re-made",
+        )
+
+
+def verify(slot: SlotSpec) -> None:
+    """Before an attempt's storage is used: the slot path is still the root of the
+    filesystem with the configured UUID. Cheap (one open, one ioctl, one mountinfo)."""
+    key = f"slot {slot.id}"
+    try:
+        fd = os.open(slot.path, _DIR_FLAGS)
+    except OSError as error:
+        raise _refuse(
+            "slot_filesystem", key, f"cannot open {slot.path}: {error.strerror}", "check the mount"
+        ) from None
+    try:
+        mount = _mount_of(fd, key)
+        if mount.root != "/" or mount.mount_point != slot.path:
+            raise _refuse(
+                "slot_filesystem",
+                key,
+                f"{slot.path} is no longer the root of its own filesystem",
+                "mount the slot's filesystem again; see docs/operations.md",
+            )
+        check_identity(slot, key, fd, mount)
+    finally:
+        os.close(fd)
+
+
+def check_distinct(devices: Iterable[tuple[str, int]], others: Iterable[tuple[str, int]]) -> None:
+    """No two slots share a device, and no slot is on `/`'s or `state_dir`'s device."""
+    seen: dict[int, str] = dict((device, key) for key, device in others)
+    for key, device in devices:
+        if device in seen:
+            raise _refuse(
+                "slot_filesystem",
+                key,
+                f"is on the same filesystem as {seen[device]}",
+                "give every slot a filesystem of its own",
+            )
+        seen[device] = key
+
+
+def usage(path: str) -> Usage:
+    """Free bytes and inodes an unprivileged writer still has on the slot at `path`."""
+    st = os.statvfs(path)
+    return Usage(free_bytes=st.f_bavail * st.f_frsize, free_inodes=st.f_favail)
+
+
+def _mount_of(dir_fd: int, key: str) -> procfs.Mount:
+    """The mount `dir_fd` is on, found by the mount ID the kernel reports for the fd."""
+    try:
+        with open(f"/proc/self/fdinfo/{dir_fd}", "rb") as info:
+            _, mount_id = procfs.parse_fdinfo(info.read())
+        with open("/proc/self/mountinfo", "rb") as table:
+            mounts = procfs.parse_mountinfo(table.read())
+    except (OSError, HostError) as error:
+        raise _refuse(
+            "slot_filesystem", key, f"cannot read the mount table: {error}", "check /proc"
+        ) from None
+    for mount in mounts:
+        if mount.mount_id == mount_id:
+            return mount
+    raise _refuse("slot_filesystem", key, "its mount is not in the mount table", "check the mount")
+
+
+def _check_options(slot: SlotSpec, key: str, dir_fd: int) -> None:
+    flags = os.fstatvfs(dir_fd).f_flag
+    missing = [
+        name for name, bit in (("nodev", os.ST_NODEV), ("nosuid", os.ST_NOSUID)) if not flags & bit
+    ]
+    if missing:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"{slot.path} is mounted without {','.join(missing)}",
+            "mount it with -o nodev,nosuid (and the same options in /etc/fstab or its mount unit)",
+        )
+
+
+def _check_size(slot: SlotSpec, key: str, dir_fd: int) -> None:
+    st = os.fstatvfs(dir_fd)
+    root_only = st.f_bfree - st.f_bavail
+    usable = (st.f_blocks - root_only) * st.f_frsize
+    if usable < slot.storage_bytes:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"{slot.path} holds {usable} bytes for the slot account, less than "
+            f"storage_bytes {slot.storage_bytes}",
+            "make the filesystem larger or lower storage_bytes",
+        )
+    if st.f_files < slot.storage_inodes:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"{slot.path} has {st.f_files} inodes, fewer than storage_inodes {slot.storage_inodes}",
+            "make the filesystem with more inodes (mkfs.ext4 -N) or lower storage_inodes",
+        )
+
+
+# --- the filesystem's UUID ------------------------------------------------------------
+
+
+def filesystem_uuid(dir_fd: int, mount: procfs.Mount) -> str | None:
+    """The UUID of the filesystem at `dir_fd` (canonical lowercase), or None if it has
+    none this host can read."""
+    buffer = bytearray(17)
+    try:
+        fcntl.ioctl(dir_fd, _FS_IOC_GETFSUUID, buffer)
+    except OSError as error:
+        if error.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        return _superblock_uuid(mount)
+    length = buffer[0]
+    return str(uuid.UUID(bytes=bytes(buffer[1:17]))) if length == 16 else None
+
+
+_SUPERBLOCKS: Final = (
+    # (filesystem types, magic offset, magic bytes, uuid offset)
+    (("ext2", "ext3", "ext4"), 1024 + 0x38, b"\x53\xef", 1024 + 0x68),
+    (("xfs",), 0, b"XFSB", 32),
+    (("btrfs",), 0x10000 + 0x40, b"_BHRfS_M", 0x10000 + 0x20),
+)
+
+
+def _superblock_uuid(mount: procfs.Mount) -> str | None:
+    """Read the UUID from the superblock of the mount's block device (older kernels)."""
+    layout = next((entry[1:] for entry in _SUPERBLOCKS if mount.fs_type in entry[0]), None)
+    if layout is None:
+        return None
+    magic_at, magic, uuid_at = layout
+    try:
+        fd = os.open(mount.source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISBLK(st.st_mode) or st.st_rdev != os.makedev(mount.major, mount.minor):
+            return None
+        if os.pread(fd, len(magic), magic_at) != magic:
+            return None
+        raw = os.pread(fd, 16, uuid_at)
+    finally:
+        os.close(fd)
+    return str(uuid.UUID(bytes=raw)) if len(raw) == 16 else None
+
+
+def is_uuid(value: str) -> bool:
+    return bool(_UUID_RE.match(value))
+
+
+# --- the slot account -----------------------------------------------------------------
+
+
+def check_account(slot: SlotSpec, key: str) -> None:
+    """The slot account exists as configured and can do nothing but run slot work."""
+    try:
+        account = pwd.getpwuid(slot.uid)
+    except KeyError:
+        raise _refuse(
+            "slot_account",
+            key,
+            f"no account has UID {slot.uid}",
+            "create it: useradd --system --user-group --no-create-home "
+            "--shell /usr/sbin/nologin NAME",
+        ) from None
+    name = account.pw_name
+    if account.pw_gid != slot.gid:
+        raise _refuse(
+            "slot_account",
+            key,
+            f"account {name} has primary GID {account.pw_gid}, not the configured {slot.gid}",
+            "set gid to the account's own group",
+        )
+    if account.pw_shell not in NOLOGIN_SHELLS:
+        raise _refuse(
+            "slot_account",
+            key,
+            f"account {name} has login shell {account.pw_shell or '(empty: /bin/sh)'}",
+            f"usermod --shell /usr/sbin/nologin {name}",
+        )
+    _check_own_group(slot, key, name)
+
+
+def _check_own_group(slot: SlotSpec, key: str, name: str) -> None:
+    try:
+        group = grp.getgrgid(slot.gid)
+    except KeyError:
+        raise _refuse(
+            "slot_account", key, f"no group has GID {slot.gid}", f"groupadd --gid {slot.gid} {name}"
+        ) from None
+    sharing = [p.pw_name for p in pwd.getpwall() if p.pw_gid == slot.gid and p.pw_uid != slot.uid]
+    if sharing or group.gr_mem:
+        others = sorted(set(sharing) | set(group.gr_mem))
+        raise _refuse(
+            "slot_account",
+            key,
+            f"group {group.gr_name} (GID {slot.gid}) is shared with {', '.join(others)}",
+            "give the slot account a group of its own",
+        )
+    extra = sorted(set(os.getgrouplist(name, slot.gid)) - {slot.gid})
+    if extra:
+        raise _refuse(
+            "slot_account",
+            key,
+            f"account {name} is also in groups {', '.join(map(str, extra))}",
+            f"remove it from them (gpasswd -d {name} GROUP)",
+        )

@@ -1,0 +1,383 @@
+"""A slot is a finite filesystem of its own (slotfs.py, provision.py, config.check_host).
+
+Everything here is real: ext4 images made and loop-mounted by the shipped provisioning
+code, real system accounts made with useradd, real remounts. Every mount is removed in
+the fixtures' teardown, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from dataclasses import replace as replace_fields
+from pathlib import Path
+
+import msgspec
+import pytest
+from msgspec.structs import replace
+
+from ficc.execution.host import procfs, provision, slotfs
+from ficc.execution.host.config import Config, Slot, check_host, parse_config
+from ficc.execution.host.errors import HostError
+from service_support import _account
+
+if os.geteuid() != 0:
+    pytest.skip(
+        "slot filesystems need root: they are loop-mounted ext4 images", allow_module_level=True
+    )
+
+MIB = 1 << 20
+BYTES = 24 * MIB
+INODES = 2_000
+
+
+@dataclass
+class Host:
+    """A root-owned tree under /run: state, sockets, two provisioned slots, two accounts."""
+
+    root: Path
+    slots: list[provision.Provisioned]
+    accounts: list[pwd.struct_passwd]
+
+    def config(self, **slot_changes: object) -> Config:
+        """The configuration of this host; `slot_changes` apply to slot 0."""
+        slots = [
+            Slot(
+                id=f"s{i}",
+                slot_class="small",
+                generation=1,
+                path=made.mount,
+                uid=account.pw_uid,
+                gid=account.pw_gid,
+                storage_bytes=BYTES,
+                storage_inodes=INODES,
+                filesystem_uuid=made.filesystem_uuid,
+            )
+            for i, (made, account) in enumerate(zip(self.slots, self.accounts, strict=True))
+        ]
+        slots[0] = replace(slots[0], **slot_changes)
+        return _config(self.root, slots)
+
+
+def _config(root: Path, slots: list[Slot]) -> Config:
+    allowance = {
+        "cpu_millis": 1, "memory_bytes": 1, "swap_bytes": 0, "processes": 1,
+        "slots": len(slots), "devices": [], "projects": [], "runtimes": ["test"],
+    }  # fmt: skip
+    document = {
+        "installation_id": "a" * 32,
+        "deployment_id": "b" * 32,
+        "node_id": "c" * 32,
+        "mode": "voluntary",
+        "transport_uid": 3_999_990,
+        "local_owner_uids": [],
+        "maximum_lease_seconds": 600,
+        "state_dir": str(root / "state"),
+        "socket_dir": str(root / "sockets"),
+        "supervisor": "cgroupfs",
+        "slots": [msgspec.to_builtins(slot) for slot in slots],
+        "ceiling": allowance,
+        "initial_offer": {**allowance, "control": "active"},
+        "providers": [{"id": "test", "package_digest": "sha256:" + "0" * 64}],
+    }
+    return parse_config(msgspec.json.encode(document), ".json")
+
+
+def _new_account(name: str, *extra: str) -> pwd.struct_passwd:
+    _account("useradd", "--system", "--user-group", "--no-create-home", *extra, name)
+    return pwd.getpwnam(name)
+
+
+@pytest.fixture(scope="module")
+def accounts() -> Iterator[list[pwd.struct_passwd]]:
+    names = [f"ficc-t-sfs{i}-{secrets.token_hex(3)}" for i in range(2)]
+    made = [_new_account(name, "--shell", "/usr/sbin/nologin") for name in names]
+    try:
+        yield made
+    finally:
+        for name in names:
+            _account("userdel", name)
+
+
+@pytest.fixture
+def host(accounts: list[pwd.struct_passwd]) -> Iterator[Host]:
+    root = Path(tempfile.mkdtemp(prefix="ficc-t-slotfs-", dir="/run"))
+    os.chmod(root, 0o755)
+    (root / "state").mkdir(mode=0o700)
+    (root / "sockets").mkdir()
+    os.chmod(root / "sockets", 0o711)
+    (root / "slots").mkdir(mode=0o755)
+    (root / "images").mkdir(mode=0o700)
+    made: list[provision.Provisioned] = []
+    try:
+        for i in range(2):
+            made.append(
+                provision.create_image_slot(
+                    str(root / "images" / f"s{i}.img"), str(root / "slots" / f"s{i}"), BYTES, INODES
+                )
+            )
+        yield Host(root, made, accounts)
+    finally:
+        for i in range(2):
+            provision.remove_slot(str(root / "slots" / f"s{i}"))
+        for extra in root.glob("extra-*"):
+            provision.remove_slot(str(extra / "mnt"))
+        subprocess.run(["rm", "-rf", "--one-file-system", str(root)], check=False)
+
+
+def refusal(call: Callable[[], object]) -> HostError:
+    with pytest.raises(HostError) as caught:
+        call()
+    return caught.value
+
+
+def _remount(mount: str, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", mount], check=True)
+
+
+# --- the filesystem ---------------------------------------------------------------------
+
+
+def test_a_provisioned_slot_with_its_own_account_passes_every_check(host: Host) -> None:
+    check_host(host.config())
+    for made in host.slots:
+        st = os.statvfs(made.mount)
+        assert (st.f_blocks - (st.f_bfree - st.f_bavail)) * st.f_frsize >= BYTES
+        assert st.f_files >= INODES
+        assert os.stat(made.mount).st_uid == 0
+
+
+def test_a_plain_directory_on_a_shared_filesystem_is_refused(host: Host) -> None:
+    plain = host.root / "plain"
+    plain.mkdir(mode=0o755)
+    error = refusal(lambda: check_host(host.config(path=str(plain))))
+    assert error.code == "slot_filesystem"
+    assert "is not the root of its own filesystem" in error.message
+
+
+def test_a_mount_that_failed_at_boot_leaves_an_empty_directory_that_is_refused(
+    host: Host,
+) -> None:
+    mount = host.slots[0].mount
+    provision.remove_slot(mount)
+    assert os.path.isdir(mount)
+    error = refusal(lambda: check_host(host.config()))
+    assert error.code == "slot_filesystem"
+
+
+def test_another_filesystem_mounted_in_its_place_is_refused_by_identity(host: Host) -> None:
+    mount = host.slots[0].mount
+    provision.remove_slot(mount)
+    other = host.root / "extra-other"
+    other.mkdir()
+    provision.create_image_slot(str(other / "img"), mount, BYTES, INODES)
+    try:
+        error = refusal(lambda: check_host(host.config()))
+        assert error.code == "slot_identity"
+        assert host.slots[0].filesystem_uuid in error.message
+    finally:
+        provision.remove_slot(mount)
+
+
+@pytest.mark.parametrize("options", ["dev", "suid"])
+def test_a_slot_mounted_without_nodev_or_nosuid_is_refused(host: Host, options: str) -> None:
+    _remount(host.slots[0].mount, options)
+    error = refusal(lambda: check_host(host.config()))
+    assert error.code == "slot_filesystem"
+    assert f"without no{options}" in error.message
+
+
+def test_a_slot_smaller_than_configured_is_refused(host: Host) -> None:
+    error = refusal(lambda: check_host(host.config(storage_bytes=4 * BYTES)))
+    assert error.code == "slot_filesystem"
+    assert "less than storage_bytes" in error.message
+    error = refusal(lambda: check_host(host.config(storage_inodes=100 * INODES)))
+    assert error.code == "slot_filesystem"
+    assert "inodes" in error.message
+
+
+def test_a_bind_of_a_subdirectory_is_not_a_slot_filesystem(host: Host) -> None:
+    inner = Path(host.slots[1].mount) / "inner"
+    inner.mkdir(mode=0o755)
+    target = host.root / "extra-bind" / "mnt"
+    target.mkdir(parents=True, mode=0o755)
+    subprocess.run(["mount", "--bind", "-o", "nodev,nosuid", str(inner), str(target)], check=True)
+    error = refusal(lambda: check_host(host.config(path=str(target))))
+    assert error.code == "slot_filesystem"
+
+
+def test_two_slots_on_one_filesystem_are_refused(host: Host) -> None:
+    config = host.config()
+    both = [config.slots[0], replace(config.slots[1], path=config.slots[0].path)]
+    # The pure rules refuse the same path twice before anything is mounted...
+    with pytest.raises(HostError):
+        _config(host.root, both)
+    # ...and a second mount of the same filesystem is caught by its device.
+    target = host.root / "extra-twice" / "mnt"
+    target.mkdir(parents=True, mode=0o755)
+    source = host.slots[0].mount
+    subprocess.run(["mount", "--bind", source, str(target)], check=True)
+    _remount(str(target), "bind,nodev,nosuid")
+    twice = replace(
+        config.slots[1], path=str(target), filesystem_uuid=config.slots[0].filesystem_uuid
+    )
+    with pytest.raises(HostError) as caught:
+        _config(host.root, [config.slots[0], twice])
+    assert caught.value.code == "config_conflict"  # the same UUID twice, a pure rule
+    devices = [("slots[0]", os.stat(source).st_dev), ("slots[1]", os.stat(target).st_dev)]
+    error = refusal(lambda: slotfs.check_distinct(devices, [("/", os.stat("/").st_dev)]))
+    assert error.code == "slot_filesystem"
+
+
+def test_verify_before_each_attempt_sees_an_unmount_and_a_replacement(host: Host) -> None:
+    slot = host.config().slots[0]
+    slotfs.verify(slot)
+    provision.remove_slot(slot.path)
+    assert refusal(lambda: slotfs.verify(slot)).code == "slot_filesystem"
+    other = host.root / "extra-replacement"
+    other.mkdir()
+    provision.create_image_slot(str(other / "img"), slot.path, BYTES, INODES)
+    try:
+        assert refusal(lambda: slotfs.verify(slot)).code == "slot_identity"
+    finally:
+        provision.remove_slot(slot.path)
+
+
+def test_the_superblock_reader_agrees_with_the_kernel_and_blkid(host: Host) -> None:
+    """Older kernels have no FS_IOC_GETFSUUID: the superblock reader must give the same."""
+    for made in host.slots:
+        fd = os.open(made.mount, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with open("/proc/self/mountinfo", "rb") as table:
+                mounts = procfs.parse_mountinfo(table.read())
+            mount = next(m for m in reversed(mounts) if m.mount_point == made.mount)
+            kernel = slotfs.filesystem_uuid(fd, mount)
+        finally:
+            os.close(fd)
+        blkid = subprocess.run(
+            ["blkid", "-o", "value", "-s", "UUID", made.source],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert kernel == slotfs._superblock_uuid(mount) == blkid == made.filesystem_uuid
+
+
+def test_usage_reports_a_full_slot(host: Host) -> None:
+    mount = host.slots[0].mount
+    assert not slotfs.usage(mount).bytes_exhausted
+    filler = Path(mount) / "filler"
+    with open(filler, "wb") as out:
+        room = os.statvfs(mount)
+        os.posix_fallocate(out.fileno(), 0, room.f_bavail * room.f_frsize)
+    assert slotfs.usage(mount).bytes_exhausted
+    filler.unlink()
+    for i in range(os.statvfs(mount).f_favail):
+        (Path(mount) / f"i{i}").touch()
+    use = slotfs.usage(mount)
+    assert use.inodes_exhausted
+    assert not use.bytes_exhausted
+
+
+# --- the slot account ---------------------------------------------------------------------
+
+
+def test_a_missing_slot_account_is_refused(host: Host) -> None:
+    error = refusal(lambda: check_host(host.config(uid=3_999_977)))
+    assert error.code == "slot_account"
+    assert "no account has UID 3999977" in error.message
+
+
+def test_a_slot_account_with_the_wrong_group_is_refused(host: Host) -> None:
+    other = grp.getgrnam("nogroup").gr_gid
+    error = refusal(lambda: check_host(host.config(gid=other)))
+    assert error.code == "slot_account"
+    assert f"not the configured {other}" in error.message
+
+
+def test_a_slot_account_that_can_log_in_is_refused(host: Host) -> None:
+    name = host.accounts[0].pw_name
+    _account("usermod", "--shell", "/bin/bash", name)
+    try:
+        error = refusal(lambda: check_host(host.config()))
+    finally:
+        _account("usermod", "--shell", "/usr/sbin/nologin", name)
+    assert error.code == "slot_account"
+    assert "login shell /bin/bash" in error.message
+
+
+def test_a_slot_account_in_another_group_is_refused(host: Host) -> None:
+    name = host.accounts[0].pw_name
+    _account("usermod", "--append", "--groups", host.accounts[1].pw_name, name)
+    try:
+        error = refusal(lambda: check_host(host.config()))
+    finally:
+        _account("gpasswd", "--delete", name, host.accounts[1].pw_name)
+    assert error.code == "slot_account"
+
+
+# --- provisioning -------------------------------------------------------------------------
+
+
+def test_provision_slot_command_makes_a_slot_the_daemon_accepts(host: Host) -> None:
+    base = host.root / "extra-command"
+    base.mkdir()
+    mount = str(base / "mnt")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ficc.execution",
+            "provision-slot",
+            "--image",
+            str(base / "slot.img"),
+            "--mount",
+            mount,
+            "--bytes",
+            "20M",
+            "--inodes",
+            "1500",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    entry = json.loads(result.stdout)["slot"]
+    slot = replace(
+        host.config().slots[0],
+        path=entry["path"],
+        storage_bytes=entry["storage_bytes"],
+        storage_inodes=entry["storage_inodes"],
+        filesystem_uuid=entry["filesystem_uuid"],
+    )
+    fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        slotfs.check_filesystem(slot, "slots[0]", fd)
+    finally:
+        os.close(fd)
+    again = subprocess.run(
+        [sys.executable, "-m", "ficc.execution", "provision-slot", "--image",
+         str(base / "slot.img"), "--mount", mount, "--bytes", "20M", "--inodes", "1500"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert again.returncode == 1
+    assert "provision_failed" in again.stderr
+
+
+def test_persistence_lines_name_the_image_or_the_uuid() -> None:
+    loop = provision.Provisioned("/srv/ficc/slots/a", "/var/lib/ficc/a.img", "u" * 4, 1, 1, True)
+    assert provision.fstab_line(loop) == (
+        "/var/lib/ficc/a.img /srv/ficc/slots/a ext4 loop,nodev,nosuid,nofail 0 2\n"
+    )
+    disk = replace_fields(loop, source="/dev/vg/a", loop=False)
+    assert provision.fstab_line(disk).startswith("UUID=uuuu /srv/ficc/slots/a ext4 nodev,nosuid,")
