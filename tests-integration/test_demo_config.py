@@ -38,6 +38,7 @@ from demo import job
 from demo.layout import DEFAULT_BASE, DISK_BASE, PROVIDER, SLOT_CLASS, RunLayout
 
 LAYOUT = RunLayout(DEFAULT_BASE / "run-20260101-000000")
+FILESYSTEM_UUID = "6d1f0c2e-3b4a-4c5d-8e9f-0a1b2c3d4e5f"
 TRANSPORT = democonfig.Account("ficc-demo-transport", 990, 990)
 SLOT = democonfig.Account("ficc-demo-slot", 989, 989)
 DIGEST = "sha256:" + "ab" * 32
@@ -52,7 +53,13 @@ JOB_IDS = job.JobIds("1" * 32, "2" * 32, "3" * 32)
 
 def document(**changes: object) -> dict[str, object]:
     doc = democonfig.admin_config(
-        LAYOUT, IDS, transport=TRANSPORT, slot=SLOT, provider_digest=DIGEST, image=IMAGE
+        LAYOUT,
+        IDS,
+        transport=TRANSPORT,
+        slot=SLOT,
+        provider_digest=DIGEST,
+        image=IMAGE,
+        filesystem_uuid=FILESYSTEM_UUID,
     )
     doc.update(changes)
     return doc
@@ -182,12 +189,10 @@ def test_the_run_directory_is_where_the_daemon_allows_it() -> None:
         assert not path.is_relative_to("/tmp")
 
 
-def test_a_slot_moved_to_disk_is_still_a_valid_configuration() -> None:
-    """With /run on tmpfs the demo puts the slot under /var/lib (RunLayout.slot_base)."""
-    moved = RunLayout(LAYOUT.root, DISK_BASE / LAYOUT.root.name)
-    doc = democonfig.admin_config(
-        moved, IDS, transport=TRANSPORT, slot=SLOT, provider_digest=DIGEST, image=IMAGE
-    )
-    (slot,) = parsed(doc).slots
-    assert slot.path == str(DISK_BASE / LAYOUT.root.name / "s0")
-    assert not moved.slot_dir.is_relative_to(moved.root)
+def test_the_slot_image_is_on_disk_and_the_slot_is_its_mount() -> None:
+    """/run is often a small tmpfs: the slot's image file goes under /var/lib, and the
+    slot path (its mount point) stays in the run directory."""
+    assert LAYOUT.slot_image.is_relative_to(DISK_BASE / LAYOUT.root.name)
+    (slot,) = parsed(document()).slots
+    assert slot.path == str(LAYOUT.slot_dir)
+    assert slot.filesystem_uuid == FILESYSTEM_UUID

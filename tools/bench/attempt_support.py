@@ -80,19 +80,24 @@ class Phases:
 
 @contextlib.contextmanager
 def podman_host() -> Iterator[ps.PodmanWorld]:
-    """A started daemon with the pinned Podman provider and one slot; all removed after."""
+    """A started daemon with the pinned Podman provider and one slot (a real slot
+    filesystem, as the end-to-end suite's); all removed after."""
     tag = secrets.token_hex(3)
     base = h.private_directory("/run", f"ficc-bp6-{tag}-")
     accounts: list[h.Account] = []
     process: h.DaemonProcess | None = None
     installation_id: str | None = None
+    filesystems: list[h.SlotFilesystem] = []
     try:
         for role in ("s0", "tr"):
             accounts.append(ps.create_account(f"ficc-bp6-{tag}-{role}"))
         slot, transport = accounts
         image = ps.build_image(base / "image")
         provider = ps.install_podman_provider(base)
-        layout = ps.write_config(base, [slot], transport, provider, image, "cgroupfs")
+        filesystems = h.slot_filesystems(base, [ps.SLOT_BYTES], ps.SLOT_INODES)
+        layout = ps.write_config(
+            base, [slot], transport, provider, image, "cgroupfs", filesystems, ps.SLOT_INODES
+        )
         installation_id = layout.installation_id
         process = h.DaemonProcess(layout, provider)
         with _environment(unit_environment()):
@@ -108,6 +113,7 @@ def podman_host() -> Iterator[ps.PodmanWorld]:
             ps._purge_services("cgroupfs", installation_id)
         for account in accounts:
             ps._remove_account(account)
+        h.remove_slots(filesystems)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 

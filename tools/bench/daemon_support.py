@@ -7,12 +7,12 @@ the `provider-digest` pin), with a configuration generated for the benchmark:
 
 - its own directory under /run (the daemon refuses group/other-writable ancestors),
   removed at the end;
-- its own accounts `ficc-bn-*` (transport, owner, slot0, slot1), created if missing and
-  removed again if this process made them, so a benchmark never disturbs the
+- its own accounts `ficc-bn-*` (transport, owner, one per slot), created if missing
+  and removed again if this process made them, so a benchmark never disturbs the
   integration suite's `ficc-it-*` accounts;
-- slots beyond the first two get numeric UIDs/GIDs no account uses (checked against
-  the passwd and group databases): admission, layouts and staging only chown to them,
-  and no benchmark starts a payload on them;
+- every slot a real filesystem of its own, as the daemon requires: an ext4 image
+  loop-mounted by the shipped provisioning code (`harness.slot_filesystems`), removed
+  at the end;
 - the test provider built into a wheel, installed into a root-owned prefix and pinned
   by its real digest;
 - the `Environment=` of the packaged systemd unit (MALLOC_MMAP_THRESHOLD_), so memory
@@ -26,15 +26,14 @@ the socket, not the client library's validation.
 from __future__ import annotations
 
 import contextlib
-import grp
 import hashlib
 import json
 import os
 import pathlib
 import pwd
 import shlex
-import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -71,20 +70,19 @@ from ficc.execution.wire import AttemptsReply, SnapshotReply, decode_reply  # no
 
 MIB = 1024 * 1024
 PREFIX = "ficc-bn-"
-ROLES = ("transport", "owner", "slot0", "slot1")
-NUMERIC_BASE = 3_100_000
-"""First numeric UID/GID tried for slots without an account."""
-
 _provider_cache: dict[str, h.InstalledProvider] = {}
+ROLES = ("transport", "owner")
+SLOT_INODES = 2_000
 
 
 # --- accounts ------------------------------------------------------------------------
 
 
-def ensure_accounts() -> h.Accounts:
-    """The benchmark's own real accounts (see the module docstring)."""
+def ensure_accounts(slots: int) -> h.Accounts:
+    """The benchmark's own real accounts (see the module docstring): one per role and
+    one per slot (`slot0`, `slot1`, ...)."""
     made = h.Accounts()
-    for role in ROLES:
+    for role in (*ROLES, *(f"slot{i}" for i in range(slots))):
         name = PREFIX + role
         try:
             pwd.getpwnam(name)
@@ -96,18 +94,6 @@ def ensure_accounts() -> h.Accounts:
         entry = pwd.getpwnam(name)
         made.by_role[role] = h.Account(name, entry.pw_uid, entry.pw_gid)
     return made
-
-
-def numeric_ids(count: int) -> list[int]:
-    """`count` IDs used by no account and no group (for slots that never run a process)."""
-    used = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
-    found: list[int] = []
-    candidate = NUMERIC_BASE
-    while len(found) < count:
-        if candidate not in used:
-            found.append(candidate)
-        candidate += 1
-    return found
 
 
 # --- the host --------------------------------------------------------------------------
@@ -306,32 +292,26 @@ def _document(
     accounts: h.Accounts,
     provider: h.InstalledProvider,
     slots: Sequence[SlotPlan],
+    filesystems: Sequence[h.SlotFilesystem],
 ) -> tuple[dict[str, Any], list[pathlib.Path]]:
-    state_dir, socket_dir, slot_root = base / "state", base / "sockets", base / "slots"
+    state_dir, socket_dir = base / "state", base / "sockets"
     state_dir.mkdir(mode=0o700)
     socket_dir.mkdir()
     os.chmod(socket_dir, 0o711)
-    slot_root.mkdir(mode=0o755)
-    numeric = numeric_ids(max(0, len(slots) - 2))
     entries, paths = [], []
-    for i, spec in enumerate(slots):
-        path = slot_root / f"s{i}"
-        path.mkdir(mode=0o755)
-        paths.append(path)
-        if i < 2:
-            uid, gid = accounts[f"slot{i}"].uid, accounts[f"slot{i}"].gid
-        else:
-            uid = gid = numeric[i - 2]
+    for i, (spec, filesystem) in enumerate(zip(slots, filesystems, strict=True)):
+        paths.append(filesystem.path)
         entries.append(
             {
                 "id": f"s{i}",
                 "class": spec.slot_class,
                 "generation": 1,
-                "path": str(path),
-                "uid": uid,
-                "gid": gid,
+                "path": str(filesystem.path),
+                "uid": accounts[f"slot{i}"].uid,
+                "gid": accounts[f"slot{i}"].gid,
                 "storage_bytes": spec.storage_bytes,
-                "storage_inodes": 10_000,
+                "storage_inodes": SLOT_INODES,
+                "filesystem_uuid": filesystem.filesystem_uuid,
             }
         )
     resources = {
@@ -401,12 +381,15 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 @contextlib.contextmanager
 def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
     """A started daemon with these slots; stopped (SIGTERM) and removed afterwards."""
-    accounts = ensure_accounts()
+    accounts = ensure_accounts(len(slots))
     session = h.private_directory("/run", f"ficc-bench-{os.getpid()}-")
+    filesystems: list[h.SlotFilesystem] = []
     try:
         provider = _provider(session)
         base = h.private_directory(str(session), "host-")
-        document, paths = _document(base, accounts, provider, slots)
+        sizes = [spec.storage_bytes for spec in slots]
+        filesystems = h.slot_filesystems(base, sizes, SLOT_INODES)
+        document, paths = _document(base, accounts, provider, slots, filesystems)
         config_path = base / "executor-host.json"
         fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as out:
@@ -418,6 +401,7 @@ def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
             base / "sockets",
             paths,
             document,
+            filesystems,
         )
         process = h.DaemonProcess(layout, provider)
         with _environment(unit_environment()):
@@ -430,7 +414,8 @@ def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
                 print(f"daemon exited {status}:\n{process.log()}", file=sys.stderr)
     finally:
         _provider_cache.pop(str(session), None)
-        shutil.rmtree(session, ignore_errors=True)
+        h.remove_slots(filesystems)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(session)], check=False)
         accounts.remove()
 
 

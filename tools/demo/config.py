@@ -30,8 +30,9 @@ OFFER = {
     "processes": 512,
     "slots": 1,
 }
-SLOT_STORAGE_BYTES = 2 * GIB
-"""The slot also holds the slot account's Podman storage (the loaded image)."""
+SLOT_STORAGE_BYTES = 1 * GIB
+"""The slot's own filesystem (an image file allocated in full); it also holds the slot
+account's Podman storage (the loaded image)."""
 SLOT_STORAGE_INODES = 100_000
 LEASE_CEILING_SECONDS = 600
 
@@ -87,6 +88,7 @@ def admin_config(
     slot: Account,
     provider_digest: str,
     image: Image,
+    filesystem_uuid: str,
 ) -> dict[str, Any]:
     """The whole configuration document, as the daemon reads it (JSON)."""
     allowance = {**OFFER, "devices": [], "projects": [PROJECT], "runtimes": [PROVIDER]}
@@ -111,6 +113,7 @@ def admin_config(
                 "gid": slot.gid,
                 "storage_bytes": SLOT_STORAGE_BYTES,
                 "storage_inodes": SLOT_STORAGE_INODES,
+                "filesystem_uuid": filesystem_uuid,
             }
         ],
         "ceiling": allowance,

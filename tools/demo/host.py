@@ -24,8 +24,9 @@ from typing import Any
 
 import psutil
 
-from demo.config import Account, Image
+from demo.config import SLOT_STORAGE_BYTES, SLOT_STORAGE_INODES, Account, Image
 from demo.layout import DISK_BASE, IMAGE_TAG, PROVIDER, RunLayout
+from ficc.execution.host import provision
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,9 +123,12 @@ def clean_previous_runs(base: Path, slot: Account) -> list[str]:
         removed = remove_services(_installation_id(layout))
         if removed:
             done.append(f"removed {removed} leftover attempt service(s)")
+        if os.path.ismount(layout.slot_dir):
+            provision.remove_slot(str(layout.slot_dir))
+            done.append(f"unmounted the slot filesystem {layout.slot_dir}")
         _remove(old)
         done.append(f"removed {old}")
-    for old in _run_directories(DISK_BASE):  # slots placed on disk (see RunLayout)
+    for old in _run_directories(DISK_BASE):  # slot images (see RunLayout.slot_image)
         _remove(old)
         done.append(f"removed {old}")
     return done
@@ -139,17 +143,6 @@ def _run_directories(base: Path) -> list[Path]:
 def _remove(path: Path) -> None:
     # Podman's overlay storage has directories without permissions: rm as root.
     run(["rm", "-rf", "--one-file-system", str(path)], f"removing {path}")
-
-
-TMPFS_MAGIC = 0x01021994
-
-
-def on_tmpfs(path: Path) -> bool:
-    """Whether `path` (or its nearest existing ancestor) is on tmpfs."""
-    while not path.exists():
-        path = path.parent
-    result = run(["stat", "-f", "-c", "%t", str(path)], f"stat -f {path}")
-    return int(result.stdout.strip(), 16) == TMPFS_MAGIC
 
 
 def _previous_daemon(layout: RunLayout) -> int | None:
@@ -229,7 +222,7 @@ def remove_services(installation_id: str | None) -> int:
 def make_directories(layout: RunLayout, transport: Account) -> None:
     """Every directory of the run with the owner and mode the daemon checks."""
     os.umask(0o022)
-    for path in (layout.root.parent, layout.root, layout.slot_dir.parent.parent):
+    for path in (layout.root.parent, layout.root):
         path.mkdir(mode=0o755, exist_ok=True)
         os.chown(path, 0, 0)
         os.chmod(path, 0o755)
@@ -238,7 +231,6 @@ def make_directories(layout: RunLayout, transport: Account) -> None:
         layout.state_dir: 0o700,
         layout.socket_dir: 0o711,
         layout.slot_dir.parent: 0o755,
-        layout.slot_dir: 0o755,
         layout.wheel_dir: 0o755,
         layout.image_dir: 0o755,
         layout.controller_dir: 0o700,
@@ -247,6 +239,18 @@ def make_directories(layout: RunLayout, transport: Account) -> None:
         path.mkdir(mode=mode)
         os.chmod(path, mode)
     os.chown(layout.controller_dir, transport.uid, transport.gid)
+
+
+def make_slot(layout: RunLayout) -> provision.Provisioned:
+    """The slot's own filesystem: an image under DISK_BASE, loop-mounted on slot_dir by
+    the same code as `ficc-executor provision-slot`."""
+    layout.slot_image.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return provision.create_image_slot(
+        str(layout.slot_image),
+        str(layout.slot_dir),
+        SLOT_STORAGE_BYTES,
+        SLOT_STORAGE_INODES,
+    )
 
 
 # --- wheels and the pinned provider -----------------------------------------------------------

@@ -15,7 +15,7 @@ DEFAULT_BASE = Path("/run/ficc-demo")
 """All runs live below this directory; each run in its own subdirectory."""
 
 DISK_BASE = Path("/var/lib/ficc-demo")
-"""Where the slot goes instead when the base is on tmpfs (see `RunLayout.slot_base`)."""
+"""Where each run's slot image file lives: on disk, since /run is often a small tmpfs."""
 
 TRANSPORT_ACCOUNT = "ficc-demo-transport"
 """The account of the controller's transport: the only one that may use transport.sock."""
@@ -34,10 +34,6 @@ class RunLayout:
     """The paths of one run, all below `root` (see the module docstring)."""
 
     root: Path
-    slot_base: Path | None = None
-    """Where the slot directory goes, if not in `root/slots`: on a stock Debian 12,
-    /run is a small tmpfs, and rootless Podman's overlay storage (which lives in the
-    slot) needs a disk file system there (kernel 6.1 tmpfs lacks user xattrs)."""
 
     @property
     def config_dir(self) -> Path:
@@ -67,8 +63,14 @@ class RunLayout:
 
     @property
     def slot_dir(self) -> Path:
-        """The slot's reserved directory: attempt layouts and the slot's Podman storage."""
-        return (self.slot_base or self.root / "slots") / SLOT_ID
+        """The slot's own filesystem (mounted here): attempt layouts and the slot's
+        Podman storage."""
+        return self.root / "slots" / SLOT_ID
+
+    @property
+    def slot_image(self) -> Path:
+        """The ext4 image file behind the slot, on disk (`DISK_BASE`, not /run)."""
+        return DISK_BASE / self.root.name / f"{SLOT_ID}.img"
 
     @property
     def wheel_dir(self) -> Path:

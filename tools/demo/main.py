@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -31,11 +32,12 @@ from pathlib import Path
 from demo import config, host, job, report
 from demo.controller import Result, Target, as_account
 from demo.daemon import DaemonFailed, DaemonProcess
-from demo.layout import DEFAULT_BASE, DISK_BASE, SLOT_ACCOUNT, TRANSPORT_ACCOUNT, RunLayout
+from demo.layout import DEFAULT_BASE, SLOT_ACCOUNT, TRANSPORT_ACCOUNT, RunLayout
+from ficc.execution.host import provision
 from ficc.execution.host.config import parse_config
 from ficc.execution.host.errors import HostError
 
-PHASES = 9
+PHASES = 10
 
 
 class Demo:
@@ -44,8 +46,7 @@ class Demo:
     def __init__(self, base: Path) -> None:
         self.base = base
         name = time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
-        slot_base = DISK_BASE / name if host.on_tmpfs(base) else None
-        self.layout = RunLayout(base / name, slot_base)
+        self.layout = RunLayout(base / name)
         self.daemon: DaemonProcess | None = None
         self.ids = config.Identities()
         self.phase_number = 0
@@ -76,11 +77,13 @@ class Demo:
                 self.say(line)
             host.make_directories(self.layout, self.transport)
             self.say(f"this run: {self.layout.root}")
-            if self.layout.slot_base is not None:
-                self.say(
-                    f"{self.base} is on tmpfs: the slot (with Podman's overlay storage) goes "
-                    f"to {self.layout.slot_dir} on disk"
-                )
+        with self.phase("the slot filesystem"):
+            self.slot_fs = host.make_slot(self.layout)
+            self.say(
+                f"{self.layout.slot_image} (ext4, allocated in full) mounted nodev,nosuid on "
+                f"{self.layout.slot_dir}"
+            )
+            self.say(f"filesystem UUID {self.slot_fs.filesystem_uuid} (the slot is bound to it)")
         with self.phase("wheels and the pinned provider"):
             wheels = host.build_wheels(self.layout)
             for wheel in wheels.values():
@@ -102,6 +105,7 @@ class Demo:
                 slot=self.slot,
                 provider_digest=self.digest,
                 image=self.image,
+                filesystem_uuid=self.slot_fs.filesystem_uuid,
             )
             parse_config(json.dumps(document).encode(), ".json")  # the daemon's own rules
             host.write_config(self.layout, document)
@@ -197,6 +201,8 @@ class Demo:
                 " the demo removed it"
             )
         self.say("no attempt service (cgroup) of this installation is left")
+        provision.remove_slot(str(self.layout.slot_dir))
+        self.say(f"slot filesystem unmounted (its image stays: {self.layout.slot_image})")
 
     def emergency_stop(self) -> None:
         """After a failure: never leave a daemon or a payload running."""
@@ -218,6 +224,9 @@ class Demo:
             removed = host.remove_services(self.ids.installation_id)
             if removed:
                 print(f"   removed {removed} leftover attempt service(s)", flush=True)
+        if os.path.ismount(self.layout.slot_dir):
+            provision.remove_slot(str(self.layout.slot_dir))
+            print(f"   slot filesystem {self.layout.slot_dir} unmounted", flush=True)
 
 
 class JobError(Exception):
@@ -280,7 +289,7 @@ def finish(demo: Demo, failure: str | None) -> int:
         ("daemon log", layout.daemon_log),
         ("ledger", layout.state_dir),
         ("controller", layout.controller_dir),
-        ("slot", layout.slot_dir),
+        ("slot image", layout.slot_image),
     ):
         print(f"  {label:<14}{path}")
     print("the next run removes it first.")

@@ -62,10 +62,18 @@ E2E_FILES = [
     "tests-integration/conftest.py",
     "tests-integration/podman_support.py",
     "tests-integration/test_podman_e2e.py",
+    "tests-integration/test_podman_disk.py",
     "tools/testimage/build.py",
     "packages/ficc-provider-podman/packaging/podman.conf",
 ]
-E2E_TESTS = f"{INSIDE}/tests-integration/test_podman_e2e.py"
+E2E_TESTS = [
+    f"{INSIDE}/tests-integration/test_podman_e2e.py",
+    f"{INSIDE}/tests-integration/test_podman_disk.py",
+]
+LOOP_DEVICES = 32
+"""Loop device nodes made on the host before the container starts: a privileged
+container gets a copy of the host's /dev as it is then, and the tests inside
+loop-mount their slot filesystems."""
 TEST_PROVIDER = "tests-integration/providers/ficc-test-provider"
 PODMAN_PROVIDER = "packages/ficc-provider-podman"
 REQUIREMENTS = ["msgspec>=0.18,<1", "uvloop>=0.19,<1", "psutil>=5.9,<8", "pytest>=8"]
@@ -226,7 +234,20 @@ def remove_stale() -> None:
         remove_container(name)
 
 
+def ensure_loop_devices(count: int = LOOP_DEVICES) -> None:
+    """/dev/loop0 .. loop<count-1> on the host (LOOP_CTL_ADD; an existing one is fine)."""
+    loop_ctl_add = 0x4C80
+    fd = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for index in range(count):
+            with contextlib.suppress(FileExistsError):
+                fcntl.ioctl(fd, loop_ctl_add, index)
+    finally:
+        os.close(fd)
+
+
 def boot(image: str, name: str) -> None:
+    ensure_loop_devices()
     _run(
         [
             *PODMAN,
@@ -310,7 +331,7 @@ def run_tests(name: str, pytest_args: list[str]) -> int:
     command += [name, f"{INSIDE}/venv/bin/pytest", "-q", "-ra", "-p", "no:cacheprovider"]
     # The marker is declared in each package's pyproject, which is not copied in.
     command += ["-o", "markers=soak: long reliability loops (FICC_SOAK=1)"]
-    command += [f"{INSIDE}/tests", E2E_TESTS, *pytest_args]
+    command += [f"{INSIDE}/tests", *E2E_TESTS, *pytest_args]
     return _run(command, check=False).returncode
 
 

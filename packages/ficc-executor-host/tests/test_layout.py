@@ -236,3 +236,40 @@ def test_a_root_0700_directory_with_content_is_still_refused(layout: Layout) -> 
     with pytest.raises(HostError) as caught:
         layout.remove(attempt)
     assert caught.value.code == "layout_unsafe"
+
+
+def test_free_payload_data_removes_only_what_the_payload_wrote(layout: Layout) -> None:
+    """Release frees the storage tree and the logs first (a full slot), nothing else."""
+    attempt = new_id()
+    paths = layout.create(attempt)
+    for i in range(50):
+        (Path(paths.storage) / f"d{i}").mkdir()
+        (Path(paths.storage) / f"d{i}" / "f").write_bytes(b"x" * 1000)
+    Path(paths.stdout).write_bytes(b"out" * 1000)
+    (Path(paths.provider) / "runtime").write_bytes(b"provider state")
+    (Path(paths.evidence) / "gate-evidence.json").write_bytes(b"{}")
+    layout.free_payload_data(attempt)
+    assert not os.path.lexists(paths.storage)
+    assert not os.path.lexists(paths.logs)
+    assert (Path(paths.provider) / "runtime").read_bytes() == b"provider state"
+    assert (Path(paths.evidence) / "gate-evidence.json").exists()
+    layout.free_payload_data(attempt)  # again: absent parts are success
+    layout.remove(attempt)
+    assert not os.path.lexists(paths.root)
+    layout.free_payload_data(attempt)  # no attempt directory at all
+
+
+def test_free_payload_data_refuses_a_storage_part_replaced_by_a_link(
+    layout: Layout, tmp_path: Path
+) -> None:
+    attempt = new_id()
+    paths = layout.create(attempt)
+    os.rmdir(paths.storage)
+    outside = tmp_path / "outside-storage"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"keep")
+    os.symlink(outside, paths.storage)
+    with pytest.raises(HostError) as refused:
+        layout.free_payload_data(attempt)
+    assert refused.value.code == "unexpected_entry"
+    assert (outside / "keep").read_bytes() == b"keep"

@@ -1236,3 +1236,31 @@ def test_what_a_growing_ledger_looks_up_goes_through_an_index(ledger: Ledger, qu
     plan = [row[3] for row in ledger._db.execute(f"EXPLAIN QUERY PLAN {sql}")]
     assert any("USING INDEX attempts_" in step for step in plan), plan
     assert not any(step.startswith("SCAN attempts") for step in plan), plan
+
+
+def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    """A ledger written before the storage flags existed (schema 1) opens, gains the
+    columns with false for every record, and keeps every record as it was."""
+    admitted(ledger, make_plan())
+    before = ledger.page(None)[0]
+    ledger.close()
+    db = sqlite3.connect(state_dir / LEDGER_FILE, isolation_level=None)
+    try:
+        db.execute("ALTER TABLE attempts DROP COLUMN storage_exhausted")
+        db.execute("ALTER TABLE attempts DROP COLUMN log_cut_short")
+        db.execute("UPDATE meta SET schema_version = 1")
+    finally:
+        db.close()
+    migrated = Ledger.open(str(state_dir), INSTALLATION)
+    try:
+        assert migrated.page(None)[0] == before
+        assert not before[0].status.storage_exhausted
+    finally:
+        migrated.close()
+    db = sqlite3.connect(state_dir / LEDGER_FILE)
+    try:
+        assert db.execute("SELECT schema_version FROM meta").fetchone() == (2,)
+    finally:
+        db.close()

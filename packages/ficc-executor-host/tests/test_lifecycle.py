@@ -124,6 +124,14 @@ EXPECTED: dict[str, tuple[lc.AnyEvent, dict[str, object]]] = {
             | {"stop_pending": None},
         ),
     ),
+    # a full slot is noted while the payload runs (flags only) ...
+    "storage_exhausted": (
+        lc.StorageExhausted(log_cut_short=True),
+        _all(
+            ["starting", "running", "stopping", "expiring"],
+            {"storage_exhausted": True, "log_cut_short": True},
+        ),
+    ),
     "stop": (
         lc.StopRequested(),
         {
@@ -301,3 +309,35 @@ def test_invariants_hold_for_any_sequence(events: list[lc.AnyEvent], start: Stat
         outcome = after.outcome
         status = after
     assert starts <= 1, "an attempt is started at most once"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+@pytest.mark.parametrize("pending", [None, "cancelled", "expired"])
+def test_a_full_slot_fails_the_job_whatever_its_exit_code(code: int, pending: str | None) -> None:
+    running = msgspec.structs.replace(STATUSES["running"], stop_pending=pending)
+    full = lc.apply(running, lc.StorageExhausted(log_cut_short=False)).status
+    assert (full.state, full.storage_exhausted, full.log_cut_short) == ("running", True, False)
+    full = lc.apply(full, lc.StorageExhausted(log_cut_short=True)).status
+    assert full.log_cut_short
+    assert lc.apply(full, lc.StorageExhausted(log_cut_short=False)).status.log_cut_short
+    done = lc.apply(full, lc.Finished(exit_code=code)).status
+    assert (done.state, done.outcome, done.reason) == ("failed", "failed", "storage_exhausted")
+    assert (done.exit_code, done.stop_pending) == (code, None)
+    assert (done.storage_exhausted, done.log_cut_short) == (True, True)
+
+
+def test_a_full_slot_keeps_the_outcome_of_a_stop_and_its_flags_survive_release() -> None:
+    stopping = lc.apply(STATUSES["stopping"], lc.StorageExhausted(log_cut_short=True)).status
+    stopped = lc.apply(stopping, lc.Stopped()).status
+    assert (stopped.state, stopped.reason, stopped.storage_exhausted) == (
+        "cancelled",
+        "stopped",
+        True,
+    )
+    cleaned = lc.apply(stopped, lc.CleanupConfirmed()).status
+    released = lc.apply(cleaned, lc.Release()).status
+    assert (released.state, released.outcome, released.storage_exhausted) == (
+        "released",
+        "cancelled",
+        True,
+    )
