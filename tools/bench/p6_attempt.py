@@ -70,7 +70,7 @@ def _daemon_figures(rounds: int) -> list[Figure]:
         return Figure("P6", name, value * 1000, "ms", baseline * 1000, value / baseline, target)
 
     return [
-        figure("whole attempt of `true` via daemon vs podman run", whole, target=2.0),
+        figure("whole attempt of `true` via daemon vs podman run", whole, target=1.5),
         figure("  prepare->ready via daemon vs podman run", ready),
         figure("  start->finished via daemon vs podman run", finished),
     ]
