@@ -500,6 +500,17 @@ def test_offer_closed(d: Daemon) -> None:
         set_offer(d, "active")
 
 
+@pytest.mark.parametrize("layout", [{"state_dir_min_free_bytes": 2**62}], indirect=True)
+def test_ledger_full(daemon: Daemon) -> None:
+    """A free-space floor no filesystem meets: admission is refused whole, nothing is
+    recorded. (Its own daemon: the floor is configuration.)"""
+    plan = daemon.plan()
+    reply = daemon.prepare([plan])
+    assert error_code(reply) == "ledger_full", reply
+    assert error_code(daemon.reject_absent([daemon.plan()])) == "ledger_full"
+    assert daemon.snapshot().attempts == []
+
+
 def test_offer_changed(d: Daemon) -> None:
     plan = ready(d)
     original = d.snapshot().offer.limits
