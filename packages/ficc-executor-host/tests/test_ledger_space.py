@@ -182,7 +182,9 @@ def test_the_ledger_bound_refuses_admission_and_keeps_everything_else(state_dir:
         reopened.close()
 
 
-def test_the_hard_limit_fails_a_write_whole_and_the_ledger_goes_on(state_dir: Path) -> None:
+def test_the_hard_limit_fails_a_write_whole_and_the_ledger_goes_on(
+    state_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A write past max_page_count is rolled back (SQLITE_FULL), answered `ledger_full`,
     and leaves no transaction open: the next write goes through."""
     led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
@@ -201,8 +203,9 @@ def test_the_hard_limit_fails_a_write_whole_and_the_ledger_goes_on(state_dir: Pa
         record = led.get(plan.attempt_id)
         assert record is not None
         assert record.status.ready
-        # the reserve spent on the failed retry is made again after the good write
+        # the disk has room: the reserve was not spent on a write the cap refused
         assert (state_dir / space.RESERVE_FILE).exists()
+        assert "deleted" not in caplog.text
     finally:
         led.close()
 

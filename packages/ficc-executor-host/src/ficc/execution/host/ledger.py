@@ -887,9 +887,18 @@ class Ledger:
             raise HostError(ErrorCode.LEDGER_FULL, f"admission refused: {why}")
 
     def _drop_reserve(self) -> bool:
-        """Delete the reserve file to free its space (see `_spending_reserve`)."""
+        """Delete the reserve file to free its space (see `_spending_reserve`), unless the
+        filesystem has at least that much free: then the write hit `ledger_max_bytes`,
+        which the reserve cannot help with."""
         with self._lock:
-            if self._dir_fd < 0 or not ledger_space.drop_reserve(self._dir_fd):
+            if self._dir_fd < 0:
+                return False
+            size = (
+                ledger_space.RESERVE_BYTES if self._bounds is None else self._bounds.reserve_bytes
+            )
+            if ledger_space.free_bytes(self._dir_fd) >= size:
+                return False
+            if not ledger_space.drop_reserve(self._dir_fd):
                 return False
             self._reserve_spent = True
         _log.warning(
