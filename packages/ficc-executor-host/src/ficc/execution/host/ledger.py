@@ -664,9 +664,17 @@ class _Full(HostError):
         )
 
 
+_SQLITE_FULL: Final = 13
+_SQLITE_IOERR_SHMSIZE: Final = 10 | 19 << 8
+
+
 def _out_of_space(error: BaseException) -> bool:
-    """Whether SQLite failed for lack of space (SQLITE_FULL: the disk, or max_page_count)."""
-    return isinstance(error, sqlite3.OperationalError) and error.sqlite_errorcode & 0xFF == 13
+    """Whether SQLite failed for lack of space: SQLITE_FULL (the disk, or max_page_count),
+    or growing the shared-memory index failed (which it reports as an I/O error)."""
+    if not isinstance(error, sqlite3.OperationalError):
+        return False
+    code = error.sqlite_errorcode
+    return code & 0xFF == _SQLITE_FULL or code == _SQLITE_IOERR_SHMSIZE
 
 
 _P = ParamSpec("_P")
