@@ -270,6 +270,13 @@ def test_a_disk_filled_from_outside_spends_the_reserve(small_fs: Path) -> None:
         led.apply(fence(plans[0]), lc.PrepareBegun())
         led.apply(fence(plans[0]), lc.PrepareOk(result=b"r" * (512 * 1024)))
         assert not reserve.exists()
+        # what the reserve freed is not for admission
+        free = os.statvfs(small_fs)
+        assert free.f_bavail * free.f_frsize > bounds.min_free_bytes
+        with pytest.raises(HostError) as refused:
+            led.admit_batch(led.bindings(), [_row(make_plan())], facts())
+        assert refused.value.code == "ledger_full"
+        assert space.RESERVE_FILE in refused.value.message
         # with no reserve left, a write that cannot fit fails whole and changes nothing
         _fill(small_fs / "filler2")
         before = led.get(plans[1].attempt_id)

@@ -879,13 +879,22 @@ class Ledger:
 
     def _check_room(self, plans: Sequence[_Encoded]) -> None:
         """Refuse admission (`ledger_full`) before the ledger or its filesystem passes a
-        configured bound; called inside the admission transaction, before any write, with
-        the plans it would record."""
+        configured bound, or while the reserve is missing (the space a spent reserve
+        freed is for admitted work, not for new records); called inside the admission
+        transaction, before any write, with the plans it would record."""
         bounds = self._bounds
         if bounds is None or not plans:
             return
         if self._reserve_spent or not ledger_space.has_reserve(self._dir_fd):
             self._reserve_spent = not ledger_space.make_reserve(self._dir_fd, bounds)
+            if self._reserve_spent:
+                raise HostError(
+                    ErrorCode.LEDGER_FULL,
+                    f"admission refused: the ledger's reserve ({ledger_space.RESERVE_FILE},"
+                    f" {bounds.reserve_bytes} bytes) is missing and state_dir's filesystem"
+                    f" has no room for it above state_dir_min_free_bytes"
+                    f" ({bounds.min_free_bytes}): free space on that filesystem",
+                )
         ((pages,),) = self._db.execute("PRAGMA page_count").fetchall()
         ((page_size,),) = self._db.execute("PRAGMA page_size").fetchall()
         space = ledger_space.Space(pages * page_size, ledger_space.free_bytes(self._dir_fd))
