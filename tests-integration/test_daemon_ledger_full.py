@@ -25,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.wire import TERMINAL, AttemptRow
+from ficc.execution.plan import Plan, plan_digest
+from ficc.execution.protocol import CollectRequest, Read
+from ficc.execution.wire import TERMINAL, AttemptRow, ReadRow, ReadsReply
 from harness import (
     MIB,
     Accounts,
@@ -35,6 +37,7 @@ from harness import (
     Layout,
     attempt,
     error_code,
+    new_id,
     now_ms,
     private_directory,
     row_code,
@@ -112,6 +115,22 @@ def settled(daemon: Daemon, plan: object, state: str) -> AttemptRow:
     )
 
 
+def collect_stdout(daemon: Daemon, plan: Plan) -> ReadRow:
+    read = Read(
+        attempt_id=plan.attempt_id,
+        generation=plan.generation,
+        plan_digest=plan_digest(plan),
+        object="stdout",
+        offset=0,
+        length=4096,
+    )
+    reply = daemon.as_transport(CollectRequest(version=1, id=new_id(), reads=[read]))
+    assert isinstance(reply, ReadsReply), reply
+    (row,) = reply.results
+    assert isinstance(row, ReadRow), row
+    return row
+
+
 def quick_check(path: Path) -> str:
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
@@ -136,7 +155,9 @@ def test_a_full_state_dir_refuses_admission_and_the_rest_goes_on(daemon: Daemon)
     refused = daemon.plan()
     reply = daemon.prepare([refused])
     assert error_code(reply) == "ledger_full", reply
-    assert "state_dir_min_free_bytes" in reply.error.message  # type: ignore[union-attr]
+    message = reply.error.message  # type: ignore[union-attr]
+    assert message.startswith("admission refused"), message
+    assert "state_dir_min_free_bytes" in message
     assert error_code(daemon.reject_absent([daemon.plan()])) == "ledger_full"
     assert row_code(daemon.observe(refused)) == "unknown_attempt"
     assert {a.attempt_id for a in daemon.snapshot().attempts} == before
@@ -151,6 +172,7 @@ def test_a_full_state_dir_refuses_admission_and_the_rest_goes_on(daemon: Daemon)
     attempt(daemon.start_attempt(started))
     ended = settled(daemon, started, "failed")
     assert ended.state == "failed", ended
+    assert collect_stdout(daemon, started).data == b""  # never ran: nothing written
     attempt(daemon.stop_attempt(stopped))
     assert settled(daemon, stopped, "cancelled").state == "cancelled"
     for plan, outcome in ((started, "failed"), (stopped, "cancelled")):
@@ -188,7 +210,8 @@ def test_the_ledger_stops_admission_at_its_own_bound(daemon: Daemon) -> None:
             recorded += size
             continue
         assert error_code(reply) == "ledger_full", reply
-        assert "ledger_max_bytes" in reply.error.message  # type: ignore[union-attr]
+        message = reply.error.message  # type: ignore[union-attr]
+        assert message.startswith("admission refused: the ledger holds"), message
         if size == 1:
             break
         size = 1  # full batches no longer fit: go on one plan at a time
