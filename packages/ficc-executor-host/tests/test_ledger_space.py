@@ -79,6 +79,18 @@ def test_refusal_is_exactly_the_two_bounds(
     assert refused == (used + wanted > maximum - maximum // 8 or free - wanted < floor)
 
 
+def test_a_short_reserve_left_by_a_crash_is_made_again(state_dir: Path) -> None:
+    (state_dir / space.RESERVE_FILE).write_bytes(b"")
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert not space.has_reserve(fd)
+        assert space.make_reserve(fd, SpaceBounds(MIB, 0))
+        assert space.has_reserve(fd)
+    finally:
+        os.close(fd)
+    assert (state_dir / space.RESERVE_FILE).stat().st_blocks * 512 >= space.RESERVE_BYTES
+
+
 def test_the_hard_limit_in_pages() -> None:
     assert SpaceBounds(MIB, 0).max_page_count(4096) == 256
     assert SpaceBounds(MIB + 4095, 0).max_page_count(4096) == 256

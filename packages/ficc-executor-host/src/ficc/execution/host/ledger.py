@@ -885,7 +885,7 @@ class Ledger:
         bounds = self._bounds
         if bounds is None or not plans:
             return
-        if self._reserve_spent or not ledger_space.has_reserve(self._dir_fd):
+        if self._reserve_spent or not ledger_space.has_reserve(self._dir_fd, bounds.reserve_bytes):
             self._reserve_spent = not ledger_space.make_reserve(self._dir_fd, bounds)
             if self._reserve_spent:
                 raise HostError(

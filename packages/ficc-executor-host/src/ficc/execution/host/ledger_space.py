@@ -105,20 +105,22 @@ def free_bytes(dir_fd: int) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def has_reserve(dir_fd: int) -> bool:
+def has_reserve(dir_fd: int, size: int = RESERVE_BYTES) -> bool:
+    """Whether the whole reserve is there (a crash while making it can leave it short)."""
     try:
-        os.stat(RESERVE_FILE, dir_fd=dir_fd, follow_symlinks=False)
+        st = os.stat(RESERVE_FILE, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
-    return True
+    return st.st_size >= size
 
 
 def make_reserve(dir_fd: int, bounds: SpaceBounds) -> bool:
     """Allocate the reserve if it is missing and the filesystem has room for it above the
     floor; whether a reserve is there afterwards. Never raises: a reserve that cannot be
     made (no room, a filesystem error) is only missing, and a half-made one is removed."""
-    if has_reserve(dir_fd):
+    if has_reserve(dir_fd, bounds.reserve_bytes):
         return True
+    drop_reserve(dir_fd)  # a short one, left by a crash while it was made
     if free_bytes(dir_fd) < bounds.reserve_bytes + bounds.min_free_bytes:
         return False
     try:
