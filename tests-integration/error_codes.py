@@ -98,6 +98,12 @@ ENTRIES: tuple[Entry, ...] = (
     _socket("admission_rejected", "row", "a plan whose project is not in the offer"),
     _socket("offer_closed", "row", "start of a ready attempt while the offer is paused"),
     _socket("offer_changed", "row", "start after the offer's memory dropped below the plan's"),
+    _socket(
+        "ledger_full",
+        "whole",
+        "prepare when state_dir_min_free_bytes is above the free space (test_daemon_ledger_full.py"
+        " fills a real state_dir filesystem and the ledger's own bound)",
+    ),
     _detail("slot_capacity", "a plan of a slot class no slot has"),
     _detail("provider_unavailable", "a plan pinning another provider package digest"),
     _detail("offer_revision", "a plan made for another offer revision"),

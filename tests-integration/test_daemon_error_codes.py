@@ -493,6 +493,17 @@ def test_offer_closed(d: Daemon) -> None:
         set_offer(d, "active")
 
 
+@pytest.mark.parametrize("layout", [{"state_dir_min_free_bytes": 2**62}], indirect=True)
+def test_ledger_full(daemon: Daemon) -> None:
+    """A free-space floor no filesystem meets: admission is refused whole, nothing is
+    recorded. (Its own daemon: the floor is configuration.)"""
+    plan = daemon.plan()
+    reply = daemon.prepare([plan])
+    assert error_code(reply) == "ledger_full", reply
+    assert error_code(daemon.reject_absent([daemon.plan()])) == "ledger_full"
+    assert daemon.snapshot().attempts == []
+
+
 def test_offer_changed(d: Daemon) -> None:
     plan = ready(d)
     original = d.snapshot().offer.limits
@@ -750,7 +761,9 @@ def test_input_storage_failed(d: Daemon) -> None:
     SIGXFSZ), an I/O error that is not a full filesystem."""
     plan, item = streamed(d, size=3 * CHUNK)
     assert attempt(d.observe(plan)).slot == "s0"
-    ledger_bytes = sum(p.stat().st_size for p in d.layout.state_dir.iterdir() if p.is_file())
+    ledger_files = [p for p in d.layout.state_dir.iterdir() if p.is_file()]
+    # the ledger's reserve file is allocated once and never written again
+    ledger_bytes = sum(p.stat().st_size for p in ledger_files if p.name != "ledger.reserve")
     assert ledger_bytes < 2 * CHUNK - 4 * MIB, "the limit below would also stop the ledger"
     pid = d.process.process.pid  # type: ignore[union-attr]
     original = resource.prlimit(pid, resource.RLIMIT_FSIZE)

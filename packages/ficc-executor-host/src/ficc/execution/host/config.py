@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from ficc.execution.host import fsutil, slotfs
+from ficc.execution.host import fsutil, ledger_space, slotfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.plan import Digest, Identity, Name
 
@@ -46,6 +46,8 @@ AccountId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 Control = Literal["active", "paused", "draining", "stopped"]
+LedgerBytes = Annotated[int, msgspec.Meta(ge=ledger_space.MIN_LEDGER_MAX_BYTES, le=2**50)]
+FreeBytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
 
 class Slot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,6 +110,13 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ceiling: Allowance
     initial_offer: Offer
     providers: Annotated[tuple[Provider, ...], msgspec.Meta(min_length=1, max_length=64)]
+    ledger_max_bytes: LedgerBytes = ledger_space.DEFAULT_LEDGER_MAX_BYTES
+    """The ledger's hard size limit; admission stops an eighth below it."""
+    state_dir_min_free_bytes: FreeBytes = ledger_space.DEFAULT_MIN_FREE_BYTES
+    """Free space admission keeps on `state_dir`'s filesystem."""
+
+    def space_bounds(self) -> ledger_space.SpaceBounds:
+        return ledger_space.SpaceBounds(self.ledger_max_bytes, self.state_dir_min_free_bytes)
 
 
 def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:

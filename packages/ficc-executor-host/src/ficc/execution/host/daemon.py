@@ -189,8 +189,13 @@ def open_ledger(config: Config) -> Ledger:
         except BaseException:
             ledger.close()
             raise
-    if not has_marker:
-        _write_marker(config.state_dir, ledger.bindings().ledger_id)
+    try:
+        ledger.bound_space(config.space_bounds())
+        if not has_marker:
+            _write_marker(config.state_dir, ledger.bindings().ledger_id)
+    except BaseException:
+        ledger.close()
+        raise
     return ledger
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import itertools
 import logging
 import operator
@@ -44,13 +45,13 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final, Literal, NamedTuple
+from typing import Concatenate, Final, Literal, NamedTuple, ParamSpec, TypeVar
 
 import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import fsutil, leases, lifecycle
+from ficc.execution.host import fsutil, leases, ledger_space, lifecycle
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Lease, Now
 from ficc.execution.host.staging import StreamState
@@ -662,6 +663,54 @@ def _same(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+class _Full(HostError):
+    """A write transaction that failed for lack of space, rolled back: nothing changed."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            ErrorCode.LEDGER_FULL,
+            "the ledger could not record this change (state_dir's filesystem is full or the"
+            " ledger reached ledger_max_bytes) and nothing was changed: free space on"
+            " state_dir's filesystem or raise ledger_max_bytes, then retry",
+        )
+
+
+_SQLITE_FULL: Final = 13
+_SQLITE_IOERR_SHMSIZE: Final = 10 | 19 << 8
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """Whether SQLite failed for lack of space: SQLITE_FULL (the disk, or max_page_count),
+    or growing the shared-memory index failed (which it reports as an I/O error)."""
+    if not isinstance(error, sqlite3.OperationalError):
+        return False
+    code = error.sqlite_errorcode
+    return code & 0xFF == _SQLITE_FULL or code == _SQLITE_IOERR_SHMSIZE
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _spending_reserve(
+    method: Callable[Concatenate[Ledger, _P], _T],
+) -> Callable[Concatenate[Ledger, _P], _T]:
+    """A write that keeps working when something else filled the disk: when its
+    transaction fails for lack of space (rolled back, nothing written), the reserve file
+    is deleted and the transaction runs once more. Admission never spends the reserve."""
+
+    @functools.wraps(method)
+    def run(self: Ledger, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return method(self, *args, **kwargs)
+        except _Full:
+            if not self._drop_reserve():
+                raise
+        return method(self, *args, **kwargs)
+
+    return run
+
+
 def _log_change(record: AttemptRecord, cause: str) -> None:
     """One structured log line per committed change of an attempt's record."""
     if not _log.isEnabledFor(logging.INFO):
@@ -720,6 +769,10 @@ class Ledger:
         self._changed: list[tuple[AttemptRecord, str]] = []
         """Records changed by the open transaction, logged once it commits."""
         self.path = path
+        self._bounds: ledger_space.SpaceBounds | None = None
+        """The configured space bounds (`bound_space`); None: unbounded."""
+        self._reserve_spent = False
+        """The reserve was deleted to let a write through; made again when there is room."""
         row = None
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
             row = db.execute(
@@ -838,6 +891,76 @@ class Ledger:
                 os.close(self._dir_fd)
                 self._dir_fd = -1
 
+    # -- space ----------------------------------------------------------------------
+
+    def bound_space(self, bounds: ledger_space.SpaceBounds) -> None:
+        """Apply the configured space bounds: SQLite's hard limit on the database file,
+        admission's check (`_check_room`), and the reserve file, made now if it fits."""
+        with self._lock:
+            ((page_size,),) = self._db.execute("PRAGMA page_size").fetchall()
+            pages = bounds.max_page_count(page_size)
+            self._db.execute(f"PRAGMA max_page_count = {pages:d}")
+            self._bounds = bounds
+            if not ledger_space.make_reserve(self._dir_fd, bounds):
+                _log.warning(
+                    "no %s in the state directory (too little free space): a full filesystem"
+                    " will refuse every ledger write until space is freed",
+                    ledger_space.RESERVE_FILE,
+                )
+
+    def _check_room(self, plans: Sequence[_Encoded]) -> None:
+        """Refuse admission (`ledger_full`) before the ledger or its filesystem passes a
+        configured bound, or while the reserve is missing (the space a spent reserve
+        freed is for admitted work, not for new records); called inside the admission
+        transaction, before any write, with the plans it would record."""
+        bounds = self._bounds
+        if bounds is None or not plans:
+            return
+        if self._reserve_spent or not ledger_space.has_reserve(self._dir_fd, bounds.reserve_bytes):
+            self._reserve_spent = not ledger_space.make_reserve(self._dir_fd, bounds)
+            if self._reserve_spent:
+                raise HostError(
+                    ErrorCode.LEDGER_FULL,
+                    f"admission refused: the ledger's reserve ({ledger_space.RESERVE_FILE},"
+                    f" {bounds.reserve_bytes} bytes) is missing and state_dir's filesystem"
+                    f" has no room for it above state_dir_min_free_bytes"
+                    f" ({bounds.min_free_bytes}): free space on that filesystem",
+                )
+        ((pages,),) = self._db.execute("PRAGMA page_count").fetchall()
+        ((page_size,),) = self._db.execute("PRAGMA page_size").fetchall()
+        space = ledger_space.Space(pages * page_size, ledger_space.free_bytes(self._dir_fd))
+        wanted = ledger_space.request_bytes(len(p.data) for p in plans)
+        why = ledger_space.admission_refusal(space, wanted, bounds)
+        if why is not None:
+            raise HostError(ErrorCode.LEDGER_FULL, f"admission refused: {why}")
+
+    def _drop_reserve(self) -> bool:
+        """Delete the reserve file to free its space (see `_spending_reserve`), unless the
+        filesystem has at least that much free: then the write hit `ledger_max_bytes`,
+        which the reserve cannot help with."""
+        with self._lock:
+            if self._dir_fd < 0:
+                return False
+            size = (
+                ledger_space.RESERVE_BYTES if self._bounds is None else self._bounds.reserve_bytes
+            )
+            if ledger_space.free_bytes(self._dir_fd) >= size:
+                return False
+            if not ledger_space.drop_reserve(self._dir_fd):
+                return False
+            self._reserve_spent = True
+        _log.warning(
+            "the ledger's filesystem is full: %s deleted so the write can be retried;"
+            " free space on state_dir's filesystem",
+            ledger_space.RESERVE_FILE,
+        )
+        return True
+
+    def _remake_reserve(self) -> None:
+        """After a write that spent the reserve went through, make it again if it fits."""
+        if self._reserve_spent and self._bounds is not None:
+            self._reserve_spent = not ledger_space.make_reserve(self._dir_fd, self._bounds)
+
     # -- reading --------------------------------------------------------------------
 
     def bindings(self) -> Bindings:
@@ -943,6 +1066,7 @@ class Ledger:
         with self._write(bindings) as ordinal:
             terms = _Terms.of(self._offer(), facts.ceiling)
             batch = _Batch(ordinal, terms, self._occupancy(), self._known(encoded))
+            self._check_room([p for p in encoded if p.plan.attempt_id not in batch.known.records])
             results: list[Row] = []
             for row, plan in zip(rows, encoded, strict=True):
                 try:
@@ -981,9 +1105,10 @@ class Ledger:
     def reject_absent(self, bindings: Bindings, plans: Sequence[planlib.Plan]) -> list[Row]:
         """Commit failed, never-runnable rejections for plans the host never admitted."""
         return self._record_absent(
-            bindings, plans, lifecycle.admission_rejected(), "rejected_absent"
+            bindings, plans, lifecycle.admission_rejected(), "rejected_absent", admission=True
         )
 
+    @_spending_reserve
     def reconcile_absent(
         self, bindings: Bindings, plans: Sequence[planlib.Plan], evidence_ok: bool
     ) -> list[Row]:
@@ -1010,6 +1135,7 @@ class Ledger:
         detail: str | None,
         *,
         require_idle: bool = False,
+        admission: bool = False,
     ) -> list[Row]:
         _check_batch(plans)
         if len({p.attempt_id for p in plans}) != len(plans):
@@ -1022,6 +1148,8 @@ class Ledger:
                     "the ledger still holds reservations; release them before reconciling",
                 )
             known = self._known(encoded)
+            if admission:
+                self._check_room([p for p in encoded if p.plan.attempt_id not in known.records])
             results: list[Row] = []
             new: list[tuple[_Insert, tuple[object, ...]]] = []
             for plan in encoded:
@@ -1129,6 +1257,7 @@ class Ledger:
 
     # -- lifecycle ------------------------------------------------------------------
 
+    @_spending_reserve
     def apply_batch(
         self, rows: Sequence[tuple[Fence, lifecycle.AnyEvent]]
     ) -> list[Applied | HostError]:
@@ -1149,6 +1278,7 @@ class Ledger:
             raise result
         return result
 
+    @_spending_reserve
     def start_batch(
         self, fences: Sequence[Fence], now: Now, ceiling: OfferLimits | None = None
     ) -> list[Applied | HostError]:
@@ -1237,6 +1367,7 @@ class Ledger:
         self._changed.append((updated, event.name))
         return Applied(updated, changed=True)
 
+    @_spending_reserve
     def mark_restarted(self) -> list[AttemptRecord]:
         """Apply `DaemonRestarted` to every record, in one transaction, at daemon start.
 
@@ -1260,6 +1391,7 @@ class Ledger:
 
     # -- leases ---------------------------------------------------------------------
 
+    @_spending_reserve
     def renew_batch(
         self, rows: Sequence[tuple[Fence, leases.Renewal]], now: Now, maximum_lease_seconds: int
     ) -> list[Applied | HostError]:
@@ -1314,6 +1446,7 @@ class Ledger:
 
     # -- streamed inputs ------------------------------------------------------------
 
+    @_spending_reserve
     def commit_input_offset(
         self,
         fence: Fence,
@@ -1349,6 +1482,7 @@ class Ledger:
                 current, offset=new_offset, complete=complete, identity=kept
             )
 
+    @_spending_reserve
     def commit_stream(self, fence: Fence, state: StreamState, expected_offset: int) -> InputRecord:
         """Commit what `Stager.write` reports (pass this as its `commit`).
 
@@ -1412,6 +1546,7 @@ class Ledger:
 
     # -- the offer ------------------------------------------------------------------
 
+    @_spending_reserve
     def set_offer(
         self,
         expected_revision: int,
@@ -1462,19 +1597,28 @@ class Ledger:
                 ).fetchall()
                 bumped = self._db.total_changes
                 yield ordinal
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                self._changed.clear()
+                if self._db.total_changes == bumped:
+                    # Nothing but the ordinal was written (say, identical duplicate
+                    # renewals): nothing to make durable, so skip the commit and its fsync.
+                    self._db.execute("ROLLBACK")
+                else:
+                    self._db.execute("COMMIT")
+            except BaseException as error:
+                self._rollback()
+                if _out_of_space(error):
+                    raise _Full() from error
                 raise
-            if self._db.total_changes == bumped:
-                # Nothing but the ordinal was written (say, identical duplicate renewals):
-                # there is nothing to make durable, so skip the commit and its fsync.
-                self._db.execute("ROLLBACK")
-            else:
-                self._db.execute("COMMIT")
+            self._remake_reserve()
             changed, self._changed = self._changed, []
             for record, cause in changed:
                 _log_change(record, cause)
+
+    def _rollback(self) -> None:
+        """End the failed transaction. SQLite may have rolled it back already (it does on
+        a full disk), and a ROLLBACK then would fail and hide the real error."""
+        self._changed.clear()
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
 
     def _get(self, attempt_id: str) -> AttemptRecord | None:
         row = self._db.execute(f"{_SELECT} WHERE attempt_id = ?", (attempt_id,)).fetchone()

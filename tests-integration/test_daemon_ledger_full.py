@@ -1,0 +1,226 @@
+"""The ledger cannot fill the host: a state_dir filled from outside, through the real daemon.
+
+`state_dir` is the root of a small ext4 filesystem in a loop-mounted image file (made
+without root-reserved blocks, so a root writer can fill it to the last block), mounted
+`nodev,nosuid` and always unmounted, also when the test fails. While the daemon runs,
+another process fills that filesystem until the kernel answers ENOSPC. Then admission
+(`prepare`, `reject_absent`) is refused with `ledger_full` and writes no record, while
+snapshot, observe, renew, start, stop and release of attempts admitted before go on
+(the ledger spends its reserve file). After a restart the ledger passes its integrity
+check and holds exactly the records it held; once space is freed, admission reopens
+and the reserve is made again.
+
+A second test fills the ledger itself up to `ledger_max_bytes`, without a full disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ficc.execution.plan import Plan, plan_digest
+from ficc.execution.protocol import CollectRequest, Read
+from ficc.execution.wire import TERMINAL, AttemptRow, ReadRow, ReadsReply
+from harness import (
+    MIB,
+    Accounts,
+    Daemon,
+    DaemonProcess,
+    InstalledProvider,
+    Layout,
+    attempt,
+    error_code,
+    new_id,
+    now_ms,
+    private_directory,
+    row_code,
+    rows,
+)
+
+IMAGE_BYTES = 64 * MIB
+MIN_FREE = 4 * MIB
+LEDGER_FILE = "ledger.sqlite3"
+RESERVE_FILE = "ledger.reserve"
+
+
+@contextlib.contextmanager
+def small_ext4(base: Path) -> Iterator[Path]:
+    """A fresh 64 MiB ext4 filesystem mounted at base/ledgerfs, root-owned 0700."""
+    image, mount = base / "ledgerfs.img", base / "ledgerfs"
+    mount.mkdir()
+    subprocess.run(["truncate", "-s", str(IMAGE_BYTES), str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
+    subprocess.run(["mount", "-o", "loop,nodev,nosuid", str(image), str(mount)], check=True)
+    try:
+        os.chmod(mount, 0o700)
+        yield mount
+    finally:
+        unmounted = subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+        if unmounted.returncode != 0:  # still busy (a failed test's daemon): detach lazily
+            subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.fixture
+def layout(
+    request: pytest.FixtureRequest,
+    session_dir: Path,
+    accounts: Accounts,
+    provider: InstalledProvider,
+) -> Iterator[Layout]:
+    """The usual layout, with state_dir on its own small filesystem."""
+    base = private_directory(str(session_dir), "lf-")
+    try:
+        with small_ext4(base) as state_dir:
+            overrides = {"state_dir": str(state_dir), "state_dir_min_free_bytes": MIN_FREE}
+            overrides |= getattr(request, "param", {})
+            yield Layout.create(base, accounts, provider, **overrides)
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+def state_dir(daemon: Daemon) -> Path:
+    return Path(daemon.layout.document["state_dir"])
+
+
+def fill(path: Path) -> int:
+    """Write `path` until the filesystem refuses (ENOSPC): full to the last block."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    written = 0
+    try:
+        for size in (1 << 20, 4096, 1):
+            block = b"\xa5" * size
+            with pytest.raises(OSError) as full:  # noqa: PT012 - write until refused
+                while True:
+                    written += os.write(fd, block)
+            assert full.value.errno == errno.ENOSPC, full.value
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert os.statvfs(path.parent).f_bavail == 0
+    return written
+
+
+def settled(daemon: Daemon, plan: object, state: str) -> AttemptRow:
+    return daemon.wait_state(
+        plan,  # type: ignore[arg-type]
+        lambda r: r.state in TERMINAL and r.cleanup_confirmed,
+        f"{state} with cleanup confirmed",
+    )
+
+
+def collect_stdout(daemon: Daemon, plan: Plan) -> ReadRow:
+    read = Read(
+        attempt_id=plan.attempt_id,
+        generation=plan.generation,
+        plan_digest=plan_digest(plan),
+        object="stdout",
+        offset=0,
+        length=4096,
+    )
+    reply = daemon.as_transport(CollectRequest(version=1, id=new_id(), reads=[read]))
+    assert isinstance(reply, ReadsReply), reply
+    (row,) = reply.results
+    assert isinstance(row, ReadRow), row
+    return row
+
+
+def quick_check(path: Path) -> str:
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return str(db.execute("PRAGMA quick_check").fetchone()[0])
+    finally:
+        db.close()
+
+
+def test_a_full_state_dir_refuses_admission_and_the_rest_goes_on(daemon: Daemon) -> None:
+    ledger_dir = state_dir(daemon)
+    assert (ledger_dir / RESERVE_FILE).stat().st_blocks * 512 >= 8 * MIB  # allocated
+    started, stopped = daemon.plan(), daemon.plan()  # one per slot
+    rows(daemon.prepare([started, stopped]))
+    for plan in (started, stopped):
+        ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "ready")
+        assert (ready.state, ready.ready) == ("prepared", True), ready
+    before = {a.attempt_id for a in daemon.snapshot().attempts}
+
+    fill(ledger_dir / "filler")
+
+    # admission is refused whole, with its code, and records nothing
+    refused = daemon.plan()
+    reply = daemon.prepare([refused])
+    assert error_code(reply) == "ledger_full", reply
+    message = reply.error.message  # type: ignore[union-attr]
+    assert message.startswith("admission refused"), message
+    assert "state_dir_min_free_bytes" in message
+    assert error_code(daemon.reject_absent([daemon.plan()])) == "ledger_full"
+    assert row_code(daemon.observe(refused)) == "unknown_attempt"
+    assert {a.attempt_id for a in daemon.snapshot().attempts} == before
+    # a repeated prepare of an admitted plan still answers with its record
+    (again,) = rows(daemon.prepare([stopped]))
+    assert attempt(again).attempt_id == stopped.attempt_id
+
+    # everything else about admitted attempts goes on: renew, start (refused by the
+    # gate, recorded by the monitor), stop, cleanup, release
+    renewed = attempt(daemon.renew(started, 2, now_ms() + 600_000))
+    assert renewed.lease_sequence == 2
+    attempt(daemon.start_attempt(started))
+    ended = settled(daemon, started, "failed")
+    assert ended.state == "failed", ended
+    assert collect_stdout(daemon, started).data == b""  # never ran: nothing written
+    attempt(daemon.stop_attempt(stopped))
+    assert settled(daemon, stopped, "cancelled").state == "cancelled"
+    for plan, outcome in ((started, "failed"), (stopped, "cancelled")):
+        released = attempt(daemon.release(plan))
+        assert (released.state, released.outcome) == ("released", outcome)
+    assert not (ledger_dir / RESERVE_FILE).exists()  # spent to let those writes through
+    assert error_code(daemon.prepare([refused])) == "ledger_full"
+    settled_rows = daemon.snapshot().attempts
+
+    # a restart on the still full filesystem: the ledger opens cleanly, records unchanged
+    assert daemon.stop() == 0
+    assert quick_check(ledger_dir / LEDGER_FILE) == "ok"
+    daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+    daemon.start()
+    assert daemon.snapshot().attempts == settled_rows
+    assert error_code(daemon.prepare([refused])) == "ledger_full"
+
+    # space freed: admission reopens and the reserve is made again
+    (ledger_dir / "filler").unlink()
+    (row,) = rows(daemon.prepare([refused]))
+    assert attempt(row).state == "prepared"
+    assert (ledger_dir / RESERVE_FILE).exists()
+
+
+@pytest.mark.parametrize("layout", [{"ledger_max_bytes": 2 * MIB}], indirect=True)
+def test_the_ledger_stops_admission_at_its_own_bound(daemon: Daemon) -> None:
+    """No full disk: the ledger reaches `ledger_max_bytes` (less an eighth) by itself."""
+    admitted = daemon.plan()
+    rows(daemon.prepare([admitted]))
+    daemon.wait_state(admitted, lambda r: r.ready or r.state != "prepared", "ready")
+    recorded, size = 0, 64
+    for _ in range(200):
+        reply = daemon.reject_absent([daemon.plan() for _ in range(size)])
+        if error_code(reply) is None:
+            recorded += size
+            continue
+        assert error_code(reply) == "ledger_full", reply
+        message = reply.error.message  # type: ignore[union-attr]
+        assert message.startswith("admission refused: the ledger holds"), message
+        if size == 1:
+            break
+        size = 1  # full batches no longer fit: go on one plan at a time
+    else:
+        raise AssertionError("admission was never refused")
+    assert recorded > 0
+    assert error_code(daemon.prepare([daemon.plan()])) == "ledger_full"
+    # the attempt admitted before goes on to its release
+    assert attempt(daemon.renew(admitted, 2, now_ms() + 600_000)).lease_sequence == 2
+    attempt(daemon.stop_attempt(admitted))
+    assert settled(daemon, admitted, "cancelled").state == "cancelled"
+    assert attempt(daemon.release(admitted)).state == "released"
