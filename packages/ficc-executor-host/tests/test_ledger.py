@@ -116,7 +116,7 @@ def stream(size: int = 10) -> planlib.InputObject:
 
 
 def lease(sequence: int = 1, deadline_ns: int = DEADLINE, expires_at_ms: int = 5000) -> Lease:
-    return Lease(BOOT, sequence, expires_at_ms, deadline_ns)
+    return Lease(BOOT, sequence, expires_at_ms, deadline_ns, expires_at_ms)
 
 
 def facts(slots: int = 4, devices: frozenset[str] = frozenset({"gpu0"})) -> HostFacts:
@@ -426,7 +426,7 @@ def test_stale_offer_revision_and_expired_first_lease(ledger: Ledger) -> None:
     plan = make_plan()
     rows = [PrepareRow(plan, lease(deadline_ns=NOW.boottime_ns))]
     refused(ledger.admit_batch(ledger.bindings(), rows, facts())[0], "lease_expired")
-    other_boot = [PrepareRow(make_plan(), Lease(OTHER_BOOT, 1, 1, DEADLINE))]
+    other_boot = [PrepareRow(make_plan(), Lease(OTHER_BOOT, 1, 1, DEADLINE, 1))]
     refused(ledger.admit_batch(ledger.bindings(), other_boot, facts())[0], "lease_expired")
     assert count(ledger) == 3
 
@@ -448,18 +448,132 @@ def test_devices_projects_and_runtimes(state_dir: Path) -> None:
     led.close()
 
 
+def rejected_as(led: Ledger, plan: planlib.Plan, detail: str) -> None:
+    """The plan's durable admission rejection: failed, no slot, cleanup confirmed."""
+    record = led.get(plan.attempt_id)
+    assert record is not None
+    assert record.status == lc.admission_rejected()
+    assert (record.slot_id, record.detail) == (None, detail)
+
+
+def release_rejected(led: Ledger, *plans: planlib.Plan) -> None:
+    for plan in plans:
+        led.apply(fence(plan), lc.Release())
+
+
 def test_generation_order(ledger: Ledger) -> None:
     job = new_id()
     first = make_plan(job_id=job, generation=1)
     admitted(ledger, first)
-    before = count(ledger)
-    refused(admit(ledger, make_plan(job_id=job, generation=2))[0], "generation_conflict")
-    refused(admit(ledger, make_plan(job_id=job, generation=1))[0], "generation_conflict")
-    assert count(ledger) == before  # fence and generation refusals write nothing
+    newer, same = make_plan(job_id=job, generation=2), make_plan(job_id=job, generation=1)
+    refused(admit(ledger, newer)[0], "generation_conflict")
+    refused(admit(ledger, same)[0], "generation_conflict")
+    # each refusal before a provider call leaves its durable rejection, this one too
+    rejected_as(ledger, newer, "generation_conflict")
+    rejected_as(ledger, same, "generation_conflict")
+    (again,) = admit(ledger, newer)
+    assert isinstance(again, Admitted)
+    assert not again.new
+    refused(ledger.start_batch([fence(newer)], NOW)[0], "admission_rejected")
     to_released(ledger, first)
+    release_rejected(ledger, newer, same)
     second = make_plan(job_id=job, generation=3)
     admitted(ledger, second)
-    refused(admit(ledger, make_plan(job_id=job, generation=2))[0], "generation_conflict")
+    older = make_plan(job_id=job, generation=2)
+    refused(admit(ledger, older)[0], "generation_conflict")
+    rejected_as(ledger, older, "generation_conflict")
+
+
+def test_generation_conflict_of_reject_absent_writes_nothing(ledger: Ledger) -> None:
+    job = new_id()
+    admitted(ledger, make_plan(job_id=job, generation=1))
+    before = count(ledger)
+    (row,) = ledger.reject_absent(ledger.bindings(), [make_plan(job_id=job, generation=2)])
+    refused(row, "generation_conflict")
+    assert count(ledger) == before
+
+
+# --- retry after an unknown outcome -------------------------------------------------
+
+
+def to_unknown_released(led: Ledger, plan: planlib.Plan) -> None:
+    to_ready(led, plan)
+    led.start_batch([fence(plan)], NOW)
+    for event in (lc.Started(), lc.OutcomeLost(reason="provider_timeout")):
+        led.apply(fence(plan), event)
+    for event in (lc.CleanupConfirmed(), lc.Release()):
+        led.apply(fence(plan), event)
+
+
+def admit_acknowledging(led: Ledger, plan: planlib.Plan, *acknowledged: str) -> object:
+    row = PrepareRow(plan, lease(), acknowledged_unknown=acknowledged)
+    (result,) = led.admit_batch(led.bindings(), [row], facts())
+    return result
+
+
+def test_a_retry_after_unknown_needs_its_acknowledgement(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_unknown_released(ledger, first)
+    silent = make_plan(job_id=job, generation=2)
+    (refusal,) = admit(ledger, silent)
+    refused(refusal, "unknown_not_acknowledged")
+    assert first.attempt_id in str(refusal)  # the message names what to acknowledge
+    rejected_as(ledger, silent, "unknown_not_acknowledged")
+    release_rejected(ledger, silent)
+    # a wrong list (an extra ID) is refused like a missing one
+    wrong = make_plan(job_id=job, generation=3)
+    refused(admit_acknowledging(ledger, wrong, first.attempt_id, silent.attempt_id),
+            "unknown_not_acknowledged")  # fmt: skip
+    release_rejected(ledger, wrong)
+    retry = make_plan(job_id=job, generation=4)
+    result = admit_acknowledging(ledger, retry, first.attempt_id)
+    assert isinstance(result, Admitted)
+    assert result.new
+
+
+def test_each_unknown_is_acknowledged_once(ledger: Ledger, state_dir: Path) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_unknown_released(ledger, first)
+    second = make_plan(job_id=job, generation=2)
+    assert isinstance(admit_acknowledging(ledger, second, first.attempt_id), Admitted)
+    to_released(ledger, second)
+    ledger.close()
+    reopened = Ledger.open(str(state_dir), INSTALLATION)  # the acknowledgement is durable
+    again = make_plan(job_id=job, generation=3)
+    refused(admit_acknowledging(reopened, again, first.attempt_id), "unknown_not_acknowledged")
+    release_rejected(reopened, again)
+    assert isinstance(admitted(reopened, make_plan(job_id=job, generation=4)), Admitted)
+    reopened.close()
+
+
+def test_a_rejected_admission_does_not_use_up_the_acknowledgement(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_unknown_released(ledger, first)
+    wrong_class = make_plan(job_id=job, generation=2, slot_class="gpu")
+    refused(admit_acknowledging(ledger, wrong_class, first.attempt_id), "slot_capacity")
+    release_rejected(ledger, wrong_class)
+    silent = make_plan(job_id=job, generation=3)
+    refused(admit(ledger, silent)[0], "unknown_not_acknowledged")
+    release_rejected(ledger, silent)
+    retry = make_plan(job_id=job, generation=4)
+    assert isinstance(admit_acknowledging(ledger, retry, first.attempt_id), Admitted)
+
+
+def test_an_acknowledgement_without_unknowns_is_refused(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_released(ledger, first)  # succeeded, not unknown
+    retry = make_plan(job_id=job, generation=2)
+    refused(admit_acknowledging(ledger, retry, first.attempt_id), "unknown_not_acknowledged")
+    other_job = make_plan()
+    refused(admit_acknowledging(ledger, other_job, first.attempt_id), "unknown_not_acknowledged")
 
 
 def test_reused_attempt_id_with_another_plan_is_a_fence_mismatch(ledger: Ledger) -> None:
@@ -733,7 +847,7 @@ def test_renewals(ledger: Ledger) -> None:
     f = fence(plan)
     (renewed,) = ledger.renew_batch([(f, Renew(2, 6000))], NOW, MAX_LEASE)
     assert isinstance(renewed, Applied)
-    expected = Lease(BOOT, 2, 6000, NOW.boottime_ns + 6000 * 10**6)  # leases.renew's rule
+    expected = Lease(BOOT, 2, 6000, NOW.boottime_ns + 6000 * 10**6, 6000)  # leases.renew's rule
     assert renewed.record.lease == expected
     later = Now(BOOT, NOW.boottime_ns + 10**6, WALL + 10**6)
     (duplicate,) = ledger.renew_batch([(f, Renew(2, 6000))], later, MAX_LEASE)

@@ -285,7 +285,7 @@ class World:
     def admit(self, plan: planlib.Plan, lease_seconds: float = 600.0) -> Fence:
         """What the prepare handler does before it calls `runner.admitted`."""
         now = self.clock.now()
-        lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + int(lease_seconds * 1e9))
+        lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + int(lease_seconds * 1e9), 10**13)
         facts = HostFacts(
             slots=[SlotSpec("slot0", "cpu", SLOT_BYTES, 10**6)],
             devices=frozenset({"null", "gpu"}),
@@ -837,7 +837,7 @@ def test_an_unavailable_provider_fails_preparation(world: World) -> None:
 def test_release_of_an_admission_rejection_calls_no_provider(world: World) -> None:
     plan = world.plan(slot_class="gpu")  # no slot of that class: rejected durably
     now = world.clock.now()
-    lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + 10**12)
+    lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + 10**12, 10**13)
     facts = HostFacts(
         slots=[SlotSpec("slot0", "cpu", SLOT_BYTES, 10**6)],
         devices=frozenset({"null"}),

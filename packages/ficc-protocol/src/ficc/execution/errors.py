@@ -39,6 +39,7 @@ class ErrorCode(enum.StrEnum):
     OFFER_CHANGED = "offer_changed"
     SLOT_CAPACITY = "slot_capacity"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
+    UNKNOWN_NOT_ACKNOWLEDGED = "unknown_not_acknowledged"
     # lifecycle
     RUNTIME_PREPARING = "runtime_preparing"
     NOT_READY = "not_ready"

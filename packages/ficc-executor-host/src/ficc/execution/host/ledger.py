@@ -189,6 +189,8 @@ class PrepareRow:
     plan: planlib.Plan
     lease: Lease
     refusal: HostError | None = None
+    acknowledged_unknown: Sequence[str] = ()
+    """The prepare row's acknowledgement of the job's earlier unknown attempts."""
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,9 @@ CREATE TABLE attempts (
     sequence INTEGER,
     expires_at_ms INTEGER,
     deadline_boottime_ns INTEGER,
+    effective_expires_at_ms INTEGER,
+    acknowledged_unknown TEXT,
+    start_offer_revision INTEGER,
     prepare_result BLOB,
     created INTEGER NOT NULL,
     updated INTEGER NOT NULL
@@ -306,7 +311,9 @@ _STARTED_SQL: Final = f"SELECT {_AMOUNTS} FROM attempts WHERE state IN ('startin
 """What started attempts hold (start authority)."""
 _ACTIVE_SQL: Final = f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
 """The records a restart must settle."""
-_INSERT_COLUMNS: Final = _RECORD_FIELDS + _RESOURCES + _STORAGE + ("devices", "plan")
+_INSERT_COLUMNS: Final = (
+    _RECORD_FIELDS + _RESOURCES + _STORAGE + ("devices", "plan", "acknowledged_unknown")
+)
 
 
 def _literal(value: object) -> str:
@@ -371,8 +378,14 @@ def _status_values(status: lifecycle.Status) -> list[object]:
 
 def _lease_values(lease: Lease | None) -> list[object]:
     if lease is None:
-        return [None, None, None, None]
-    return [lease.boot_id, lease.sequence, lease.expires_at_ms, lease.deadline_boottime_ns]
+        return [None] * len(_LEASE_FIELDS)
+    return [
+        lease.boot_id,
+        lease.sequence,
+        lease.expires_at_ms,
+        lease.deadline_boottime_ns,
+        lease.effective_expires_at_ms,
+    ]
 
 
 # --- admission arithmetic (pure) ----------------------------------------------------
@@ -465,6 +478,24 @@ def _choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: _Occupancy) ->
     )
 
 
+def _check_acknowledged(acknowledged: Sequence[str], unacknowledged: set[str]) -> None:
+    """A job whose earlier attempts ended `unknown` is retried only with an explicit
+    acknowledgement of exactly those not yet acknowledged (each is acknowledged once)."""
+    if set(acknowledged) == unacknowledged:
+        return
+    missing, extra = (
+        sorted(unacknowledged - set(acknowledged)),
+        sorted(set(acknowledged) - unacknowledged),
+    )
+    raise _Rejection(
+        ErrorCode.UNKNOWN_NOT_ACKNOWLEDGED,
+        f"acknowledged_unknown must list exactly the job's earlier attempts whose outcome is"
+        f" unknown and not yet acknowledged; missing {missing}, not acceptable {extra}:"
+        " decide on each unknown attempt (inspect its effects), then prepare a new"
+        " attempt that lists them",
+    )
+
+
 def _admissible_slot(
     plan: planlib.Plan, lease: Lease, terms: _Terms, facts: HostFacts, occupancy: _Occupancy
 ) -> SlotSpec:
@@ -552,21 +583,47 @@ class _Encoded(NamedTuple):
         return list(map(cls, plans, data, map(planlib.digest_of, data)))
 
 
+class _JobAttempt(NamedTuple):
+    """What admission needs of each earlier attempt of a job."""
+
+    attempt_id: str
+    generation: int
+    state: str
+    outcome: str | None
+    acknowledged: tuple[str, ...]
+    """The unknown attempts this attempt's admission acknowledged."""
+
+
 @dataclass
 class _Known:
     """The records a batch can collide with, read once and updated as rows are recorded."""
 
     records: dict[str, AttemptRecord]
-    jobs: dict[str, list[tuple[int, str]]]
-    """job ID -> (generation, state) of each of its attempts."""
+    jobs: dict[str, list[_JobAttempt]]
+    """job ID -> each of its attempts."""
 
-    def add(self, record: AttemptRecord) -> None:
+    def add(self, record: AttemptRecord, acknowledged: Sequence[str] = ()) -> None:
         self.records[record.attempt_id] = record
-        self.jobs.setdefault(record.job_id, []).append((record.generation, record.status.state))
+        status = record.status
+        entry = _JobAttempt(
+            record.attempt_id, record.generation, status.state, status.outcome, tuple(acknowledged)
+        )
+        self.jobs.setdefault(record.job_id, []).append(entry)
+
+    def unacknowledged(self, plan: planlib.Plan) -> set[str]:
+        """The job's earlier attempts with an `unknown` outcome that no admission has
+        acknowledged yet: exactly what the plan's prepare row must acknowledge."""
+        attempts = self.jobs.get(plan.job_id, [])
+        done = {attempt_id for a in attempts for attempt_id in a.acknowledged}
+        return {
+            a.attempt_id
+            for a in attempts
+            if a.generation < plan.generation and a.outcome == "unknown"
+        } - done
 
     def existing(self, plan: _Encoded) -> AttemptRecord | None:
-        """The record of a repeated plan, or None if the plan may be recorded. Refusals
-        (`fence_mismatch`, `generation_conflict`) write nothing."""
+        """The record of a repeated plan, or None if the plan may be recorded; raises
+        `fence_mismatch` or `generation_conflict` (the caller decides what to record)."""
         record = self.records.get(plan.plan.attempt_id)
         if record is not None:
             if record.plan_digest != plan.digest or record.generation != plan.plan.generation:
@@ -575,7 +632,7 @@ class _Known:
                     "this attempt ID is recorded with another plan; never reuse an attempt ID",
                 )
             return record
-        for generation, state in self.jobs.get(plan.plan.job_id, []):
+        for _, generation, state, _, _ in self.jobs.get(plan.plan.job_id, []):
             if generation >= plan.plan.generation:
                 raise HostError(
                     ErrorCode.GENERATION_CONFLICT,
@@ -903,9 +960,11 @@ class Ledger:
         """Admit up to 64 plans in one transaction, before any provider call.
 
         Per row: the existing record of a repeated plan unchanged (same deadline, same
-        partial input); `fence_mismatch` or `generation_conflict` without a record;
-        any other refusal as a durable failed record (reason admission_rejected, no
-        slot, cleanup confirmed) and a HostError with the precise code.
+        partial input); `fence_mismatch` without a record (the attempt ID already holds
+        another plan); any other refusal, `generation_conflict` and
+        `unknown_not_acknowledged` included, as a durable failed record (reason
+        admission_rejected, no slot, cleanup confirmed) and a HostError with the
+        precise code.
         """
         _check_batch(rows)
         encoded = _Encoded.each(r.plan for r in rows)
@@ -917,7 +976,12 @@ class Ledger:
                 try:
                     existing = batch.known.existing(plan)
                 except HostError as error:
-                    results.append(error)
+                    if error.code != ErrorCode.GENERATION_CONFLICT:
+                        results.append(error)  # fence_mismatch: the ID holds another plan
+                        continue
+                    results.append(
+                        self._reject_new(plan, row, _Rejection(error.code, error.message), batch)
+                    )
                     continue
                 if existing is not None:
                     results.append(Admitted(existing, new=False))
@@ -932,20 +996,29 @@ class Ledger:
         try:
             if row.refusal is not None:
                 raise _Rejection(row.refusal.code, row.refusal.message)
+            _check_acknowledged(row.acknowledged_unknown, batch.known.unacknowledged(plan.plan))
             slot = _admissible_slot(plan.plan, lease, batch.terms, facts, batch.occupancy)
         except _Rejection as rejection:
-            status = lifecycle.admission_rejected()
-            record = self._insert(plan, status, batch.records, slot_id=None, lease=lease,
-                                  ordinal=batch.ordinal, detail=rejection.code)  # fmt: skip
-            batch.known.add(record)
-            return rejection
+            return self._reject_new(plan, row, rejection, batch)
+        acknowledged = row.acknowledged_unknown
         record = self._insert(plan, _ADMITTED, batch.records, slot_id=slot.id, lease=lease,
-                              ordinal=batch.ordinal)  # fmt: skip
-        batch.known.add(record)
+                              ordinal=batch.ordinal, acknowledged=acknowledged)  # fmt: skip
+        batch.known.add(record, acknowledged)
         batch.occupancy.add(slot, plan.plan.job.limits)
         streamed = plan.plan.streamed_inputs
         batch.inputs += [(record.attempt_id, i.id, i.name, i.bytes, i.digest) for i in streamed]
         return Admitted(record, new=True)
+
+    def _reject_new(
+        self, plan: _Encoded, row: PrepareRow, rejection: _Rejection, batch: _Batch
+    ) -> _Rejection:
+        """Commit the durable rejection of a plan never seen before (no slot, nothing
+        acknowledged, cleanup confirmed) and return it with its precise code."""
+        status = lifecycle.admission_rejected()
+        record = self._insert(plan, status, batch.records, slot_id=None, lease=row.lease,
+                              ordinal=batch.ordinal, detail=rejection.code)  # fmt: skip
+        batch.known.add(record)
+        return rejection
 
     def reject_absent(self, bindings: Bindings, plans: Sequence[planlib.Plan]) -> list[Row]:
         """Commit failed, never-runnable rejections for plans the host never admitted."""
@@ -1020,11 +1093,16 @@ class Ledger:
         for record in map(_record, records.fetchall()):
             known.records[record.attempt_id] = record
         marks = ", ".join("?" * len(jobs))
-        for job_id, generation, state in self._db.execute(
-            f"SELECT job_id, generation, state FROM attempts WHERE job_id IN ({marks})",  # noqa: S608
-            jobs,
+        columns = "job_id, attempt_id, generation, state, outcome, acknowledged_unknown"
+        query = f"SELECT {columns} FROM attempts WHERE job_id IN ({marks})"  # noqa: S608
+        for job_id, attempt_id, generation, state, outcome, acknowledged in self._db.execute(
+            query, jobs
         ):
-            known.jobs.setdefault(job_id, []).append((generation, state))
+            done: tuple[str, ...] = ()
+            if acknowledged:
+                done = tuple(msgspec.json.decode(acknowledged, type=list[str]))
+            entry = _JobAttempt(attempt_id, generation, state, outcome, done)
+            known.jobs.setdefault(job_id, []).append(entry)
         return known
 
     def _insert(
@@ -1037,9 +1115,11 @@ class Ledger:
         lease: Lease | None,
         ordinal: int,
         detail: str | None = None,
+        acknowledged: Sequence[str] = (),
     ) -> AttemptRecord:
         """A new record: its row is appended to `pending` (for `_write_new`, in this
-        transaction) and its change to the log of this transaction."""
+        transaction) and its change to the log of this transaction. `acknowledged` is
+        what an admitted record's prepare row acknowledged (see `_unacknowledged`)."""
         record = AttemptRecord(
             attempt_id=plan.plan.attempt_id,
             job_id=plan.plan.job_id,
@@ -1064,6 +1144,7 @@ class Ledger:
             *(limits.storage_bytes, limits.storage_inodes),
             msgspec.json.encode(limits.devices).decode(),
             plan.data,
+            msgspec.json.encode(acknowledged).decode() if acknowledged else None,
         )
         insert = _INSERT_ADMITTED if status == _ADMITTED and detail is None else _INSERT_ANY
         pending.append((insert, insert.bound(row)))
@@ -1273,7 +1354,7 @@ class Ledger:
             return HostError(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}")
         self._db.execute(
             "UPDATE attempts SET boot_id = ?, sequence = ?, expires_at_ms = ?,"
-            " deadline_boottime_ns = ?,"
+            " deadline_boottime_ns = ?, effective_expires_at_ms = ?,"
             " updated = ? WHERE attempt_id = ?",
             [*_lease_values(lease), ordinal, fence.attempt_id],
         )
