@@ -225,6 +225,7 @@ HOST_ONLY: dict[str, str] = {
             "ledger_missing",
             "ledger_schema",
             "ledger_unsafe",
+            "unsupported_filesystem",
             "invalid_installation_id",
             "provider_already_imported",
             "provider_ambiguous",

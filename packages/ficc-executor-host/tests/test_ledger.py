@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ficc.execution import plan as planlib
+from ficc.execution.host import filesystems
 from ficc.execution.host import lifecycle as lc
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.ledger import (
@@ -168,6 +169,10 @@ def raw(led: Ledger) -> sqlite3.Connection:
     return sqlite3.connect(led.path)
 
 
+def raw_path(state_dir: Path) -> sqlite3.Connection:
+    return sqlite3.connect(state_dir / LEDGER_FILE)
+
+
 def to_ready(led: Ledger, plan: planlib.Plan) -> None:
     for event in (lc.PrepareBegun(), lc.PrepareOk(result=b'{"argv":["/bin/true"]}')):
         led.apply(fence(plan), event)
@@ -284,6 +289,63 @@ def test_open_refuses_a_hard_link_or_loose_mode(ledger: Ledger, state_dir: Path)
     with pytest.raises(HostError) as error:
         Ledger.open(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_unsafe"
+
+
+def test_the_state_dir_magic_is_the_one_stat_reports(state_dir: Path) -> None:
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        magic = filesystems.filesystem_magic(fd)
+    finally:
+        os.close(fd)
+    reported = subprocess.run(
+        ["stat", "-f", "-c", "%t", str(state_dir)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert magic == int(reported, 16)
+    assert magic not in filesystems.NETWORK_FILESYSTEMS
+
+
+@pytest.mark.parametrize(
+    ("magic", "name"), [(0x6969, "NFS"), (0xFE534D42, "SMB2/SMB3"), (0x65735546, "FUSE")]
+)
+def test_a_state_dir_on_a_network_filesystem_is_refused(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch, magic: int, name: str
+) -> None:
+    """No network filesystem can be mounted here: the magic the kernel would report
+    for one stands in; the refusal path (create and open) is the real one."""
+    Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING).close()
+    monkeypatch.setattr(filesystems, "filesystem_magic", lambda fd: magic)
+    for call in (
+        lambda: Ledger.open(str(state_dir), INSTALLATION),
+        lambda: Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING),
+    ):
+        with pytest.raises(HostError) as refused:
+            call()
+        assert refused.value.code == "unsupported_filesystem"
+        assert name in refused.value.message
+    monkeypatch.undo()
+    Ledger.open(str(state_dir), INSTALLATION).close()  # the local directory still opens
+
+
+def test_a_ledger_made_before_the_added_columns_is_upgraded(state_dir: Path) -> None:
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    job = new_id()
+    first = make_plan(job_id=job)
+    admitted(led, first)
+    led.close()
+    old = raw_path(state_dir)
+    for column in ("effective_expires_at_ms", "acknowledged_unknown", "start_offer_revision"):
+        old.execute(f"ALTER TABLE attempts DROP COLUMN {column}")
+    old.commit()
+    old.close()
+    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    record = reopened.get(first.attempt_id)
+    assert record is not None
+    assert record.lease is not None
+    assert record.lease.effective_expires_at_ms == record.lease.expires_at_ms
+    to_unknown_released(reopened, first)  # the new columns work on the old records
+    retry = make_plan(job_id=job, generation=2)
+    assert isinstance(admit_acknowledging(reopened, retry, first.attempt_id), Admitted)
+    reopened.close()
 
 
 def test_state_dir_must_be_private(state_dir: Path, tmp_path: Path) -> None:
@@ -805,6 +867,73 @@ def test_start_checks_resources_left_by_started_attempts(ledger: Ledger) -> None
     assert isinstance(ok, Applied)
     assert isinstance(fits, Applied)
     refused(over, "offer_changed")  # 3 x 1000 millis > 2500 offered
+
+
+def starting(led: Ledger, plan: planlib.Plan) -> None:
+    admitted(led, plan)
+    to_ready(led, plan)
+    (start,) = led.start_batch([fence(plan)], NOW)
+    assert isinstance(start, Applied)
+    assert start.changed
+
+
+def test_release_is_authorized_while_the_offer_is_unchanged(ledger: Ledger) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
+
+
+def test_a_start_accepted_while_draining_is_released_while_still_draining(
+    ledger: Ledger,
+) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    to_ready(ledger, plan)
+    ledger.set_offer(1, "draining", None, CEILING)
+    ledger.start_batch([fence(plan)], NOW)
+    assert ledger.authorize_release(fence(plan), CEILING) is None
+
+
+@pytest.mark.parametrize("control", ["paused", "stopped", "draining"])
+def test_an_offer_closed_after_the_start_cancels_before_release(
+    ledger: Ledger, control: str
+) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.set_offer(1, control, None, CEILING)  # type: ignore[arg-type]
+    assert ledger.authorize_release(fence(plan), CEILING) == "offer_closed"
+    status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.outcome, status.reason) == (
+        "cancelled",
+        "cancelled",
+        "offer_closed",
+    )
+    assert not status.cleanup_confirmed  # the service still has to be confirmed gone
+    # the attempt is settled: a repeated start is an idempotent reply, never a start
+    (again,) = ledger.start_batch([fence(plan)], NOW)
+    assert isinstance(again, Applied)
+    assert not again.changed
+
+
+def test_a_new_revision_that_still_covers_the_attempt_keeps_authority(ledger: Ledger) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.set_offer(1, "paused", None, CEILING)
+    ledger.set_offer(2, "active", limits(cpu_millis=1000), CEILING)  # exactly this attempt
+    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
+
+
+def test_an_offer_that_no_longer_covers_the_attempt_cancels_before_release(
+    ledger: Ledger,
+) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.set_offer(1, "active", limits(cpu_millis=999), CEILING)
+    assert ledger.authorize_release(fence(plan), CEILING) == "offer_changed"
+    status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.reason) == ("cancelled", "offer_changed")
 
 
 def test_fences_are_checked(ledger: Ledger) -> None:

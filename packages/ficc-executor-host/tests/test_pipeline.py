@@ -998,3 +998,87 @@ def test_the_monitor_is_woken_when_a_released_service_main_process_exits(world: 
     finally:
         child.kill()
         child.wait()
+
+
+# --- start authority at the release marker ---------------------------------------------
+#
+# The test provider never passes the gate, so these runners stand in a passing verdict
+# for the gate's; everything else (ledger, service, barrier, marker) is real. `during`
+# runs while the gate would, i.e. after the start was accepted and before the marker.
+
+
+class _PassingGate(Runner):
+    def __init__(self, ctx: HostContext, during: Callable[[], None]) -> None:
+        super().__init__(ctx, settings=FAST)
+        self._during = during
+
+    def _run_gate(self, *args: Any) -> gate.Verdict:
+        self._during()
+        return gate.Verdict(ok=True, failures=())
+
+
+def _start_with_passing_gate(world: World, fence: Fence, during: Callable[[], None]) -> None:
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(_PassingGate(world.ctx, during)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+
+
+def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:
+    """The control for the two tests below: the stand-in gate reaches the marker."""
+    fence = world.admit(world.plan())
+    _start_with_passing_gate(world, fence, lambda: None)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
+    assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+@pytest.mark.parametrize("control", ["paused", "draining", "stopped"])
+def test_an_offer_closed_before_the_marker_cancels_and_never_releases(
+    world: World, control: str
+) -> None:
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+
+    def close_offer() -> None:
+        offer = ledger.offer()
+        ledger.set_offer(offer.revision, control, None, offer_limits())  # type: ignore[arg-type]
+
+    _start_with_passing_gate(world, fence, close_offer)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.outcome, status.reason) == (
+        "cancelled",
+        "cancelled",
+        "offer_closed",
+    )
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert not (
+        world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider" / "exit"
+    ).exists()
+    assert service_idle(world, fence.attempt_id)
+    assert world.installed.calls("start", fence.attempt_id) == 1
+
+
+def test_an_offer_that_stops_covering_the_attempt_cancels_before_the_marker(
+    world: World,
+) -> None:
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+
+    def shrink_offer() -> None:
+        offer = ledger.offer()
+        small = msgspec.structs.replace(offer.limits.resources, memory_bytes=1 << 20)
+        limits = msgspec.structs.replace(offer.limits, resources=small)
+        ledger.set_offer(offer.revision, "active", limits, offer_limits())
+
+    _start_with_passing_gate(world, fence, shrink_offer)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("cancelled", "offer_changed")
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()

@@ -52,6 +52,8 @@ REASONS: dict[str, str] = {
     "legacy_absence_acknowledged": "an operator acknowledged an absent legacy attempt",
     "lease_expired": "the lease ran out; the host stopped the work",
     "stopped": "a stop request ended the work",
+    "offer_closed": "cancelled before release: the offer was paused, stopped or drained",
+    "offer_changed": "cancelled before release: the offer no longer covers the attempt",
     "exited": "the payload exited; see exit_code",
     "provider_failed": "the provider failed or gave a malformed reply",
     "gate_refused": "the payload gate found the live process out of policy",

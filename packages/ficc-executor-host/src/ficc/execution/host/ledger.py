@@ -50,7 +50,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import fsutil, leases, lifecycle
+from ficc.execution.host import filesystems, fsutil, leases, lifecycle
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Lease, Now
 from ficc.execution.host.staging import StreamState
@@ -290,6 +290,14 @@ ON attempts BEGIN SELECT RAISE(ABORT, 'an attempt fence never changes'); END;
 """
 """Status columns are named after `lifecycle.Status` fields and lease columns after
 `Lease` fields, so a record is read by name (see `_record`)."""
+
+_ADDED_COLUMNS: Final = (
+    ("effective_expires_at_ms", "INTEGER"),
+    ("acknowledged_unknown", "TEXT"),
+    ("start_offer_revision", "INTEGER"),
+)
+"""Columns of `attempts` newer than the first schema: a ledger created without them gets
+them when it is opened (`_add_columns`)."""
 
 _STATUS_FIELDS: Final = lifecycle.Status.__struct_fields__
 _LEASE_FIELDS: Final = Lease.__struct_fields__
@@ -551,10 +559,10 @@ def _fits(
     return True
 
 
-def _add_usage(usage: dict[str, int], limits: planlib.Limits) -> None:
-    usage["attempts"] += 1
+def _add_usage(usage: dict[str, int], limits: planlib.Limits, sign: int = 1) -> None:
+    usage["attempts"] += sign
     for name in _RESOURCES + _STORAGE:
-        usage[name] += getattr(limits, name)
+        usage[name] += sign * getattr(limits, name)
 
 
 def _within(limits: OfferLimits, ceiling: OfferLimits) -> str | None:
@@ -844,6 +852,7 @@ class Ledger:
                     f"{state_dir}/{LEDGER_FILE} failed its integrity check (journal {mode});"
                     " restore it from backup",
                 )
+            _add_columns(db)
             ledger = cls(db, dir_fd, f"{state_dir}/{LEDGER_FILE}")
             if ledger._bindings.installation_id != installation_id:
                 raise HostError(
@@ -1232,8 +1241,57 @@ class Ledger:
                 result = self._apply_one(fence, event, ordinal, records)
                 if isinstance(result, Applied) and result.changed:
                     _add_usage(started, plan.job.limits)
+                    self._db.execute(
+                        "UPDATE attempts SET start_offer_revision = ? WHERE attempt_id = ?",
+                        (offer.revision, fence.attempt_id),
+                    )
                 results.append(result)
             return results
+
+    def authorize_release(self, fence: Fence, ceiling: OfferLimits | None = None) -> str | None:
+        """Check start authority again at the moment the release marker would be written.
+
+        Authority is unchanged when the offer is still at the revision the start was
+        accepted under; a later revision keeps it only if it is `active` and still
+        covers the attempt beside the other started ones. Otherwise the attempt ends
+        `cancelled` in this same transaction, with the reason returned (`offer_closed`:
+        paused, stopped or draining since; `offer_changed`: no longer covered), and
+        the payload must never be released. None: release it.
+        """
+        with self._write() as ordinal:
+            records = self._records([fence.attempt_id])
+            record = _fenced_in(records, fence)
+            if isinstance(record, HostError):
+                raise record
+            offer = self._offer()
+            (since,) = self._db.execute(
+                "SELECT start_offer_revision FROM attempts WHERE attempt_id = ?",
+                (fence.attempt_id,),
+            ).fetchone()
+            if since == offer.revision:
+                return None
+            reason = self._lost_authority(record, offer, ceiling)
+            if reason is None:
+                return None
+            result = self._apply_one(
+                fence, lifecycle.StartCancelled(reason=reason), ordinal, records
+            )
+            if isinstance(result, HostError):
+                raise result
+            return reason
+
+    def _lost_authority(
+        self, record: AttemptRecord, offer: Offer, ceiling: OfferLimits | None
+    ) -> str | None:
+        """Why a changed offer no longer lets this started attempt be released."""
+        if offer.control != "active":
+            return str(ErrorCode.OFFER_CLOSED)
+        plan = planlib.decode_plan(self._plan_blobs([record.attempt_id])[record.attempt_id])
+        others = self._started_usage()
+        _add_usage(others, plan.job.limits, -1)  # the attempt itself is counted as starting
+        if not _fits(plan, offer, ceiling, others):
+            return str(ErrorCode.OFFER_CHANGED)
+        return None
 
     def _started_usage(self) -> dict[str, int]:
         """What attempts in `starting` or `running` hold, summed per resource."""
@@ -1552,6 +1610,30 @@ class Ledger:
         return Offer(revision, control, msgspec.json.decode(limits, type=OfferLimits))
 
 
+def _add_columns(db: sqlite3.Connection) -> None:
+    """Give a ledger made before `_ADDED_COLUMNS` those columns, in one transaction.
+
+    A lease recorded before then gets its asked expiry as its effective one (the
+    wall-clock time at its receipt was not kept); its next renewal records the real one.
+    """
+    present = {row[1] for row in db.execute("PRAGMA table_info(attempts)")}
+    missing = [(name, kind) for name, kind in _ADDED_COLUMNS if name not in present]
+    if not missing:
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for name, kind in missing:  # constant names and types of this module only
+            db.execute(f"ALTER TABLE attempts ADD COLUMN {name} {kind}")
+        db.execute(
+            "UPDATE attempts SET effective_expires_at_ms = expires_at_ms"
+            " WHERE effective_expires_at_ms IS NULL AND boot_id IS NOT NULL"
+        )
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
 def _fenced_in(records: dict[str, AttemptRecord], fence: Fence) -> AttemptRecord | HostError:
     """The record of `fence` among a batch's `records`, or why the row is refused."""
     record = records.get(fence.attempt_id)
@@ -1588,6 +1670,7 @@ def _lock_state_dir(state_dir: str) -> int:
     dir_fd = fsutil.open_dir(state_dir)
     try:
         _check_state_dir(dir_fd, state_dir)
+        filesystems.check_local(dir_fd, f"state directory {state_dir}")
         fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as error:
         os.close(dir_fd)

@@ -32,6 +32,10 @@ Decisions (see also docs/operations.md):
 - A stop or expiry arriving while the start pipeline runs is handed to it: it stops
   the service and returns; the monitor then records `Stopped` (cancelled/expired).
   The release marker is never written once a stop is pending or the lease is gone.
+- Start authority is checked again in the ledger right before the marker is written
+  (`Ledger.authorize_release`): an offer paused, stopped or drained since the start
+  was accepted, or one that no longer covers the attempt, ends it `cancelled`
+  (reason `offer_closed` / `offer_changed`) and the payload is never released.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
   cannot have run.
 - Device-open results are taken from the latest `ready` or `payload` observation.
@@ -81,6 +85,7 @@ from ficc.execution.host.expectation import (
     decode_prepare_result,
     device_rules,
 )
+from ficc.execution.host.handlers import ceiling_limits
 from ficc.execution.host.layout import AttemptPaths, service_name
 from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
@@ -755,6 +760,11 @@ class Runner:
             raise _Aborted()
         if not self.lease_current(record):
             raise _Aborted()  # the monitor records the expiry and stops
+        ceiling = ceiling_limits(self._ctx.config)
+        lost = await self._db(self._ctx.ledger.authorize_release, record.fence, ceiling)
+        if lost is not None:
+            _log.warning("attempt %s: start authority lost before release (%s)", attempt.id, lost)
+            raise _Aborted()  # recorded as cancelled; the service is stopped, then cleaned
         await self._io(_write_marker, attempt)
         await self._apply(record, lifecycle.Started())
 
