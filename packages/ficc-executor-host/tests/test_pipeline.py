@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import pwd
 import secrets
@@ -113,11 +114,23 @@ def _pip(*args: str) -> None:
 class Installed:
     loaded: LoadedProvider
     call_log: Path
+    context_log: Path
 
     def calls(self, method: str, attempt_id: str) -> int:
         if not self.call_log.exists():
             return 0
         return self.call_log.read_text().splitlines().count(f"{method} {attempt_id}")
+
+    def contexts(self, method: str, attempt_id: str) -> list[dict[str, Any]]:
+        """The contexts the provider received for `method` rows of the attempt."""
+        if not self.context_log.exists():
+            return []
+        records = map(json.loads, self.context_log.read_text().splitlines())
+        return [
+            r["context"]
+            for r in records
+            if r["method"] == method and r["context"].get("attempt_id") == attempt_id
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -131,17 +144,18 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     prefix = out / "prefix"
     _pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
     (site,) = prefix.glob("lib/python3*/site-packages")
-    call_log = out / "calls.log"
+    call_log, context_log = out / "calls.log", out / "contexts.log"
     configuration = {
         "runtime": "service",
         "call_log": str(call_log),
+        "context_log": str(context_log),
         "devices": {"null": "/dev/null"},
         "negative_devices": ["/dev/zero"],
     }
     digest = compute_digest("test", [str(site)]).digest
     loaded = load_provider("test", digest, configuration, [str(site)])
     try:
-        yield Installed(loaded, call_log)
+        yield Installed(loaded, call_log, context_log)
     finally:
         for name in [m for m in sys.modules if m == MODULE or m.startswith(MODULE + ".")]:
             del sys.modules[name]
@@ -161,7 +175,7 @@ def offer_limits() -> OfferLimits:
 def make_config(slot: Path, state: Path, uid: int, gid: int) -> Config:
     allowance = {
         "cpu_millis": BIG, "memory_bytes": BIG, "swap_bytes": BIG, "processes": 4096,
-        "slots": 4, "devices": ["null", "gpu"], "projects": [], "runtimes": ["test"],
+        "slots": 4, "devices": ["null", "gpu"], "projects": ["2" * 32], "runtimes": ["test"],
     }  # fmt: skip
     return msgspec.convert(
         {
@@ -1082,3 +1096,90 @@ def test_an_offer_that_stops_covering_the_attempt_cancels_before_the_marker(
     status = world.record(fence.attempt_id).status
     assert (status.state, status.reason) == ("cancelled", "offer_changed")
     assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+def test_a_new_offer_revision_that_still_covers_the_attempt_releases_it(world: World) -> None:
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+
+    def reoffer() -> None:
+        offer = ledger.offer()
+        ledger.set_offer(offer.revision, "active", None, offer_limits())
+
+    _start_with_passing_gate(world, fence, reoffer)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("succeeded", "exited")
+    assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+# --- the provider context ----------------------------------------------------------------
+
+SLOT_FIELDS = {"id", "class", "path", "uid", "gid", "storage_bytes", "storage_inodes"}
+STORAGE_FIELDS = {"path", "device", "inode", "bytes", "inodes"}
+
+
+def _check_common(world: World, context: dict[str, Any], plan: planlib.Plan) -> None:
+    """What every context holds: plan, digest, slot, verified storage binding, owned
+    attempt directory, exact service name, cgroup and supervisor service."""
+    attempt_id = plan.attempt_id
+    assert context["plan"] == msgspec.to_builtins(plan)
+    assert context["plan_digest"] == planlib.plan_digest(plan)
+    assert set(context["slot"]) == SLOT_FIELDS
+    assert (context["slot"]["id"], context["slot"]["uid"]) == ("slot0", world.uid)
+    storage = context["storage"]
+    assert set(storage) == STORAGE_FIELDS
+    found = os.stat(storage["path"])
+    assert (storage["device"], storage["inode"]) == (found.st_dev, found.st_ino)
+    assert found.st_dev == os.stat(world.slot).st_dev  # on the slot's filesystem
+    assert (storage["bytes"], storage["inodes"]) == (64 << 20, 1000)
+    directory = world.attempt_dir(attempt_id)
+    assert context["attempt_directory"] == str(directory)
+    assert os.stat(directory).st_uid == 0  # owned by the host
+    assert context["service"] == world.service_name(attempt_id)
+    service = world.ctx.service
+    assert context["cgroup"] == service.planned_supervisor_cgroup(context["service"])
+    assert context["supervisor"] == {"backend": "cgroupfs", "service": context["service"]}
+    assert context["inputs"] == []
+
+
+def test_every_context_holds_what_the_provider_contract_lists(world: World) -> None:
+    plan = world.plan()
+    fence = world.admit(plan)
+    attempt_id = fence.attempt_id
+
+    async def until_settled() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "refused by the gate, cleaned")
+
+    asyncio.run(until_settled())
+    persisted = world.ctx.ledger.prepare_result(attempt_id)
+    assert persisted is not None
+    prepared = msgspec.json.decode(persisted)
+    (probe,) = world.installed.contexts("probe", attempt_id)
+    (prepare,) = world.installed.contexts("prepare", attempt_id)
+    for context in (probe, prepare):
+        _check_common(world, context, plan)
+        assert "prepared" not in context
+    assert prepare["check"] == "<callable>"
+    assert "check" not in probe
+    for method in ("start", "observe", "stop"):
+        contexts = world.installed.contexts(method, attempt_id)
+        assert contexts, f"the provider was never called with {method}"
+        for context in contexts:
+            _check_common(world, context, plan)
+            assert context["prepared"] == prepared
+            assert "check" not in context
+
+    async def release() -> None:
+        await Runner(world.ctx, settings=FAST).release(attempt_id)
+
+    expected = world.installed.contexts("probe", attempt_id)[0]["storage"]
+    asyncio.run(release())
+    (released,) = world.installed.contexts("release", attempt_id)
+    assert released["prepared"] == prepared
+    assert released["storage"] == expected  # verified, just before the layout went
+    assert released["service"] == world.service_name(attempt_id)

@@ -105,6 +105,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ceiling: Allowance
     initial_offer: Offer
     providers: Annotated[tuple[Provider, ...], msgspec.Meta(min_length=1, max_length=64)]
+    provider_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
+    """How long one provider batch call may take before its rows are uncertain."""
 
 
 def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:

@@ -445,11 +445,20 @@ class Runner:
             **extra,
         }
 
-    async def _later_context(self, attempt: _Attempt) -> dict[str, Any]:
-        """Context for start/observe/stop: with the persisted prepared result."""
+    async def _later_context(self, attempt: _Attempt, *, verify: bool = False) -> dict[str, Any]:
+        """Context for start/observe/stop/release: with the persisted prepared result and
+        the verified storage binding. With `verify` (start) a binding that cannot be
+        verified refuses; otherwise (stopping, cleaning up) the context falls back to
+        the storage path alone, so cleanup never waits on a damaged layout."""
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
         prepared = None if data is None else msgspec.json.decode(data)
-        storage = {"path": attempt.paths.storage}
+        try:
+            storage = await self._io(_verified_storage, attempt)
+        except (HostError, OSError) as error:
+            if verify:
+                raise
+            _log.warning("attempt %s: storage binding not verified: %s", attempt.id, error)
+            storage = {"path": attempt.paths.storage}
         return self._context(attempt, prepared=prepared, storage=storage)
 
     # --- prepare ------------------------------------------------------------------
@@ -605,7 +614,7 @@ class Runner:
         for capability in inputs:
             await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
         handle = await self._create_service(attempt, result)
-        context = await self._later_context(attempt)
+        context = await self._later_context(attempt, verify=True)
         context["inputs"] = inputs
         started = await self._batcher.call(attempt.provider, "start", context)
         if started.code == PROVIDER_TIMEOUT:
