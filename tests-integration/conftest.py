@@ -79,7 +79,11 @@ def layout(
 ) -> Iterator[Layout]:
     base = private_directory(str(session_dir), "t-")
     overrides = getattr(request, "param", {})
-    made = Layout.create(base, accounts, provider, **overrides)
+    try:
+        made = Layout.create(base, accounts, provider, **overrides)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
     try:
         yield made
     finally:

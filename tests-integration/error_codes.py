@@ -76,7 +76,7 @@ ENTRIES: tuple[Entry, ...] = (
     # --- rows: fences and leases ---------------------------------------------------
     _socket("unknown_attempt", "row", "observe of an attempt never prepared"),
     _socket("fence_mismatch", "row", "observe with another generation of a recorded attempt"),
-    _socket("generation_conflict", "row", "a second attempt of the same job and generation"),
+    _socket("generation_conflict", "row", "reject_absent of a newer generation of an active job"),
     Entry(
         "plan_invalid",
         "never",
@@ -109,6 +109,8 @@ ENTRIES: tuple[Entry, ...] = (
     _detail("offer_revision", "a plan made for another offer revision"),
     _detail("offer_closed", "prepare while the offer is paused"),
     _detail("lease_expired", "prepare with a first lease already past"),
+    _detail("generation_conflict", "prepare of a second generation while the first is active"),
+    _detail("unknown_not_acknowledged", "a retry of a job with an unknown, unacknowledged attempt"),
     # --- lifecycle --------------------------------------------------------------------
     _socket("runtime_preparing", "row", "start while the provider's probe is held"),
     _socket("not_ready", "row", "start while a streamed input is not uploaded"),
@@ -229,6 +231,7 @@ HOST_ONLY: dict[str, str] = {
             "ledger_missing",
             "ledger_schema",
             "ledger_unsafe",
+            "unsupported_filesystem",
             "invalid_installation_id",
             "provider_already_imported",
             "provider_ambiguous",

@@ -101,7 +101,8 @@ TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired", "unknown"})
 WAIT_TIMEOUT = 120.0
 SLOT_BYTES = 512 * MIB
 SLOT_INODES = 20_000
-"""The slot filesystems of the end-to-end world (loop-mounted ext4 images, sparse)."""
+"""The slot filesystems of the end-to-end world (loop-mounted ext4 images, allocated in
+full under the world's directory)."""
 COLLECT_CHUNK = MIB
 PREBUILT_WHEELS = os.environ.get("FICC_PODMAN_WHEELS", "")
 BACKENDS = tuple(os.environ.get("FICC_E2E_BACKENDS", "cgroupfs").split(","))

@@ -101,17 +101,23 @@ def test_an_unknown_attempt_is_refused_per_row(daemon: Daemon) -> None:
 
 
 def test_generations_of_a_job_are_admitted_in_order_only(daemon: Daemon) -> None:
+    """A conflicting generation is refused before any provider call, so like every such
+    refusal it leaves a durable admission rejection (detail `generation_conflict`)."""
     job = "9" * 32
     second = daemon.plan(job_id=job, generation=2)
     rows(daemon.prepare([second]))
     lower = daemon.plan(job_id=job, generation=1)
-    (row,) = rows(daemon.prepare([lower]))
-    assert row_code(row) == "generation_conflict"
-    later = daemon.plan(job_id=job, generation=3)
-    (row,) = rows(daemon.prepare([later]))
-    assert row_code(row) == "generation_conflict"  # generation 2 is not released yet
-    assert [a.attempt_id for a in daemon.snapshot().attempts] == [second.attempt_id]
-    assert row_code(daemon.observe(lower)) == "unknown_attempt"  # nothing was written
+    later = daemon.plan(job_id=job, generation=3)  # generation 2 is not released yet
+    for plan in (lower, later):
+        (row,) = rows(daemon.prepare([plan]))
+        assert row_code(row) == "admission_rejected"
+        assert row.error.message.startswith("generation_conflict: ")
+        record = attempt(daemon.observe(plan))
+        assert (record.state, record.reason, record.slot) == ("failed", "admission_rejected", None)
+    assert daemon.layout.provider_calls("probe", lower.attempt_id) == 0
+    assert daemon.layout.provider_calls("probe", later.attempt_id) == 0
+    held = [a.attempt_id for a in daemon.snapshot().attempts if a.slot is not None]
+    assert held == [second.attempt_id]
 
 
 def test_a_paused_offer_records_durable_admission_rejections(daemon: Daemon) -> None:

@@ -405,9 +405,12 @@ def test_fence_mismatch(d: Daemon) -> None:
 
 
 def test_generation_conflict(d: Daemon) -> None:
+    """reject_absent writes nothing for a conflicting generation (prepare, in contrast,
+    records a durable rejection: see the admission detail test)."""
     first = plan_of(d)
     admitted(d, first)
-    (row,) = rows(d.prepare([plan_of(d, job_id=first.job_id)], sender=d.as_admin))
+    newer = plan_of(d, job_id=first.job_id, generation=2)
+    (row,) = rows(d.reject_absent([newer], sender=d.as_admin))
     assert error_of(row)[0] == "generation_conflict"
 
 
@@ -482,6 +485,30 @@ def test_admission_detail_offer_closed(d: Daemon) -> None:
 
 def test_admission_detail_lease_expired(d: Daemon) -> None:
     assert admission_detail(d, plan_of(d), expires_in_ms=-60_000) == "lease_expired"
+
+
+def test_admission_detail_generation_conflict(d: Daemon) -> None:
+    first = plan_of(d)
+    admitted(d, first)
+    newer = plan_of(d, job_id=first.job_id, generation=2)
+    assert admission_detail(d, newer) == "generation_conflict"
+    rejected = attempt(d.observe(newer))  # the refusal left its durable record
+    assert (rejected.state, rejected.reason, rejected.slot) == (
+        "failed",
+        "admission_rejected",
+        None,
+    )
+
+
+def test_admission_detail_unknown_not_acknowledged(d: Daemon) -> None:
+    """An unknown outcome (here an acknowledged legacy absence on the idle host) must be
+    acknowledged by the prepare row of the job's next generation."""
+    first = plan_of(d)
+    (row,) = rows(d.as_admin(d.reconcile_request([first])))
+    assert attempt(row).outcome == "unknown"
+    assert row_code(d.release(first)) is None
+    retry = plan_of(d, job_id=first.job_id, generation=2)
+    assert admission_detail(d, retry) == "unknown_not_acknowledged"
 
 
 def test_offer_closed(d: Daemon) -> None:

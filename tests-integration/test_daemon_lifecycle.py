@@ -110,8 +110,9 @@ def test_reject_absent_records_a_rejection_that_can_never_run(daemon: Daemon) ->
     assert (record.slot, record.cleanup_confirmed, record.lease_sequence) == (None, True, 0)
     (again,) = rows(daemon.prepare([plan]))  # a later prepare gets the rejection back
     assert attempt(again).state == "failed"
-    started = daemon.start_attempt(plan)
-    assert row_code(started) is not None or attempt(started).state == "failed"
+    assert row_code(daemon.start_attempt(plan)) == "admission_rejected"  # never runnable
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 0
+    assert daemon.layout.provider_calls("probe", plan.attempt_id) == 0
     released = attempt(daemon.release(plan))
     assert (released.state, released.outcome) == ("released", "failed")
 

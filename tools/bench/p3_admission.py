@@ -93,7 +93,7 @@ FACTS = HostFacts(
 
 
 def _rows() -> list[PrepareRow]:
-    return [PrepareRow(_plan(), Lease(BOOT, 1, 1, 10**18)) for _ in range(ROWS)]
+    return [PrepareRow(_plan(), Lease(BOOT, 1, 1, 10**18, 1)) for _ in range(ROWS)]
 
 
 Setup = Callable[[str], tuple[Callable[[], object], Callable[[], object]]]

@@ -584,7 +584,14 @@ def test_the_nesting_rule_matches_a_pairwise_check(paths: list[str]) -> None:
     doc = document()
     doc["state_dir"], doc["socket_dir"] = paths[0], paths[1]
     doc["slots"] = [
-        {**doc["slots"][0], "id": f"s{i}", "uid": 5000 + i, "gid": 5000 + i, "path": path}
+        {
+            **doc["slots"][0],
+            "id": f"s{i}",
+            "uid": 5000 + i,
+            "gid": 5000 + i,
+            "path": path,
+            "filesystem_uuid": f"{i:08x}-0000-4000-8000-000000000000",
+        }
         for i, path in enumerate(paths[2:])
     ]
     doc["ceiling"]["slots"] = doc["initial_offer"]["slots"] = 1

@@ -422,12 +422,70 @@ def test_slot_exhaustion_and_expired_first_lease(host: Host) -> None:
     assert host.ctx.ledger.get(late.attempt_id).detail == "lease_expired"  # type: ignore[union-attr]
 
 
-def test_generation_conflict_writes_no_record(host: Host) -> None:
+def test_generation_conflict_leaves_its_durable_rejection(host: Host) -> None:
     first = make_plan()
     host.prepare(first)
     later = make_plan(job_id=first.job_id, generation=2)
-    assert row_code(host.prepare(later)) == "generation_conflict"
-    assert host.ctx.ledger.get(later.attempt_id) is None
+    reply = host.prepare(later)
+    assert row_code(reply) == "admission_rejected"
+    assert reply.results[0].error.message.startswith("generation_conflict: ")
+    record = host.ctx.ledger.get(later.attempt_id)
+    assert record is not None
+    assert (record.status.reason, record.detail, record.slot_id) == (
+        "admission_rejected",
+        "generation_conflict",
+        None,
+    )
+    assert host.runner.named("admitted") == [(first.attempt_id,)]
+
+
+def test_a_retry_after_unknown_is_admitted_only_with_its_acknowledgement(host: Host) -> None:
+    first = make_plan()
+    host.prepare(first)
+    host.ready(first)
+    host.send(fences_request(StartRequest, first))
+    host.apply(first, lc.Started(), lc.OutcomeLost(reason="provider_timeout"))
+    host.apply(first, lc.CleanupConfirmed(), lc.Release())
+    silent = make_plan(job_id=first.job_id, generation=2)
+    reply = host.prepare(silent)
+    assert row_code(reply) == "admission_rejected"
+    assert reply.results[0].error.message.startswith("unknown_not_acknowledged: ")
+    host.apply(silent, lc.Release())
+    retry = make_plan(job_id=first.job_id, generation=3)
+    row = PrepareAttempt(
+        plan=retry, lease=first_lease(retry), acknowledged_unknown=[first.attempt_id]
+    )
+    request = PrepareRequest(version=1, id=new_id(), attempts=[row], **host.bindings())
+    admitted = row_ok(host.send(request))
+    assert (admitted.state, admitted.reason) == ("prepared", None)
+
+
+def test_rows_report_the_expiry_the_host_enforces(host: Host) -> None:
+    """A lease asked until the end of time is capped at maximum_lease_seconds (600 s
+    here); every row says when the host will stop the work, not what was asked."""
+    cap_ms = host.config.maximum_lease_seconds * 1000
+    plan = make_plan()
+    before_ms = time.time_ns() // 1_000_000
+    endless = 2**63 - 1
+    first = first_lease(plan)
+    first = Renewal(first.attempt_id, first.generation, first.plan_digest, 1, endless)
+    request = PrepareRequest(
+        version=1, id=new_id(), attempts=[PrepareAttempt(plan=plan, lease=first)],
+        **host.bindings(),
+    )  # fmt: skip
+    prepared = row_ok(host.send(request))
+    after_ms = time.time_ns() // 1_000_000
+    assert before_ms + cap_ms <= prepared.lease_expires_at_ms <= after_ms + cap_ms
+    renewal = Renewal(first.attempt_id, first.generation, first.plan_digest, 2, endless)
+    renewed = row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[renewal])))
+    later_ms = time.time_ns() // 1_000_000
+    assert after_ms + cap_ms <= renewed.lease_expires_at_ms <= later_ms + cap_ms
+    # an identical duplicate keeps the deadline, and reports the same effective expiry
+    again = row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[renewal])))
+    assert again.lease_expires_at_ms == renewed.lease_expires_at_ms
+    (listed,) = [a for a in host.send(SnapshotRequest(version=1, id=new_id())).attempts
+                 if a.attempt_id == plan.attempt_id]  # fmt: skip
+    assert listed.lease_expires_at_ms == renewed.lease_expires_at_ms
 
 
 # --- renew, start, observe, stop, release ------------------------------------------

@@ -273,3 +273,14 @@ def test_free_payload_data_refuses_a_storage_part_replaced_by_a_link(
         layout.free_payload_data(attempt)
     assert refused.value.code == "unexpected_entry"
     assert (outside / "keep").read_bytes() == b"keep"
+
+
+def test_a_whiteout_device_any_user_can_make_does_not_block_removal(layout: Layout) -> None:
+    """Character device 0:0 (an overlayfs whiteout) needs no privilege to create."""
+    attempt = new_id()
+    paths = layout.create(attempt)
+    os.mknod(Path(paths.storage) / "whiteout", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+    layout.free_payload_data(attempt)
+    assert not os.path.lexists(paths.storage)
+    layout.remove(attempt)
+    assert not os.path.lexists(paths.root)

@@ -52,13 +52,31 @@ def code_of(call: object) -> str:
 
 def test_grant_converts_the_wall_expiry_to_a_boot_clock_deadline() -> None:
     lease = grant(Terms(1, wall_ms(100 + 60)), at(100), CAP)
-    assert lease == Lease(BOOT, 1, wall_ms(160), 160 * S)
+    assert lease == Lease(BOOT, 1, wall_ms(160), 160 * S, wall_ms(160))
 
 
 def test_grant_caps_the_deadline_at_the_maximum_lease() -> None:
     lease = grant(Terms(1, wall_ms(100 + 10 * CAP)), at(100), CAP)
     assert lease.deadline_boottime_ns == (100 + CAP) * S
     assert lease.expires_at_ms == wall_ms(100 + 10 * CAP)  # the terms are kept as sent
+    assert lease.effective_expires_at_ms == wall_ms(100 + CAP)  # what the host enforces
+
+
+def test_the_effective_expiry_of_an_endless_renewal_is_the_cap() -> None:
+    lease = grant(Terms(1, wall_ms(160)), at(100), CAP)
+    assert lease.effective_expires_at_ms == wall_ms(160)  # uncapped: exactly as asked
+    endless = renew(lease, Terms(2, 2**63 - 1), at(150), CAP)
+    assert endless.expires_at_ms == 2**63 - 1
+    assert endless.effective_expires_at_ms == wall_ms(150 + CAP)
+    # a duplicate received later keeps the deadline and its effective expiry
+    assert renew(endless, Terms(2, 2**63 - 1), at(400), CAP) == endless
+
+
+def test_a_renewal_already_past_is_effective_at_receipt() -> None:
+    lease = grant(Terms(1, wall_ms(160)), at(100), CAP)
+    ended = renew(lease, Terms(2, wall_ms(50)), at(150), CAP)
+    assert ended.effective_expires_at_ms == wall_ms(150)
+    assert ended.deadline_boottime_ns == 150 * S
 
 
 @pytest.mark.parametrize("seconds", [-1, 0])
@@ -118,7 +136,7 @@ def test_a_stored_lease_means_the_same_after_a_restart() -> None:
 def test_renew_with_a_higher_sequence_moves_the_deadline() -> None:
     lease = grant(Terms(1, wall_ms(160)), at(100), CAP)
     renewed = renew(lease, Terms(2, wall_ms(220)), at(150), CAP)
-    assert renewed == Lease(BOOT, 2, wall_ms(220), 220 * S)
+    assert renewed == Lease(BOOT, 2, wall_ms(220), 220 * S, wall_ms(220))
 
 
 def test_renew_caps_the_deadline_at_the_maximum_lease() -> None:
@@ -267,8 +285,8 @@ def test_a_bad_boot_id_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_recorded_lease_with_a_malformed_boot_id_is_refused_on_decode() -> None:
-    good = msgspec.json.encode(Lease(BOOT, 1, 2, 3))
-    assert msgspec.json.decode(good, type=Lease) == Lease(BOOT, 1, 2, 3)
+    good = msgspec.json.encode(Lease(BOOT, 1, 2, 3, 2))
+    assert msgspec.json.decode(good, type=Lease) == Lease(BOOT, 1, 2, 3, 2)
     for bad in (BOOT + "\n", BOOT.upper(), BOOT[:-1]):
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ficc.execution import plan as planlib
+from ficc.execution.host import filesystems
 from ficc.execution.host import lifecycle as lc
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.ledger import (
@@ -116,7 +117,7 @@ def stream(size: int = 10) -> planlib.InputObject:
 
 
 def lease(sequence: int = 1, deadline_ns: int = DEADLINE, expires_at_ms: int = 5000) -> Lease:
-    return Lease(BOOT, sequence, expires_at_ms, deadline_ns)
+    return Lease(BOOT, sequence, expires_at_ms, deadline_ns, expires_at_ms)
 
 
 def facts(slots: int = 4, devices: frozenset[str] = frozenset({"gpu0"})) -> HostFacts:
@@ -166,6 +167,10 @@ def count(led: Ledger) -> int:
 
 def raw(led: Ledger) -> sqlite3.Connection:
     return sqlite3.connect(led.path)
+
+
+def raw_path(state_dir: Path) -> sqlite3.Connection:
+    return sqlite3.connect(state_dir / LEDGER_FILE)
 
 
 def to_ready(led: Ledger, plan: planlib.Plan) -> None:
@@ -284,6 +289,78 @@ def test_open_refuses_a_hard_link_or_loose_mode(ledger: Ledger, state_dir: Path)
     with pytest.raises(HostError) as error:
         Ledger.open(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_unsafe"
+
+
+def test_the_state_dir_magic_is_the_one_stat_reports(state_dir: Path) -> None:
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        magic = filesystems.filesystem_magic(fd)
+    finally:
+        os.close(fd)
+    reported = subprocess.run(
+        ["stat", "-f", "-c", "%t", str(state_dir)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert magic == int(reported, 16)
+    assert magic not in filesystems.NETWORK_FILESYSTEMS
+
+
+@pytest.mark.parametrize(
+    ("magic", "name"), [(0x6969, "NFS"), (0xFE534D42, "SMB2/SMB3"), (0x65735546, "FUSE")]
+)
+def test_a_state_dir_on_a_network_filesystem_is_refused(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch, magic: int, name: str
+) -> None:
+    """No network filesystem can be mounted here: the magic the kernel would report
+    for one stands in; the refusal path (create and open) is the real one."""
+    Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING).close()
+    monkeypatch.setattr(filesystems, "filesystem_magic", lambda fd: magic)
+    for call in (
+        lambda: Ledger.open(str(state_dir), INSTALLATION),
+        lambda: Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING),
+    ):
+        with pytest.raises(HostError) as refused:
+            call()
+        assert refused.value.code == "unsupported_filesystem"
+        assert name in refused.value.message
+    monkeypatch.undo()
+    Ledger.open(str(state_dir), INSTALLATION).close()  # the local directory still opens
+
+
+SCHEMA_TWO_COLUMNS = (
+    "storage_exhausted",
+    "log_cut_short",
+    "effective_expires_at_ms",
+    "acknowledged_unknown",
+    "start_offer_revision",
+)
+
+
+def as_schema_one(state_dir: Path) -> None:
+    """Turn a closed ledger into what the first release wrote (schema version 1)."""
+    old = raw_path(state_dir)
+    for column in SCHEMA_TWO_COLUMNS:
+        old.execute(f"ALTER TABLE attempts DROP COLUMN {column}")
+    old.execute("UPDATE meta SET schema_version = 1")
+    old.commit()
+    old.close()
+
+
+def test_a_ledger_made_before_the_added_columns_is_upgraded(state_dir: Path) -> None:
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    job = new_id()
+    first = make_plan(job_id=job)
+    admitted(led, first)
+    led.close()
+    as_schema_one(state_dir)
+    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    record = reopened.get(first.attempt_id)
+    assert record is not None
+    assert record.lease is not None
+    assert record.lease.effective_expires_at_ms == record.lease.expires_at_ms
+    to_unknown_released(reopened, first)  # the new columns work on the old records
+    retry = make_plan(job_id=job, generation=2)
+    assert isinstance(admit_acknowledging(reopened, retry, first.attempt_id), Admitted)
+    reopened.close()
 
 
 def test_state_dir_must_be_private(state_dir: Path, tmp_path: Path) -> None:
@@ -426,7 +503,7 @@ def test_stale_offer_revision_and_expired_first_lease(ledger: Ledger) -> None:
     plan = make_plan()
     rows = [PrepareRow(plan, lease(deadline_ns=NOW.boottime_ns))]
     refused(ledger.admit_batch(ledger.bindings(), rows, facts())[0], "lease_expired")
-    other_boot = [PrepareRow(make_plan(), Lease(OTHER_BOOT, 1, 1, DEADLINE))]
+    other_boot = [PrepareRow(make_plan(), Lease(OTHER_BOOT, 1, 1, DEADLINE, 1))]
     refused(ledger.admit_batch(ledger.bindings(), other_boot, facts())[0], "lease_expired")
     assert count(ledger) == 3
 
@@ -448,18 +525,132 @@ def test_devices_projects_and_runtimes(state_dir: Path) -> None:
     led.close()
 
 
+def rejected_as(led: Ledger, plan: planlib.Plan, detail: str) -> None:
+    """The plan's durable admission rejection: failed, no slot, cleanup confirmed."""
+    record = led.get(plan.attempt_id)
+    assert record is not None
+    assert record.status == lc.admission_rejected()
+    assert (record.slot_id, record.detail) == (None, detail)
+
+
+def release_rejected(led: Ledger, *plans: planlib.Plan) -> None:
+    for plan in plans:
+        led.apply(fence(plan), lc.Release())
+
+
 def test_generation_order(ledger: Ledger) -> None:
     job = new_id()
     first = make_plan(job_id=job, generation=1)
     admitted(ledger, first)
-    before = count(ledger)
-    refused(admit(ledger, make_plan(job_id=job, generation=2))[0], "generation_conflict")
-    refused(admit(ledger, make_plan(job_id=job, generation=1))[0], "generation_conflict")
-    assert count(ledger) == before  # fence and generation refusals write nothing
+    newer, same = make_plan(job_id=job, generation=2), make_plan(job_id=job, generation=1)
+    refused(admit(ledger, newer)[0], "generation_conflict")
+    refused(admit(ledger, same)[0], "generation_conflict")
+    # each refusal before a provider call leaves its durable rejection, this one too
+    rejected_as(ledger, newer, "generation_conflict")
+    rejected_as(ledger, same, "generation_conflict")
+    (again,) = admit(ledger, newer)
+    assert isinstance(again, Admitted)
+    assert not again.new
+    refused(ledger.start_batch([fence(newer)], NOW)[0], "admission_rejected")
     to_released(ledger, first)
+    release_rejected(ledger, newer, same)
     second = make_plan(job_id=job, generation=3)
     admitted(ledger, second)
-    refused(admit(ledger, make_plan(job_id=job, generation=2))[0], "generation_conflict")
+    older = make_plan(job_id=job, generation=2)
+    refused(admit(ledger, older)[0], "generation_conflict")
+    rejected_as(ledger, older, "generation_conflict")
+
+
+def test_generation_conflict_of_reject_absent_writes_nothing(ledger: Ledger) -> None:
+    job = new_id()
+    admitted(ledger, make_plan(job_id=job, generation=1))
+    before = count(ledger)
+    (row,) = ledger.reject_absent(ledger.bindings(), [make_plan(job_id=job, generation=2)])
+    refused(row, "generation_conflict")
+    assert count(ledger) == before
+
+
+# --- retry after an unknown outcome -------------------------------------------------
+
+
+def to_unknown_released(led: Ledger, plan: planlib.Plan) -> None:
+    to_ready(led, plan)
+    led.start_batch([fence(plan)], NOW)
+    for event in (lc.Started(), lc.OutcomeLost(reason="provider_timeout")):
+        led.apply(fence(plan), event)
+    for event in (lc.CleanupConfirmed(), lc.Release()):
+        led.apply(fence(plan), event)
+
+
+def admit_acknowledging(led: Ledger, plan: planlib.Plan, *acknowledged: str) -> object:
+    row = PrepareRow(plan, lease(), acknowledged_unknown=acknowledged)
+    (result,) = led.admit_batch(led.bindings(), [row], facts())
+    return result
+
+
+def test_a_retry_after_unknown_needs_its_acknowledgement(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_unknown_released(ledger, first)
+    silent = make_plan(job_id=job, generation=2)
+    (refusal,) = admit(ledger, silent)
+    refused(refusal, "unknown_not_acknowledged")
+    assert first.attempt_id in str(refusal)  # the message names what to acknowledge
+    rejected_as(ledger, silent, "unknown_not_acknowledged")
+    release_rejected(ledger, silent)
+    # a wrong list (an extra ID) is refused like a missing one
+    wrong = make_plan(job_id=job, generation=3)
+    refused(admit_acknowledging(ledger, wrong, first.attempt_id, silent.attempt_id),
+            "unknown_not_acknowledged")  # fmt: skip
+    release_rejected(ledger, wrong)
+    retry = make_plan(job_id=job, generation=4)
+    result = admit_acknowledging(ledger, retry, first.attempt_id)
+    assert isinstance(result, Admitted)
+    assert result.new
+
+
+def test_each_unknown_is_acknowledged_once(ledger: Ledger, state_dir: Path) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_unknown_released(ledger, first)
+    second = make_plan(job_id=job, generation=2)
+    assert isinstance(admit_acknowledging(ledger, second, first.attempt_id), Admitted)
+    to_released(ledger, second)
+    ledger.close()
+    reopened = Ledger.open(str(state_dir), INSTALLATION)  # the acknowledgement is durable
+    again = make_plan(job_id=job, generation=3)
+    refused(admit_acknowledging(reopened, again, first.attempt_id), "unknown_not_acknowledged")
+    release_rejected(reopened, again)
+    assert isinstance(admitted(reopened, make_plan(job_id=job, generation=4)), Admitted)
+    reopened.close()
+
+
+def test_a_rejected_admission_does_not_use_up_the_acknowledgement(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_unknown_released(ledger, first)
+    wrong_class = make_plan(job_id=job, generation=2, slot_class="gpu")
+    refused(admit_acknowledging(ledger, wrong_class, first.attempt_id), "slot_capacity")
+    release_rejected(ledger, wrong_class)
+    silent = make_plan(job_id=job, generation=3)
+    refused(admit(ledger, silent)[0], "unknown_not_acknowledged")
+    release_rejected(ledger, silent)
+    retry = make_plan(job_id=job, generation=4)
+    assert isinstance(admit_acknowledging(ledger, retry, first.attempt_id), Admitted)
+
+
+def test_an_acknowledgement_without_unknowns_is_refused(ledger: Ledger) -> None:
+    job = new_id()
+    first = make_plan(job_id=job, generation=1)
+    admitted(ledger, first)
+    to_released(ledger, first)  # succeeded, not unknown
+    retry = make_plan(job_id=job, generation=2)
+    refused(admit_acknowledging(ledger, retry, first.attempt_id), "unknown_not_acknowledged")
+    other_job = make_plan()
+    refused(admit_acknowledging(ledger, other_job, first.attempt_id), "unknown_not_acknowledged")
 
 
 def test_reused_attempt_id_with_another_plan_is_a_fence_mismatch(ledger: Ledger) -> None:
@@ -693,6 +884,73 @@ def test_start_checks_resources_left_by_started_attempts(ledger: Ledger) -> None
     refused(over, "offer_changed")  # 3 x 1000 millis > 2500 offered
 
 
+def starting(led: Ledger, plan: planlib.Plan) -> None:
+    admitted(led, plan)
+    to_ready(led, plan)
+    (start,) = led.start_batch([fence(plan)], NOW)
+    assert isinstance(start, Applied)
+    assert start.changed
+
+
+def test_release_is_authorized_while_the_offer_is_unchanged(ledger: Ledger) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
+
+
+def test_a_start_accepted_while_draining_is_released_while_still_draining(
+    ledger: Ledger,
+) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    to_ready(ledger, plan)
+    ledger.set_offer(1, "draining", None, CEILING)
+    ledger.start_batch([fence(plan)], NOW)
+    assert ledger.authorize_release(fence(plan), CEILING) is None
+
+
+@pytest.mark.parametrize("control", ["paused", "stopped", "draining"])
+def test_an_offer_closed_after_the_start_cancels_before_release(
+    ledger: Ledger, control: str
+) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.set_offer(1, control, None, CEILING)  # type: ignore[arg-type]
+    assert ledger.authorize_release(fence(plan), CEILING) == "offer_closed"
+    status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.outcome, status.reason) == (
+        "cancelled",
+        "cancelled",
+        "offer_closed",
+    )
+    assert not status.cleanup_confirmed  # the service still has to be confirmed gone
+    # the attempt is settled: a repeated start is an idempotent reply, never a start
+    (again,) = ledger.start_batch([fence(plan)], NOW)
+    assert isinstance(again, Applied)
+    assert not again.changed
+
+
+def test_a_new_revision_that_still_covers_the_attempt_keeps_authority(ledger: Ledger) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.set_offer(1, "paused", None, CEILING)
+    ledger.set_offer(2, "active", limits(cpu_millis=1000), CEILING)  # exactly this attempt
+    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
+
+
+def test_an_offer_that_no_longer_covers_the_attempt_cancels_before_release(
+    ledger: Ledger,
+) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.set_offer(1, "active", limits(cpu_millis=999), CEILING)
+    assert ledger.authorize_release(fence(plan), CEILING) == "offer_changed"
+    status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.reason) == ("cancelled", "offer_changed")
+
+
 def test_fences_are_checked(ledger: Ledger) -> None:
     plan = make_plan()
     admitted(ledger, plan)
@@ -733,7 +991,7 @@ def test_renewals(ledger: Ledger) -> None:
     f = fence(plan)
     (renewed,) = ledger.renew_batch([(f, Renew(2, 6000))], NOW, MAX_LEASE)
     assert isinstance(renewed, Applied)
-    expected = Lease(BOOT, 2, 6000, NOW.boottime_ns + 6000 * 10**6)  # leases.renew's rule
+    expected = Lease(BOOT, 2, 6000, NOW.boottime_ns + 6000 * 10**6, 6000)  # leases.renew's rule
     assert renewed.record.lease == expected
     later = Now(BOOT, NOW.boottime_ns + 10**6, WALL + 10**6)
     (duplicate,) = ledger.renew_batch([(f, Renew(2, 6000))], later, MAX_LEASE)
@@ -1246,13 +1504,7 @@ def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
     admitted(ledger, make_plan())
     before = ledger.page(None)[0]
     ledger.close()
-    db = sqlite3.connect(state_dir / LEDGER_FILE, isolation_level=None)
-    try:
-        db.execute("ALTER TABLE attempts DROP COLUMN storage_exhausted")
-        db.execute("ALTER TABLE attempts DROP COLUMN log_cut_short")
-        db.execute("UPDATE meta SET schema_version = 1")
-    finally:
-        db.close()
+    as_schema_one(state_dir)
     migrated = Ledger.open(str(state_dir), INSTALLATION)
     try:
         assert migrated.page(None)[0] == before
@@ -1264,3 +1516,32 @@ def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
         assert db.execute("SELECT schema_version FROM meta").fetchone() == (2,)
     finally:
         db.close()
+
+
+def test_another_installations_old_ledger_is_refused_before_it_is_migrated(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    ledger.close()
+    as_schema_one(state_dir)
+    with pytest.raises(HostError) as refused:
+        Ledger.open(str(state_dir), "f" * 32)
+    assert refused.value.code == "ledger_installation_mismatch"
+    db = sqlite3.connect(state_dir / LEDGER_FILE)
+    try:
+        assert db.execute("SELECT schema_version FROM meta").fetchone() == (1,)
+    finally:
+        db.close()
+
+
+def test_a_ledger_written_by_a_newer_release_is_refused_as_such(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    ledger.close()
+    db = raw_path(state_dir)
+    db.execute("UPDATE meta SET schema_version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(HostError) as refused:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert refused.value.code == "ledger_schema"
+    assert "newer release" in refused.value.message

@@ -107,6 +107,17 @@ EXPECTED: dict[str, tuple[lc.AnyEvent, dict[str, object]]] = {
     ),
     "started": (lc.Started(), {"starting": {"state": "running"}}),
     "start_failed": (lc.StartFailed(reason="gate_refused"), {"starting": _failed("gate_refused")}),
+    "start_cancelled": (
+        lc.StartCancelled(reason="offer_closed"),
+        {
+            "starting": {
+                "state": "cancelled",
+                "outcome": "cancelled",
+                "reason": "offer_closed",
+                "cleanup_confirmed": False,
+            }
+        },
+    ),
     "finished_0": (
         lc.Finished(exit_code=0),
         _all(
@@ -272,6 +283,7 @@ _EVENTS = st.sampled_from(
         lc.StartRequested(lease_current=False, offer_open=True, offer_fits=True),
         lc.Started(),
         lc.StartFailed(reason="gate_refused"),
+        lc.StartCancelled(reason="offer_changed"),
         lc.Finished(exit_code=0),
         lc.Finished(exit_code=137),
         lc.StopRequested(),

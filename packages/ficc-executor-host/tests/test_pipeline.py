@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import json
 import os
 import pwd
 import secrets
@@ -114,11 +115,23 @@ def _pip(*args: str) -> None:
 class Installed:
     loaded: LoadedProvider
     call_log: Path
+    context_log: Path
 
     def calls(self, method: str, attempt_id: str) -> int:
         if not self.call_log.exists():
             return 0
         return self.call_log.read_text().splitlines().count(f"{method} {attempt_id}")
+
+    def contexts(self, method: str, attempt_id: str) -> list[dict[str, Any]]:
+        """The contexts the provider received for `method` rows of the attempt."""
+        if not self.context_log.exists():
+            return []
+        records = map(json.loads, self.context_log.read_text().splitlines())
+        return [
+            r["context"]
+            for r in records
+            if r["method"] == method and r["context"].get("attempt_id") == attempt_id
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -132,17 +145,18 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     prefix = out / "prefix"
     _pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
     (site,) = prefix.glob("lib/python3*/site-packages")
-    call_log = out / "calls.log"
+    call_log, context_log = out / "calls.log", out / "contexts.log"
     configuration = {
         "runtime": "service",
         "call_log": str(call_log),
+        "context_log": str(context_log),
         "devices": {"null": "/dev/null"},
         "negative_devices": ["/dev/zero"],
     }
     digest = compute_digest("test", [str(site)]).digest
     loaded = load_provider("test", digest, configuration, [str(site)])
     try:
-        yield Installed(loaded, call_log)
+        yield Installed(loaded, call_log, context_log)
     finally:
         for name in [m for m in sys.modules if m == MODULE or m.startswith(MODULE + ".")]:
             del sys.modules[name]
@@ -162,7 +176,7 @@ def offer_limits() -> OfferLimits:
 def make_config(slot: Path, state: Path, uid: int, gid: int, filesystem_uuid: str) -> Config:
     allowance = {
         "cpu_millis": BIG, "memory_bytes": BIG, "swap_bytes": BIG, "processes": 4096,
-        "slots": 4, "devices": ["null", "gpu"], "projects": [], "runtimes": ["test"],
+        "slots": 4, "devices": ["null", "gpu"], "projects": ["2" * 32], "runtimes": ["test"],
     }  # fmt: skip
     return msgspec.convert(
         {
@@ -298,7 +312,7 @@ class World:
     def admit(self, plan: planlib.Plan, lease_seconds: float = 600.0) -> Fence:
         """What the prepare handler does before it calls `runner.admitted`."""
         now = self.clock.now()
-        lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + int(lease_seconds * 1e9))
+        lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + int(lease_seconds * 1e9), 10**13)
         facts = HostFacts(
             slots=[SlotSpec("slot0", "cpu", SLOT_BYTES, 10**6)],
             devices=frozenset({"null", "gpu"}),
@@ -851,7 +865,7 @@ def test_an_unavailable_provider_fails_preparation(world: World) -> None:
 def test_release_of_an_admission_rejection_calls_no_provider(world: World) -> None:
     plan = world.plan(slot_class="gpu")  # no slot of that class: rejected durably
     now = world.clock.now()
-    lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + 10**12)
+    lease = Lease(now.boot_id, 1, 10**13, now.boottime_ns + 10**12, 10**13)
     facts = HostFacts(
         slots=[SlotSpec("slot0", "cpu", SLOT_BYTES, 10**6)],
         devices=frozenset({"null"}),
@@ -1012,3 +1026,174 @@ def test_the_monitor_is_woken_when_a_released_service_main_process_exits(world: 
     finally:
         child.kill()
         child.wait()
+
+
+# --- start authority at the release marker ---------------------------------------------
+#
+# The test provider never passes the gate, so these runners stand in a passing verdict
+# for the gate's; everything else (ledger, service, barrier, marker) is real. `during`
+# runs while the gate would, i.e. after the start was accepted and before the marker.
+
+
+class _PassingGate(Runner):
+    def __init__(self, ctx: HostContext, during: Callable[[], None]) -> None:
+        super().__init__(ctx, settings=FAST)
+        self._during = during
+
+    def _run_gate(self, *args: Any) -> gate.Verdict:
+        self._during()
+        return gate.Verdict(ok=True, failures=())
+
+
+def _start_with_passing_gate(world: World, fence: Fence, during: Callable[[], None]) -> None:
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(_PassingGate(world.ctx, during)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+
+
+def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:
+    """The control for the two tests below: the stand-in gate reaches the marker."""
+    fence = world.admit(world.plan())
+    _start_with_passing_gate(world, fence, lambda: None)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
+    assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+@pytest.mark.parametrize("control", ["paused", "draining", "stopped"])
+def test_an_offer_closed_before_the_marker_cancels_and_never_releases(
+    world: World, control: str
+) -> None:
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+
+    def close_offer() -> None:
+        offer = ledger.offer()
+        ledger.set_offer(offer.revision, control, None, offer_limits())  # type: ignore[arg-type]
+
+    _start_with_passing_gate(world, fence, close_offer)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.outcome, status.reason) == (
+        "cancelled",
+        "cancelled",
+        "offer_closed",
+    )
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert not (
+        world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider" / "exit"
+    ).exists()
+    assert service_idle(world, fence.attempt_id)
+    assert world.installed.calls("start", fence.attempt_id) == 1
+
+
+def test_an_offer_that_stops_covering_the_attempt_cancels_before_the_marker(
+    world: World,
+) -> None:
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+
+    def shrink_offer() -> None:
+        offer = ledger.offer()
+        small = msgspec.structs.replace(offer.limits.resources, memory_bytes=1 << 20)
+        limits = msgspec.structs.replace(offer.limits, resources=small)
+        ledger.set_offer(offer.revision, "active", limits, offer_limits())
+
+    _start_with_passing_gate(world, fence, shrink_offer)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("cancelled", "offer_changed")
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+def test_a_new_offer_revision_that_still_covers_the_attempt_releases_it(world: World) -> None:
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+
+    def reoffer() -> None:
+        offer = ledger.offer()
+        ledger.set_offer(offer.revision, "active", None, offer_limits())
+
+    _start_with_passing_gate(world, fence, reoffer)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("succeeded", "exited")
+    assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+# --- the provider context ----------------------------------------------------------------
+
+SLOT_FIELDS = {"id", "class", "path", "uid", "gid", "storage_bytes", "storage_inodes"}
+STORAGE_FIELDS = {"path", "device", "inode", "bytes", "inodes"}
+
+
+def _check_common(world: World, context: dict[str, Any], plan: planlib.Plan) -> None:
+    """What every context holds: plan, digest, slot, verified storage binding, owned
+    attempt directory, exact service name, cgroup and supervisor service."""
+    attempt_id = plan.attempt_id
+    assert context["plan"] == msgspec.to_builtins(plan)
+    assert context["plan_digest"] == planlib.plan_digest(plan)
+    assert set(context["slot"]) == SLOT_FIELDS
+    assert (context["slot"]["id"], context["slot"]["uid"]) == ("slot0", world.uid)
+    storage = context["storage"]
+    assert set(storage) == STORAGE_FIELDS
+    found = os.stat(storage["path"])
+    assert (storage["device"], storage["inode"]) == (found.st_dev, found.st_ino)
+    assert found.st_dev == os.stat(world.slot).st_dev  # on the slot's filesystem
+    assert (storage["bytes"], storage["inodes"]) == (64 << 20, 1000)
+    directory = world.attempt_dir(attempt_id)
+    assert context["attempt_directory"] == str(directory)
+    assert os.stat(directory).st_uid == 0  # owned by the host
+    assert context["service"] == world.service_name(attempt_id)
+    service = world.ctx.service
+    assert context["cgroup"] == service.planned_supervisor_cgroup(context["service"])
+    assert context["supervisor"] == {"backend": "cgroupfs", "service": context["service"]}
+    assert context["inputs"] == []
+
+
+def test_every_context_holds_what_the_provider_contract_lists(world: World) -> None:
+    plan = world.plan()
+    fence = world.admit(plan)
+    attempt_id = fence.attempt_id
+
+    async def until_settled() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "refused by the gate, cleaned")
+
+    asyncio.run(until_settled())
+    persisted = world.ctx.ledger.prepare_result(attempt_id)
+    assert persisted is not None
+    prepared = msgspec.json.decode(persisted)
+    (probe,) = world.installed.contexts("probe", attempt_id)
+    (prepare,) = world.installed.contexts("prepare", attempt_id)
+    for context in (probe, prepare):
+        _check_common(world, context, plan)
+        assert "prepared" not in context
+    assert prepare["check"] == "<callable>"
+    assert "check" not in probe
+    for method in ("start", "observe", "stop"):
+        contexts = world.installed.contexts(method, attempt_id)
+        assert contexts, f"the provider was never called with {method}"
+        for context in contexts:
+            _check_common(world, context, plan)
+            assert context["prepared"] == prepared
+            assert "check" not in context
+
+    async def release() -> None:
+        await Runner(world.ctx, settings=FAST).release(attempt_id)
+
+    expected = world.installed.contexts("probe", attempt_id)[0]["storage"]
+    asyncio.run(release())
+    (released,) = world.installed.contexts("release", attempt_id)
+    assert released["prepared"] == prepared
+    assert released["storage"] == expected  # verified, just before the layout went
+    assert released["service"] == world.service_name(attempt_id)

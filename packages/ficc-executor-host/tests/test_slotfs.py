@@ -25,7 +25,13 @@ import pytest
 from msgspec.structs import replace
 
 from ficc.execution.host import procfs, provision, slotfs
-from ficc.execution.host.config import Config, Slot, check_host, parse_config
+from ficc.execution.host.config import (
+    Config,
+    Slot,
+    check_host,
+    open_image_parent,
+    parse_config,
+)
 from ficc.execution.host.errors import HostError
 from service_support import _account
 
@@ -239,14 +245,14 @@ def test_two_slots_on_one_filesystem_are_refused(host: Host) -> None:
 
 def test_verify_before_each_attempt_sees_an_unmount_and_a_replacement(host: Host) -> None:
     slot = host.config().slots[0]
-    slotfs.verify(slot)
+    slotfs.verify(slot, open_image_parent)
     provision.remove_slot(slot.path)
-    assert refusal(lambda: slotfs.verify(slot)).code == "slot_filesystem"
+    assert refusal(lambda: slotfs.verify(slot, open_image_parent)).code == "slot_filesystem"
     other = host.root / "extra-replacement"
     other.mkdir()
     provision.create_image_slot(str(other / "img"), slot.path, BYTES, INODES)
     try:
-        assert refusal(lambda: slotfs.verify(slot)).code == "slot_identity"
+        assert refusal(lambda: slotfs.verify(slot, open_image_parent)).code == "slot_identity"
     finally:
         provision.remove_slot(slot.path)
 
@@ -362,7 +368,7 @@ def test_provision_slot_command_makes_a_slot_the_daemon_accepts(host: Host) -> N
     )
     fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        slotfs.check_filesystem(slot, "slots[0]", fd)
+        slotfs.check_filesystem(slot, "slots[0]", fd, open_image_parent)
     finally:
         os.close(fd)
     again = subprocess.run(
@@ -377,7 +383,66 @@ def test_provision_slot_command_makes_a_slot_the_daemon_accepts(host: Host) -> N
 def test_persistence_lines_name_the_image_or_the_uuid() -> None:
     loop = provision.Provisioned("/srv/ficc/slots/a", "/var/lib/ficc/a.img", "u" * 4, 1, 1, True)
     assert provision.fstab_line(loop) == (
-        "/var/lib/ficc/a.img /srv/ficc/slots/a ext4 loop,nodev,nosuid,nofail 0 2\n"
+        "/var/lib/ficc/a.img /srv/ficc/slots/a ext4 loop,nodev,nosuid,nofail,X-fstrim.notrim 0 2\n"
     )
     disk = replace_fields(loop, source="/dev/vg/a", loop=False)
     assert provision.fstab_line(disk).startswith("UUID=uuuu /srv/ficc/slots/a ext4 nodev,nosuid,")
+
+
+def test_a_filesystem_of_another_type_is_refused(host: Host) -> None:
+    """tmpfs (no UUID, memory) and copy-on-write filesystems are not slot filesystems."""
+    target = host.root / "extra-tmpfs" / "mnt"
+    target.mkdir(parents=True, mode=0o755)
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "nodev,nosuid,size=64m,mode=0755", "ficc-t", str(target)],
+        check=True,
+    )
+    error = refusal(lambda: check_host(host.config(path=str(target))))
+    assert error.code == "slot_filesystem"
+    assert "is tmpfs, not one of ext2, ext3, ext4, xfs" in error.message
+
+
+def test_holes_punched_in_the_image_are_allocated_again(host: Host) -> None:
+    """fstrim makes an image sparse again: the daemon's checks give the room back."""
+    image = host.slots[0].source
+    size = os.stat(image).st_size
+    subprocess.run(["fstrim", host.slots[0].mount], check=False, capture_output=True)
+    subprocess.run(
+        ["fallocate", "--punch-hole", "--offset", str(size // 2), "--length", str(4 * MIB), image],
+        check=True,
+    )
+    assert os.stat(image).st_blocks * 512 < size
+    slotfs.verify(host.config().slots[0], open_image_parent)
+    assert os.stat(image).st_blocks * 512 >= size
+    subprocess.run(
+        ["fallocate", "--punch-hole", "--offset", "0", "--length", str(MIB), image], check=False
+    )
+    check_host(host.config())
+    assert os.stat(image).st_blocks * 512 >= size
+
+
+def test_an_image_others_could_replace_is_refused(host: Host) -> None:
+    image = host.slots[0].source
+    os.chmod(image, 0o644)
+    error = refusal(lambda: check_host(host.config()))
+    assert error.code == "slot_filesystem"
+    assert "root-owned 0600" in error.message
+    os.chmod(image, 0o600)
+    os.chmod(os.path.dirname(image), 0o777)
+    try:
+        error = refusal(lambda: check_host(host.config()))
+    finally:
+        os.chmod(os.path.dirname(image), 0o700)
+    assert error.code == "slot_filesystem"
+    assert "writable by others" in error.message
+
+
+def test_provision_refuses_an_image_in_a_directory_others_can_write(host: Host) -> None:
+    shared = host.root / "extra-shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    error = refusal(
+        lambda: provision.create_image_slot(str(shared / "s.img"), str(shared / "m"), BYTES, 100)
+    )
+    assert error.code == "provision_failed"
+    assert not (shared / "s.img").exists()

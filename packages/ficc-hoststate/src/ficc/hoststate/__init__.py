@@ -23,6 +23,7 @@ from .errors import (
     StaleRevision,
     Unsafe,
     Unsupported,
+    UnsupportedFilesystem,
 )
 from .model import Operation, Status
 from .session import Session, acquire
@@ -46,5 +47,6 @@ __all__ = [
     "Status",
     "Unsafe",
     "Unsupported",
+    "UnsupportedFilesystem",
     "acquire",
 ]

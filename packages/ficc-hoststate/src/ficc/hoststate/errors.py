@@ -44,6 +44,12 @@ class Unsupported(HostStateError):
     code = "unsupported_platform"
 
 
+class UnsupportedFilesystem(Unsupported):
+    """The state directory is on a network or distributed filesystem (NFS, SMB, ...)."""
+
+    code = "unsupported_filesystem"
+
+
 class Conflict(HostStateError):
     """The operation ID is already registered with a different plan hash."""
 

@@ -4,7 +4,9 @@ The directory is opened once, without following a symlink, and every file operat
 is relative to that descriptor with `O_NOFOLLOW`, so renaming or re-pointing the
 path afterwards cannot redirect a read or a write. Anything that an untrusted user
 could have planted or could still change (a symlink, a FIFO, a hard link, a foreign
-owner, group/other write permission, also on any ancestor) is refused rather than used.
+owner, group/other write permission, also on any ancestor) is refused rather than used,
+and so is any group/other access to the directory or its files (0700 and 0600) and a
+directory on network storage (`fstype`).
 
 On Windows there are no directory descriptors; paths are joined and links refused by
 `lstat`, and ACLs are the installer's job (development use only, see docs).
@@ -20,6 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from .errors import Corrupt, Unsafe
+from .fstype import check_local
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOINHERIT", 0)
@@ -51,7 +54,8 @@ class Root:
             raise _open_error(path, exc) from None
         root = cls(path, fd)
         try:
-            _check_owner_and_mode(os.fstat(fd), f"state directory {path}")
+            check_local(fd, f"state directory {path}")
+            _check_owner_and_mode(os.fstat(fd), f"state directory {path}", private=0o700)
             _check_ancestors(fd, path)
         except BaseException:
             root.close()
@@ -234,7 +238,9 @@ def _open_error(path: str, exc: OSError) -> Unsafe:
     return Unsafe(f"cannot open state directory {path}: {exc.strerror}")
 
 
-def _check_owner_and_mode(st: os.stat_result, what: str) -> None:
+def _check_owner_and_mode(st: os.stat_result, what: str, *, private: int) -> None:
+    """Owned by root or this user, and private: no group or other access at all (the
+    directory 0700, files 0600); `private` is the mode the chmod advice names."""
     if sys.platform == "win32":
         return
     euid = os.geteuid()
@@ -243,11 +249,22 @@ def _check_owner_and_mode(st: os.stat_result, what: str) -> None:
             f"{what} is owned by uid {st.st_uid}, not root or this user (uid {euid});"
             " chown it to root"
         )
-    if st.st_mode & 0o022:
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        access = "writable" if mode & 0o022 else "readable"
         raise Unsafe(
-            f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o});"
-            " chmod go-w it (0700 for the directory, 0600 for files)"
+            f"{what} is {access} by group or others (mode {mode:04o}); run"
+            f" `chmod {private:o} {_path_of(what)}` (0700 for the directory, 0600 for"
+            " its files)"
         )
+
+
+def _path_of(what: str) -> str:
+    """The path in a `what` of this module ("state directory P" or "NAME in P")."""
+    if what.startswith("state directory "):
+        return what.removeprefix("state directory ")
+    name, _, directory = what.partition(" in ")
+    return f"{directory}/{name}" if directory else what
 
 
 def _check_file(st: os.stat_result, what: str) -> None:
@@ -255,7 +272,7 @@ def _check_file(st: os.stat_result, what: str) -> None:
         raise Unsafe(f"{what} is not a regular file; restore the real file")
     if sys.platform != "win32" and st.st_nlink != 1:
         raise Unsafe(f"{what} has {st.st_nlink} hard links; remove the other links")
-    _check_owner_and_mode(st, what)
+    _check_owner_and_mode(st, what, private=0o600)
 
 
 def _check_ancestors(fd: int, path: str) -> None:

@@ -40,6 +40,7 @@ class ErrorCode(enum.StrEnum):
     SLOT_CAPACITY = "slot_capacity"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
     LEDGER_FULL = "ledger_full"
+    UNKNOWN_NOT_ACKNOWLEDGED = "unknown_not_acknowledged"
     # lifecycle
     RUNTIME_PREPARING = "runtime_preparing"
     NOT_READY = "not_ready"

@@ -110,11 +110,26 @@ class Renewal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False)
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
 
-class PrepareAttempt(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
-    """One attempt to admit: its immutable plan and its first lease (sequence 1)."""
+ACKNOWLEDGED_MAX = 1024
+"""Most earlier unknown attempts one prepare row may acknowledge."""
+
+
+class PrepareAttempt(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True, gc=False
+):
+    """One attempt to admit: its immutable plan and its first lease (sequence 1).
+
+    `acknowledged_unknown` lists the attempt IDs of the job's earlier generations whose
+    outcome is `unknown` and that the controller explicitly accepts retrying after (the
+    host requires exactly the unacknowledged ones). It is omitted when empty, so a row
+    without acknowledgements keeps the bytes it always had; the plan never changes.
+    """
 
     plan: Plan
     lease: Renewal
+    acknowledged_unknown: Annotated[list[Identity], msgspec.Meta(max_length=ACKNOWLEDGED_MAX)] = (
+        msgspec.field(default_factory=list)
+    )
 
 
 class ObjectRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -295,6 +310,7 @@ class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare", gc=False)
         leases = list(map(_LEASE, self.attempts))
         digests = _checked_plans(self, plans, "$.attempts[{}].plan")
         _checked_rows(self, leases, Renewal, "$.attempts[{}].lease")
+        self._check_acknowledged()
         # The whole batch at once; only a failure walks the rows to name the first one.
         attempt_ids = list(map(_ATTEMPT_ID, plans))
         if (
@@ -319,6 +335,18 @@ class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare", gc=False)
                 raise self._invalid("not the plan's generation", f"{here}.lease.generation")
             if lease.plan_digest != digest:
                 raise self._invalid("not the plan's digest", f"{here}.lease.plan_digest")
+
+    def _check_acknowledged(self) -> None:
+        """Acknowledged attempt IDs are distinct and never the row's own attempt."""
+        for i, row in enumerate(self.attempts):
+            acknowledged = row.acknowledged_unknown
+            if not acknowledged:
+                continue
+            here = f"$.attempts[{i}].acknowledged_unknown"
+            if len(set(acknowledged)) != len(acknowledged):
+                raise self._invalid("an attempt ID appears twice", here)
+            if row.plan.attempt_id in acknowledged:
+                raise self._invalid("an attempt cannot acknowledge itself", here)
 
 
 class RenewRequest(Request, frozen=True, kw_only=True, tag="renew"):

@@ -22,14 +22,24 @@ Two runtimes, chosen by the administrator configuration (`runtime`):
 
 If `call_log` names a file, every row of every driver call appends one line
 `<method> <attempt_id>` to it, so tests can count calls (e.g. "start never again").
+If `context_log` names a file, every row also appends one JSON line
+`{"method": ..., "context": ...}` with the context as received (a callable, such as
+prepare's `check`, is written as the string "<callable>").
+
+Failures a plan can ask for through its payload environment (TEST ONLY):
+`FICC_TEST_PROVIDER_PROBE=fail` makes probe answer `ok: false`;
+`FICC_TEST_PROVIDER_HANG=<method>:<seconds>` makes that method's row block for that
+long before answering, standing in for a hung provider.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +68,9 @@ def configure(configuration: dict[str, Any]) -> Driver:
     devices = configuration.get("devices", {})
     negative = configuration.get("negative_devices", [])
     call_log = configuration.get("call_log")
+    context_log = configuration.get("context_log")
+    if context_log is not None and not isinstance(context_log, str):
+        raise ValueError("configuration 'context_log' must be a path")
     if not isinstance(devices, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in devices.items()
     ):
@@ -67,8 +80,11 @@ def configure(configuration: dict[str, Any]) -> Driver:
     if call_log is not None and not isinstance(call_log, str):
         raise ValueError("configuration 'call_log' must be a path")
     if runtime == "service":
-        return ServiceDriver(list(argv), dict(devices), list(negative), call_log)
-    return Driver(list(argv), call_log)
+        driver: Driver = ServiceDriver(list(argv), dict(devices), list(negative), call_log)
+    else:
+        driver = Driver(list(argv), call_log)
+    driver.context_log = context_log
+    return driver
 
 
 def main() -> int:
@@ -84,27 +100,72 @@ def _attempt(context: Context) -> str:
     return attempt
 
 
+PROBE_VARIABLE = "FICC_TEST_PROVIDER_PROBE"
+HANG_VARIABLE = "FICC_TEST_PROVIDER_HANG"
+
+
+def _environment(context: Context) -> dict[str, str]:
+    plan = context.get("plan")
+    if not isinstance(plan, dict):
+        return {}
+    environment = plan.get("job", {}).get("payload", {}).get("environment", {})
+    return environment if isinstance(environment, dict) else {}
+
+
+def _hang(method: str, contexts: list[Context]) -> None:
+    """Block as long as a row's plan asks this method to hang (the longest of them)."""
+    longest = 0.0
+    for context in contexts:
+        wanted, _, seconds = _environment(context).get(HANG_VARIABLE, "").partition(":")
+        if wanted == method:
+            longest = max(longest, float(seconds or 0))
+    if longest:
+        time.sleep(longest)
+
+
+def _loggable(value: Any) -> Any:
+    if callable(value):
+        return "<callable>"
+    if isinstance(value, dict):
+        return {str(k): _loggable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_loggable(v) for v in value]
+    return value
+
+
 class Driver:
     """The seven batch methods; children are tracked by attempt ID."""
 
     def __init__(self, argv: list[str], call_log: str | None = None) -> None:
         self.argv = argv
         self.call_log = call_log
+        self.context_log: str | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def _each(self, contexts: list[Context], row: Callable[[Context], Reply]) -> list[Reply]:
         return [row(context) for context in contexts]
 
     def _logged(self, method: str, contexts: list[Context]) -> None:
-        if self.call_log is None:
-            return
-        with open(self.call_log, "a", encoding="utf-8") as log:
-            for context in contexts:
-                log.write(f"{method} {context.get('attempt_id')}\n")
+        if self.context_log is not None:
+            with open(self.context_log, "a", encoding="utf-8") as log:
+                for context in contexts:
+                    record = {"method": method, "context": _loggable(context)}
+                    log.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.call_log is not None:
+            with open(self.call_log, "a", encoding="utf-8") as log:
+                for context in contexts:
+                    log.write(f"{method} {context.get('attempt_id')}\n")
+        _hang(method, contexts)
 
     def probe(self, contexts: list[Context]) -> list[Reply]:
         self._logged("probe", contexts)
-        return self._each(contexts, lambda _: {"ok": True, "runtime": "unconfined-process"})
+
+        def row(context: Context) -> Reply:
+            if _environment(context).get(PROBE_VARIABLE) == "fail":
+                return {"ok": False, "reason": "the plan asked the probe to fail"}
+            return {"ok": True, "runtime": "unconfined-process"}
+
+        return self._each(contexts, row)
 
     def prepare(self, contexts: list[Context]) -> list[Reply]:
         self._logged("prepare", contexts)

@@ -118,6 +118,9 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def space_bounds(self) -> ledger_space.SpaceBounds:
         return ledger_space.SpaceBounds(self.ledger_max_bytes, self.state_dir_min_free_bytes)
 
+    provider_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
+    """How long one provider batch call may take before its rows are uncertain."""
+
 
 def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:
     return HostError(code, f"{key}: {problem}; {fix}")
@@ -554,16 +557,25 @@ def check_directories(config: Config) -> None:
 
 
 def check_slots(config: Config) -> None:
-    """Every slot is a root-controlled directory that is the root of the slot's own
-    filesystem (`slotfs.check_filesystem`), run by its own account."""
-    devices: list[tuple[str, int]] = []
-    for i, slot in enumerate(config.slots):
-        key = f"slots[{i}]"
-        fd = open_trusted_directory(slot.path, f"{key}.path", "host_path_unsafe")
-        try:
-            devices.append((key, slotfs.check_filesystem(slot, key, fd)))
-        finally:
+    """Every slot is a root-controlled directory (all checked first, so a missing one is
+    named as such) that is the root of the slot's own filesystem
+    (`slotfs.check_filesystem`), run by its own account."""
+    fds: list[int] = []
+    try:
+        for i, slot in enumerate(config.slots):
+            fds.append(open_trusted_directory(slot.path, f"slots[{i}].path", "host_path_unsafe"))
+        devices: list[tuple[str, int]] = []
+        for i, (slot, fd) in enumerate(zip(config.slots, fds, strict=True)):
+            key = f"slots[{i}]"
+            devices.append((key, slotfs.check_filesystem(slot, key, fd, open_image_parent)))
+            slotfs.check_account(slot, key)
+    finally:
+        for fd in fds:
             os.close(fd)
-        slotfs.check_account(slot, key)
     others = [("/", os.stat("/").st_dev), ("state_dir", os.stat(config.state_dir).st_dev)]
     slotfs.check_distinct(devices, others)
+
+
+def open_image_parent(path: str, key: str) -> int:
+    """The directory of a loop-mounted slot's image file, trusted like the config's."""
+    return open_trusted_directory(path, key, "slot_filesystem")

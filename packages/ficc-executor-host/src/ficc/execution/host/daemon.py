@@ -61,10 +61,15 @@ RunnerFactory = Callable[[HostContext], RunnerLike]
 
 
 def _default_runner(ctx: HostContext) -> RunnerLike:
-    from ficc.execution.host.pipeline import Runner  # noqa: PLC0415 - keeps the import cheap
+    from ficc.execution.host.pipeline import (  # noqa: PLC0415 - keeps the import cheap
+        Runner,
+        Settings,
+    )
 
     # The monitor feeds systemd's watchdog: its ticks stopping is what must restart us.
-    runner: RunnerLike = Runner(ctx, on_tick=notify.Heartbeat.from_environment().beat)
+    settings = Settings(provider_timeout=float(ctx.config.provider_timeout_seconds))
+    beat = notify.Heartbeat.from_environment().beat
+    runner: RunnerLike = Runner(ctx, settings=settings, on_tick=beat)
     return runner
 
 

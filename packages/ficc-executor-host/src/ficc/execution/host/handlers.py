@@ -225,7 +225,7 @@ def attempt_status(
         reason=status.reason,
         exit_code=status.exit_code,
         lease_sequence=lease.sequence if lease is not None else 0,
-        lease_expires_at_ms=lease.expires_at_ms if lease is not None else None,
+        lease_expires_at_ms=lease.effective_expires_at_ms if lease is not None else None,
         slot=None if status.state == "released" else record.slot_id,  # reserved only
         staged_bytes=staged,
         stdout_bytes=logs[0],
@@ -315,6 +315,7 @@ def _first_lease(renewal: leases.Renewal, now: leases.Now, maximum: int) -> leas
             sequence=renewal.sequence,
             expires_at_ms=renewal.expires_at_ms,
             deadline_boottime_ns=now.boottime_ns,
+            effective_expires_at_ms=leases.effective_ms(now, 0),
         )
 
 
@@ -364,6 +365,7 @@ async def prepare(
             row.plan,
             _first_lease(row.lease, now, maximum),
             refusal=provider_refusal(ctx, row.plan),
+            acknowledged_unknown=row.acknowledged_unknown,
         )
         for row in request.attempts
     ]

@@ -22,8 +22,9 @@ Everything is opened relative to directory fds without following links (`fsutil`
 and an existing directory must have exactly the owner and mode above, or it is
 refused (`layout_unsafe`): nothing the payload could have changed is trusted.
 
-`remove` deletes an attempt's tree without ever following a link: links, FIFOs and
-sockets the payload left are unlinked as names; a device node, a mount point (another
+`remove` deletes an attempt's tree without ever following a link: links, FIFOs,
+sockets and character device 0:0 (an overlayfs whiteout, which any user may make) the
+payload left are unlinked as names; any other device node, a mount point (another
 filesystem) or an unknown name at a fixed level refuses removal (`unexpected_entry`)
 and leaves the rest for an operator. The walk holds one directory fd at a time and
 climbs back with `..`, checking each parent is the directory it came from, so a deep
@@ -51,6 +52,7 @@ STDERR: Final = "stderr"
 _ROOT: Final = 0
 _IDENTITY: Final = re.compile(r"\A[0-9a-f]{32}\Z")
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WHITEOUT: Final = os.makedev(0, 0)
 
 
 class SlotLike(Protocol):
@@ -458,6 +460,8 @@ def _clear_names(fd: int, device: int) -> list[str]:
             subdirectories.append(name)
         elif stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
             os.unlink(name, dir_fd=fd)
+        elif stat.S_ISCHR(mode) and st.st_rdev == _WHITEOUT:
+            os.unlink(name, dir_fd=fd)  # any user may make one (overlayfs whiteouts)
         else:
             raise _unexpected(name, st)
     return subdirectories

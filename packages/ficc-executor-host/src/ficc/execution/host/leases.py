@@ -44,6 +44,10 @@ class Lease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sequence: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     expires_at_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
     deadline_boottime_ns: Nanoseconds
+    effective_expires_at_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    """The deadline the host enforces, as wall-clock Unix ms computed at receipt: the
+    asked `expires_at_ms` unless `maximum_lease_seconds` capped it (or it had passed).
+    `expires_at_ms` stays the value asked for, which identifies a duplicate renewal."""
 
 
 class Renewal(Protocol):
@@ -132,4 +136,11 @@ def _lease(renewal: Renewal, now: Now, remaining: int) -> Lease:
         sequence=renewal.sequence,
         expires_at_ms=renewal.expires_at_ms,
         deadline_boottime_ns=now.boottime_ns + remaining,
+        effective_expires_at_ms=effective_ms(now, remaining),
     )
+
+
+def effective_ms(now: Now, remaining: int) -> int:
+    """The wall-clock Unix ms of a deadline `remaining` boot-clock ns after `now`,
+    rounded down so a controller never plans with time the host will not give."""
+    return max(0, (now.wall_ns + remaining) // _NS_PER_MS)

@@ -51,7 +51,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import fsutil, leases, ledger_space, lifecycle
+from ficc.execution.host import filesystems, fsutil, leases, ledger_space, lifecycle
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Lease, Now
 from ficc.execution.host.staging import StreamState
@@ -61,11 +61,17 @@ LEDGER_FILE: Final = "ledger.sqlite3"
 SCHEMA_VERSION: Final = 2
 _MIGRATIONS: Final = {
     # from version: the statements that bring a ledger to the next version, in one
-    # transaction. Columns are only ever added, with defaults that are true of every
-    # record made before them.
+    # transaction. Columns are only ever added, with values that are true of every
+    # record made before them. A lease recorded before the effective expiry was kept
+    # gets its asked expiry as its effective one (the wall-clock time at its receipt
+    # is lost); its next renewal records the real one.
     1: (
         "ALTER TABLE attempts ADD COLUMN storage_exhausted INTEGER NOT NULL DEFAULT 0",
         "ALTER TABLE attempts ADD COLUMN log_cut_short INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE attempts ADD COLUMN effective_expires_at_ms INTEGER",
+        "ALTER TABLE attempts ADD COLUMN acknowledged_unknown TEXT",
+        "ALTER TABLE attempts ADD COLUMN start_offer_revision INTEGER",
+        "UPDATE attempts SET effective_expires_at_ms = expires_at_ms WHERE boot_id IS NOT NULL",
     ),
 }
 ADMISSION_VERSION: Final = 1
@@ -199,6 +205,8 @@ class PrepareRow:
     plan: planlib.Plan
     lease: Lease
     refusal: HostError | None = None
+    acknowledged_unknown: Sequence[str] = ()
+    """The prepare row's acknowledgement of the job's earlier unknown attempts."""
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,9 @@ CREATE TABLE attempts (
     sequence INTEGER,
     expires_at_ms INTEGER,
     deadline_boottime_ns INTEGER,
+    effective_expires_at_ms INTEGER,
+    acknowledged_unknown TEXT,
+    start_offer_revision INTEGER,
     prepare_result BLOB,
     created INTEGER NOT NULL,
     updated INTEGER NOT NULL
@@ -318,7 +329,9 @@ _STARTED_SQL: Final = f"SELECT {_AMOUNTS} FROM attempts WHERE state IN ('startin
 """What started attempts hold (start authority)."""
 _ACTIVE_SQL: Final = f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
 """The records a restart must settle."""
-_INSERT_COLUMNS: Final = _RECORD_FIELDS + _RESOURCES + _STORAGE + ("devices", "plan")
+_INSERT_COLUMNS: Final = (
+    _RECORD_FIELDS + _RESOURCES + _STORAGE + ("devices", "plan", "acknowledged_unknown")
+)
 
 
 def _literal(value: object) -> str:
@@ -383,8 +396,14 @@ def _status_values(status: lifecycle.Status) -> list[object]:
 
 def _lease_values(lease: Lease | None) -> list[object]:
     if lease is None:
-        return [None, None, None, None]
-    return [lease.boot_id, lease.sequence, lease.expires_at_ms, lease.deadline_boottime_ns]
+        return [None] * len(_LEASE_FIELDS)
+    return [
+        lease.boot_id,
+        lease.sequence,
+        lease.expires_at_ms,
+        lease.deadline_boottime_ns,
+        lease.effective_expires_at_ms,
+    ]
 
 
 # --- admission arithmetic (pure) ----------------------------------------------------
@@ -477,6 +496,24 @@ def _choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: _Occupancy) ->
     )
 
 
+def _check_acknowledged(acknowledged: Sequence[str], unacknowledged: set[str]) -> None:
+    """A job whose earlier attempts ended `unknown` is retried only with an explicit
+    acknowledgement of exactly those not yet acknowledged (each is acknowledged once)."""
+    if set(acknowledged) == unacknowledged:
+        return
+    missing, extra = (
+        sorted(unacknowledged - set(acknowledged)),
+        sorted(set(acknowledged) - unacknowledged),
+    )
+    raise _Rejection(
+        ErrorCode.UNKNOWN_NOT_ACKNOWLEDGED,
+        f"acknowledged_unknown must list exactly the job's earlier attempts whose outcome is"
+        f" unknown and not yet acknowledged; missing {missing}, not acceptable {extra}:"
+        " decide on each unknown attempt (inspect its effects), then prepare a new"
+        " attempt that lists them",
+    )
+
+
 def _admissible_slot(
     plan: planlib.Plan, lease: Lease, terms: _Terms, facts: HostFacts, occupancy: _Occupancy
 ) -> SlotSpec:
@@ -532,10 +569,10 @@ def _fits(
     return True
 
 
-def _add_usage(usage: dict[str, int], limits: planlib.Limits) -> None:
-    usage["attempts"] += 1
+def _add_usage(usage: dict[str, int], limits: planlib.Limits, sign: int = 1) -> None:
+    usage["attempts"] += sign
     for name in _RESOURCES + _STORAGE:
-        usage[name] += getattr(limits, name)
+        usage[name] += sign * getattr(limits, name)
 
 
 def _within(limits: OfferLimits, ceiling: OfferLimits) -> str | None:
@@ -564,21 +601,47 @@ class _Encoded(NamedTuple):
         return list(map(cls, plans, data, map(planlib.digest_of, data)))
 
 
+class _JobAttempt(NamedTuple):
+    """What admission needs of each earlier attempt of a job."""
+
+    attempt_id: str
+    generation: int
+    state: str
+    outcome: str | None
+    acknowledged: tuple[str, ...]
+    """The unknown attempts this attempt's admission acknowledged."""
+
+
 @dataclass
 class _Known:
     """The records a batch can collide with, read once and updated as rows are recorded."""
 
     records: dict[str, AttemptRecord]
-    jobs: dict[str, list[tuple[int, str]]]
-    """job ID -> (generation, state) of each of its attempts."""
+    jobs: dict[str, list[_JobAttempt]]
+    """job ID -> each of its attempts."""
 
-    def add(self, record: AttemptRecord) -> None:
+    def add(self, record: AttemptRecord, acknowledged: Sequence[str] = ()) -> None:
         self.records[record.attempt_id] = record
-        self.jobs.setdefault(record.job_id, []).append((record.generation, record.status.state))
+        status = record.status
+        entry = _JobAttempt(
+            record.attempt_id, record.generation, status.state, status.outcome, tuple(acknowledged)
+        )
+        self.jobs.setdefault(record.job_id, []).append(entry)
+
+    def unacknowledged(self, plan: planlib.Plan) -> set[str]:
+        """The job's earlier attempts with an `unknown` outcome that no admission has
+        acknowledged yet: exactly what the plan's prepare row must acknowledge."""
+        attempts = self.jobs.get(plan.job_id, [])
+        done = {attempt_id for a in attempts for attempt_id in a.acknowledged}
+        return {
+            a.attempt_id
+            for a in attempts
+            if a.generation < plan.generation and a.outcome == "unknown"
+        } - done
 
     def existing(self, plan: _Encoded) -> AttemptRecord | None:
-        """The record of a repeated plan, or None if the plan may be recorded. Refusals
-        (`fence_mismatch`, `generation_conflict`) write nothing."""
+        """The record of a repeated plan, or None if the plan may be recorded; raises
+        `fence_mismatch` or `generation_conflict` (the caller decides what to record)."""
         record = self.records.get(plan.plan.attempt_id)
         if record is not None:
             if record.plan_digest != plan.digest or record.generation != plan.plan.generation:
@@ -587,7 +650,7 @@ class _Known:
                     "this attempt ID is recorded with another plan; never reuse an attempt ID",
                 )
             return record
-        for generation, state in self.jobs.get(plan.plan.job_id, []):
+        for _, generation, state, _, _ in self.jobs.get(plan.plan.job_id, []):
             if generation >= plan.plan.generation:
                 raise HostError(
                     ErrorCode.GENERATION_CONFLICT,
@@ -739,6 +802,30 @@ def _log_change(record: AttemptRecord, cause: str) -> None:
     )
 
 
+def _check_owner_then_migrate(db: sqlite3.Connection, path: str, installation_id: str) -> None:
+    """Refuse another installation's ledger or one a newer release wrote, before
+    anything is changed; then bring an older one to this schema."""
+    row = None
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
+        row = db.execute("SELECT schema_version, installation_id FROM meta").fetchone()
+    if row is None:
+        return  # the constructor refuses a ledger without its identity
+    version, owner = row
+    if owner != installation_id:
+        raise HostError(
+            "ledger_installation_mismatch",
+            f"{path} belongs to installation {owner}, not {installation_id}; point state_dir"
+            " at this installation's ledger",
+        )
+    if version > SCHEMA_VERSION:
+        raise HostError(
+            "ledger_schema",
+            f"{path} was written by a newer release (schema {version}; this one reads up to"
+            f" {SCHEMA_VERSION}); run that release, never an older one, on this ledger",
+        )
+    _migrate(db)
+
+
 def _migrate(db: sqlite3.Connection) -> None:
     """Bring a ledger written by an earlier release to this schema, one version per
     transaction; a crash in between leaves a ledger of one version or the next."""
@@ -870,14 +957,8 @@ class Ledger:
                     f"{state_dir}/{LEDGER_FILE} failed its integrity check (journal {mode});"
                     " restore it from backup",
                 )
-            _migrate(db)
+            _check_owner_then_migrate(db, f"{state_dir}/{LEDGER_FILE}", installation_id)
             ledger = cls(db, dir_fd, f"{state_dir}/{LEDGER_FILE}")
-            if ledger._bindings.installation_id != installation_id:
-                raise HostError(
-                    "ledger_installation_mismatch",
-                    f"{ledger.path} belongs to installation {ledger._bindings.installation_id},"
-                    f" not {installation_id}; point state_dir at this installation's ledger",
-                )
         except BaseException:
             db.close()
             raise
@@ -1057,9 +1138,11 @@ class Ledger:
         """Admit up to 64 plans in one transaction, before any provider call.
 
         Per row: the existing record of a repeated plan unchanged (same deadline, same
-        partial input); `fence_mismatch` or `generation_conflict` without a record;
-        any other refusal as a durable failed record (reason admission_rejected, no
-        slot, cleanup confirmed) and a HostError with the precise code.
+        partial input); `fence_mismatch` without a record (the attempt ID already holds
+        another plan); any other refusal, `generation_conflict` and
+        `unknown_not_acknowledged` included, as a durable failed record (reason
+        admission_rejected, no slot, cleanup confirmed) and a HostError with the
+        precise code.
         """
         _check_batch(rows)
         encoded = _Encoded.each(r.plan for r in rows)
@@ -1072,7 +1155,12 @@ class Ledger:
                 try:
                     existing = batch.known.existing(plan)
                 except HostError as error:
-                    results.append(error)
+                    if error.code != ErrorCode.GENERATION_CONFLICT:
+                        results.append(error)  # fence_mismatch: the ID holds another plan
+                        continue
+                    results.append(
+                        self._reject_new(plan, row, _Rejection(error.code, error.message), batch)
+                    )
                     continue
                 if existing is not None:
                     results.append(Admitted(existing, new=False))
@@ -1087,20 +1175,29 @@ class Ledger:
         try:
             if row.refusal is not None:
                 raise _Rejection(row.refusal.code, row.refusal.message)
+            _check_acknowledged(row.acknowledged_unknown, batch.known.unacknowledged(plan.plan))
             slot = _admissible_slot(plan.plan, lease, batch.terms, facts, batch.occupancy)
         except _Rejection as rejection:
-            status = lifecycle.admission_rejected()
-            record = self._insert(plan, status, batch.records, slot_id=None, lease=lease,
-                                  ordinal=batch.ordinal, detail=rejection.code)  # fmt: skip
-            batch.known.add(record)
-            return rejection
+            return self._reject_new(plan, row, rejection, batch)
+        acknowledged = row.acknowledged_unknown
         record = self._insert(plan, _ADMITTED, batch.records, slot_id=slot.id, lease=lease,
-                              ordinal=batch.ordinal)  # fmt: skip
-        batch.known.add(record)
+                              ordinal=batch.ordinal, acknowledged=acknowledged)  # fmt: skip
+        batch.known.add(record, acknowledged)
         batch.occupancy.add(slot, plan.plan.job.limits)
         streamed = plan.plan.streamed_inputs
         batch.inputs += [(record.attempt_id, i.id, i.name, i.bytes, i.digest) for i in streamed]
         return Admitted(record, new=True)
+
+    def _reject_new(
+        self, plan: _Encoded, row: PrepareRow, rejection: _Rejection, batch: _Batch
+    ) -> _Rejection:
+        """Commit the durable rejection of a plan never seen before (no slot, nothing
+        acknowledged, cleanup confirmed) and return it with its precise code."""
+        status = lifecycle.admission_rejected()
+        record = self._insert(plan, status, batch.records, slot_id=None, lease=row.lease,
+                              ordinal=batch.ordinal, detail=rejection.code)  # fmt: skip
+        batch.known.add(record)
+        return rejection
 
     def reject_absent(self, bindings: Bindings, plans: Sequence[planlib.Plan]) -> list[Row]:
         """Commit failed, never-runnable rejections for plans the host never admitted."""
@@ -1179,11 +1276,16 @@ class Ledger:
         for record in map(_record, records.fetchall()):
             known.records[record.attempt_id] = record
         marks = ", ".join("?" * len(jobs))
-        for job_id, generation, state in self._db.execute(
-            f"SELECT job_id, generation, state FROM attempts WHERE job_id IN ({marks})",  # noqa: S608
-            jobs,
+        columns = "job_id, attempt_id, generation, state, outcome, acknowledged_unknown"
+        query = f"SELECT {columns} FROM attempts WHERE job_id IN ({marks})"  # noqa: S608
+        for job_id, attempt_id, generation, state, outcome, acknowledged in self._db.execute(
+            query, jobs
         ):
-            known.jobs.setdefault(job_id, []).append((generation, state))
+            done: tuple[str, ...] = ()
+            if acknowledged:
+                done = tuple(msgspec.json.decode(acknowledged, type=list[str]))
+            entry = _JobAttempt(attempt_id, generation, state, outcome, done)
+            known.jobs.setdefault(job_id, []).append(entry)
         return known
 
     def _insert(
@@ -1196,9 +1298,11 @@ class Ledger:
         lease: Lease | None,
         ordinal: int,
         detail: str | None = None,
+        acknowledged: Sequence[str] = (),
     ) -> AttemptRecord:
         """A new record: its row is appended to `pending` (for `_write_new`, in this
-        transaction) and its change to the log of this transaction."""
+        transaction) and its change to the log of this transaction. `acknowledged` is
+        what an admitted record's prepare row acknowledged (see `_unacknowledged`)."""
         record = AttemptRecord(
             attempt_id=plan.plan.attempt_id,
             job_id=plan.plan.job_id,
@@ -1223,6 +1327,7 @@ class Ledger:
             *(limits.storage_bytes, limits.storage_inodes),
             msgspec.json.encode(limits.devices).decode(),
             plan.data,
+            msgspec.json.encode(acknowledged).decode() if acknowledged else None,
         )
         insert = _INSERT_ADMITTED if status == _ADMITTED and detail is None else _INSERT_ANY
         pending.append((insert, insert.bound(row)))
@@ -1312,8 +1417,57 @@ class Ledger:
                 result = self._apply_one(fence, event, ordinal, records)
                 if isinstance(result, Applied) and result.changed:
                     _add_usage(started, plan.job.limits)
+                    self._db.execute(
+                        "UPDATE attempts SET start_offer_revision = ? WHERE attempt_id = ?",
+                        (offer.revision, fence.attempt_id),
+                    )
                 results.append(result)
             return results
+
+    def authorize_release(self, fence: Fence, ceiling: OfferLimits | None = None) -> str | None:
+        """Check start authority again at the moment the release marker would be written.
+
+        Authority is unchanged when the offer is still at the revision the start was
+        accepted under; a later revision keeps it only if it is `active` and still
+        covers the attempt beside the other started ones. Otherwise the attempt ends
+        `cancelled` in this same transaction, with the reason returned (`offer_closed`:
+        paused, stopped or draining since; `offer_changed`: no longer covered), and
+        the payload must never be released. None: release it.
+        """
+        with self._write() as ordinal:
+            records = self._records([fence.attempt_id])
+            record = _fenced_in(records, fence)
+            if isinstance(record, HostError):
+                raise record
+            offer = self._offer()
+            (since,) = self._db.execute(
+                "SELECT start_offer_revision FROM attempts WHERE attempt_id = ?",
+                (fence.attempt_id,),
+            ).fetchone()
+            if since == offer.revision:
+                return None
+            reason = self._lost_authority(record, offer, ceiling)
+            if reason is None:
+                return None
+            result = self._apply_one(
+                fence, lifecycle.StartCancelled(reason=reason), ordinal, records
+            )
+            if isinstance(result, HostError):
+                raise result
+            return reason
+
+    def _lost_authority(
+        self, record: AttemptRecord, offer: Offer, ceiling: OfferLimits | None
+    ) -> str | None:
+        """Why a changed offer no longer lets this started attempt be released."""
+        if offer.control != "active":
+            return str(ErrorCode.OFFER_CLOSED)
+        plan = planlib.decode_plan(self._plan_blobs([record.attempt_id])[record.attempt_id])
+        others = self._started_usage()
+        _add_usage(others, plan.job.limits, -1)  # the attempt itself is counted as starting
+        if not _fits(plan, offer, ceiling, others):
+            return str(ErrorCode.OFFER_CHANGED)
+        return None
 
     def _started_usage(self) -> dict[str, int]:
         """What attempts in `starting` or `running` hold, summed per resource."""
@@ -1436,7 +1590,7 @@ class Ledger:
             return HostError(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}")
         self._db.execute(
             "UPDATE attempts SET boot_id = ?, sequence = ?, expires_at_ms = ?,"
-            " deadline_boottime_ns = ?,"
+            " deadline_boottime_ns = ?, effective_expires_at_ms = ?,"
             " updated = ? WHERE attempt_id = ?",
             [*_lease_values(lease), ordinal, fence.attempt_id],
         )
@@ -1682,6 +1836,7 @@ def _lock_state_dir(state_dir: str) -> int:
     dir_fd = fsutil.open_dir(state_dir)
     try:
         _check_state_dir(dir_fd, state_dir)
+        filesystems.check_local(dir_fd, f"state directory {state_dir}")
         fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as error:
         os.close(dir_fd)

@@ -28,6 +28,9 @@ Decisions the seed leaves to the host, made here:
 - A stop or lease expiry of a `starting`/`running` attempt is recorded as
   `stop_pending`; the state changes only when the monitor confirms the stop
   (`Stopped`), or the payload's own exit is observed first (`Finished`, which wins).
+- Start authority is checked twice: when the start is requested, and again just
+  before the release marker is written (`StartCancelled`: `starting` -> `cancelled`
+  with the reason, the payload never released).
 - A start of an attempt that already had a start requested is an idempotent reply
   (no change, `changed` false), whatever happened since: a lost start reply must
   never start twice.
@@ -130,6 +133,14 @@ class StartFailed(Event, frozen=True, tag="start_failed"):
     reason: _Reason
 
 
+class StartCancelled(Event, frozen=True, tag="start_cancelled"):
+    """Start authority was lost between the start request and the release marker (the
+    offer was paused, stopped or drained, or no longer covers the attempt): the payload
+    was never released."""
+
+    reason: _Reason
+
+
 class Finished(Event, frozen=True, tag="finished"):
     """The payload's exit was observed."""
 
@@ -183,6 +194,7 @@ AnyEvent = (
     | StartRequested
     | Started
     | StartFailed
+    | StartCancelled
     | Finished
     | StorageExhausted
     | StopRequested
@@ -220,6 +232,7 @@ TRANSITIONS: Final[dict[str, dict[str, str | Refuse]]] = {
     "start":             {_P: _S, _S: SAME, _R: SAME, **_SETTLED_SAME, _X: SAME},
     "started":           {_S: _R},
     "start_failed":      {_S: "failed"},
+    "start_cancelled":   {_S: "cancelled"},
     "finished":          {_R: "succeeded"},                # failed: exit_code != 0, full slot
     "storage_exhausted": {_S: SAME, _R: SAME},              # flags only
     "stop":              {_P: "cancelled", _S: SAME, _R: SAME,  # _S, _R: stop_pending
@@ -331,6 +344,8 @@ def _effect(status: Status, event: AnyEvent, target: str) -> Status:
             return _with(s, state="running")
         case StartFailed(reason=reason):
             return _settle(s, "failed", reason)
+        case StartCancelled(reason=reason):
+            return _with(_settle(s, "cancelled", reason), stop_pending=None)
         case Finished(exit_code=code) if s.storage_exhausted:
             done = _settle(s, "failed", STORAGE_EXHAUSTED)
             return _with(done, exit_code=code, stop_pending=None)
@@ -413,6 +428,7 @@ __all__ = [
     "PrepareOk",
     "Refuse",
     "Release",
+    "StartCancelled",
     "StartFailed",
     "StartRequested",
     "Started",

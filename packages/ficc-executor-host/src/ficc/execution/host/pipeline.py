@@ -32,6 +32,10 @@ Decisions (see also docs/operations.md):
 - A stop or expiry arriving while the start pipeline runs is handed to it: it stops
   the service and returns; the monitor then records `Stopped` (cancelled/expired).
   The release marker is never written once a stop is pending or the lease is gone.
+- Start authority is checked again in the ledger right before the marker is written
+  (`Ledger.authorize_release`): an offer paused, stopped or drained since the start
+  was accepted, or one that no longer covers the attempt, ends it `cancelled`
+  (reason `offer_closed` / `offer_changed`) and the payload is never released.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
   cannot have run.
 - Device-open results are taken from the latest `ready` or `payload` observation.
@@ -70,6 +74,7 @@ import msgspec
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import gate, layout, leases, lifecycle, procfs, slotfs
+from ficc.execution.host.config import open_image_parent
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import (
@@ -81,6 +86,7 @@ from ficc.execution.host.expectation import (
     decode_prepare_result,
     device_rules,
 )
+from ficc.execution.host.handlers import ceiling_limits
 from ficc.execution.host.layout import AttemptPaths, service_name
 from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
@@ -442,11 +448,20 @@ class Runner:
             **extra,
         }
 
-    async def _later_context(self, attempt: _Attempt) -> dict[str, Any]:
-        """Context for start/observe/stop: with the persisted prepared result."""
+    async def _later_context(self, attempt: _Attempt, *, verify: bool = False) -> dict[str, Any]:
+        """Context for start/observe/stop/release: with the persisted prepared result and
+        the verified storage binding. With `verify` (start) a binding that cannot be
+        verified refuses; otherwise (stopping, cleaning up) the context falls back to
+        the storage path alone, so cleanup never waits on a damaged layout."""
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
         prepared = None if data is None else msgspec.json.decode(data)
-        storage = {"path": attempt.paths.storage}
+        try:
+            storage = await self._io(_verified_storage, attempt)
+        except (HostError, OSError) as error:
+            if verify:
+                raise
+            _log.warning("attempt %s: storage binding not verified: %s", attempt.id, error)
+            storage = {"path": attempt.paths.storage}
         return self._context(attempt, prepared=prepared, storage=storage)
 
     # --- prepare ------------------------------------------------------------------
@@ -492,7 +507,7 @@ class Runner:
 
     async def _stage(self, attempt: _Attempt) -> bool:
         """Layout and staging; True once every streamed input is complete."""
-        await self._io(slotfs.verify, attempt.slot)
+        await self._io(slotfs.verify, attempt.slot, open_image_parent)
         await self._io(attempt.layout.create, attempt.id)
         if not attempt.plan.streamed_inputs:
             return True
@@ -603,7 +618,7 @@ class Runner:
         for capability in inputs:
             await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
         handle = await self._create_service(attempt, result)
-        context = await self._later_context(attempt)
+        context = await self._later_context(attempt, verify=True)
         context["inputs"] = inputs
         started = await self._batcher.call(attempt.provider, "start", context)
         if started.code == PROVIDER_TIMEOUT:
@@ -758,6 +773,11 @@ class Runner:
             raise _Aborted()
         if not self.lease_current(record):
             raise _Aborted()  # the monitor records the expiry and stops
+        ceiling = ceiling_limits(self._ctx.config)
+        lost = await self._db(self._ctx.ledger.authorize_release, record.fence, ceiling)
+        if lost is not None:
+            _log.warning("attempt %s: start authority lost before release (%s)", attempt.id, lost)
+            raise _Aborted()  # recorded as cancelled; the service is stopped, then cleaned
         await self._io(_write_marker, attempt)
         await self._apply(record, lifecycle.Started())
 

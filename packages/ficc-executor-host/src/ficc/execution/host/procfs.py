@@ -394,6 +394,16 @@ def parse_mountinfo(data: bytes) -> tuple[Mount, ...]:
     return tuple(_parse_mount_line(line) for line in lines)
 
 
+def find_mount(data: bytes, mount_id: int) -> Mount | None:
+    """The entry of /proc/PID/mountinfo with this mount ID, parsing no other line (a
+    line elsewhere that is not UTF-8 does not matter to the one asked for)."""
+    prefix = b"%d " % mount_id
+    for line in data.split(b"\n"):
+        if line.startswith(prefix):
+            return _parse_mount_line(line)
+    return None
+
+
 def parse_fdinfo(data: bytes) -> tuple[int | None, int | None]:
     """(flags, mnt_id) from /proc/PID/fdinfo/N; flags are octal in the kernel text."""
     flags = mnt_id = None

@@ -26,13 +26,15 @@ import contextlib
 import json
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from ficc.execution.host import procfs, slotfs
+from ficc.execution.host import slotfs
+from ficc.execution.host.config import open_trusted_directory
 from ficc.execution.host.errors import HostError
 
 MIB: Final = 1 << 20
@@ -83,12 +85,12 @@ def _allocate(image: str, size: int) -> None:
         os.close(fd)
 
 
-def _mkfs(source: str, storage_inodes: int) -> None:
+def _mkfs(source: str, storage_inodes: int, *, force: bool) -> None:
     # -E root_owner: the root directory is root's, whoever runs mkfs; nodiscard: keep an
     # image's allocated blocks (mkfs would punch them out again); -F: an image file.
     # mkfs rounds the inode count down to whole block groups: ask for some more.
     inodes = storage_inodes + storage_inodes // 16 + 64
-    _run("mkfs.ext4", "-q", "-F", "-m", "0", "-N", str(inodes),
+    _run("mkfs.ext4", "-q", *(["-F"] if force else []), "-m", "0", "-N", str(inodes),
          "-E", "root_owner=0:0,nodiscard", source)  # fmt: skip
 
 
@@ -121,10 +123,7 @@ def _finish(
     os.chmod(mount, 0o755)  # noqa: S103 (root-owned: the host makes root-private dirs in it)
     fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        with open("/proc/self/mountinfo", "rb") as table:
-            mounts = procfs.parse_mountinfo(table.read())
-        mount_entry = [m for m in mounts if m.mount_point == mount][-1]
-        found = slotfs.filesystem_uuid(fd, mount_entry)
+        found = slotfs.filesystem_uuid(fd, slotfs.mount_of(fd, mount))
     finally:
         os.close(fd)
     if found is None:
@@ -135,15 +134,29 @@ def _finish(
 def create_image_slot(
     image: str, mount: str, storage_bytes: int, storage_inodes: int
 ) -> Provisioned:
-    """Make `image` (must not exist) an ext4 slot filesystem and loop-mount it on `mount`."""
+    """Make `image` (must not exist) an ext4 slot filesystem and loop-mount it on `mount`.
+
+    The image's directory must be root's alone, like the configuration's (the daemon
+    checks the same): whoever could replace the image could replace the slot."""
+    parent, name = os.path.split(image)
+    if not image.startswith("/") or os.path.normpath(image) != image or not name:
+        raise HostError("provision_failed", f"{image} is not a normalized absolute file path")
+    parent_fd = open_trusted_directory(parent, "--image", "provision_failed")
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        os.close(os.open(name, flags, 0o600, dir_fd=parent_fd))
+    except FileExistsError:
+        raise HostError(
+            "provision_failed", f"{image} already exists; choose a new file or remove it"
+        ) from None
+    finally:
+        os.close(parent_fd)
     _prepare_mount_point(mount)
-    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    os.close(fd)
     size = _first_guess(storage_bytes, storage_inodes)
     try:
         for _ in range(_MAX_TRIES):
             _allocate(image, size)
-            _mkfs(image, storage_inodes)
+            _mkfs(image, storage_inodes, force=True)
             _run("mount", "-t", "ext4", "-o", f"loop,{MOUNT_OPTIONS}", image, mount)
             lacking = _fits(mount, storage_bytes, storage_inodes)
             if not lacking:
@@ -161,13 +174,15 @@ def create_device_slot(
 ) -> Provisioned:
     """Format the block device `device` as an ext4 slot filesystem and mount it."""
     _prepare_mount_point(mount)
+    if not os.path.exists(device) or not stat.S_ISBLK(os.stat(device).st_mode):
+        raise HostError("provision_failed", f"{device} is not a block device")
     if _has_signature(device):
         raise HostError(
             "provision_failed",
             f"{device} already holds a filesystem; wipe it first (wipefs -a {device}) "
             "if its data is really unwanted",
         )
-    _mkfs(device, storage_inodes)
+    _mkfs(device, storage_inodes, force=False)
     _run("mount", "-t", "ext4", "-o", MOUNT_OPTIONS, device, mount)
     lacking = _fits(mount, storage_bytes, storage_inodes)
     if lacking:
@@ -178,7 +193,7 @@ def create_device_slot(
 
 def _has_signature(device: str) -> bool:
     result = subprocess.run(["blkid", "-p", device], capture_output=True, check=False)
-    return result.returncode == 0
+    return result.returncode != 2  # blkid -p exits 2 only when it finds nothing at all
 
 
 def remove_slot(mount: str, image: str | None = None) -> None:
@@ -197,8 +212,10 @@ def remove_slot(mount: str, image: str | None = None) -> None:
 
 
 def fstab_line(slot: Provisioned) -> str:
+    """`X-fstrim.notrim`: `fstrim --fstab` would punch the image's free blocks out (the
+    daemon allocates them again, but only at startup and before each attempt)."""
     what = slot.source if slot.loop else f"UUID={slot.filesystem_uuid}"
-    options = f"{'loop,' if slot.loop else ''}{MOUNT_OPTIONS},nofail"
+    options = f"{'loop,' if slot.loop else ''}{MOUNT_OPTIONS},nofail,X-fstrim.notrim"
     return f"{what} {slot.mount} ext4 {options} 0 2\n"
 
 
@@ -206,7 +223,7 @@ def mount_unit(slot: Provisioned) -> tuple[str, str]:
     """(file name, text) of a systemd mount unit for the slot."""
     name = _run("systemd-escape", "--path", "--suffix=mount", slot.mount).strip()
     what = slot.source if slot.loop else f"/dev/disk/by-uuid/{slot.filesystem_uuid}"
-    options = f"{'loop,' if slot.loop else ''}{MOUNT_OPTIONS}"
+    options = f"{'loop,' if slot.loop else ''}{MOUNT_OPTIONS},nofail"
     text = (
         "[Unit]\n"
         f"Description=ficc slot filesystem {slot.mount}\n"
@@ -223,8 +240,9 @@ def _persist(slot: Provisioned, how: str) -> str:
         line = fstab_line(slot)
         with open("/etc/fstab", "a+", encoding="utf-8") as fstab:
             fstab.seek(0)
-            if line not in fstab.read():
-                fstab.write(line)
+            present = fstab.read()
+            if line not in present:
+                fstab.write(("\n" if present and not present.endswith("\n") else "") + line)
         return f"added to /etc/fstab: {line.strip()}"
     if how == "unit":
         name, text = mount_unit(slot)

@@ -7,6 +7,9 @@ checks here are what makes that true, and they fail closed:
 - the slot path is the root of a mount (the directory is the top of its filesystem,
   not a directory inside one, not a bind of a subdirectory), on a device no other slot,
   `state_dir` or `/` uses;
+- the filesystem is ext2/3/4 or xfs (overwriting a file in place needs no free space
+  there, which the exit status of a job that filled its slot depends on; copy-on-write
+  filesystems such as btrfs give none of the guarantees below);
 - the mount is `nodev,nosuid`;
 - the filesystem holds at least the configured `storage_bytes` (counted as what an
   unprivileged writer may use) and `storage_inodes`;
@@ -19,9 +22,17 @@ The slot account must exist with the configured UID and GID, use a shell that ca
 log in, have that group as its own (no other account's primary group, no members) and
 belong to no other group.
 
-The UUID is read with the FS_IOC_GETFSUUID ioctl where the kernel has it (Linux 6.5
-and later for ext4, later for xfs and btrfs), else from the superblock on the mount's
-block device (ext2/3/4, xfs, btrfs).
+A slot on a loop device is backed by an image file, which must be root's alone (its
+directory trusted like the configuration's, the file 0600 with one link) and allocated
+in full: a hole in it (`fstrim` punches them) would let a payload that fills its slot
+take the room from the filesystem the image lives on, so holes are allocated again,
+at startup and before each attempt.
+
+The UUID is read with the FS_IOC_GETFSUUID ioctl where the kernel has it (Linux 6.9
+and later), else from the superblock on the mount's block device.
+
+Only the mount table line of the slot's own mount is parsed, so a strange mount
+elsewhere (a user's FUSE mount with a name that is not UTF-8) cannot refuse a slot.
 
 `usage` reads how full a slot is; the pipeline uses it to tell that a payload ran its
 slot out of space or inodes.
@@ -37,15 +48,18 @@ import pwd
 import re
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, NamedTuple, Protocol
 
 from ficc.execution.host import procfs
 from ficc.execution.host.errors import HostError
 
 NOLOGIN_SHELLS: Final = frozenset(
-    {"/usr/sbin/nologin", "/sbin/nologin", "/bin/false", "/usr/bin/false"}
+    {"/usr/sbin/nologin", "/sbin/nologin", "/usr/bin/nologin", "/bin/false", "/usr/bin/false"}
 )
+FILESYSTEM_TYPES: Final = frozenset({"ext2", "ext3", "ext4", "xfs"})
+OpenParent = Callable[[str, str], int]
+"""Opens a directory path trusted like the configuration's (`config.open_image_parent`)."""
 UUID_PATTERN: Final = r"\A[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z"
 FULL_BYTES: Final = 1 << 20
 """Less than this left to an unprivileged writer counts as a full slot."""
@@ -99,10 +113,27 @@ def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:
 # --- the filesystem -------------------------------------------------------------------
 
 
-def check_filesystem(slot: SlotSpec, key: str, dir_fd: int) -> int:
+def check_filesystem(slot: SlotSpec, key: str, dir_fd: int, open_parent: OpenParent) -> int:
     """Check the open slot directory `dir_fd` is the slot's own filesystem (see module
-    docstring); returns its device number. Code `slot_filesystem` on any refusal."""
-    mount = _mount_of(dir_fd, key)
+    docstring); returns its device number. Code `slot_filesystem` on any refusal,
+    `slot_identity` for another filesystem."""
+    mount = mount_of(dir_fd, key)
+    _check_mount_root(slot, key, mount)
+    if mount.fs_type not in FILESYSTEM_TYPES:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"{slot.path} is {mount.fs_type}, not one of {', '.join(sorted(FILESYSTEM_TYPES))}",
+            "make the slot an ext4 filesystem (`ficc-executor provision-slot`)",
+        )
+    _check_options(slot, key, dir_fd)
+    _check_size(slot, key, dir_fd)
+    check_identity(slot, key, dir_fd, mount)
+    _check_backing_file(key, mount, open_parent)
+    return os.fstat(dir_fd).st_dev
+
+
+def _check_mount_root(slot: SlotSpec, key: str, mount: procfs.Mount) -> None:
     if mount.root != "/" or mount.mount_point != slot.path:
         where = mount.mount_point if mount.root == "/" else f"{mount.root} of {mount.source}"
         raise _refuse(
@@ -112,17 +143,13 @@ def check_filesystem(slot: SlotSpec, key: str, dir_fd: int) -> int:
             "mount a filesystem made for this slot there "
             "(`ficc-executor provision-slot`, see docs/operations.md)",
         )
-    _check_options(slot, key, dir_fd)
-    _check_size(slot, key, dir_fd)
-    check_identity(slot, key, dir_fd, mount)
-    return os.fstat(dir_fd).st_dev
 
 
 def check_identity(
     slot: SlotSpec, key: str, dir_fd: int, mount: procfs.Mount | None = None
 ) -> None:
     """The filesystem at `dir_fd` has the configured UUID (code `slot_identity`)."""
-    found = filesystem_uuid(dir_fd, mount if mount is not None else _mount_of(dir_fd, key))
+    found = filesystem_uuid(dir_fd, mount if mount is not None else mount_of(dir_fd, key))
     if found != slot.filesystem_uuid:
         raise _refuse(
             "slot_identity",
@@ -134,9 +161,10 @@ def check_identity(
         )
 
 
-def verify(slot: SlotSpec) -> None:
+def verify(slot: SlotSpec, open_parent: OpenParent) -> None:
     """Before an attempt's storage is used: the slot path is still the root of the
-    filesystem with the configured UUID. Cheap (one open, one ioctl, one mountinfo)."""
+    `nodev,nosuid` filesystem with the configured UUID, its image (if any) still
+    allocated in full. Cheap: one open, one ioctl, one mount table line, one fstat."""
     key = f"slot {slot.id}"
     try:
         fd = os.open(slot.path, _DIR_FLAGS)
@@ -145,15 +173,15 @@ def verify(slot: SlotSpec) -> None:
             "slot_filesystem", key, f"cannot open {slot.path}: {error.strerror}", "check the mount"
         ) from None
     try:
-        mount = _mount_of(fd, key)
-        if mount.root != "/" or mount.mount_point != slot.path:
-            raise _refuse(
-                "slot_filesystem",
-                key,
-                f"{slot.path} is no longer the root of its own filesystem",
-                "mount the slot's filesystem again; see docs/operations.md",
-            )
+        mount = mount_of(fd, key)
+        _check_mount_root(slot, key, mount)
+        _check_options(slot, key, fd)
         check_identity(slot, key, fd, mount)
+        _check_backing_file(key, mount, open_parent)
+    except OSError as error:
+        raise _refuse(
+            "slot_filesystem", key, f"cannot check {slot.path}: {error}", "check the mount"
+        ) from None
     finally:
         os.close(fd)
 
@@ -178,21 +206,78 @@ def usage(path: str) -> Usage:
     return Usage(free_bytes=st.f_bavail * st.f_frsize, free_inodes=st.f_favail)
 
 
-def _mount_of(dir_fd: int, key: str) -> procfs.Mount:
+def mount_of(dir_fd: int, key: str) -> procfs.Mount:
     """The mount `dir_fd` is on, found by the mount ID the kernel reports for the fd."""
     try:
         with open(f"/proc/self/fdinfo/{dir_fd}", "rb") as info:
             _, mount_id = procfs.parse_fdinfo(info.read())
         with open("/proc/self/mountinfo", "rb") as table:
-            mounts = procfs.parse_mountinfo(table.read())
+            mount = None if mount_id is None else procfs.find_mount(table.read(), mount_id)
     except (OSError, HostError) as error:
         raise _refuse(
-            "slot_filesystem", key, f"cannot read the mount table: {error}", "check /proc"
+            "slot_filesystem", key, f"cannot read its mount: {error}", "check /proc"
         ) from None
-    for mount in mounts:
-        if mount.mount_id == mount_id:
-            return mount
-    raise _refuse("slot_filesystem", key, "its mount is not in the mount table", "check the mount")
+    if mount is None:
+        raise _refuse("slot_filesystem", key, "its mount is not in the mount table", "check it")
+    return mount
+
+
+def _check_backing_file(key: str, mount: procfs.Mount, open_parent: OpenParent) -> None:
+    """A loop-mounted slot's image file: root's alone and allocated in full."""
+    try:
+        with open(f"/sys/dev/block/{mount.major}:{mount.minor}/loop/backing_file") as f:
+            image = f.read().rstrip("\n")
+    except FileNotFoundError:
+        return  # not a loop device: a partition or a logical volume
+    parent, name = os.path.split(image)
+    if not image.startswith("/") or os.path.normpath(image) != image or not name:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"its loop device is backed by {image!r}, not a file path",
+            "mount the slot's image file again (it was deleted or renamed)",
+        )
+    parent_fd = open_parent(parent, f"{key} image {image}")
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+    finally:
+        os.close(parent_fd)
+    try:
+        st = os.fstat(fd)
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid != 0
+            or stat.S_IMODE(st.st_mode) & 0o077
+            or st.st_nlink != 1
+        ):
+            raise _refuse(
+                "slot_filesystem",
+                key,
+                f"its image {image} is not a root-owned 0600 file with one link",
+                f"chown root:root {image} && chmod 0600 {image}",
+            )
+        if st.st_blocks * 512 < st.st_size:
+            _allocate_holes(fd, st.st_size, key, image)
+    finally:
+        os.close(fd)
+
+
+def _allocate_holes(fd: int, size: int, key: str, image: str) -> None:
+    """Allocate what `fstrim` (or a sparse copy) punched out of the image again; the
+    data in it is left as it is. Reopened for writing through the fd just checked."""
+    try:
+        writable = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fallocate(writable, 0, size)
+        finally:
+            os.close(writable)
+    except OSError as error:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"its image {image} has holes and cannot be allocated in full: {error.strerror}",
+            "free space on the image's filesystem (the slot's room must be reserved there)",
+        ) from None
 
 
 def _check_options(slot: SlotSpec, key: str, dir_fd: int) -> None:
@@ -262,7 +347,8 @@ def _superblock_uuid(mount: procfs.Mount) -> str | None:
         return None
     magic_at, magic, uuid_at = layout
     try:
-        fd = os.open(mount.source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # /dev/mapper/NAME is a link: followed, the node's type and number are checked
+        fd = os.open(mount.source, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:

@@ -1,0 +1,110 @@
+"""Provider failures through the real daemon: a failed probe, a hung start or observe.
+
+The test provider fails or hangs when the plan's payload environment asks it to
+(`FICC_TEST_PROVIDER_PROBE=fail`, `FICC_TEST_PROVIDER_HANG=<method>:<seconds>`). A
+hang is bounded (the provider's thread must end for the daemon to exit), and the
+daemon's `provider_timeout_seconds` is set far below it, so the host gives up on the
+call while the provider is still in it: exactly the uncertainty of a hung provider.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import psutil
+import pytest
+
+from ficc.execution.plan import Plan
+from harness import Daemon, attempt, rows, wait_until
+
+TIMEOUT_S = 2
+HANG_S = 3 * TIMEOUT_S
+SETTLED = {"succeeded", "failed", "cancelled", "expired", "unknown"}
+FAST_PROVIDER_TIMEOUT = pytest.mark.parametrize(
+    "layout", [{"provider_timeout_seconds": TIMEOUT_S}], indirect=True
+)
+
+
+def with_environment(plan: Plan, **environment: str) -> Plan:
+    payload = msgspec.structs.replace(plan.job.payload, environment=environment)
+    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=payload))
+
+
+def free_slots(daemon: Daemon) -> int:
+    (small,) = [c for c in daemon.snapshot().capacity.slot_classes if c.class_ == "small"]
+    return int(small.free)
+
+
+def slot_processes(daemon: Daemon, slot: str) -> list[str]:
+    uid = int(daemon.accounts[f"slot{slot[-1]}"].uid)
+    return [
+        f"{p.pid} {p.info['cmdline']}"
+        for p in psutil.process_iter(["uids", "cmdline", "status"])
+        if p.info["uids"].real == uid and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
+
+
+def settled_clean(daemon: Daemon, plan: Plan) -> Any:
+    return daemon.wait_state(
+        plan, lambda r: r.state in SETTLED and r.cleanup_confirmed, "settled, confirmed clean"
+    )
+
+
+def test_a_failed_probe_keeps_its_record_and_reservation_until_release(daemon: Daemon) -> None:
+    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_PROBE="fail")
+    (row,) = rows(daemon.prepare([plan]))
+    slot = attempt(row).slot
+    assert slot is not None
+    failed = settled_clean(daemon, plan)
+    assert (failed.state, failed.outcome, failed.reason) == ("failed", "failed", "probe_failed")
+    assert daemon.layout.provider_calls("prepare", plan.attempt_id) == 0
+    # the failed attempt still holds its reservation: one of the two slots is free, and
+    # of a second and a third plan only one is admitted
+    assert failed.slot == slot
+    assert free_slots(daemon) == 1
+    second, third = daemon.plan(), daemon.plan()
+    admitted, refused = rows(daemon.prepare([second, third]))
+    assert attempt(admitted).state == "prepared"
+    assert refused.error.code == "admission_rejected"
+    assert "attempts: 2 reserved + 1 asked > 2 offered" in refused.error.message
+    # explicit release frees it and keeps the failed outcome and its reason
+    released = attempt(daemon.release(plan))
+    assert (released.state, released.outcome, released.reason, released.slot) == (
+        "released",
+        "failed",
+        "probe_failed",
+        None,
+    )
+    assert attempt(daemon.observe(plan)).state == "released"  # the record stays
+    assert daemon.layout.provider_calls("release", plan.attempt_id) == 1
+
+
+def hung(daemon: Daemon, method: str) -> Plan:
+    """A ready attempt whose provider hangs in `method`, then a start of it."""
+    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_HANG=f"{method}:{HANG_S}")
+    rows(daemon.prepare([plan]))
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    assert attempt(daemon.start_attempt(plan)).state == "starting"
+    return plan
+
+
+@FAST_PROVIDER_TIMEOUT
+@pytest.mark.parametrize("method", ["start", "observe"])
+def test_a_provider_hung_in_start_or_observe_ends_stopped_and_unknown(
+    daemon: Daemon, method: str
+) -> None:
+    plan = hung(daemon, method)
+    ended = settled_clean(daemon, plan)
+    assert (ended.state, ended.outcome, ended.reason) == ("unknown", "unknown", "provider_timeout")
+    calls = daemon.layout.provider_calls
+    wait_until(lambda: calls("stop", plan.attempt_id) >= 1, "the provider's stop call")
+    assert ended.slot is not None
+    assert slot_processes(daemon, ended.slot) == []  # the service was stopped
+    # a repeated start is an idempotent reply: the provider never starts it again
+    again = attempt(daemon.start_attempt(plan))
+    assert (again.state, again.outcome) == ("unknown", "unknown")
+    released = attempt(daemon.release(plan))
+    assert (released.state, released.outcome) == ("released", "unknown")
+    assert calls("start", plan.attempt_id) == 1
