@@ -49,6 +49,7 @@ from typing import Final, Literal, NamedTuple
 import msgspec
 
 from ficc.execution import plan as planlib
+from ficc.execution._executor import canonical_plans
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import fsutil, leases, lifecycle
 from ficc.execution.host.errors import HostError
@@ -548,7 +549,7 @@ class _Encoded(NamedTuple):
     @classmethod
     def each(cls, plans: Iterable[planlib.Plan]) -> list[_Encoded]:
         plans = list(plans)
-        data = list(map(planlib.encode_plan, plans))
+        data = canonical_plans(plans)
         return list(map(cls, plans, data, map(planlib.digest_of, data)))
 
 
