@@ -5,6 +5,10 @@
                               print the JSON Schema (2020-12) of every plan, request and
                               reply; or write it and the golden vectors into DIR, or
                               compare DIR with them (exit 1 on any difference)
+    upload --socket PATH --plan PLAN --input ID|NAME FILE
+                              stream FILE into a declared streamed input of a prepared
+                              attempt in input_chunk_bytes chunks, progress on stderr,
+                              resuming from input_status after any interruption
 
 `request` reads one request from stdin, refuses it locally unless it is a valid version-1
 request (duplicate JSON keys included, so what was reviewed is what is sent), sends it,
@@ -30,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ficc.execution import _schema
+from ficc.execution import _schema, _upload
 from ficc.execution.client import Client, ClientError, RequestInvalid
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.frames import REQUEST_MAX
@@ -159,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return request_command(rest)
     if command == "schema":
         return schema_command(rest)
+    if command == "upload":
+        return _upload.upload_command(rest)
     try:
         host = importlib.import_module(_HOST_COMMANDS)
     except ModuleNotFoundError as exc:
