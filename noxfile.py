@@ -44,7 +44,14 @@ DISTRIBUTIONS = [
 ]
 
 # hatchling: tests build real wheels (the test provider) without reaching an index.
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "hatchling>=1.25", "psutil>=5.9"]
+# jsonschema: a real JSON Schema validator checks the published vectors (tests only).
+TEST_TOOLS = [
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "hatchling>=1.25",
+    "psutil>=5.9",
+    "jsonschema>=4.18",
+]
 LINT_TOOLS = ["ruff>=0.6"]
 TYPE_TOOLS = ["mypy>=1.10"]
 BUILD_TOOLS = ["hatchling>=1.25"]

@@ -1,8 +1,8 @@
 """P2: decode + validate a 64-row `prepare` request frame.
 
 Baseline, in the same run: `msgspec.json.decode` of the same bytes with no type (a
-plain dict tree, nothing checked). Target: at most 1.5x. The stdlib `json.loads`
-ratio is reported beside it, without a target.
+plain dict tree, nothing checked). Target: at most 2.0x, the plan digests included.
+The stdlib `json.loads` ratio is reported beside it, without a target.
 
 A third line, without a target, isolates the one cost no validator design can avoid:
 binding each lease to its plan means encoding every plan canonically and hashing it
@@ -26,6 +26,7 @@ except ImportError:  # running from a checkout without the package installed
 
 from figures import Figure, median_seconds
 
+from ficc.execution._executor import plan_digests
 from ficc.execution.frames import REQUEST_MAX, FrameDecoder, encode_frame
 from ficc.execution.plan import (
     InputObject,
@@ -37,7 +38,6 @@ from ficc.execution.plan import (
     Runtime,
     digest_of,
     plan_digest,
-    plan_digests,
 )
 from ficc.execution.protocol import (
     PrepareAttempt,
@@ -161,7 +161,7 @@ def run(quick: bool) -> list[Figure]:
             "us",
             baseline * us,
             value / baseline,
-            target=1.5,
+            target=2.0,
         ),
         Figure("P2", "same, vs stdlib json.loads", value * us, "us", std * us, value / std),
         Figure(

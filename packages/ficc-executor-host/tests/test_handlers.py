@@ -24,6 +24,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
+from ficc.execution._executor import ReceivedInputWriteRequest, receive_request
 from ficc.execution.host import lifecycle as lc
 from ficc.execution.host.config import Config, check_directories, parse_config
 from ficc.execution.host.context import HostContext, ProviderRuntime
@@ -45,7 +46,6 @@ from ficc.execution.protocol import (
     PrepareAttempt,
     PrepareRequest,
     Read,
-    ReceivedInputWriteRequest,
     ReconcileAbsentRequest,
     RejectAbsentRequest,
     ReleaseRequest,
@@ -58,7 +58,6 @@ from ficc.execution.protocol import (
     StartRequest,
     StopRequest,
     encode_request,
-    receive_request,
     validate_request,
 )
 from ficc.execution.wire import (
@@ -980,9 +979,9 @@ def test_collect_reads_logs_and_outputs_of_a_real_record(host: Host) -> None:
 
     reply = reads((plan, "stdout", 0), (plan, "output:result", 1), (rejected, "stderr", 0))
     out, result, empty = (row_ok(reply, i) for i in range(3))
-    assert (out.chunk, out.eof, out.complete) == (b"hello\n", True, False)
-    assert result.chunk == b"2"
-    assert (empty.chunk, empty.complete) == (b"", True)
+    assert (out.data, out.eof, out.complete) == (b"hello\n", True, False)
+    assert result.data == b"2"
+    assert (empty.data, empty.complete) == (b"", True)
     refusals = reads((plan, "output:nope", 0), (rejected, "output:result", 0))
     assert [row_code(refusals, 0), row_code(refusals, 1)] == [
         "object_unknown",
@@ -1012,7 +1011,7 @@ def test_every_collect_checks_its_fence_and_state_against_the_ledger(host: Host)
         return host.send(CollectRequest(version=1, id=new_id(), reads=[read]))
 
     first = row_ok(collect())
-    assert (first.chunk, first.eof, first.complete) == (b"42", True, False)
+    assert (first.data, first.eof, first.complete) == (b"42", True, False)
     assert row_code(collect(generation=plan.generation + 1)) == "fence_mismatch"
     assert row_code(collect(plan_digest="sha256:" + "0" * 64)) == "fence_mismatch"
     host.apply(plan, lc.StopRequested(), lc.CleanupConfirmed())  # settled since the first read

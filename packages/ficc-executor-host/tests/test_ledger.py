@@ -111,9 +111,11 @@ def make_plan(
 
 
 def stream(size: int = 10) -> planlib.InputObject:
+    """A streamed input with a name of its own (a plan's input names are distinct)."""
     digest = planlib.digest_of(b"x" * size) if size < 4096 else SHA
-    return planlib.InputObject(id=new_id(), name="data.bin", bytes=size, digest=digest,
-                               delivery="stream")  # fmt: skip
+    object_id = new_id()
+    return planlib.InputObject(id=object_id, name=f"data-{object_id[:8]}.bin", bytes=size,
+                               digest=digest, delivery="stream")  # fmt: skip
 
 
 def lease(sequence: int = 1, deadline_ns: int = DEADLINE, expires_at_ms: int = 5000) -> Lease:

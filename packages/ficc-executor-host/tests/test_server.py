@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from ficc.execution._executor import ReceivedInputWriteRequest
+from ficc.execution._executor import ReceivedRequest as AnyRequest
 from ficc.execution.client import Client, Refused
 from ficc.execution.frames import HEADER, REPLY_MAX, REQUEST_MAX
 from ficc.execution.host.authority import SocketKind
@@ -38,13 +40,11 @@ from ficc.execution.host.peercred import Endpoint
 from ficc.execution.host.server import ServerLimits, serve
 from ficc.execution.protocol import (
     ZERO_ID,
-    AnyRequest,
     Fence,
     InputWrite,
     InputWriteRequest,
     ObserveRequest,
     OfferLimits,
-    ReceivedInputWriteRequest,
     Resources,
     Sender,
     SetOfferRequest,
@@ -592,7 +592,7 @@ def test_a_frame_cut_short_by_the_peer_is_a_bad_frame(server: Running, fake: Fak
     sock.shutdown(socket.SHUT_WR)
     code, _, message = error_of(read_reply(sock))
     assert code == "bad_frame"
-    assert "10 bytes" in message
+    assert "after 10 of 100 frame bytes" in message
     assert fake.calls == []
 
 

@@ -31,7 +31,7 @@ from ficc.execution.client import (
     RequestInvalid,
     Timeout,
 )
-from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, read_frame
+from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, FrameDecoder
 from ficc.execution.plan import EMPTY_DIGEST
 from ficc.execution.protocol import (
     ZERO_ID,
@@ -73,6 +73,20 @@ def _reply_for(payload: bytes) -> bytes:
     return data.replace(ex.REQUEST_ID.encode(), request.id.encode())
 
 
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request frame, read by a test server through the shared frame decoder."""
+    decoder = FrameDecoder(REQUEST_MAX)
+    async with asyncio.timeout(5):
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                decoder.eof()
+                raise EOFError("the client closed the connection without a frame")
+            frames = decoder.feed(data)
+            if frames:
+                return frames[0]
+
+
 def _frame(payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + payload
 
@@ -85,7 +99,7 @@ async def _serve_once(
 
     async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            payload = await read_frame(reader, REQUEST_MAX, 5)
+            payload = await _read_request(reader)
             await handler(payload, writer)
             await writer.drain()
         finally:
@@ -246,7 +260,7 @@ def test_slow_server_times_out(sock_dir: pathlib.Path) -> None:
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             handler_task.append(asyncio.current_task())  # type: ignore[arg-type]
-            await never(await read_frame(reader, REQUEST_MAX, 5), writer)
+            await never(await _read_request(reader), writer)
 
         server = await asyncio.start_unix_server(on_connect, path=str(sock_dir / "s"))
         try:

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import SOAK
+from ficc.execution._executor import encode_frame_into
 from ficc.execution.errors import ErrorCode
 from ficc.execution.frames import (
     REPLY_MAX,
@@ -17,7 +18,6 @@ from ficc.execution.frames import (
     FrameDecoder,
     FrameError,
     encode_frame,
-    encode_frame_into,
 )
 
 CASES = 100_000 if SOAK else 5_000
@@ -202,3 +202,41 @@ def test_eof_inside_a_payload_names_how_much_arrived() -> None:
     decoder.feed(b"\x00\x00\x00\x0aabc")
     with pytest.raises(FrameError, match="after 3 of 10 frame bytes"):
         decoder.eof()
+
+
+def test_receiving_into_the_decoder_gives_the_payload_buffer_itself() -> None:
+    """The zero-copy way in: header first, then one buffer of the declared length."""
+    decoder = FrameDecoder(16)
+    stream = memoryview(encode_frame(b"hello", 16) + encode_frame(b"!", 16))
+    frames = []
+    while stream:
+        target = decoder.want()
+        count = min(len(target), len(stream), 2)  # a peer that sends two bytes at a time
+        target[:count] = stream[:count]
+        stream = stream[count:]
+        payload = decoder.received(count)
+        if payload is not None:
+            frames.append(payload)
+    assert frames == [bytearray(b"hello"), bytearray(b"!")]
+    assert decoder.idle
+
+
+def test_the_length_is_known_before_payload_memory_is_taken() -> None:
+    decoder = FrameDecoder(REQUEST_MAX)
+    decoder.want()[:4] = struct.pack(">I", REQUEST_MAX)
+    assert decoder.received(4) is None
+    assert decoder.expected == REQUEST_MAX
+    assert decoder.buffered == 0
+    decoder.want()[:4] = b"abcd"
+    assert decoder.received(4) is None
+    assert decoder.buffered == 4
+
+
+def test_receiving_into_refuses_a_bad_length_at_once() -> None:
+    decoder = FrameDecoder(10)
+    decoder.want()[:4] = struct.pack(">I", 11)
+    with pytest.raises(FrameError) as info:
+        decoder.received(4)
+    assert info.value.code == ErrorCode.FRAME_TOO_LARGE
+    with pytest.raises(FrameError):  # and it stays failed
+        decoder.want()

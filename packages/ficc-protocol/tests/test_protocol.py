@@ -19,7 +19,7 @@ from ficc.execution.protocol import (
     SENDERS,
     InputWriteRequest,
     Sender,
-    canonical_b64decode,
+    _canonical_b64decode,
     decode_request,
     encode_request,
     may_send,
@@ -281,7 +281,7 @@ def test_input_write_data_must_be_canonical_base64(b64: str) -> None:
 def test_canonical_base64_accepts_every_length() -> None:
     for n in range(0, 40):
         raw = bytes(range(n))
-        assert canonical_b64decode(base64.b64encode(raw).decode()) == raw
+        assert _canonical_b64decode(base64.b64encode(raw).decode()) == raw
 
 
 def test_input_write_digest_is_the_chunks() -> None:

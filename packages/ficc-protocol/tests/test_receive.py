@@ -22,15 +22,14 @@ from hypothesis import strategies as st
 
 import ficc_protocol_examples as ex
 from conftest import SOAK
+from ficc.execution._executor import ReceivedInputWriteRequest, receive_request
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.protocol import (
     INPUT_CHUNK_MAX_BYTES,
     InputWriteRequest,
-    ReceivedInputWriteRequest,
     decode_request,
     encode_request,
     explain,
-    receive_request,
 )
 
 DOCUMENTS = 20_000 if SOAK else 1_000

@@ -239,14 +239,14 @@ def test_read_row_bytes_travel_as_standard_padded_base64(size: int) -> None:
     assert decode_reply(frame, "collect", rows=1).results[0] == row
 
 
-def test_read_row_chunk_and_largest_offsets() -> None:
+def test_read_row_data_and_largest_offsets() -> None:
     reply = decode_reply(encode_reply(EXAMPLES["collect"]), "collect")
     first, empty = reply.results  # type: ignore[union-attr]
     assert isinstance(first, ReadRow)
     assert isinstance(empty, ReadRow)
-    assert first.chunk == b"hello"
+    assert first.data == b"hello"
     assert first.next_offset == U63
-    assert empty.chunk == b""
+    assert empty.data == b""
     assert empty.complete
     assert empty.eof
 
@@ -259,7 +259,7 @@ def test_one_mib_read_fits_a_reply_frame() -> None:
     )
     data = json.dumps(doc).encode()
     assert len(data) <= REPLY_MAX
-    assert decode_reply(data, "collect", rows=1).results[0].chunk == b"\x00" * (1 << 20)  # type: ignore[union-attr]
+    assert decode_reply(data, "collect", rows=1).results[0].data == b"\x00" * (1 << 20)  # type: ignore[union-attr]
 
 
 # --- snapshot -----------------------------------------------------------------------

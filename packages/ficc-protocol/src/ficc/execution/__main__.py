@@ -1,6 +1,16 @@
-"""`python -m ficc.execution request --socket PATH`: send one reviewed JSON request.
+"""`python -m ficc.execution COMMAND`: the protocol's own commands.
 
-Reads one request from stdin, refuses it locally unless it is a valid version-1
+    request --socket PATH     send one reviewed JSON request (stdin) and print the reply
+    schema [--write DIR | --check DIR]
+                              print the JSON Schema (2020-12) of every plan, request and
+                              reply; or write it and the golden vectors into DIR, or
+                              compare DIR with them (exit 1 on any difference)
+    upload --socket PATH --plan PLAN --input ID|NAME FILE
+                              stream FILE into a declared streamed input of a prepared
+                              attempt in input_chunk_bytes chunks, progress on stderr,
+                              resuming from input_status after any interruption
+
+`request` reads one request from stdin, refuses it locally unless it is a valid version-1
 request (duplicate JSON keys included, so what was reviewed is what is sent), sends it,
 and prints the reply as JSON on stdout. Exit status:
 
@@ -19,10 +29,12 @@ import argparse
 import asyncio
 import importlib
 import json
+import pathlib
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ficc.execution import _schema, _upload
 from ficc.execution.client import Client, ClientError, RequestInvalid
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.frames import REQUEST_MAX
@@ -103,6 +115,44 @@ def request_command(argv: Sequence[str]) -> int:
     return EXIT_REFUSED if refusals else EXIT_OK
 
 
+def schema_command(argv: Sequence[str]) -> int:
+    """Print the schema, or write / compare the schema and golden vectors in a directory."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ficc.execution schema",
+        description="The JSON Schema (2020-12) of protocol version 1, and its golden vectors.",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--write", type=pathlib.Path, metavar="DIR", help="write the files here")
+    where.add_argument("--check", type=pathlib.Path, metavar="DIR", help="compare with DIR")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_OK if exc.code == 0 else EXIT_USAGE
+    if args.write is not None:
+        for name, data in _schema.files().items():
+            path = args.write / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        return EXIT_OK
+    if args.check is not None:
+        problems = _schema.differences(_generated_files(args.check))
+        for line in problems:
+            print(f"{args.check}/{line}", file=sys.stderr)
+        if problems:
+            print(
+                f"regenerate: python -m ficc.execution schema --write {args.check}", file=sys.stderr
+            )
+        return EXIT_REFUSED if problems else EXIT_OK
+    sys.stdout.buffer.write(_schema.files()[_schema.SCHEMA_FILE])
+    return EXIT_OK
+
+
+def _generated_files(root: pathlib.Path) -> dict[str, bytes]:
+    """The schema and every file in the vectors directory below `root`, by relative path."""
+    paths = [root / _schema.SCHEMA_FILE, *sorted((root / _schema.VECTORS).glob("*"))]
+    return {str(p.relative_to(root)): p.read_bytes() for p in paths if p.is_file()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -111,6 +161,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = args[0], args[1:]
     if command == "request":
         return request_command(rest)
+    if command == "schema":
+        return schema_command(rest)
+    if command == "upload":
+        return _upload.upload_command(rest)
     try:
         host = importlib.import_module(_HOST_COMMANDS)
     except ModuleNotFoundError as exc:

@@ -19,14 +19,7 @@ from typing import NoReturn, cast
 import msgspec
 
 from ficc.execution.errors import ErrorCode, ProtocolError
-from ficc.execution.frames import (
-    HEADER,
-    REPLY_MAX,
-    REQUEST_MAX,
-    FrameError,
-    check_length,
-    encode_frame,
-)
+from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, FrameDecoder, FrameError, encode_frame
 from ficc.execution.protocol import INPUT_CHUNK_MAX_BYTES, PROTOCOL_VERSION, ZERO_ID, Request
 from ficc.execution.protocol import validate_request as _validate
 from ficc.execution.wire import AnyReply, ErrorReply, decode_reply, read_envelope
@@ -216,45 +209,27 @@ class Client:
 
 
 async def _read_one_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
-    """The header, checked before any payload byte is read, then exactly its length.
+    """One reply frame, received straight into the decoder's buffers.
 
-    The payload is received straight into one buffer of its declared length: a 1.4 MB
-    collect reply is neither gathered from 64 KiB pieces nor copied once more.
+    The header is checked before any payload byte is read, then the payload lands in
+    one buffer of its declared length: a 1.4 MB collect reply is neither gathered
+    from 64 KiB pieces nor copied once more.
     """
-    header = bytearray(HEADER.size)
-    got = await _receive_into(loop, sock, header)
-    if not got:
-        raise ReplyTruncated("the server closed the connection without a reply")
-    if got < HEADER.size:
-        raise FrameError(ErrorCode.BAD_FRAME, "the peer closed inside a frame header")
-    (length,) = HEADER.unpack(header)
-    check_length(length, REPLY_MAX)
-    payload = bytearray(length)
-    got = await _receive_into(loop, sock, payload)
-    if got < length:
-        raise FrameError(
-            ErrorCode.BAD_FRAME, f"the peer closed after {got} of {length} frame bytes"
-        )
+    decoder = FrameDecoder(REPLY_MAX)
+    payload = None
+    while payload is None:
+        count = await loop.sock_recv_into(sock, decoder.want())
+        if not count:
+            if decoder.idle:
+                raise ReplyTruncated("the server closed the connection without a reply")
+            decoder.eof()  # raises: the server closed inside the frame
+        payload = decoder.received(count)
     if _more_is_waiting(sock):
         raise ReplyInvalid(
             ProtocolError(ErrorCode.BAD_FRAME, "the server sent more than one reply frame")
         )
     # msgspec decodes any buffer in place; the reply decoders are annotated for bytes only
     return cast(bytes, payload)
-
-
-async def _receive_into(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, buffer: bytearray
-) -> int:
-    """Fill `buffer`; the bytes received, fewer if the server closed first."""
-    view = memoryview(buffer)
-    filled = 0
-    while filled < len(buffer):
-        count = await loop.sock_recv_into(sock, view[filled:])
-        if not count:
-            break
-        filled += count
-    return filled
 
 
 def _more_is_waiting(sock: socket.socket) -> bool:

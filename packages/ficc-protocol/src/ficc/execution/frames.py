@@ -1,23 +1,22 @@
 """Frames: a 4-byte unsigned big-endian length, then that many bytes of UTF-8 JSON.
 
-`FrameDecoder` is sans-I/O: feed it whatever bytes arrived, get back the complete
-frames. It refuses length 0 and any length above its bound as soon as it has seen the
-four length bytes, so it never buffers more than 4 + bound bytes, whatever a peer
-sends. The asyncio helpers below are thin shells over it for one-frame exchanges.
+`FrameDecoder` is sans-I/O and the only frame reader: the executor's server, the
+client and anyone who feeds it bytes share its bound and end-of-stream rules. It
+refuses length 0 and any length above its bound as soon as it has seen the four
+length bytes, so it never holds more than 4 + bound bytes, whatever a peer sends.
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from typing import Any, Protocol
 
 from ficc.execution.errors import ErrorCode, ProtocolError
 
-MIB = 1024 * 1024
-REQUEST_MAX = 12 * MIB
+_MIB = 1024 * 1024
+REQUEST_MAX = 12 * _MIB
 """Largest request payload."""
-REPLY_MAX = 2 * MIB
+REPLY_MAX = 2 * _MIB
 """Largest reply payload."""
 HEADER = struct.Struct(">I")
 
@@ -26,7 +25,7 @@ class FrameError(ProtocolError):
     """A framing failure: `bad_frame` (length 0, truncated) or `frame_too_large`."""
 
 
-def check_length(length: int, max_length: int) -> None:
+def _check_length(length: int, max_length: int) -> None:
     """Refuse a declared length before a single payload byte is buffered."""
     if length == 0:
         raise FrameError(ErrorCode.BAD_FRAME, "a frame has length 0")
@@ -38,18 +37,19 @@ def check_length(length: int, max_length: int) -> None:
 
 def encode_frame(payload: bytes, max_length: int) -> bytes:
     """Length prefix + payload; refuses an empty or oversized payload."""
-    check_length(len(payload), max_length)
+    _check_length(len(payload), max_length)
     return HEADER.pack(len(payload)) + payload
 
 
-class EncodesInto(Protocol):
-    """What `encode_frame_into` needs of an encoder (a `msgspec.json.Encoder` has it)."""
+class _EncodesInto(Protocol):
+    """What `_encode_frame_into` needs of an encoder (a `msgspec.json.Encoder` has it)."""
 
-    def encode_into(self, obj: Any, buffer: bytearray, offset: int = 0, /) -> None: ...
+    def encode_into(self, obj: Any, buffer: bytearray, offset: int = 0, /) -> None:
+        """Write `obj` into `buffer` from `offset` on, growing the buffer as needed."""
 
 
-def encode_frame_into(
-    encoder: EncodesInto, value: object, buffer: bytearray, max_length: int
+def _encode_frame_into(
+    encoder: _EncodesInto, value: object, buffer: bytearray, max_length: int
 ) -> int:
     """Encode `value` as one whole frame at the start of `buffer`; return the frame size.
 
@@ -62,7 +62,7 @@ def encode_frame_into(
     _keep_allocation(buffer)
     encoder.encode_into(value, buffer, HEADER.size)
     length = len(buffer) - HEADER.size
-    check_length(length, max_length)
+    _check_length(length, max_length)
     HEADER.pack_into(buffer, 0, length)
     return len(buffer)
 
@@ -81,25 +81,84 @@ def _keep_allocation(buffer: bytearray) -> None:
 
 
 class FrameDecoder:
-    """Incremental decoder. After an error it stays failed: the stream is unusable."""
+    """The one framing rule, sans-I/O: every reader of frames in this project uses it.
+
+    Two ways in. `feed(data)` takes bytes that arrived anywhere and returns the
+    frames they complete. `want()` and `received(count)` let a socket reader receive
+    straight into the decoder's memory instead: the header first, then one buffer of
+    exactly the declared length, handed back whole with no copy. Either way the
+    length is checked (0 and above the bound refused) as soon as its four bytes are
+    in, before any payload memory exists, and `eof()` tells a clean end between
+    frames from a truncated frame. After an error it stays failed: the stream is
+    unusable.
+    """
 
     def __init__(self, max_length: int) -> None:
         if not 1 <= max_length <= 0xFFFFFFFF:
             raise ValueError("max_length must fit the 4-byte length")
         self.max_length = max_length
-        self._buffer = bytearray()
+        self._header = bytearray(HEADER.size)
+        self._payload: bytearray | None = None
+        self._have = 0  # bytes of the current header, or of the current payload
         self._need: int | None = None  # payload length once the header is read
         self._failed: FrameError | None = None
 
     @property
     def buffered(self) -> int:
-        """Bytes held now; never more than 4 + max_length."""
-        return len(self._buffer)
+        """Bytes of the current frame held now; never more than 4 + max_length."""
+        return self._have
 
     @property
     def idle(self) -> bool:
         """True between frames: EOF here is clean, anywhere else is truncation."""
-        return not self._buffer and self._need is None
+        return not self._have and self._need is None
+
+    @property
+    def expected(self) -> int | None:
+        """The declared payload length of the frame being read, once its header is in."""
+        return self._need
+
+    def want(self) -> memoryview:
+        """Where the next bytes go: the rest of the header, else the rest of the payload.
+
+        The payload buffer is allocated here, on the first call after the header, so
+        a reader can refuse a length (for its own budget) before any memory is taken.
+        """
+        if self._failed is not None:
+            raise self._failed
+        if self._need is None:
+            return memoryview(self._header)[self._have :]
+        if self._payload is None:
+            self._payload = bytearray(self._need)
+        return memoryview(self._payload)[self._have :]
+
+    def received(self, count: int) -> bytearray | None:
+        """Count `count` bytes written into the last `want()` view.
+
+        Returns the payload when this completes a frame (the buffer itself, not a
+        copy). Raises FrameError on a length of 0 or above the bound.
+        """
+        if self._failed is not None:
+            raise self._failed
+        self._have += count
+        if self._need is None:
+            if self._have == HEADER.size:
+                self._start(HEADER.unpack(self._header)[0])
+            return None
+        if self._have < self._need:
+            return None
+        payload = self._payload if self._payload is not None else bytearray()
+        self._payload, self._need, self._have = None, None, 0
+        return payload
+
+    def _start(self, length: int) -> None:
+        self._have = 0
+        try:
+            _check_length(length, self.max_length)
+        except FrameError as exc:
+            self._failed = exc
+            raise
+        self._need = length
 
     def feed(self, data: bytes) -> list[bytes]:
         """Consume `data`; return every frame it completes, in order.
@@ -108,34 +167,23 @@ class FrameDecoder:
         frames completed earlier in the same call are returned first and the error is
         raised by the next call. Bytes beyond a bad header are never buffered.
         """
-        if self._failed is not None:
-            raise self._failed
         frames: list[bytes] = []
         view = memoryview(data)
         while view:
-            if self._need is None:
-                take = 4 - len(self._buffer)
-                self._buffer += view[:take]
-                view = view[take:]
-                if len(self._buffer) < 4:
-                    break
-                (length,) = HEADER.unpack(self._buffer)
-                self._buffer.clear()
-                try:
-                    check_length(length, self.max_length)
-                except FrameError as exc:
-                    self._failed = exc
-                    if frames:  # hand over the good frames; the error comes next call
-                        return frames
-                    raise
-                self._need = length
-            take = self._need - len(self._buffer)
-            self._buffer += view[:take]
-            view = view[take:]
-            if len(self._buffer) == self._need:
-                frames.append(bytes(self._buffer))
-                self._buffer.clear()
-                self._need = None
+            target = self.want()
+            count = min(len(target), len(view))
+            target[:count] = view[:count]
+            view = view[count:]
+            try:
+                payload = self.received(count)
+            except FrameError:
+                if frames:  # hand over the good frames; the error comes next call
+                    return frames
+                raise
+            if payload is not None:
+                frames.append(bytes(payload))
+        if self._failed is not None and not frames:
+            raise self._failed
         return frames
 
     def eof(self) -> None:
@@ -145,56 +193,17 @@ class FrameDecoder:
         if self._need is not None:
             raise FrameError(
                 ErrorCode.BAD_FRAME,
-                f"the peer closed after {len(self._buffer)} of {self._need} frame bytes",
+                f"the peer closed after {self._have} of {self._need} frame bytes",
             )
-        if self._buffer:
+        if self._have:
             raise FrameError(ErrorCode.BAD_FRAME, "the peer closed inside a frame header")
-
-
-async def read_frame(reader: asyncio.StreamReader, max_length: int, timeout: float) -> bytes:
-    """Read exactly one frame within `timeout` seconds.
-
-    Raises FrameError (bad length, or `bad_frame` when the peer closes mid-frame),
-    EOFError when the peer closes before any byte, TimeoutError on timeout.
-    """
-    async with asyncio.timeout(timeout):
-        try:
-            header = await reader.readexactly(4)
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                raise EOFError("the peer closed the connection without a frame") from None
-            raise FrameError(ErrorCode.BAD_FRAME, "the peer closed inside a frame header") from None
-        (length,) = HEADER.unpack(header)
-        check_length(length, max_length)
-        try:
-            return await reader.readexactly(length)
-        except asyncio.IncompleteReadError as exc:
-            raise FrameError(
-                ErrorCode.BAD_FRAME,
-                f"the peer closed after {len(exc.partial)} of {length} frame bytes",
-            ) from None
-
-
-async def write_frame(
-    writer: asyncio.StreamWriter, payload: bytes, max_length: int, timeout: float
-) -> None:
-    """Write one frame and wait until it is flushed, within `timeout` seconds."""
-    frame = encode_frame(payload, max_length)
-    async with asyncio.timeout(timeout):
-        writer.write(frame)
-        await writer.drain()
 
 
 __all__ = [
     "HEADER",
     "REPLY_MAX",
     "REQUEST_MAX",
-    "EncodesInto",
     "FrameDecoder",
     "FrameError",
-    "check_length",
     "encode_frame",
-    "encode_frame_into",
-    "read_frame",
-    "write_frame",
 ]

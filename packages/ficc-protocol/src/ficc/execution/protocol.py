@@ -6,9 +6,8 @@ by each request's `__post_init__`, which raises `ProtocolError` with the exact J
 path. What the model cannot know (records, leases, declared object sizes) the host
 checks and refuses with the codes in `ficc.execution.errors`.
 
-The executor decodes with `receive_request`: the same acceptance and refusals, but an
-`input_write` chunk is decoded from the frame without an intermediate base64 `str`
-(`ReceivedInputWrite`), which keeps the daemon's memory per chunk near two buffers.
+The executor decodes with its own twin of `decode_request` (same acceptance, same
+refusals, less memory for `input_write` chunks); it is not part of this module.
 
 Fence fields (`attempt_id`, `generation`, `plan_digest`) are inline in every
 per-attempt row, and the admission bindings (`installation_id`, `ledger_id`,
@@ -28,35 +27,28 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ficc.execution import _rules
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.plan import (
-    DIGEST,
-    IDENTITY,
     MAX_ROWS,
-    NAME,
     U63_MAX,
-    CheckedDigest,
-    CheckedIdentity,
     Count,
     Digest,
     Identity,
     Name,
     Plan,
-    PlanFault,
     PlanTooLarge,
     Positive,
-    check_plans,
-    check_rules,
-    plan_digests,
+    _digests,
 )
 
 PROTOCOL_VERSION = 1
-MIB = 1024 * 1024
-COLLECT_MAX_BYTES = 1 * MIB
+_MIB = 1024 * 1024
+COLLECT_MAX_BYTES = 1 * _MIB
 """Most bytes one `collect` request may ask for, summed over its reads."""
-INPUT_CHUNK_MAX_BYTES = 8 * MIB
+INPUT_CHUNK_MAX_BYTES = 8 * _MIB
 """Most decoded bytes one `input_write` request may carry (current executors)."""
-INPUT_CHUNK_LEGACY_BYTES = 1 * MIB
+INPUT_CHUNK_LEGACY_BYTES = 1 * _MIB
 """The chunk bound to assume when a snapshot has no `input_chunk_bytes`."""
 
 ZERO_ID = "0" * 32
@@ -95,18 +87,24 @@ class Fence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Renewal(msgspec.Struct, frozen=True, forbid_unknown_fields=True, gc=False):
     """A lease renewal: the fence, a strictly increasing sequence and a wall-clock expiry.
 
-    Up to 64 per request, in `prepare` and `renew`: their patterns are checked per batch
-    (`check_rules`, called by those requests) rather than per value.
+    Up to 64 per request, in `prepare` and `renew`: there their patterns are checked
+    per batch, by the request; a renewal decoded or converted on its own checks itself.
     """
 
-    attempt_id: CheckedIdentity
+    attempt_id: _rules.CheckedIdentity
     generation: Positive
-    plan_digest: CheckedDigest
+    plan_digest: _rules.CheckedDigest
     sequence: Positive
     expires_at_ms: Count
 
+    def __post_init__(self) -> None:
+        """Check the ID and digest patterns, unless a request checks its whole batch."""
+        if not _rules.checks_deferred():
+            _rules.check_rules([self], Renewal)
+
     @property
     def fence(self) -> Fence:
+        """The renewal's attempt, generation and plan digest."""
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
 
@@ -142,6 +140,7 @@ class ObjectRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def fence(self) -> Fence:
+        """The row's attempt, generation and plan digest."""
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
 
@@ -152,6 +151,9 @@ class _ChunkRow:
     attempt_id: str
     generation: int
     plan_digest: str
+    object: str
+    offset: int
+    digest: str
     __dict__: dict[str, Any]
 
     def _base64(self) -> str | memoryview:
@@ -159,6 +161,7 @@ class _ChunkRow:
 
     @property
     def fence(self) -> Fence:
+        """The row's attempt, generation and plan digest."""
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
     @property
@@ -166,7 +169,7 @@ class _ChunkRow:
         """The decoded chunk (decoded once, when the request was validated)."""
         cached: bytes | None = self.__dict__.get("_chunk")
         if cached is None:
-            cached = canonical_b64decode(self._base64())
+            cached = _canonical_b64decode(self._base64())
             self.__dict__["_chunk"] = cached
         return cached
 
@@ -190,29 +193,6 @@ class InputWrite(msgspec.Struct, _ChunkRow, frozen=True, forbid_unknown_fields=T
         return self.data
 
 
-class ReceivedInputWrite(
-    msgspec.Struct, _ChunkRow, frozen=True, forbid_unknown_fields=True, dict=True
-):
-    """An `input_write` row as the executor receives it (see `receive_request`).
-
-    The same fields and checks as `InputWrite`, but `data` is left as raw JSON, a view
-    of the frame, and decoded from there: `InputWrite` would first build the base64
-    `str` (10.7 MiB for an 8 MiB chunk). Once the request has decoded `chunk`, `data`
-    is emptied so the frame can be freed while the chunk is written and synced.
-    """
-
-    attempt_id: Identity
-    generation: Positive
-    plan_digest: Digest
-    object: Identity
-    offset: Count
-    data: msgspec.Raw
-    digest: Digest
-
-    def _base64(self) -> str | memoryview:
-        return _json_string_body(self.data)
-
-
 class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A `collect` row: `length` bytes of `stdout`, `stderr` or `output:<name>`."""
 
@@ -225,6 +205,7 @@ class Read(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def fence(self) -> Fence:
+        """The row's attempt, generation and plan digest."""
         return Fence(self.attempt_id, self.generation, self.plan_digest)
 
 
@@ -265,7 +246,6 @@ _Fences = Annotated[list[Fence], _BATCH]
 _Reads = Annotated[list[Read], _BATCH]
 _ObjectRefs = Annotated[list[ObjectRef], _BATCH]
 _InputWrites = Annotated[list[InputWrite], _BATCH]
-_ReceivedInputWrites = Annotated[list[ReceivedInputWrite], _BATCH]
 _Plans = Annotated[list[Plan], _BATCH]
 
 
@@ -279,6 +259,7 @@ class Request(
 
     @property
     def action(self) -> str:
+        """The `action` tag of this request's class."""
         return str(type(self).__struct_config__.tag)
 
     @property
@@ -299,10 +280,18 @@ class _Bound(Request, frozen=True, kw_only=True):
 
 
 class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare", gc=False):
+    """Admit 1..64 attempts: each row is a plan and its first lease (sequence 1).
+
+    Carries the saved admission binding. Plans are distinct by attempt, and each
+    lease names its plan's attempt, generation and digest. The reply has one attempt
+    row per plan.
+    """
+
     attempts: _PrepareAttempts
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.attempts)
 
     def __post_init__(self) -> None:
@@ -350,10 +339,13 @@ class PrepareRequest(_Bound, frozen=True, kw_only=True, tag="prepare", gc=False)
 
 
 class RenewRequest(Request, frozen=True, kw_only=True, tag="renew"):
+    """Extend the leases of 1..64 distinct attempts (sequences strictly increase)."""
+
     leases: _Renewals
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.leases)
 
     def __post_init__(self) -> None:
@@ -366,6 +358,7 @@ class _FenceBatch(Request, frozen=True, kw_only=True):
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.attempts)
 
     def __post_init__(self) -> None:
@@ -373,26 +366,37 @@ class _FenceBatch(Request, frozen=True, kw_only=True):
 
 
 class StartRequest(_FenceBatch, frozen=True, kw_only=True, tag="start"):
+    """Start 1..64 prepared, ready attempts; a second start never starts twice."""
+
     pass
 
 
 class ObserveRequest(_FenceBatch, frozen=True, kw_only=True, tag="observe"):
+    """Read the host's record of 1..64 attempts; changes nothing."""
+
     pass
 
 
 class StopRequest(_FenceBatch, frozen=True, kw_only=True, tag="stop"):
+    """Stop 1..64 attempts; a stopped attempt ends `cancelled`."""
+
     pass
 
 
 class ReleaseRequest(_FenceBatch, frozen=True, kw_only=True, tag="release"):
+    """Free the slots of 1..64 finished attempts whose cleanup is confirmed."""
+
     pass
 
 
 class CollectRequest(Request, frozen=True, kw_only=True, tag="collect"):
+    """Read 1..64 byte ranges of logs and declared outputs, at most 1 MiB in total."""
+
     reads: _Reads
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.reads)
 
     def __post_init__(self) -> None:
@@ -411,10 +415,13 @@ class CollectRequest(Request, frozen=True, kw_only=True, tag="collect"):
 
 
 class InputStatusRequest(Request, frozen=True, kw_only=True, tag="input_status"):
+    """Ask for the durable next offset of 1..64 streamed inputs (where to resume)."""
+
     objects: _ObjectRefs
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.objects)
 
     def __post_init__(self) -> None:
@@ -429,10 +436,11 @@ class _Writes:
     """What both spellings of an input_write request answer about their rows."""
 
     __slots__ = ()
-    writes: Sequence[InputWrite | ReceivedInputWrite]
+    writes: Sequence[_ChunkRow]
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.writes)
 
     @property
@@ -442,32 +450,18 @@ class _Writes:
 
 
 class InputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag="input_write"):
+    """Write one chunk to each of 1..64 streamed inputs, each at its durable offset.
+
+    The decoded data of all rows is at most the snapshot's `input_chunk_bytes`.
+    """
+
     writes: _InputWrites
 
     def __post_init__(self) -> None:
         _check_writes(self, self.writes)
 
 
-class ReceivedInputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag="input_write"):
-    """`InputWriteRequest` as the executor receives it: rows are `ReceivedInputWrite`.
-
-    Not for building requests (a controller builds `InputWriteRequest` with base64
-    text); `receive_request` returns it for the common, plainly spelled document.
-    """
-
-    writes: _ReceivedInputWrites
-
-    def __post_init__(self) -> None:
-        _check_writes(self, self.writes)
-        for write in self.writes:  # every chunk is decoded: let go of the frame
-            msgspec.structs.force_setattr(write, "data", _RELEASED)
-
-
-_RELEASED = msgspec.Raw()
-"""What a received row's `data` holds once its chunk is decoded."""
-
-
-def _check_writes(request: Request, writes: Sequence[InputWrite | ReceivedInputWrite]) -> None:
+def _check_writes(request: Request, writes: Sequence[_ChunkRow]) -> None:
     """Distinct rows, canonical base64, at most 8 MiB decoded, chunk digests, offsets.
 
     Decodes each row's chunk once and keeps it on the row (its `chunk`).
@@ -497,6 +491,7 @@ class _PlanBatch(_Bound, frozen=True, kw_only=True):
 
     @property
     def row_count(self) -> int:
+        """How many result rows the reply carries: one per request row."""
         return len(self.plans)
 
     def __post_init__(self) -> None:
@@ -509,18 +504,32 @@ class _PlanBatch(_Bound, frozen=True, kw_only=True):
 
 
 class RejectAbsentRequest(_PlanBatch, frozen=True, kw_only=True, tag="reject_absent"):
+    """Refuse for good 1..64 queued plans the host never received, so they never run.
+
+    A matching attempt the host already has returns its actual state instead.
+    """
+
     pass
 
 
 class ReconcileAbsentRequest(_PlanBatch, frozen=True, kw_only=True, tag="reconcile_absent"):
+    """Administrator only: record absent plans as `unknown` after checking the host is idle.
+
+    `acknowledge_unknown` must be literally `true`; matching records come back unchanged.
+    """
+
     acknowledge_unknown: Literal[True]
 
 
 class SnapshotRequest(Request, frozen=True, kw_only=True, tag="snapshot"):
+    """Bindings, bounds, offer, capacity and one page of attempts after `after`."""
+
     after: Identity | None = None
 
 
 class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):
+    """Change the offer, if its revision is still `expected_revision`."""
+
     expected_revision: Count
     control: Literal["active", "paused", "draining", "stopped"]
     limits: OfferLimits | None = None
@@ -543,25 +552,8 @@ _SentRequest = (
 )
 """The request models as a controller builds them, and as `decode_request` decodes."""
 
-_ReceivedRequest = (
-    PrepareRequest
-    | RenewRequest
-    | StartRequest
-    | ObserveRequest
-    | StopRequest
-    | ReleaseRequest
-    | CollectRequest
-    | InputStatusRequest
-    | ReceivedInputWriteRequest
-    | RejectAbsentRequest
-    | ReconcileAbsentRequest
-    | SnapshotRequest
-    | SetOfferRequest
-)
-"""The same union with the executor's twin of `InputWriteRequest` (`receive_request`)."""
-
-AnyRequest = _SentRequest | ReceivedInputWriteRequest
-"""Every request model a decoding call returns."""
+AnyRequest = _SentRequest
+"""Every request model: what a controller builds and what `decode_request` returns."""
 
 _T, _O, _A = Sender.TRANSPORT, Sender.OWNER, Sender.ADMINISTRATOR
 SENDERS: dict[str, frozenset[Sender]] = {
@@ -603,9 +595,9 @@ def _checked_plans(request: Request, plans: list[Plan], path: str) -> list[str]:
     `path` is the JSON path of a plan with `{}` for its position in the batch.
     """
     try:
-        check_plans(plans)
-        return plan_digests(plans)
-    except PlanFault as fault:
+        _rules.check_plans(plans)
+        return _digests(plans)
+    except _rules.PlanFault as fault:
         message, where = explain(msgspec.ValidationError(fault.error))
         raise request._invalid(message, path.format(fault.index) + where[1:]) from None
     except PlanTooLarge as exc:
@@ -615,8 +607,8 @@ def _checked_plans(request: Request, plans: list[Plan], path: str) -> list[str]:
 def _checked_rows(request: Request, rows: list[Any], cls: type, path: str) -> None:
     """Check the batch-checked patterns of `rows` (see `check_rules`)."""
     try:
-        check_rules(rows, cls)
-    except PlanFault as fault:
+        _rules.check_rules(rows, cls)
+    except _rules.PlanFault as fault:
         message, where = explain(msgspec.ValidationError(fault.error))
         raise request._invalid(message, path.format(fault.index) + where[1:]) from None
 
@@ -629,7 +621,7 @@ def _distinct_attempts(request: Request, rows: list[Any], field: str) -> None:
         seen.add(row.attempt_id)
 
 
-def canonical_b64decode(data: str | bytes | memoryview) -> bytes:
+def _canonical_b64decode(data: str | bytes | memoryview) -> bytes:
     """Decode standard padded base64, refusing any other spelling of the same bytes.
 
     Canonical means `b64encode(b64decode(data)) == data`: the standard alphabet,
@@ -650,23 +642,9 @@ def canonical_b64decode(data: str | bytes | memoryview) -> bytes:
     return raw
 
 
-def _json_string_body(raw: msgspec.Raw) -> memoryview:
-    """The bytes between the quotes of a raw JSON string, without copying them.
-
-    They are the string's value only if it has no escapes; `\\` is not in the base64
-    alphabet, so an escaped spelling is refused as base64, and `receive_request` leaves
-    it (like every refusal) to `decode_request`. Anything but a string raises ValueError.
-    """
-    view = memoryview(raw)
-    if len(view) < 2 or view[0] != ord('"') or view[-1] != ord('"'):
-        raise ValueError("not a JSON string")
-    return view[1:-1]
-
-
 # --- decoding and encoding ----------------------------------------------------------
 
 _decoder = msgspec.json.Decoder(_SentRequest)
-_receiver = msgspec.json.Decoder(_ReceivedRequest)
 _encoder = msgspec.json.Encoder(order="sorted")
 
 
@@ -683,9 +661,15 @@ _LOCATED = re.compile(
 )
 _ID = re.compile(r"\A[0-9a-f]{32}\Z")
 _PATTERN_NAMES = {
-    IDENTITY.pattern: "an Identity (32 lowercase hex characters)",
-    DIGEST.pattern: "a Digest (sha256: and 64 lowercase hex characters)",
-    NAME.pattern: "a Name ([a-z][a-z0-9_.-]{0,79})",
+    _rules.IDENTITY.pattern: "an Identity (32 lowercase hex characters)",
+    _rules.DIGEST.pattern: "a Digest (sha256: and 64 lowercase hex characters)",
+    _rules.NAME.pattern: "a Name ([a-z][a-z0-9_.-]{0,79})",
+    _rules.EXEC_STRING.pattern: "a string without NUL characters",
+    _rules.ENV_NAME.pattern: "an environment name ([A-Za-z_][A-Za-z0-9_]{0,127})",
+    _rules.INPUT_NAME.pattern: "an input name ([A-Za-z0-9][A-Za-z0-9_.-]{0,127})",
+    _rules.OUTPUT_PATH.pattern: (
+        "a relative output path (normalized, no `..`, no control characters)"
+    ),
 }
 
 
@@ -697,11 +681,11 @@ def explain(exc: msgspec.ValidationError) -> tuple[str, str]:
     if match["key"]:
         message += " (in an object key)"
     for pattern, name in _PATTERN_NAMES.items():
-        message = message.replace(f"matching regex {pattern!r}", name)
+        message = message.replace(f"`str` matching regex {pattern!r}", name)
     return message, path
 
 
-def refusal(frame: bytes, exc: msgspec.ValidationError) -> ProtocolError:
+def _refusal(frame: bytes, exc: msgspec.ValidationError) -> ProtocolError:
     """Turn a validation failure into the most precise ProtocolError we can name."""
     message, path = explain(exc)
     try:
@@ -736,33 +720,16 @@ def decode_request(frame: bytes, *, input_chunk_bytes: int = INPUT_CHUNK_MAX_BYT
     `unsupported_action`, or `invalid_request` with the JSON path of the first problem.
     """
     try:
-        request: AnyRequest = _decoder.decode(frame)
+        with _rules.deferred_checks():  # each request checks its plans and leases as a batch
+            request: AnyRequest = _decoder.decode(frame)
     except msgspec.ValidationError as exc:
-        raise refusal(frame, exc) from None
+        raise _refusal(frame, exc) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"not UTF-8 JSON: {exc}") from None
     if isinstance(request, InputWriteRequest) and request.chunk_bytes > input_chunk_bytes:
         raise request._invalid(
             f"writes carry {request.chunk_bytes} bytes, more than {input_chunk_bytes}", "$.writes"
         )
-    return request
-
-
-def receive_request(frame: bytes, *, input_chunk_bytes: int = INPUT_CHUNK_MAX_BYTES) -> AnyRequest:
-    """`decode_request` for the executor: the same answer, less memory for chunks.
-
-    An `input_write` comes back as a `ReceivedInputWriteRequest`, its chunks decoded
-    straight from `frame` (the frame and the chunk are the only full-size buffers).
-    Every document this fast path refuses, including one whose base64 is spelled with
-    JSON escapes, is decided by `decode_request`, so both accept the same documents
-    and every refusal has the same code, message and path.
-    """
-    try:
-        request: AnyRequest = _receiver.decode(frame)
-    except (msgspec.MsgspecError, RecursionError, ProtocolError):
-        return decode_request(frame, input_chunk_bytes=input_chunk_bytes)
-    if isinstance(request, ReceivedInputWriteRequest) and request.chunk_bytes > input_chunk_bytes:
-        return decode_request(frame, input_chunk_bytes=input_chunk_bytes)
     return request
 
 
@@ -796,7 +763,6 @@ __all__ = [
     "ZERO_ID",
     "AnyRequest",
     "CollectRequest",
-    "ErrorCode",
     "Fence",
     "InputStatusRequest",
     "InputWrite",
@@ -807,10 +773,7 @@ __all__ = [
     "OfferLimits",
     "PrepareAttempt",
     "PrepareRequest",
-    "ProtocolError",
     "Read",
-    "ReceivedInputWrite",
-    "ReceivedInputWriteRequest",
     "ReconcileAbsentRequest",
     "RejectAbsentRequest",
     "ReleaseRequest",
@@ -823,10 +786,9 @@ __all__ = [
     "SnapshotRequest",
     "StartRequest",
     "StopRequest",
-    "canonical_b64decode",
     "decode_request",
     "encode_request",
+    "explain",
     "may_send",
-    "receive_request",
     "validate_request",
 ]

@@ -162,9 +162,8 @@ class InputRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 class ReadRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A successful collect row.
 
-    `data` holds the bytes read; on the wire it is a standard padded base64 string,
-    which msgspec writes and reads in C, so an executor never builds the 1.4 MB string
-    in Python. `eof`: `next_offset` is the file's current end. `complete`: the file is
+    `data` holds the bytes read; on the wire it is a standard padded (canonical)
+    base64 string. `eof`: `next_offset` is the file's current end. `complete`: the file is
     final and will not grow. `identity` is an opaque stable identity of the file: if it
     changes between reads, the object was replaced and earlier bytes are not part of it.
     """
@@ -180,11 +179,6 @@ class ReadRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     complete: bool
     identity: Digest
     ok: Literal[True] = True
-
-    @property
-    def chunk(self) -> bytes:
-        """The bytes read: the same as `data`, kept for callers that predate bytes `data`."""
-        return self.data
 
     def __post_init__(self) -> None:
         if self.next_offset != self.offset + len(self.data):
@@ -271,16 +265,23 @@ ReadResult: TypeAlias = ReadRow | ErrorRow
 
 
 class AttemptsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The reply to prepare, renew, start, observe, stop, release, reject_absent and
+    reconcile_absent: one attempt row or error row per request row, in order."""
+
     results: list[AttemptResult]
     ok: Literal[True] = True
 
 
 class InputsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The reply to input_status and input_write: one input row or error row per row."""
+
     results: list[InputResult]
     ok: Literal[True] = True
 
 
 class ReadsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The reply to collect: one read row or error row per read, in order."""
+
     results: list[ReadResult]
     ok: Literal[True] = True
 
@@ -479,6 +480,7 @@ __all__ = [
     "REASONS",
     "TERMINAL",
     "AnyReply",
+    "AttemptResult",
     "AttemptRow",
     "AttemptStatus",
     "AttemptsReply",
@@ -487,12 +489,14 @@ __all__ = [
     "Error",
     "ErrorReply",
     "ErrorRow",
+    "InputResult",
     "InputRow",
     "InputsReply",
     "Offer",
     "OfferReply",
     "Outcome",
     "ProviderInfo",
+    "ReadResult",
     "ReadRow",
     "ReadsReply",
     "Reply",

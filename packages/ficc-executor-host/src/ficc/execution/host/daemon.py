@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from ficc.execution._executor import ReceivedRequest
 from ficc.execution.host import fsutil, handlers, notify
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config, check_host
@@ -38,7 +39,7 @@ from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import SystemService
 from ficc.execution.host.service.systemd import SystemdService
 from ficc.execution.host.staging import Stager
-from ficc.execution.protocol import AnyRequest, Sender
+from ficc.execution.protocol import Sender
 from ficc.execution.wire import AnyReply
 
 __all__ = ["LEDGER_MARKER", "Daemon", "RunnerLike", "open_ledger", "service_backend"]
@@ -135,7 +136,7 @@ class Daemon:
         await self.runner.recover()
         self._monitor = asyncio.get_running_loop().create_task(self.runner.run())
 
-    async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply:
+    async def dispatch(self, sender: Sender, uid: int, request: ReceivedRequest) -> AnyReply:
         """Answer one request (authority already checked by the server)."""
         return await handlers.handle(self.ctx, self.runner, sender, request)
 

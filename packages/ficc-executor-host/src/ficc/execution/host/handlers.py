@@ -36,6 +36,11 @@ from typing import Any, NamedTuple, Protocol
 import msgspec
 
 from ficc.execution import plan as planlib
+from ficc.execution._executor import (
+    ReceivedInputWrite,
+    ReceivedInputWriteRequest,
+    ReceivedRequest,
+)
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import collect as collecting
 from ficc.execution.host import leases, lifecycle
@@ -47,7 +52,6 @@ from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.staging import StreamState, streams_of
 from ficc.execution.protocol import (
     INPUT_CHUNK_MAX_BYTES,
-    AnyRequest,
     CollectRequest,
     Fence,
     InputStatusRequest,
@@ -57,8 +61,6 @@ from ficc.execution.protocol import (
     ObserveRequest,
     OfferLimits,
     PrepareRequest,
-    ReceivedInputWrite,
-    ReceivedInputWriteRequest,
     ReconcileAbsentRequest,
     RejectAbsentRequest,
     ReleaseRequest,
@@ -110,7 +112,7 @@ Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
 
 
 async def handle(
-    ctx: HostContext, runner: RunnerPort, sender: Sender, request: AnyRequest
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: ReceivedRequest
 ) -> AnyReply:
     """Answer one request; a whole-request HostError becomes an ErrorReply."""
     handler = HANDLERS[request.action]
@@ -285,7 +287,7 @@ async def _logs_of(
     return await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in started})
 
 
-def _reply(request: AnyRequest, rows: list[AttemptResult]) -> AttemptsReply:
+def _reply(request: ReceivedRequest, rows: list[AttemptResult]) -> AttemptsReply:
     return AttemptsReply(version=1, id=request.id, results=rows)
 
 

@@ -50,6 +50,7 @@ from typing import Concatenate, Final, Literal, NamedTuple, ParamSpec, TypeVar
 import msgspec
 
 from ficc.execution import plan as planlib
+from ficc.execution._executor import canonical_plans
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import filesystems, fsutil, leases, ledger_space, lifecycle
 from ficc.execution.host.errors import HostError
@@ -597,7 +598,7 @@ class _Encoded(NamedTuple):
     @classmethod
     def each(cls, plans: Iterable[planlib.Plan]) -> list[_Encoded]:
         plans = list(plans)
-        data = list(map(planlib.encode_plan, plans))
+        data = canonical_plans(plans)
         return list(map(cls, plans, data, map(planlib.digest_of, data)))
 
 

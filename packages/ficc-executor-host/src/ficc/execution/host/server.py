@@ -36,23 +36,23 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol, cast
+from typing import Any, Protocol, cast
 
 import msgspec
 
+from ficc.execution._executor import ReceivedRequest, encode_frame_into, receive_request
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.frames import (
     HEADER,
     REPLY_MAX,
     REQUEST_MAX,
+    FrameDecoder,
     FrameError,
-    check_length,
-    encode_frame_into,
 )
 from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import Endpoint, check_peer, listen, peer_credentials
-from ficc.execution.protocol import AnyRequest, Sender, may_send, receive_request
+from ficc.execution.protocol import Sender, may_send
 from ficc.execution.wire import AnyReply, ErrorReply, encode_reply, error_reply
 
 SENDERS: dict[SocketKind, Sender] = {
@@ -76,7 +76,7 @@ _REPLY_BUFFER_MAX = 2 * (HEADER.size + REPLY_MAX)
 class Dispatcher(Protocol):
     """What the shell needs from the daemon (the contract in DAEMON.md)."""
 
-    async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply: ...
+    async def dispatch(self, sender: Sender, uid: int, request: ReceivedRequest) -> AnyReply: ...
 
     def input_chunk_bytes(self) -> int: ...
 
@@ -260,7 +260,7 @@ class Server:
             )
             return _internal(info.request_id, "the executor failed while reading this request")
 
-    async def _read_request(self, conn: socket.socket, info: _Connection) -> AnyRequest:
+    async def _read_request(self, conn: socket.socket, info: _Connection) -> ReceivedRequest:
         frame = await self._read_frame(conn)
         try:
             if len(frame) > _OFF_LOOP_BYTES:
@@ -284,7 +284,7 @@ class Server:
             )
         return request
 
-    def _decode(self, frame: bytearray) -> AnyRequest:
+    def _decode(self, frame: bytearray) -> ReceivedRequest:
         # msgspec decodes any buffer in place; receive_request is annotated for bytes only
         payload = cast(bytes, frame)
         return receive_request(payload, input_chunk_bytes=self.daemon.input_chunk_bytes())
@@ -292,23 +292,25 @@ class Server:
     async def _read_frame(self, conn: socket.socket) -> bytearray:
         """One frame: header within the read timeout, budget reserved, then the payload.
 
-        The payload is received straight into one buffer of exactly the declared length
-        (the decoder reads it in place): a stream reader would hold its own buffer, a
-        slice of it and the returned copy at once, three times an 8 MiB chunk's frame.
+        The frame decoder checks the header and gives one buffer of exactly the
+        declared length, which the payload is received straight into (the request
+        decoder reads it in place): a stream reader would hold its own buffer, a slice
+        of it and the returned copy at once, three times an 8 MiB chunk's frame.
         """
+        decoder = FrameDecoder(REQUEST_MAX)
         try:
             async with asyncio.timeout(self.limits.read_timeout):
-                header = bytearray(HEADER.size)
-                await _receive_exactly(conn, header, closed_empty=True)
-                (length,) = HEADER.unpack(header)
-                check_length(length, REQUEST_MAX)
+                while decoder.expected is None:
+                    await _receive_into(conn, decoder)
+                length = decoder.expected
                 if length > self._budget:
                     message = _busy("the executor's request buffer")
                     raise _Refused(error_reply(None, ErrorCode.BUSY, message), "busy")
                 self._budget -= length
                 try:
-                    payload = bytearray(length)
-                    await _receive_exactly(conn, payload, closed_empty=False)
+                    payload = None
+                    while payload is None:
+                        payload = await _receive_into(conn, decoder)
                     return payload
                 finally:
                     self._budget += length
@@ -319,7 +321,7 @@ class Server:
         except ConnectionError:
             raise _Refused(None, "connection_reset") from None
 
-    async def _dispatch(self, request: AnyRequest, info: _Connection) -> AnyReply:
+    async def _dispatch(self, request: ReceivedRequest, info: _Connection) -> AnyReply:
         sender = SENDERS[info.endpoint.kind]
         assert info.uid is not None
         try:
@@ -409,34 +411,22 @@ class Server:
             await asyncio.wait(pending)
 
 
-async def _receive_exactly(conn: socket.socket, buffer: bytearray, *, closed_empty: bool) -> None:
-    """Fill `buffer` from the socket, refusing a peer that ends the connection first.
+async def _receive_into(conn: socket.socket, decoder: FrameDecoder) -> bytearray | None:
+    """Receive what `decoder` wants next; the payload once the frame is complete.
 
-    An end before the first byte is `closed_empty` (no reply) where that is allowed:
-    a peer that connects and leaves is not an error.
+    A peer that connects and leaves before the first byte is not an error (no reply);
+    one that leaves inside a frame gets the decoder's `bad_frame`.
     """
-    loop = asyncio.get_running_loop()
-    view = memoryview(buffer)
-    filled = 0
+    view = decoder.want()
     try:  # what has arrived already, without a trip around the loop (the socket never blocks)
-        filled = conn.recv_into(view) if view else 0
+        received = conn.recv_into(view)
     except BlockingIOError:
-        pass
-    else:
-        if view and not filled:
-            _ended(0, closed_empty=closed_empty)
-    while filled < len(buffer):
-        received = await loop.sock_recv_into(conn, view[filled:])
-        if not received:
-            _ended(filled, closed_empty=closed_empty)
-        filled += received
-
-
-def _ended(filled: int, *, closed_empty: bool) -> NoReturn:
-    if closed_empty and not filled:
-        raise _Refused(None, "closed_empty")
-    message = f"the peer ended the connection inside a frame ({filled} bytes)"
-    raise _Refused(error_reply(None, ErrorCode.BAD_FRAME, message), "frame_truncated")
+        received = await asyncio.get_running_loop().sock_recv_into(conn, view)
+    if not received:
+        if decoder.idle:
+            raise _Refused(None, "closed_empty")
+        decoder.eof()  # raises FrameError
+    return decoder.received(received)
 
 
 def _busy(what: str) -> str:
