@@ -754,6 +754,7 @@ def validate_request(
 
 
 __all__ = [
+    "ACKNOWLEDGED_MAX",
     "ACTIONS",
     "COLLECT_MAX_BYTES",
     "INPUT_CHUNK_LEGACY_BYTES",
