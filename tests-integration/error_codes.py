@@ -246,8 +246,11 @@ HOST_ONLY: dict[str, str] = {
             "provider_unsafe",
             "provider_unsupported",
             "status_cursor",
+            "slot_account",
+            "provision_failed",
         ),
-        "startup or command refusal: the daemon (or `status`) stops before serving",
+        "startup or command refusal: the daemon (or `status`, `provision-slot`) stops"
+        " before serving",
     ),
     **dict.fromkeys(
         (
@@ -260,6 +263,8 @@ HOST_ONLY: dict[str, str] = {
             "prepare_result_missing",
             "start_timeout",
             "storage_unverified",
+            "slot_filesystem",
+            "slot_identity",
             "probe_failed",
             "provider_error",
             "provider_malformed",

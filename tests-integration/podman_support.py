@@ -519,8 +519,8 @@ class PodmanWorld:
             row = self.read(plan, obj, offset)
             assert isinstance(row, ReadRow), f"collect {obj} refused: {row}"
             assert row.offset == offset
-            assert row.next_offset == offset + len(row.chunk)
-            data += row.chunk
+            assert row.next_offset == offset + len(row.data)
+            data += row.data
             reads.append(row)
             offset = row.next_offset
             if row.eof:

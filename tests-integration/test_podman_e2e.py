@@ -109,13 +109,13 @@ def test_a_streamed_job_runs_and_its_output_is_collected_in_1_mib_chunks(e2e: Po
 
     output = e2e.collect(plan, "output:result")
     assert output.data == data + data
-    assert [len(r.chunk) for r in output.reads] == [MIB, MIB, MIB]
+    assert [len(r.data) for r in output.reads] == [MIB, MIB, MIB]
     assert output.reads[-1].eof
     assert output.reads[-1].complete
     assert len({r.identity for r in output.reads}) == 1
     stdout = e2e.collect(plan, "stdout")
     assert stdout.data == data
-    assert [len(r.chunk) for r in stdout.reads] == [MIB, MIB // 2]
+    assert [len(r.data) for r in stdout.reads] == [MIB, MIB // 2]
     stderr = e2e.collect(plan, "stderr").data
     assert stderr.decode() == f"{sha256(data).removeprefix('sha256:')}  /inputs/input.bin\n"
 

@@ -432,7 +432,7 @@ class Controller:
             if identity not in (None, row.identity):
                 raise JobFailed("collect", f"{name} was replaced while it was being read")
             identity = row.identity
-            data += row.chunk
+            data += row.data
             if row.eof:
                 return data, row
 

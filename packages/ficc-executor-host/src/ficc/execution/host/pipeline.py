@@ -309,9 +309,9 @@ class Runner:
         if record.slot_id is None or record.status.reason in NO_RESOURCE_REASONS:
             return
         attempt = await self._attempt(record)
+        context = await self._later_context(attempt)  # the binding, verified while it exists
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
-        context = await self._later_context(attempt)
         result = await self._batcher.call(attempt.provider, "release", context)
         if not result.ok:
             raise _row_error(result, "release")
