@@ -498,6 +498,10 @@ class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):
     limits: OfferLimits | None = None
 
 
+class MetricsRequest(Request, frozen=True, kw_only=True, tag="metrics"):
+    """The daemon's metrics in the Prometheus text format (administrator only)."""
+
+
 _SentRequest = (
     PrepareRequest
     | RenewRequest
@@ -512,6 +516,7 @@ _SentRequest = (
     | ReconcileAbsentRequest
     | SnapshotRequest
     | SetOfferRequest
+    | MetricsRequest
 )
 """The request models as a controller builds them, and as `decode_request` decodes."""
 
@@ -529,6 +534,7 @@ _ReceivedRequest = (
     | ReconcileAbsentRequest
     | SnapshotRequest
     | SetOfferRequest
+    | MetricsRequest
 )
 """The same union with the executor's twin of `InputWriteRequest` (`receive_request`)."""
 
@@ -550,6 +556,7 @@ SENDERS: dict[str, frozenset[Sender]] = {
     "reconcile_absent": frozenset({_A}),
     "snapshot": frozenset({_T, _O, _A}),
     "set_offer": frozenset({_O, _A}),
+    "metrics": frozenset({_A}),
 }
 """Who may send each action (DESIGN 4.4). The host decides the sender from the socket."""
 
@@ -773,6 +780,7 @@ __all__ = [
     "InputStatusRequest",
     "InputWrite",
     "InputWriteRequest",
+    "MetricsRequest",
     "ObjectName",
     "ObjectRef",
     "ObserveRequest",
