@@ -43,6 +43,7 @@ EXPECTED = {
     "reconcile_absent": {A},
     "snapshot": {T, OW, A},
     "set_offer": {OW, A},
+    "metrics": {A},
 }
 
 

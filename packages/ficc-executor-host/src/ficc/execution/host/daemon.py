@@ -29,7 +29,7 @@ from typing import Protocol
 
 from ficc.execution.host import fsutil, handlers, notify
 from ficc.execution.host.clock import BootClock
-from ficc.execution.host.config import Config, check_host
+from ficc.execution.host.config import Config, Provider, check_host
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.ledger import LEDGER_FILE, Ledger
@@ -41,7 +41,15 @@ from ficc.execution.host.staging import Stager
 from ficc.execution.protocol import AnyRequest, Sender
 from ficc.execution.wire import AnyReply
 
-__all__ = ["LEDGER_MARKER", "Daemon", "RunnerLike", "open_ledger", "service_backend"]
+__all__ = [
+    "LEDGER_MARKER",
+    "Daemon",
+    "RunnerLike",
+    "check_ledger_present",
+    "check_providers",
+    "open_ledger",
+    "service_backend",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -150,8 +158,8 @@ class Daemon:
 # --- parts -----------------------------------------------------------------------------
 
 
-def open_ledger(config: Config) -> Ledger:
-    """Open the ledger, or create it on the very first start (see the module docstring)."""
+def check_ledger_present(config: Config) -> tuple[bool, bool]:
+    """(ledger exists, marker exists); refuses a ledger that existed and is gone."""
     state_fd = fsutil.open_dir(config.state_dir)
     try:
         has_ledger = _exists(state_fd, LEDGER_FILE)
@@ -165,6 +173,12 @@ def open_ledger(config: Config) -> Ledger:
             " existed: restore it from backup; a new ledger would silently invalidate every"
             " saved admission binding",
         )
+    return has_ledger, has_marker
+
+
+def open_ledger(config: Config) -> Ledger:
+    """Open the ledger, or create it on the very first start (see the module docstring)."""
+    has_ledger, has_marker = check_ledger_present(config)
     if has_ledger:
         ledger = Ledger.open(config.state_dir, config.installation_id)
     else:
@@ -206,20 +220,33 @@ def _write_marker(state_dir: str, ledger_id: str) -> None:
         os.close(state_fd)
 
 
+def check_providers(
+    config: Config, provider_path: Sequence[str] | None
+) -> list[tuple[str, HostError | None]]:
+    """Each provider's id and its refusal (None: available), as `serve` would load it."""
+    return [(p.id, _load_one(p, provider_path).refusal) for p in config.providers]
+
+
+def _load_one(provider: Provider, provider_path: Sequence[str] | None) -> ProviderRuntime:
+    pin = provider.package_digest
+    try:
+        loaded = load_provider(provider.id, pin, provider.configuration, provider_path)
+    except HostError as error:
+        return ProviderRuntime(provider.id, pin, None, error)
+    return ProviderRuntime(provider.id, pin, loaded, None)
+
+
 def load_providers(
     config: Config, provider_path: Sequence[str] | None
 ) -> dict[str, ProviderRuntime]:
-    """Verify and load each configured provider; a refusal makes it unavailable."""
+    """Verify and load each configured provider; a refusal makes it unavailable
+    (reported in the log, `status`, the snapshot and the metrics; not fatal)."""
     providers: dict[str, ProviderRuntime] = {}
     for provider in config.providers:
-        pin = provider.package_digest
-        try:
-            loaded = load_provider(provider.id, pin, provider.configuration, provider_path)
-        except HostError as error:
-            _log.error("provider %s unavailable: %s", provider.id, error)
-            providers[provider.id] = ProviderRuntime(provider.id, pin, None, error)
-            continue
-        providers[provider.id] = ProviderRuntime(provider.id, pin, loaded, None)
+        runtime = _load_one(provider, provider_path)
+        if runtime.refusal is not None:
+            _log.error("provider %s unavailable: %s", provider.id, runtime.refusal)
+        providers[provider.id] = runtime
     return providers
 
 

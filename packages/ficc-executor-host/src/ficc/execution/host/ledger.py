@@ -848,6 +848,16 @@ class Ledger:
         records = [_record(r) for r in rows[:limit]]
         return records, (records[-1].attempt_id if len(rows) > limit else None)
 
+    def tally(self) -> list[tuple[str, str | None, str | None, bool, int]]:
+        """(state, outcome, reason, cleanup confirmed, records) for every combination
+        present: the figures the metrics report, in one aggregate query."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT state, outcome, reason, cleanup_confirmed, COUNT(*) FROM attempts"
+                " GROUP BY state, outcome, reason, cleanup_confirmed"
+            ).fetchall()
+        return [(str(s), o, r, bool(c), int(n)) for s, o, r, c, n in rows]
+
     def fenced(self, fences: Sequence[Fence]) -> list[AttemptRecord | HostError]:
         """The record of each fence, or `unknown_attempt` / `fence_mismatch` (one query)."""
         with self._lock:

@@ -69,7 +69,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import gate, layout, leases, lifecycle, procfs
+from ficc.execution.host import gate, layout, leases, lifecycle, metrics, procfs
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import (
@@ -871,7 +871,9 @@ class Runner:
             idle = False
         if idle:
             await self._apply(fresh, lifecycle.CleanupConfirmed())
-        elif not fresh.status.quarantined:
+            return
+        metrics.PROCESS.cleanup_not_confirmed()
+        if not fresh.status.quarantined:
             await self._apply(fresh, lifecycle.CleanupFailed())
 
     # --- reading the ledger -------------------------------------------------------

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from ficc.execution.frames import (
     check_length,
     encode_frame_into,
 )
+from ficc.execution.host import logs
 from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import Endpoint, check_peer, listen, peer_credentials
@@ -108,9 +108,8 @@ Log = Callable[[dict[str, Any]], None]
 
 
 def stderr_log(record: dict[str, Any]) -> None:
-    """Write one JSON line to stderr (the journal under systemd)."""
-    sys.stderr.write(msgspec.json.encode(record).decode() + "\n")
-    sys.stderr.flush()
+    """Write one JSON line to stderr (the journal under systemd; see `logs`)."""
+    logs.emit(record)
 
 
 class _ReplyBuffers:
