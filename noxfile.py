@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 import tempfile
+import zipfile
 
 import nox
 
@@ -44,10 +47,17 @@ DISTRIBUTIONS = [
 ]
 
 # hatchling: tests build real wheels (the test provider) without reaching an index.
-TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100", "hatchling>=1.25", "psutil>=5.9"]
+# prometheus_client: only its text parser, to read the daemon's metrics as Prometheus would.
+TEST_TOOLS = [
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "hatchling>=1.27",
+    "psutil>=5.9",
+    "prometheus_client>=0.17",
+]
 LINT_TOOLS = ["ruff>=0.6"]
 TYPE_TOOLS = ["mypy>=1.10"]
-BUILD_TOOLS = ["hatchling>=1.25"]
+BUILD_TOOLS = ["hatchling>=1.27"]
 
 
 def _present() -> list[str]:
@@ -108,21 +118,50 @@ def _build(session: nox.Session) -> None:
         _check_wheel_alone(session, dist, name)
 
 
+def _wheel_of(dist: pathlib.Path, name: str) -> pathlib.Path:
+    (wheel,) = dist.glob(f"{name.replace('-', '_')}-*.whl")
+    return wheel
+
+
+def wheel_modules(wheel: pathlib.Path) -> list[str]:
+    """Every importable module a wheel installs (from its file list, not its source)."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    modules = []
+    for path in names:
+        top = path.split("/", 1)[0]
+        if not path.endswith(".py") or top.endswith((".dist-info", ".data")):
+            continue
+        parts = path[: -len(".py")].split("/")
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules.append(".".join(parts))
+    return sorted(modules)
+
+
+_IMPORT_ALL = """
+import importlib, sys
+names = sys.argv[1:]
+for name in names:
+    importlib.import_module(name)
+print(f"imported all {len(names)} modules of the wheel")
+"""
+
+
 def _check_wheel_alone(session: nox.Session, dist: pathlib.Path, name: str) -> None:
-    """Install one wheel (plus the wheels it needs from this repo) into a fresh venv."""
-    module = {
-        "ficc-hoststate": "ficc.hoststate",
-        "ficc-protocol": "ficc.execution.protocol",
-        "ficc-executor-host": "ficc.execution.host",
-        "ficc-provider-podman": "ficc_provider_podman",
-    }[name]
-    wheel = next(dist.glob(f"{name.replace('-', '_')}-*.whl"))
+    """Install one wheel (plus the wheels it needs from this repo) into a fresh venv and
+    import every module it contains: a wheel that misses a module fails here."""
+    wheel = _wheel_of(dist, name)
+    modules = wheel_modules(wheel)
+    if not modules:
+        session.error(f"{wheel.name} contains no Python module")
     with tempfile.TemporaryDirectory() as tmp:
         venv = pathlib.Path(tmp) / "venv"
         session.run("python", "-m", "venv", str(venv))
         py = str(venv / "bin" / "python")
         session.run(py, "-m", "pip", "install", "-q", "--find-links", str(dist), str(wheel))
-        session.run(py, "-c", f"import {module}; print('{name} imports alone')")
+        with session.chdir(tmp):  # not the repository: only the installed wheel is importable
+            session.run(py, "-I", "-c", _IMPORT_ALL, *modules)
 
 
 @nox.session
@@ -240,12 +279,25 @@ def soak(session: nox.Session) -> None:
     )
 
 
+def _install_built_wheels(session: nox.Session) -> None:
+    """The test tools, then every distribution from its built wheel (not the source
+    tree): the package tests then test what a release ships."""
+    session.install(*TEST_TOOLS, *BUILD_TOOLS)
+    dist = pathlib.Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in _present():
+        with session.chdir(PACKAGES / name):
+            session.run("hatchling", "build", "-t", "wheel", "-d", str(dist))
+    wheels = [str(_wheel_of(dist, name)) for name in _present()]
+    session.install("--find-links", str(dist), *wheels)
+
+
 @nox.session
 def ci(session: nox.Session) -> None:
-    """Everything CI runs: every package's tests, integration, systemd, lint, typecheck,
-    build."""
-    _install_all(session)
-    session.install(*LINT_TOOLS, *TYPE_TOOLS, *BUILD_TOOLS)
+    """Everything CI runs: every package's tests against the installed wheels,
+    integration, systemd, upgrade, lint, typecheck, build."""
+    _install_built_wheels(session)
+    session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
     for name in _present():
         _package_tests(session, name)
@@ -264,3 +316,82 @@ def demo(session: nox.Session) -> None:
     _install_all(session)
     session.install(*BUILD_TOOLS)
     session.run("python", str(script), *session.posargs)
+
+
+# --- releases ----------------------------------------------------------------------------------
+
+
+def project_version(name: str) -> str:
+    """The one place a distribution's version lives: `version` in its pyproject.toml."""
+    import tomllib  # noqa: PLC0415 - the noxfile must import on any Python nox runs on
+
+    with open(PACKAGES / name / "pyproject.toml", "rb") as file:
+        version: str = tomllib.load(file)["project"]["version"]
+    return version
+
+
+def changelog_has(name: str, version: str) -> bool:
+    """Whether the distribution's CHANGELOG.md has a `## VERSION` heading (no `unreleased`)."""
+    text = (PACKAGES / name / "CHANGELOG.md").read_text()
+    heading = re.compile(rf"^## {re.escape(version)}(?: \(\d{{4}}-\d\d-\d\d\))?\s*$", re.MULTILINE)
+    return heading.search(text) is not None
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def _release_checks(session: nox.Session, name: str, version: str) -> None:
+    if name not in _present():
+        session.error(f"{name!r} is not a distribution here; one of {', '.join(_present())}")
+    if _git("status", "--porcelain", "--untracked-files=normal").strip():
+        session.error("the working tree is not clean: commit or stash first")
+    if project_version(name) != version:
+        session.error(
+            f"packages/{name}/pyproject.toml says version {project_version(name)}, not "
+            f"{version}: set it there (the one place it lives) and commit"
+        )
+    if not changelog_has(name, version):
+        session.error(
+            f"packages/{name}/CHANGELOG.md has no '## {version}' heading: say what a user of "
+            "this release must know, and commit"
+        )
+    tag = f"{name}-v{version}"
+    if _git("tag", "--list", tag).strip():
+        session.error(f"tag {tag} exists already")
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """`nox -s release -- DIST VERSION`: check, test the built wheel, tag, leave it in dist/.
+
+    Refuses unless the tree is clean, DIST's pyproject.toml has VERSION and its
+    CHANGELOG.md a `## VERSION` heading. Builds DIST's wheel and sdist into dist/, runs
+    DIST's tests against the installed wheel (the other distributions it needs are
+    built from this same commit), and only then tags the commit `DIST-vVERSION`.
+    """
+    if len(session.posargs) != 2:
+        session.error("usage: nox -s release -- DISTRIBUTION VERSION")
+    name, version = session.posargs
+    _release_checks(session, name, version)
+    session.install(*TEST_TOOLS, *BUILD_TOOLS)
+    dist = ROOT / "dist"
+    dist.mkdir(exist_ok=True)
+    for stale in dist.glob(f"{name.replace('-', '_')}-*"):
+        stale.unlink()
+    with session.chdir(PACKAGES / name):
+        session.run("hatchling", "build", "-t", "wheel", "-t", "sdist", "-d", str(dist))
+    needed = pathlib.Path(session.create_tmp()) / "needed"
+    shutil.rmtree(needed, ignore_errors=True)
+    for other in _present()[: _present().index(name)]:
+        with session.chdir(PACKAGES / other):
+            session.run("hatchling", "build", "-t", "wheel", "-d", str(needed))
+    wheel = _wheel_of(dist, name)
+    session.install("--find-links", str(needed), "--force-reinstall", str(wheel))
+    with session.chdir(session.create_tmp()):  # only the installed wheel is importable
+        session.run("python", "-I", "-c", _IMPORT_ALL, *wheel_modules(wheel))
+    session.run("pytest", "-q", "-ra", str(PACKAGES / name / "tests"))
+    _git("tag", "-a", f"{name}-v{version}", "-m", f"{name} {version}")
+    session.log(f"tagged {name}-v{version}; {wheel.name} and its sdist are in {dist}")
