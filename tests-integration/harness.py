@@ -446,14 +446,14 @@ def show_unit(unit: str, *keys: str) -> dict[str, str]:
 class UnitDaemon:
     """The daemon as the systemd service it ships as (needs systemd as PID 1).
 
-    The shipped unit file is installed as is, plus a drop-in that only points it at this
-    layout's configuration and provider, opens this layout's directories (and
-    `read_write`) to it, and shortens the restart delay; `dropin` adds lines to the
-    drop-in's [Service] section, and `shipped_dropins` are drop-in files a package
-    ships, installed as they are (test.conf sorts after them, so it wins). The same
-    interface as DaemonProcess: `start` returns
-    after READY=1 (`systemctl start` waits for it), `kill` is a SIGKILL of the main
-    process (after which the unit's Restart=on-failure brings a new daemon back: see
+    The shipped unit file is installed as is, plus a drop-in that only points it (its
+    check-config and its serve) at this layout's configuration and provider, opens this
+    layout's directories (and `read_write`) to it, and shortens the restart delay;
+    `dropin` adds lines to the drop-in's [Service] section, and `shipped_dropins` are
+    drop-in files a package ships, installed as they are (test.conf sorts after them,
+    so it wins). The same interface as DaemonProcess: `start` returns after READY=1
+    (`systemctl start` waits for it), `kill` is a SIGKILL of the main process (after
+    which the unit's Restart=on-failure brings a new daemon back: see
     `wait_restarted`), `stop` is `systemctl stop`.
     """
 
@@ -477,6 +477,10 @@ class UnitDaemon:
         paths = " ".join([str(layout.base), "/sys/fs/cgroup", *read_write])
         (self.dropin_dir / "test.conf").write_text(
             "[Service]\n"
+            "ExecStartPre=\n"
+            f"ExecStartPre={sys.executable} -I -m ficc.execution check-config"
+            f" --config {layout.config_path} --provider-path {provider.site}"
+            " --allow-unavailable-providers\n"
             "ExecStart=\n"
             f"ExecStart={sys.executable} -I -m ficc.execution serve"
             f" --config {layout.config_path} --provider-path {provider.site}\n"

@@ -12,6 +12,7 @@ cleanly.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -317,3 +318,85 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
         assert released.state == "released", released
         assert installed.layout.provider_calls("start", plan.attempt_id) == 1
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+# --- the journal: priorities, and startup refusals from check-config ------------------------
+
+
+def journal_records(*extra: str) -> list[dict[str, Any]]:
+    """This unit's journal entries (`journalctl -o json`), after filters like `-p err`."""
+    argv = ["journalctl", "-u", UNIT, "--no-pager", "-o", "json", *extra]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in output.splitlines() if line.strip()]
+
+
+def daemon_lines(*extra: str) -> list[tuple[int, dict[str, Any]]]:
+    """(priority, parsed JSON line) of each JSON line the daemon wrote to the journal."""
+    found = []
+    for record in journal_records(*extra):
+        message = record.get("MESSAGE")
+        if isinstance(message, str) and message.startswith("{"):
+            found.append((int(record["PRIORITY"]), json.loads(message)))
+    return found
+
+
+def rewrite_config(layout: harness.Layout, document: dict[str, Any], mode: int = 0o600) -> None:
+    layout.config_path.unlink()
+    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(document, out)
+    os.chmod(layout.config_path, mode)
+
+
+@pytest.fixture
+def cursor() -> str:
+    """The journal's current end, so a test reads only the entries it caused."""
+    records = subprocess.run(
+        ["journalctl", "-n", "1", "-o", "json", "--no-pager"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    return str(json.loads(records[-1])["__CURSOR"]) if records else ""
+
+
+def test_journal_priorities_follow_the_log_levels(installed: Installed, cursor: str) -> None:
+    """`journalctl -p err` selects the daemon's error lines: each JSON line is written with
+    its syslog priority prefix, which journald strips and records as PRIORITY."""
+    if installed.layout.document["supervisor"] != "cgroupfs":
+        pytest.skip("independent of the daemon's supervisor; runs once")
+    document = dict(installed.layout.document)
+    document["providers"] = [{**document["providers"][0], "configuration": {"argv": "x"}}]
+    rewrite_config(installed.layout, document)
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)  # an unavailable provider: starts
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+    after = ["--after-cursor", cursor] if cursor else []
+    lines = daemon_lines(*after)
+    by_event = {line["event"]: (priority, line) for priority, line in lines}
+    assert by_event["starting"][0] == 6
+    assert by_event["ready"][0] == 6
+    unavailable = [(p, line) for p, line in lines if "unavailable" in str(line.get("message"))]
+    assert [p for p, _ in unavailable] == [3]
+    assert all(p == {"error": 3, "warning": 4, "info": 6, "debug": 7}[line["level"]]
+               for p, line in lines)  # fmt: skip
+    errors = daemon_lines(*after, "-p", "err")
+    assert errors
+    assert {line["level"] for _, line in errors} == {"error"}
+    # check-config (ExecStartPre) reported the same provider as unavailable, as text
+    texts = [str(r.get("MESSAGE")) for r in journal_records(*after)]
+    assert any("provider test: unavailable: provider_configure_failed" in t for t in texts)
+
+
+def test_check_config_refuses_the_start_before_serve_runs(
+    installed: Installed, cursor: str
+) -> None:
+    if installed.layout.document["supervisor"] != "cgroupfs":
+        pytest.skip("independent of the daemon's supervisor; runs once")
+    rewrite_config(installed.layout, installed.layout.document, mode=0o644)
+    started = subprocess.run([SYSTEMCTL, "start", UNIT], capture_output=True, check=False)
+    assert started.returncode != 0
+    state = show("ActiveState", "Result", "ExecMainPID")
+    assert state["ActiveState"] in {"failed", "inactive"}
+    assert state["ExecMainPID"] == "0"  # serve never ran
+    after = ["--after-cursor", cursor] if cursor else []
+    texts = [str(r.get("MESSAGE")) for r in journal_records(*after)]
+    assert any(t.startswith("config_unsafe_file: ") and "chmod 0600" in t for t in texts), texts
+    assert not [line for _, line in daemon_lines(*after) if line["event"] == "starting"]
