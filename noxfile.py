@@ -9,8 +9,8 @@ Sessions:
   lint                                 ruff
   typecheck                            mypy --strict on every src/
   build                                wheel + sdist of every distribution, each installed alone
-  bench                                the QUALITY.md benchmarks (tools/bench), as ratios
-  soak                                 the long reliability loops (QUALITY.md R1, R3 at soak size)
+  bench                                the benchmarks (tools/bench), as ratios
+  soak                                 the long reliability loops (R1, R3 at soak size)
   demo                                 one real job end to end (tools/demo.py)
   ci                                   everything CI needs: all of the above but bench, soak, demo
 
@@ -243,7 +243,7 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """QUALITY.md benchmarks as ratios against baselines measured in the same run.
+    """The benchmarks of docs/benchmarks.md as ratios against baselines measured in the same run.
 
     `nox -s bench -- --json FILE` also writes the figures as JSON.
     """

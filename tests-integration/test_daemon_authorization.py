@@ -1,4 +1,4 @@
-"""Who may talk to the daemon, and send what (DESIGN 4.4, 5.10; QUALITY R4).
+"""Who may talk to the daemon, and send what (docs/protocol.md; reliability target R4).
 
 Real accounts on real sockets: the transport user on transport.sock, the local owner
 on owner-<uid>.sock, root on admin.sock. Authority comes from the socket alone; a
@@ -58,7 +58,7 @@ FORBIDDEN = {
     "owner": ACTIONS - {"snapshot", "set_offer"},
     "admin": set(),
 }
-"""The action table of DESIGN 4.4, written out: what each socket may NOT send."""
+"""The action table of docs/protocol.md, written out: what each socket may NOT send."""
 
 WRONG_BINDINGS = {"installation_id": "0" * 32, "ledger_id": "0" * 32, "admission_version": 1}
 """Bindings no ledger has: an allowed prepare/reject/reconcile is refused later, harmlessly."""

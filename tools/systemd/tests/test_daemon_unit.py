@@ -264,7 +264,7 @@ def slot_processes(accounts: harness.Accounts) -> list[str]:
 def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown(
     installed: Installed,
 ) -> None:
-    """Issue 6: `systemctl stop` of the daemon's unit stops every attempt unit bound to it
+    """`systemctl stop` of the daemon's unit stops every attempt unit bound to it
     (BindsTo=; here one attempt in each of the two slots), and the next start reports
     each attempt `unknown` (executor_restarted) with its cleanup confirmed; the
     provider's `start` is never called again for either."""

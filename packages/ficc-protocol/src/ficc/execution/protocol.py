@@ -558,7 +558,7 @@ SENDERS: dict[str, frozenset[Sender]] = {
     "set_offer": frozenset({_O, _A}),
     "metrics": frozenset({_A}),
 }
-"""Who may send each action (DESIGN 4.4). The host decides the sender from the socket."""
+"""Who may send each action (docs/protocol.md). The host decides the sender from the socket."""
 
 ACTIONS = frozenset(SENDERS)
 

@@ -38,7 +38,7 @@ State = Literal[
     "unknown",
     "released",
 ]
-"""Host states of an attempt (DESIGN 5.3). `released` keeps the prior one as `outcome`."""
+"""Host states of an attempt. `released` keeps the prior one as `outcome`."""
 
 Outcome = Literal["succeeded", "failed", "cancelled", "expired", "unknown"]
 """Terminal states. Once reached it is the outcome, kept through release."""

@@ -1,4 +1,4 @@
-"""One function per action: check against the records, commit, answer (DESIGN 4.4, 5.3).
+"""One function per action: check against the records, commit, answer.
 
 A handler validates a request against the ledger, commits in ONE ledger transaction
 where correctness allows, hands the asynchronous work to the runner (never calling a

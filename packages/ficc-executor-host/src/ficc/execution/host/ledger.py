@@ -1,4 +1,4 @@
-"""The durable ledger: one SQLite database per host (DESIGN 5.2).
+"""The durable ledger: one SQLite database per host.
 
 It holds the installation ID, a random `ledger_id` made once when the file is
 created, the offer, and one record per attempt. Records are never deleted (a trigger
@@ -80,7 +80,7 @@ leases alive but starts nothing; stopped renews nothing, so expiry stops the wor
 
 
 class Bindings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a controller saves and sends back before any admission (seed: 3 bindings)."""
+    """What a controller saves and sends back before any admission (the three bindings)."""
 
     installation_id: planlib.Identity
     ledger_id: planlib.Identity
@@ -468,7 +468,7 @@ def _choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: _Occupancy) ->
 def _admissible_slot(
     plan: planlib.Plan, lease: Lease, terms: _Terms, facts: HostFacts, occupancy: _Occupancy
 ) -> SlotSpec:
-    """Every check of DESIGN 5.3 that needs no provider; raises _Rejection or returns a slot."""
+    """Every admission check that needs no provider; raises _Rejection or returns a slot."""
     offer, ceiling = terms.offer, terms.ceiling
     if "admit" not in OFFER_ALLOWS[offer.control]:
         raise _Rejection(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}; try later")

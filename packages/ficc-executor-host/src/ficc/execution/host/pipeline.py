@@ -1,7 +1,7 @@
 """The runner: the asynchronous work on an attempt after a handler has replied.
 
 Handlers record decisions durably and reply; the `Runner` then does what takes time
-(DAEMON.md, "One attempt"), always through `ctx.workers` so the event loop never
+(docs/architecture.md), always through `ctx.workers` so the event loop never
 blocks, and records every outcome in the ledger as a lifecycle event:
 
 - prepare: the attempt layout, staging of streamed inputs, then provider `probe`
@@ -129,7 +129,7 @@ class DeviceOpen(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Observation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One `observe` row (seed: waiting, ready with device opens, payload with the host
+    """One `observe` row (waiting, ready with device opens, payload with the host
     PID, finished with an exit code 0..255)."""
 
     phase: Literal["waiting", "ready", "payload", "finished"]
@@ -410,7 +410,7 @@ class Runner:
         return _Attempt(record, plan, slot, place, place.paths(record.attempt_id), name)
 
     def _context(self, attempt: _Attempt, **extra: Any) -> dict[str, Any]:
-        """The provider context of the seed (prepare adds `check`; later ones `prepared`)."""
+        """The provider context of the contract (prepare adds `check`; later ones `prepared`)."""
         slot, paths = attempt.slot, attempt.paths
         return {
             "attempt_id": attempt.id,

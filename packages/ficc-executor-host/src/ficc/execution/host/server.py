@@ -1,7 +1,7 @@
 """The daemon's socket shell: accept, check the peer, read one frame, dispatch, reply.
 
 A thin asyncio shell around the sans-I/O codecs of ficc-protocol and the daemon's
-`dispatch` (DESIGN 5.10). Per connection, in this order:
+`dispatch`. Per connection, in this order:
 
 1. `accept`, then SO_PEERCRED: a peer whose UID does not own this socket is refused
    before a single byte is read from it. The refusal is one `not_authorized` reply
@@ -74,7 +74,7 @@ _REPLY_BUFFER_MAX = 2 * (HEADER.size + REPLY_MAX)
 
 
 class Dispatcher(Protocol):
-    """What the shell needs from the daemon (the contract in DAEMON.md)."""
+    """What the shell needs from the daemon (see docs/architecture.md)."""
 
     async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply: ...
 
