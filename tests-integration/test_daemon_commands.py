@@ -59,7 +59,7 @@ def test_metrics_parse_as_prometheus_text_and_count_what_happened(daemon: Daemon
     assert families["ficc_requests"].type == "counter"
     found = samples(result.stdout)
     assert found[("ficc_build_info", (("version", VERSION),))] == 1
-    assert found[("ficc_attempts", (("outcome", ""), ("state", "failed")))] == 3
+    assert found[("ficc_attempts", (("outcome", "failed"), ("state", "failed")))] == 3
     assert found[("ficc_attempt_reasons", (("reason", "admission_rejected"),))] == 3
     assert found[("ficc_slots_free", (("class", "small"),))] == 2
     assert found[("ficc_provider_available", (("provider", "test"), ("reason", "")))] == 1
