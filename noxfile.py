@@ -9,6 +9,9 @@ Sessions:
   lint                                 ruff
   typecheck                            mypy --strict on every src/
   build                                wheel + sdist of every distribution, each installed alone
+                                       and every module of it imported
+  upgrade                              the previous release upgraded in place to this build
+  release                              `-- DIST VERSION`: check, test the wheel, tag, build
   bench                                the benchmarks (tools/bench), as ratios
   soak                                 the long reliability loops (R1, R3 at soak size)
   demo                                 one real job end to end (tools/demo.py)
@@ -304,6 +307,7 @@ def ci(session: nox.Session) -> None:
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
+    upgrade(session)
     _lint(session)
     _typecheck(session)
     _build(session)
@@ -395,3 +399,78 @@ def release(session: nox.Session) -> None:
     session.run("pytest", "-q", "-ra", str(PACKAGES / name / "tests"))
     _git("tag", "-a", f"{name}-v{version}", "-m", f"{name} {version}")
     session.log(f"tagged {name}-v{version}; {wheel.name} and its sdist are in {dist}")
+
+
+# --- upgrades ------------------------------------------------------------------------------
+
+UPGRADE_BASELINE = "732eae8c971d9cabc8544a4ad8722bee12f3b31c"
+"""The commit whose wheels stand for "the previous release" until a release tag exists."""
+
+
+def previous_release() -> str:
+    """The newest `ficc-executor-host-v*` tag, else UPGRADE_BASELINE."""
+    tags = _git("tag", "--list", "ficc-executor-host-v*", "--sort=-v:refname").split()
+    return tags[0] if tags else UPGRADE_BASELINE
+
+
+def _ensure_commit(ref: str) -> None:
+    """Fetch `ref` when a shallow checkout (as CI makes) does not have it."""
+    probe = ["git", "cat-file", "-e", f"{ref}^{{commit}}"]
+    if subprocess.run(probe, cwd=ROOT, check=False, capture_output=True).returncode != 0:
+        _git("fetch", "--no-tags", "--depth=1", "origin", ref)
+
+
+def _build_wheels(session: nox.Session, tree: pathlib.Path, out: pathlib.Path) -> None:
+    for name in ("ficc-protocol", "ficc-executor-host"):
+        with session.chdir(tree / "packages" / name):
+            session.run("hatchling", "build", "-t", "wheel", "-d", str(out))
+
+
+def _venv(session: nox.Session, where: pathlib.Path, *install: str) -> str:
+    """A root-owned virtualenv other accounts may read (the transport runs from one)."""
+    session.run("python", "-m", "venv", str(where))
+    os.chmod(where, 0o755)  # noqa: S103 - the transport account must read it
+    python = str(where / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                *install, external=True)  # fmt: skip
+    return python
+
+
+@nox.session
+def upgrade(session: nox.Session) -> None:
+    """The previous release upgraded in place to this build (tools/upgrade/).
+
+    Builds the previous release's ficc-protocol and ficc-executor-host wheels (the
+    newest release tag, or UPGRADE_BASELINE) and this tree's, makes a virtualenv with
+    the old host (to be upgraded in place by the test) and one with only the old
+    ficc-protocol (a controller that has not upgraded), then runs
+    tools/upgrade/test_upgrade.py. Needs root.
+    """
+    _install_all(session)
+    session.install(*BUILD_TOOLS)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="ficc-upgrade-", dir="/run"))
+    os.chmod(scratch, 0o755)  # noqa: S103 - the transport account must traverse it
+    try:
+        baseline = previous_release()
+        old_tree, old, new = scratch / "old-tree", scratch / "old", scratch / "new"
+        old_tree.mkdir()
+        _ensure_commit(baseline)
+        archive = subprocess.run(["git", "archive", baseline], cwd=ROOT, check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
+        session.log(f"previous release: {baseline}")
+        _build_wheels(session, old_tree, old)
+        _build_wheels(session, ROOT, new)
+        old_wheels = [str(w) for w in sorted(old.glob("*.whl"))]
+        (protocol_wheel,) = old.glob("ficc_protocol-*.whl")
+        host = _venv(session, scratch / "host", "--find-links", str(old), *old_wheels)
+        controller = _venv(session, scratch / "controller", str(protocol_wheel))
+        env = {
+            "FICC_UPGRADE_HOST_PYTHON": host,
+            "FICC_UPGRADE_NEW_WHEELS": str(new),
+            "FICC_UPGRADE_CONTROLLER_PYTHON": controller,
+        }
+        session.run("pytest", "-q", "-ra", str(ROOT / "tools" / "upgrade"), *session.posargs,
+                    env=env)  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

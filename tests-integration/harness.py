@@ -346,9 +346,12 @@ class DaemonFailed(AssertionError):
 class DaemonProcess:
     """`python -m ficc.execution serve` as a child process, ready when it says READY=1."""
 
-    def __init__(self, layout: Layout, provider: InstalledProvider) -> None:
+    def __init__(
+        self, layout: Layout, provider: InstalledProvider, python: str = sys.executable
+    ) -> None:
         self.layout = layout
         self.provider = provider
+        self.python = python  # the interpreter whose installed ficc-executor-host runs
         self.log_path = layout.base / f"daemon-{secrets.token_hex(3)}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.notify_path = layout.base / "notify.sock"
@@ -360,7 +363,7 @@ class DaemonProcess:
         notify.bind(str(self.notify_path))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
         env["NOTIFY_SOCKET"] = str(self.notify_path)
-        command = [sys.executable, "-m", "ficc.execution", "serve"]
+        command = [self.python, "-m", "ficc.execution", "serve"]
         command += ["--config", str(self.layout.config_path)]
         command += ["--provider-path", str(self.provider.site)]
         with notify, open(self.log_path, "ab") as log:

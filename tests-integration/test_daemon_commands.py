@@ -15,12 +15,13 @@ import sys
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ficc.execution.protocol import MetricsRequest
-from harness import Accounts, Daemon, InstalledProvider, Layout, attempt, rows
+from harness import Accounts, Daemon, InstalledProvider, Layout, attempt, rows, wait_until
 
 COMMAND = Path(sys.executable).parent / "ficc-executor"
 VERSION = metadata.version("ficc-executor-host")
@@ -119,6 +120,19 @@ def test_log_lines_are_json_with_rfc3339_times_and_the_version(daemon: Daemon) -
     assert all(line.startswith("{") for line in daemon.process.log_path.read_text().splitlines())
 
 
+def _rewritten(layout: Layout, document: dict[str, Any]) -> None:
+    layout.config_path.unlink()
+    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(document, out)
+
+
+def _started(layout: Layout, provider: InstalledProvider, accounts: Accounts) -> Daemon:
+    running = Daemon(layout, provider, accounts)
+    running.start()
+    return running
+
+
 @pytest.fixture
 def broken_daemon(
     layout: Layout, provider: InstalledProvider, accounts: Accounts
@@ -126,16 +140,37 @@ def broken_daemon(
     """A daemon whose one provider refuses its configuration (configure() raises)."""
     document = dict(layout.document)
     document["providers"] = [{**document["providers"][0], "configuration": {"argv": "x"}}]
-    layout.config_path.unlink()
-    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(document, out)
-    running = Daemon(layout, provider, accounts)
-    running.start()
+    _rewritten(layout, document)
+    running = _started(layout, provider, accounts)
     try:
         yield running
     finally:
         assert running.stop() == 0, running.process.log()
+
+
+@pytest.fixture
+def textfile_daemon(
+    layout: Layout, provider: InstalledProvider, accounts: Accounts
+) -> Iterator[Daemon]:
+    """A daemon configured with `metrics_textfile` in a root-owned directory."""
+    directory = layout.base / "textfile"
+    directory.mkdir(mode=0o755)
+    _rewritten(layout, {**layout.document, "metrics_textfile": str(directory / "ficc.prom")})
+    running = _started(layout, provider, accounts)
+    try:
+        yield running
+    finally:
+        assert running.stop() == 0, running.process.log()
+
+
+def test_metrics_textfile_is_written_atomically_for_node_exporter(textfile_daemon: Daemon) -> None:
+    path = textfile_daemon.layout.base / "textfile" / "ficc.prom"
+    text = wait_until(lambda: path.exists() and path.read_text(), "the metrics textfile")
+    assert path.stat().st_mode & 0o777 == 0o644
+    found = samples(text)
+    assert found[("ficc_build_info", (("version", VERSION),))] == 1
+    assert found[("ficc_slots_free", (("class", "small"),))] == 2
+    assert [p.name for p in path.parent.iterdir()] == ["ficc.prom"]  # no temporary left
 
 
 def test_a_provider_whose_configure_fails_is_unavailable_everywhere(broken_daemon: Daemon) -> None:

@@ -24,6 +24,7 @@ from ficc.execution.host.config import (
     Config,
     check_accounts,
     check_host,
+    check_metrics_textfile,
     load_config,
     parse_config,
 )
@@ -652,3 +653,26 @@ def test_transport_and_owner_accounts_must_exist() -> None:
     assert "useradd" in error.message
     real = msgspec.structs.replace(existing, transport_uid=0, local_owner_uids=(os.geteuid(),))
     check_accounts(real)
+
+
+# --- metrics_textfile -------------------------------------------------------------------
+
+
+def test_metrics_textfile_is_optional_and_must_be_a_prom_file_in_a_root_directory(
+    trusted_dir: Path,
+) -> None:
+    assert parse(document()).metrics_textfile is None
+    check_metrics_textfile(parse(document()))  # absent: nothing to check
+    doc = document()
+    doc["metrics_textfile"] = str(trusted_dir / "ficc.prom")
+    check_metrics_textfile(parse(doc))
+    doc["metrics_textfile"] = str(trusted_dir / "ficc.txt")
+    error = refusal(lambda: check_metrics_textfile(parse(doc)))
+    assert (error.code, error.message.split(":")[0]) == ("config_invalid", "metrics_textfile")
+    shared = trusted_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    doc["metrics_textfile"] = str(shared / "ficc.prom")
+    error = refusal(lambda: check_metrics_textfile(parse(doc)))
+    assert error.code == "host_path_unsafe"
+    assert "move it below a directory only root can write" in error.message

@@ -39,7 +39,13 @@ import msgspec
 
 from ficc.execution.client import Client, ClientError, ConnectFailed
 from ficc.execution.host import logs, metrics, notify
-from ficc.execution.host.config import Config, check_accounts, check_host, load_config
+from ficc.execution.host.config import (
+    Config,
+    check_accounts,
+    check_host,
+    check_metrics_textfile,
+    load_config,
+)
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import socket_paths
 from ficc.execution.host.providers.digest import GROUP, compute_digest
@@ -283,6 +289,7 @@ def checked_config(path: str) -> Config:
     config = load_config(path)
     check_host(config)
     check_accounts(config)
+    check_metrics_textfile(config)
     return config
 
 

@@ -109,6 +109,7 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ceiling: Allowance
     initial_offer: Offer
     providers: Annotated[tuple[Provider, ...], msgspec.Meta(min_length=1, max_length=64)]
+    metrics_textfile: AbsolutePath | None = None
 
 
 def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:
@@ -604,3 +605,27 @@ def check_accounts(config: Config) -> None:
                 f"UID {uid} has no account on this host",
                 "create it (useradd --system) or fix the UID",
             ) from None
+
+
+METRICS_TEXTFILE_SUFFIX = ".prom"
+
+
+def check_metrics_textfile(config: Config) -> None:
+    """`metrics_textfile` names a `.prom` file in a directory only root controls.
+
+    The daemon (root) replaces that file atomically; a directory others could write
+    would let them swap what node_exporter reads.
+    """
+    path = config.metrics_textfile
+    if path is None:
+        return
+    key = "metrics_textfile"
+    parent, name = posixpath.split(path)
+    if not name.endswith(METRICS_TEXTFILE_SUFFIX) or name.startswith("."):
+        raise _refuse(
+            "config_invalid",
+            key,
+            f"{path!r} does not name a {METRICS_TEXTFILE_SUFFIX} file",
+            "name the file node_exporter's textfile collector reads, e.g. ficc.prom",
+        )
+    os.close(open_trusted_directory(parent, key, "host_path_unsafe"))

@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ficc.execution.host import fsutil, handlers, notify
+from ficc.execution.host import fsutil, handlers, metrics, notify
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config, Provider, check_host
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -83,6 +83,7 @@ class Daemon:
         self.ctx = ctx
         self.runner = runner
         self._monitor: asyncio.Task[None] | None = None
+        self._textfile: asyncio.Task[None] | None = None
         self._closed = False
 
     @classmethod
@@ -130,9 +131,13 @@ class Daemon:
         return cls(ctx, runner)
 
     async def start(self) -> None:
-        """Startup recovery (before the server listens), then the monitor loop."""
+        """Startup recovery (before the server listens), then the monitor loop (and the
+        metrics textfile writer when `metrics_textfile` is configured)."""
         await self.runner.recover()
-        self._monitor = asyncio.get_running_loop().create_task(self.runner.run())
+        loop = asyncio.get_running_loop()
+        self._monitor = loop.create_task(self.runner.run())
+        if self.ctx.config.metrics_textfile is not None:
+            self._textfile = loop.create_task(write_metrics_textfile(self.ctx))
 
     async def dispatch(self, sender: Sender, uid: int, request: AnyRequest) -> AnyReply:
         """Answer one request (authority already checked by the server)."""
@@ -146,16 +151,46 @@ class Daemon:
         if self._closed:
             return
         self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._textfile, self._monitor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.runner.close()
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.workers.shutdown)
         self.ctx.ledger.close()
 
 
 # --- parts -----------------------------------------------------------------------------
+
+METRICS_TEXTFILE_SECONDS = 15.0
+"""How often `metrics_textfile` is rewritten (node_exporter reads it when scraped)."""
+
+
+async def write_metrics_textfile(
+    ctx: HostContext, interval: float = METRICS_TEXTFILE_SECONDS
+) -> None:
+    """Rewrite `metrics_textfile` atomically (mode 0644) every `interval` seconds; a
+    failed write is logged and retried on the next round, never fatal."""
+    path = ctx.config.metrics_textfile
+    assert path is not None
+    directory, name = os.path.split(path)
+    while True:
+        try:
+            facts = await ctx.workers.db(handlers.metric_facts, ctx)
+            text = metrics.render(facts, metrics.PROCESS).encode()
+            await asyncio.to_thread(_replace_file, directory, name, text)
+        except (OSError, HostError) as error:
+            _log.warning("metrics_textfile %s not written: %s", path, error)
+        await asyncio.sleep(interval)
+
+
+def _replace_file(directory: str, name: str, data: bytes) -> None:
+    dir_fd = fsutil.open_dir(directory)
+    try:
+        fsutil.atomic_replace(dir_fd, name, data, 0o644)
+    finally:
+        os.close(dir_fd)
 
 
 def check_ledger_present(config: Config) -> tuple[bool, bool]:
