@@ -142,6 +142,18 @@ def wheel_modules(wheel: pathlib.Path) -> list[str]:
     return sorted(modules)
 
 
+def source_modules(name: str) -> list[str]:
+    """Every module under the distribution's src/ (what its wheel must contain)."""
+    src = PACKAGES / name / "src"
+    modules = []
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules.append(".".join(parts))
+    return modules
+
+
 _IMPORT_ALL = """
 import importlib, sys
 names = sys.argv[1:]
@@ -156,8 +168,9 @@ def _check_wheel_alone(session: nox.Session, dist: pathlib.Path, name: str) -> N
     import every module it contains: a wheel that misses a module fails here."""
     wheel = _wheel_of(dist, name)
     modules = wheel_modules(wheel)
-    if not modules:
-        session.error(f"{wheel.name} contains no Python module")
+    missing = sorted(set(source_modules(name)) - set(modules))
+    if missing or not modules:
+        session.error(f"{wheel.name} lacks modules of its source tree: {missing or 'all'}")
     with tempfile.TemporaryDirectory() as tmp:
         venv = pathlib.Path(tmp) / "venv"
         session.run("python", "-m", "venv", str(venv))
@@ -307,7 +320,7 @@ def ci(session: nox.Session) -> None:
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
-    upgrade(session)
+    _upgrade(session)
     _lint(session)
     _typecheck(session)
     _build(session)
@@ -448,6 +461,10 @@ def upgrade(session: nox.Session) -> None:
     """
     _install_all(session)
     session.install(*BUILD_TOOLS)
+    _upgrade(session)
+
+
+def _upgrade(session: nox.Session) -> None:
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="ficc-upgrade-", dir="/run"))
     os.chmod(scratch, 0o755)  # noqa: S103 - the transport account must traverse it
     try:
