@@ -439,9 +439,9 @@ def _build_wheels(session: nox.Session, tree: pathlib.Path, out: pathlib.Path) -
             session.run("hatchling", "build", "-t", "wheel", "-d", str(out))
 
 
-def _venv(session: nox.Session, where: pathlib.Path, *install: str) -> str:
-    """A root-owned virtualenv other accounts may read (the transport runs from one)."""
-    session.run("python", "-m", "venv", str(where))
+def _venv(session: nox.Session, where: pathlib.Path, *install: str, base: str = "python") -> str:
+    """A root-owned virtualenv of the `base` interpreter, readable by other accounts."""
+    session.run(base, "-m", "venv", str(where), external=True)
     os.chmod(where, 0o755)  # noqa: S103 - the transport account must read it
     python = str(where / "bin" / "python")
     session.run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
@@ -481,7 +481,10 @@ def _upgrade(session: nox.Session) -> None:
         old_wheels = [str(w) for w in sorted(old.glob("*.whl"))]
         (protocol_wheel,) = old.glob("ficc_protocol-*.whl")
         host = _venv(session, scratch / "host", "--find-links", str(old), *old_wheels)
-        controller = _venv(session, scratch / "controller", str(protocol_wheel))
+        # The controller runs as the transport account: its interpreter must be one
+        # every account can read (the system's), not one under root's home.
+        system = shutil.which("python3", path="/usr/bin:/bin") or "python"
+        controller = _venv(session, scratch / "controller", str(protocol_wheel), base=system)
         env = {
             "FICC_UPGRADE_HOST_PYTHON": host,
             "FICC_UPGRADE_NEW_WHEELS": str(new),
