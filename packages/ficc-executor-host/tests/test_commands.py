@@ -498,3 +498,20 @@ async def _until_listening(path: str) -> None:
     async with asyncio.timeout(30):
         while not os.path.exists(path) or _refused(path):
             await asyncio.sleep(0.01)
+
+
+def test_an_unexpected_failure_of_serve_is_a_json_line_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(path: str) -> Config:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(commands, "checked_config", broken)
+    assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
+    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert (line["level"], line["event"], line["error"]) == (
+        "error",
+        "failed",
+        "RuntimeError('a bug')",
+    )
+    assert "RuntimeError: a bug" in line["traceback"]

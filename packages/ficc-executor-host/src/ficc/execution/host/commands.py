@@ -99,6 +99,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"{error.code}: {error.message}", file=sys.stderr)
         return EXIT_REFUSED
+    except Exception as error:
+        if args.command != "serve":
+            raise
+        # a bug, not a refusal; still one JSON line, so the journal stays parseable
+        failure = "".join(traceback.format_exception(error))
+        stderr_log(_line("error", "failed", error=repr(error), traceback=failure))
+        return EXIT_REFUSED
     return result
 
 
