@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import json
 import os
 import py_compile
 import shutil
@@ -209,6 +210,21 @@ def test_cli_prints_the_library_digest(site: Path, capsys: pytest.CaptureFixture
         check=True,
     )
     assert quiet.stdout == expected + "\n"
+
+
+def test_provider_digest_json(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    verified = compute_digest("test", [str(site)])
+    assert commands.main(["provider-digest", "test", "--path", str(site), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == {
+        "id": "test",
+        "distribution": "ficc-test-provider",
+        "version": verified.version,
+        "entry_point": verified.distribution.entry_point,
+        "location": str(site),
+        "files": len(verified.files),
+        "package_digest": verified.digest,
+    }
 
 
 def test_python_m_ficc_execution_reaches_provider_digest(site: Path) -> None:
