@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import tomllib
 import zipfile
 
 import nox
@@ -340,8 +341,6 @@ def demo(session: nox.Session) -> None:
 
 def project_version(name: str) -> str:
     """The one place a distribution's version lives: `version` in its pyproject.toml."""
-    import tomllib  # noqa: PLC0415 - the noxfile must import on any Python nox runs on
-
     with open(PACKAGES / name / "pyproject.toml", "rb") as file:
         version: str = tomllib.load(file)["project"]["version"]
     return version
