@@ -208,6 +208,7 @@ ENTRIES: tuple[Entry, ...] = (
 HOST_ONLY: dict[str, str] = {
     **dict.fromkeys(
         (
+            "account_missing",
             "config_conflict",
             "config_invalid",
             "config_missing",

@@ -23,6 +23,7 @@ from ficc.execution.protocol import (
     InputStatusRequest,
     InputWrite,
     InputWriteRequest,
+    MetricsRequest,
     ObjectRef,
     ObserveRequest,
     PrepareAttempt,
@@ -54,7 +55,7 @@ from harness import (
 )
 
 FORBIDDEN = {
-    "transport": {"reconcile_absent", "set_offer"},
+    "transport": {"reconcile_absent", "set_offer", "metrics"},
     "owner": ACTIONS - {"snapshot", "set_offer"},
     "admin": set(),
 }
@@ -132,6 +133,7 @@ def one_request(daemon: Daemon, action: str) -> Request:
         "set_offer": lambda: SetOfferRequest(
             version=1, id=rid, expected_revision=999_999, control="active"
         ),
+        "metrics": lambda: MetricsRequest(version=1, id=rid),
     }
     assert set(builders) == ACTIONS
     return builders[action]()
