@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from ficc.execution.host.config import parse_config
+from ficc.execution.host.daemon import open_ledger
 from ficc.execution.host.providers import compute_digest
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -132,11 +134,13 @@ def test_a_good_configuration_passes(host: Path, provider_site: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "provider test: available" in result.stdout
     assert result.stdout.splitlines()[-1] == f"{config}: ok"
+    assert "ledger: none yet (serve creates it on its first start)" in result.stdout
     shown = json.loads(check(config, provider_site, "--json").stdout)
     assert shown == {
         "config": str(config),
         "result": "ok",
         "error": None,
+        "ledger": "none yet (serve creates it on its first start)",
         "providers": [{"id": "test", "available": True, "error": None}],
     }
     assert os.listdir(host / "state") == []  # nothing created: check-config opens no ledger
@@ -181,7 +185,7 @@ def _serve_refusal(config: Path, site: Path) -> dict[str, Any]:
     return line
 
 
-@pytest.mark.parametrize("problem", ["mode", "account", "ledger"])
+@pytest.mark.parametrize("problem", ["mode", "account", "ledger", "installation"])
 def test_check_config_refuses_what_serve_refuses_with_the_same_message(
     host: Path, provider_site: Path, problem: str
 ) -> None:
@@ -191,19 +195,40 @@ def test_check_config_refuses_what_serve_refuses_with_the_same_message(
         mode = 0o644
     elif problem == "account":
         doc["local_owner_uids"] = [_unused_uid()]
-    else:
+    elif problem == "ledger":
         (host / "state" / "ledger.created").write_text("0" * 32 + "\n")
+    else:  # a ledger of another installation in state_dir
+        other = {**doc, "installation_id": "f" * 32}
+        open_ledger(parse_config(json.dumps(other).encode(), ".json")).close()
     config = write(host, doc, mode)
     result = check(config, provider_site)
     assert result.returncode == 1
     code, _, message = result.stderr.strip().partition(": ")
     assert code == {"mode": "config_unsafe_file", "account": "account_missing",
-                    "ledger": "ledger_missing"}[problem]  # fmt: skip
+                    "ledger": "ledger_missing",
+                    "installation": "ledger_installation_mismatch"}[problem]  # fmt: skip
     refused = _serve_refusal(config, provider_site)
     assert (refused["code"], refused["message"]) == (code, message)
     shown = json.loads(check(config, provider_site, "--json").stdout)
     assert shown["result"] == "refused"
     assert shown["error"] == {"code": code, "message": message}
+
+
+def test_an_intact_ledger_passes_and_one_a_daemon_holds_is_not_opened_twice(
+    host: Path, provider_site: Path
+) -> None:
+    doc = document(host, pin(provider_site), {})
+    config = write(host, doc)
+    ledger = open_ledger(parse_config(json.dumps(doc).encode(), ".json"))  # holds its lock
+    try:
+        held = check(config, provider_site)
+        assert held.returncode == 0, held.stderr
+        assert "ledger: held by a running daemon" in held.stdout
+    finally:
+        ledger.close()
+    free = check(config, provider_site)
+    assert free.returncode == 0, free.stderr
+    assert "ledger: ok" in free.stdout.splitlines()
 
 
 def _unused_uid() -> int:

@@ -165,8 +165,9 @@ def _parser() -> argparse.ArgumentParser:
         commands,
         "check-config",
         "run every check serve runs before it listens, then exit",
-        "Check the configuration file, the host paths and accounts it names, and each "
-        "provider's pin and configure(), with the same messages serve gives. Exit 0: "
+        "Check the configuration file, the host paths and accounts it names, the ledger "
+        "and each provider's pin and configure(), with the same messages serve gives; "
+        "nothing is changed. Exit 0: "
         "serve would start with every provider available; 1: serve would refuse to "
         "start; 4: serve would start, but a provider would be unavailable.",
     )
@@ -316,16 +317,17 @@ def _check_config(args: argparse.Namespace) -> int:
     try:
         config = checked_config(args.config)
         daemon = importlib.import_module(_DAEMON_MODULE)
-        daemon.check_ledger_present(config)
+        ledger: str = daemon.check_ledger(config)
     except HostError as error:
-        return _report_check(args, error, [])
+        return _report_check(args, error, None, [])
     providers = daemon.check_providers(config, args.provider_path)
-    return _report_check(args, None, providers)
+    return _report_check(args, None, ledger, providers)
 
 
 def _report_check(
     args: argparse.Namespace,
     refusal: HostError | None,
+    ledger: str | None,
     providers: list[tuple[str, HostError | None]],
 ) -> int:
     """Print the outcome (text or JSON) and choose the exit status."""
@@ -341,6 +343,7 @@ def _report_check(
             "config": args.config,
             "result": result,
             "error": None if refusal is None else _error_json(refusal),
+            "ledger": ledger,
             "providers": [
                 {"id": pid, "available": error is None,
                  "error": None if error is None else _error_json(error)}
@@ -352,6 +355,7 @@ def _report_check(
     if refusal is not None:
         print(f"{refusal.code}: {refusal.message}", file=sys.stderr)
         return status
+    print(f"ledger: {ledger}")
     for pid, error in providers:
         shown = "available" if error is None else f"unavailable: {error.code}: {error.message}"
         print(f"provider {pid}: {shown}", file=sys.stderr if error else sys.stdout)

@@ -45,6 +45,7 @@ __all__ = [
     "LEDGER_MARKER",
     "Daemon",
     "RunnerLike",
+    "check_ledger",
     "check_ledger_present",
     "check_providers",
     "open_ledger",
@@ -209,6 +210,23 @@ def check_ledger_present(config: Config) -> tuple[bool, bool]:
             " saved admission binding",
         )
     return has_ledger, has_marker
+
+
+def check_ledger(config: Config) -> str:
+    """The ledger checks `serve` makes before it listens, changing nothing: a ledger that
+    existed is still there, opens, passes its integrity check and belongs to this
+    installation. Returns what was found; a ledger a running daemon holds is not
+    opened a second time (that daemon checked it when it started)."""
+    has_ledger, _ = check_ledger_present(config)
+    if not has_ledger:
+        return "none yet (serve creates it on its first start)"
+    try:
+        Ledger.open(config.state_dir, config.installation_id).close()
+    except HostError as error:
+        if error.code != "ledger_busy":
+            raise
+        return "held by a running daemon (checked when that daemon started)"
+    return "ok"
 
 
 def open_ledger(config: Config) -> Ledger:
