@@ -292,6 +292,10 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
         )
         assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
     wait_for(lambda: len({p.split()[1] for p in slot_processes(installed.accounts)}) == 2)
+    # The service exists before the provider's `start` is called: wait for that call too,
+    # so the count after the restart below compares with a call that was made.
+    for plan in plans:
+        wait_for(lambda plan=plan: installed.layout.provider_calls("start", plan.attempt_id))
     assert [daemon.observe(plan).state for plan in plans] == ["starting"] * 2, journal()
 
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
