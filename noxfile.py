@@ -9,8 +9,11 @@ Sessions:
   lint                                 ruff
   typecheck                            mypy --strict on every src/
   build                                wheel + sdist of every distribution, each installed alone
-  bench                                the QUALITY.md benchmarks (tools/bench), as ratios
-  soak                                 the long reliability loops (QUALITY.md R1, R3 at soak size)
+                                       and every module of it imported
+  upgrade                              the previous release upgraded in place to this build
+  release                              `-- DIST VERSION`: check, test the wheel, tag, build
+  bench                                the benchmarks (tools/bench), as ratios
+  soak                                 the long reliability loops (R1, R3 at soak size)
   demo                                 one real job end to end (tools/demo.py)
   ci                                   everything CI needs: all of the above but bench, soak, demo
 
@@ -22,8 +25,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
+import subprocess
 import tempfile
+import tomllib
+import zipfile
 
 import nox
 
@@ -44,17 +51,19 @@ DISTRIBUTIONS = [
 ]
 
 # hatchling: tests build real wheels (the test provider) without reaching an index.
-# jsonschema: a real JSON Schema validator checks the published vectors (tests only).
+# jsonschema: a real JSON Schema validator checks the published vectors (tests only);
+# prometheus_client: only its text parser, to read the daemon's metrics as Prometheus would.
 TEST_TOOLS = [
     "pytest>=8",
     "hypothesis>=6.100",
-    "hatchling>=1.25",
+    "hatchling>=1.27",
     "psutil>=5.9",
     "jsonschema>=4.18",
+    "prometheus_client>=0.17",
 ]
 LINT_TOOLS = ["ruff>=0.6"]
 TYPE_TOOLS = ["mypy>=1.10"]
-BUILD_TOOLS = ["hatchling>=1.25"]
+BUILD_TOOLS = ["hatchling>=1.27"]
 
 
 def _present() -> list[str]:
@@ -115,21 +124,63 @@ def _build(session: nox.Session) -> None:
         _check_wheel_alone(session, dist, name)
 
 
+def _wheel_of(dist: pathlib.Path, name: str) -> pathlib.Path:
+    (wheel,) = dist.glob(f"{name.replace('-', '_')}-*.whl")
+    return wheel
+
+
+def wheel_modules(wheel: pathlib.Path) -> list[str]:
+    """Every importable module a wheel installs (from its file list, not its source)."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    modules = []
+    for path in names:
+        top = path.split("/", 1)[0]
+        if not path.endswith(".py") or top.endswith((".dist-info", ".data")):
+            continue
+        parts = path[: -len(".py")].split("/")
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules.append(".".join(parts))
+    return sorted(modules)
+
+
+def source_modules(name: str) -> list[str]:
+    """Every module under the distribution's src/ (what its wheel must contain)."""
+    src = PACKAGES / name / "src"
+    modules = []
+    for path in sorted(src.rglob("*.py")):
+        parts = list(path.relative_to(src).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules.append(".".join(parts))
+    return modules
+
+
+_IMPORT_ALL = """
+import importlib, sys
+names = sys.argv[1:]
+for name in names:
+    importlib.import_module(name)
+print(f"imported all {len(names)} modules of the wheel")
+"""
+
+
 def _check_wheel_alone(session: nox.Session, dist: pathlib.Path, name: str) -> None:
-    """Install one wheel (plus the wheels it needs from this repo) into a fresh venv."""
-    module = {
-        "ficc-hoststate": "ficc.hoststate",
-        "ficc-protocol": "ficc.execution.protocol",
-        "ficc-executor-host": "ficc.execution.host",
-        "ficc-provider-podman": "ficc_provider_podman",
-    }[name]
-    wheel = next(dist.glob(f"{name.replace('-', '_')}-*.whl"))
+    """Install one wheel (plus the wheels it needs from this repo) into a fresh venv and
+    import every module it contains: a wheel that misses a module fails here."""
+    wheel = _wheel_of(dist, name)
+    modules = wheel_modules(wheel)
+    missing = sorted(set(source_modules(name)) - set(modules))
+    if missing or not modules:
+        session.error(f"{wheel.name} lacks modules of its source tree: {missing or 'all'}")
     with tempfile.TemporaryDirectory() as tmp:
         venv = pathlib.Path(tmp) / "venv"
         session.run("python", "-m", "venv", str(venv))
         py = str(venv / "bin" / "python")
         session.run(py, "-m", "pip", "install", "-q", "--find-links", str(dist), str(wheel))
-        session.run(py, "-c", f"import {module}; print('{name} imports alone')")
+        with session.chdir(tmp):  # not the repository: only the installed wheel is importable
+            session.run(py, "-I", "-c", _IMPORT_ALL, *modules)
 
 
 @nox.session
@@ -211,7 +262,7 @@ def build(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """QUALITY.md benchmarks as ratios against baselines measured in the same run.
+    """The benchmarks of docs/benchmarks.md as ratios against baselines measured in the same run.
 
     `nox -s bench -- --json FILE` also writes the figures as JSON.
     """
@@ -247,18 +298,32 @@ def soak(session: nox.Session) -> None:
     )
 
 
+def _install_built_wheels(session: nox.Session) -> None:
+    """The test tools, then every distribution from its built wheel (not the source
+    tree): the package tests then test what a release ships."""
+    session.install(*TEST_TOOLS, *BUILD_TOOLS)
+    dist = pathlib.Path(session.create_tmp()) / "wheels"
+    shutil.rmtree(dist, ignore_errors=True)
+    for name in _present():
+        with session.chdir(PACKAGES / name):
+            session.run("hatchling", "build", "-t", "wheel", "-d", str(dist))
+    wheels = [str(_wheel_of(dist, name)) for name in _present()]
+    session.install("--find-links", str(dist), *wheels)
+
+
 @nox.session
 def ci(session: nox.Session) -> None:
-    """Everything CI runs: every package's tests, integration, systemd, lint, typecheck,
-    build."""
-    _install_all(session)
-    session.install(*LINT_TOOLS, *TYPE_TOOLS, *BUILD_TOOLS)
+    """Everything CI runs: every package's tests against the installed wheels,
+    integration, systemd, upgrade, lint, typecheck, build."""
+    _install_built_wheels(session)
+    session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
     for name in _present():
         _package_tests(session, name)
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
+    _upgrade(session)
     _lint(session)
     _typecheck(session)
     _build(session)
@@ -271,3 +336,162 @@ def demo(session: nox.Session) -> None:
     _install_all(session)
     session.install(*BUILD_TOOLS)
     session.run("python", str(script), *session.posargs)
+
+
+# --- releases ----------------------------------------------------------------------------------
+
+
+def project_version(name: str) -> str:
+    """The one place a distribution's version lives: `version` in its pyproject.toml."""
+    with open(PACKAGES / name / "pyproject.toml", "rb") as file:
+        version: str = tomllib.load(file)["project"]["version"]
+    return version
+
+
+def changelog_has(name: str, version: str) -> bool:
+    """Whether the distribution's CHANGELOG.md has a `## VERSION` heading (no `unreleased`)."""
+    text = (PACKAGES / name / "CHANGELOG.md").read_text()
+    heading = re.compile(rf"^## {re.escape(version)}(?: \(\d{{4}}-\d\d-\d\d\))?\s*$", re.MULTILINE)
+    return heading.search(text) is not None
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def _release_checks(session: nox.Session, name: str, version: str) -> None:
+    if name not in _present():
+        session.error(f"{name!r} is not a distribution here; one of {', '.join(_present())}")
+    if _git("status", "--porcelain", "--untracked-files=normal").strip():
+        session.error("the working tree is not clean: commit or stash first")
+    if project_version(name) != version:
+        session.error(
+            f"packages/{name}/pyproject.toml says version {project_version(name)}, not "
+            f"{version}: set it there (the one place it lives) and commit"
+        )
+    if not changelog_has(name, version):
+        session.error(
+            f"packages/{name}/CHANGELOG.md has no '## {version}' heading: say what a user of "
+            "this release must know, and commit"
+        )
+    tag = f"{name}-v{version}"
+    if _git("tag", "--list", tag).strip():
+        session.error(f"tag {tag} exists already")
+
+
+@nox.session
+def release(session: nox.Session) -> None:
+    """`nox -s release -- DIST VERSION`: check, test the built wheel, tag, leave it in dist/.
+
+    Refuses unless the tree is clean, DIST's pyproject.toml has VERSION and its
+    CHANGELOG.md a `## VERSION` heading. Builds DIST's wheel and sdist into dist/, runs
+    DIST's tests against the installed wheel (the other distributions it needs are
+    built from this same commit), and only then tags the commit `DIST-vVERSION`.
+    """
+    if len(session.posargs) != 2:
+        session.error("usage: nox -s release -- DISTRIBUTION VERSION")
+    name, version = session.posargs
+    _release_checks(session, name, version)
+    session.install(*TEST_TOOLS, *BUILD_TOOLS)
+    dist = ROOT / "dist"
+    dist.mkdir(exist_ok=True)
+    for stale in dist.glob(f"{name.replace('-', '_')}-*"):
+        stale.unlink()
+    with session.chdir(PACKAGES / name):
+        session.run("hatchling", "build", "-t", "wheel", "-t", "sdist", "-d", str(dist))
+    needed = pathlib.Path(session.create_tmp()) / "needed"
+    shutil.rmtree(needed, ignore_errors=True)
+    for other in _present()[: _present().index(name)]:
+        with session.chdir(PACKAGES / other):
+            session.run("hatchling", "build", "-t", "wheel", "-d", str(needed))
+    wheel = _wheel_of(dist, name)
+    session.install("--find-links", str(needed), "--force-reinstall", str(wheel))
+    with session.chdir(session.create_tmp()):  # only the installed wheel is importable
+        session.run("python", "-I", "-c", _IMPORT_ALL, *wheel_modules(wheel))
+    session.run("pytest", "-q", "-ra", str(PACKAGES / name / "tests"))
+    _git("tag", "-a", f"{name}-v{version}", "-m", f"{name} {version}")
+    session.log(f"tagged {name}-v{version}; {wheel.name} and its sdist are in {dist}")
+
+
+# --- upgrades ------------------------------------------------------------------------------
+
+UPGRADE_BASELINE = "732eae8c971d9cabc8544a4ad8722bee12f3b31c"
+"""The commit whose wheels stand for "the previous release" until a release tag exists."""
+
+
+def previous_release() -> str:
+    """The newest `ficc-executor-host-v*` tag, else UPGRADE_BASELINE."""
+    tags = _git("tag", "--list", "ficc-executor-host-v*", "--sort=-v:refname").split()
+    return tags[0] if tags else UPGRADE_BASELINE
+
+
+def _ensure_commit(ref: str) -> None:
+    """Fetch `ref` when a shallow checkout (as CI makes) does not have it."""
+    probe = ["git", "cat-file", "-e", f"{ref}^{{commit}}"]
+    if subprocess.run(probe, cwd=ROOT, check=False, capture_output=True).returncode != 0:
+        _git("fetch", "--no-tags", "--depth=1", "origin", ref)
+
+
+def _build_wheels(session: nox.Session, tree: pathlib.Path, out: pathlib.Path) -> None:
+    for name in ("ficc-protocol", "ficc-executor-host"):
+        with session.chdir(tree / "packages" / name):
+            session.run("hatchling", "build", "-t", "wheel", "-d", str(out))
+
+
+def _venv(session: nox.Session, where: pathlib.Path, *install: str, base: str = "python") -> str:
+    """A root-owned virtualenv of the `base` interpreter, readable by other accounts."""
+    session.run(base, "-m", "venv", str(where), external=True)
+    os.chmod(where, 0o755)  # noqa: S103 - the transport account must read it
+    python = str(where / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                *install, external=True)  # fmt: skip
+    return python
+
+
+@nox.session
+def upgrade(session: nox.Session) -> None:
+    """The previous release upgraded in place to this build (tools/upgrade/).
+
+    Builds the previous release's ficc-protocol and ficc-executor-host wheels (the
+    newest release tag, or UPGRADE_BASELINE) and this tree's, makes a virtualenv with
+    the old host (to be upgraded in place by the test) and one with only the old
+    ficc-protocol (a controller that has not upgraded), then runs
+    tools/upgrade/test_upgrade.py. Needs root.
+    """
+    _install_all(session)
+    session.install(*BUILD_TOOLS)
+    _upgrade(session)
+
+
+def _upgrade(session: nox.Session) -> None:
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="ficc-upgrade-", dir="/run"))
+    os.chmod(scratch, 0o755)  # noqa: S103 - the transport account must traverse it
+    try:
+        baseline = previous_release()
+        old_tree, old, new = scratch / "old-tree", scratch / "old", scratch / "new"
+        old_tree.mkdir()
+        _ensure_commit(baseline)
+        archive = subprocess.run(["git", "archive", baseline], cwd=ROOT, check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(old_tree)], input=archive, check=True)
+        session.log(f"previous release: {baseline}")
+        _build_wheels(session, old_tree, old)
+        _build_wheels(session, ROOT, new)
+        old_wheels = [str(w) for w in sorted(old.glob("*.whl"))]
+        (protocol_wheel,) = old.glob("ficc_protocol-*.whl")
+        host = _venv(session, scratch / "host", "--find-links", str(old), *old_wheels)
+        # The controller runs as the transport account: its interpreter must be one
+        # every account can read (the system's), not one under root's home.
+        system = shutil.which("python3", path="/usr/bin:/bin") or "python"
+        controller = _venv(session, scratch / "controller", str(protocol_wheel), base=system)
+        env = {
+            "FICC_UPGRADE_HOST_PYTHON": host,
+            "FICC_UPGRADE_NEW_WHEELS": str(new),
+            "FICC_UPGRADE_CONTROLLER_PYTHON": controller,
+        }
+        session.run("pytest", "-q", "-ra", str(ROOT / "tools" / "upgrade"), *session.posargs,
+                    env=env)  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

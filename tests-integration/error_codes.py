@@ -82,7 +82,7 @@ ENTRIES: tuple[Entry, ...] = (
         "never",
         "-",
         "this executor refuses host-rule violations (unknown slot class, provider, device)"
-        " at admission with a durable `admission_rejected` record instead (DAEMON.md 1)",
+        " at admission with a durable `admission_rejected` record instead (docs/protocol.md)",
     ),
     _socket("lease_expired", "row", "start right after a renewal that ended the lease"),
     _socket("lease_sequence", "row", "renew with sequence 1 again and another expiry"),
@@ -216,6 +216,7 @@ ENTRIES: tuple[Entry, ...] = (
 HOST_ONLY: dict[str, str] = {
     **dict.fromkeys(
         (
+            "account_missing",
             "config_conflict",
             "config_invalid",
             "config_missing",

@@ -398,9 +398,12 @@ class DaemonFailed(AssertionError):
 class DaemonProcess:
     """`python -m ficc.execution serve` as a child process, ready when it says READY=1."""
 
-    def __init__(self, layout: Layout, provider: InstalledProvider) -> None:
+    def __init__(
+        self, layout: Layout, provider: InstalledProvider, python: str = sys.executable
+    ) -> None:
         self.layout = layout
         self.provider = provider
+        self.python = python  # the interpreter whose installed ficc-executor-host runs
         self.log_path = layout.base / f"daemon-{secrets.token_hex(3)}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.notify_path = layout.base / "notify.sock"
@@ -412,7 +415,7 @@ class DaemonProcess:
         notify.bind(str(self.notify_path))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
         env["NOTIFY_SOCKET"] = str(self.notify_path)
-        command = [sys.executable, "-m", "ficc.execution", "serve"]
+        command = [self.python, "-m", "ficc.execution", "serve"]
         command += ["--config", str(self.layout.config_path)]
         command += ["--provider-path", str(self.provider.site)]
         with notify, open(self.log_path, "ab") as log:
@@ -498,14 +501,14 @@ def show_unit(unit: str, *keys: str) -> dict[str, str]:
 class UnitDaemon:
     """The daemon as the systemd service it ships as (needs systemd as PID 1).
 
-    The shipped unit file is installed as is, plus a drop-in that only points it at this
-    layout's configuration and provider, opens this layout's directories (and
-    `read_write`) to it, and shortens the restart delay; `dropin` adds lines to the
-    drop-in's [Service] section, and `shipped_dropins` are drop-in files a package
-    ships, installed as they are (test.conf sorts after them, so it wins). The same
-    interface as DaemonProcess: `start` returns
-    after READY=1 (`systemctl start` waits for it), `kill` is a SIGKILL of the main
-    process (after which the unit's Restart=on-failure brings a new daemon back: see
+    The shipped unit file is installed as is, plus a drop-in that only points it (its
+    check-config and its serve) at this layout's configuration and provider, opens this
+    layout's directories (and `read_write`) to it, and shortens the restart delay;
+    `dropin` adds lines to the drop-in's [Service] section, and `shipped_dropins` are
+    drop-in files a package ships, installed as they are (test.conf sorts after them,
+    so it wins). The same interface as DaemonProcess: `start` returns after READY=1
+    (`systemctl start` waits for it), `kill` is a SIGKILL of the main process (after
+    which the unit's Restart=on-failure brings a new daemon back: see
     `wait_restarted`), `stop` is `systemctl stop`.
     """
 
@@ -529,6 +532,10 @@ class UnitDaemon:
         paths = " ".join([str(layout.base), "/sys/fs/cgroup", *read_write])
         (self.dropin_dir / "test.conf").write_text(
             "[Service]\n"
+            "ExecStartPre=\n"
+            f"ExecStartPre={sys.executable} -I -m ficc.execution check-config"
+            f" --config {layout.config_path} --provider-path {provider.site}"
+            " --allow-unavailable-providers\n"
             "ExecStart=\n"
             f"ExecStart={sys.executable} -I -m ficc.execution serve"
             f" --config {layout.config_path} --provider-path {provider.site}\n"

@@ -110,7 +110,7 @@ BACKENDS = tuple(os.environ.get("FICC_E2E_BACKENDS", "cgroupfs").split(","))
 workplace has no systemd as PID 1); tools/systemd/run.py sets `systemd` inside its
 container, where the daemon runs as the shipped unit."""
 RETRY_LATER = frozenset({"inputs_preparing", "input_busy"})
-"""input_write codes that mean: try again on a later polling cycle (seed)."""
+"""input_write codes that mean: try again on a later polling cycle."""
 
 
 def sha256(data: bytes) -> str:

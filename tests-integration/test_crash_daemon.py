@@ -1,4 +1,4 @@
-"""Crash safety (QUALITY R2): SIGKILL the real daemon at random points, restart, check.
+"""Crash safety (reliability target R2): SIGKILL the real daemon at random points, restart, check.
 
 A seeded RNG drives a workload of whole attempt lives through the real daemon (admin
 socket, root, so no fork per request): prepare batches (some rows beyond the two free

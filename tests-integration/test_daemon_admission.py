@@ -1,4 +1,4 @@
-"""Admission, bindings, fences, generation order, the offer, and leases (DESIGN 5.2-5.4).
+"""Admission, bindings, fences, generation order, the offer, and leases.
 
 Lease deadlines are compared with a small tolerance only where the daemon converts a
 BOOTTIME deadline back to wall-clock milliseconds for its reply; the tolerance is far
@@ -127,7 +127,7 @@ def test_a_paused_offer_records_durable_admission_rejections(daemon: Daemon) -> 
     plan = daemon.plan(offer_revision=2)
     (row,) = rows(daemon.prepare([plan]))
     # the row names the refusal (offer_closed, or the generic admission_rejected);
-    # the durable record is what the seed fixes
+    # the durable record is what the protocol fixes
     assert row_code(row) in {"offer_closed", "admission_rejected"}
     record = attempt(daemon.observe(plan))
     assert (record.state, record.outcome, record.reason) == (

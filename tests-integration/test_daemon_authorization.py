@@ -1,4 +1,4 @@
-"""Who may talk to the daemon, and send what (DESIGN 4.4, 5.10; QUALITY R4).
+"""Who may talk to the daemon, and send what (docs/protocol.md; reliability target R4).
 
 Real accounts on real sockets: the transport user on transport.sock, the local owner
 on owner-<uid>.sock, root on admin.sock. Authority comes from the socket alone; a
@@ -23,6 +23,7 @@ from ficc.execution.protocol import (
     InputStatusRequest,
     InputWrite,
     InputWriteRequest,
+    MetricsRequest,
     ObjectRef,
     ObserveRequest,
     PrepareAttempt,
@@ -54,11 +55,11 @@ from harness import (
 )
 
 FORBIDDEN = {
-    "transport": {"reconcile_absent", "set_offer"},
+    "transport": {"reconcile_absent", "set_offer", "metrics"},
     "owner": ACTIONS - {"snapshot", "set_offer"},
     "admin": set(),
 }
-"""The action table of DESIGN 4.4, written out: what each socket may NOT send."""
+"""The action table of docs/protocol.md, written out: what each socket may NOT send."""
 
 WRONG_BINDINGS = {"installation_id": "0" * 32, "ledger_id": "0" * 32, "admission_version": 1}
 """Bindings no ledger has: an allowed prepare/reject/reconcile is refused later, harmlessly."""
@@ -132,6 +133,7 @@ def one_request(daemon: Daemon, action: str) -> Request:
         "set_offer": lambda: SetOfferRequest(
             version=1, id=rid, expected_revision=999_999, control="active"
         ),
+        "metrics": lambda: MetricsRequest(version=1, id=rid),
     }
     assert set(builders) == ACTIONS
     return builders[action]()

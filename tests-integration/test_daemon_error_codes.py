@@ -1,4 +1,4 @@
-"""Every error code the daemon can send, produced through its real sockets (issue 4).
+"""Every error code the daemon can send, produced through its real sockets.
 
 One test per code of the inventory (error_codes.py) that is reachable through the
 socket, each asserting the exact code; plus checks that the inventory covers every

@@ -1,4 +1,4 @@
-"""Streamed inputs over the real socket (DESIGN 5.5): resumable after a lost reply.
+"""Streamed inputs over the real socket: resumable after a lost reply.
 
 `input_busy` (two writes of one attempt in flight at once) is produced over the socket
 in test_daemon_error_codes.py and deterministically in staging's own tests

@@ -1,5 +1,5 @@
 """One attempt through the real daemon and the test provider, up to the gate's refusal;
-stop; reject_absent and reconcile_absent exactly as the seed says.
+stop; reject_absent and reconcile_absent exactly as docs/protocol.md says.
 
 The test provider's runtime is a plain process (no namespaces, no seccomp, the wrong
 account), so the payload gate must refuse it: the attempt fails with a `gate_*` reason,

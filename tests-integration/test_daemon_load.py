@@ -1,4 +1,4 @@
-"""Load (QUALITY R5): 64 concurrent clients with mixed requests against the live daemon.
+"""Load (reliability target R5): 64 concurrent clients with mixed requests against the live daemon.
 
 32 forked clients as the transport user on transport.sock and 32 as root on admin.sock,
 each sending a stream of mixed requests (snapshot, observe, renew, input_status) for

@@ -1,4 +1,4 @@
-"""Malformed input against the live daemon (QUALITY R3).
+"""Malformed input against the live daemon (reliability target R3).
 
 Generated and mutated frames go to admin.sock (the socket that may send every action,
 so authority is never the reason for a refusal): random bytes, cut and oversized

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from importlib import metadata
 
 from ficc.execution.protocol import SnapshotRequest
 from ficc.execution.wire import AttemptStatus, SnapshotReply
@@ -95,7 +96,8 @@ def test_status_prints_the_table_through_the_admin_socket(daemon: Daemon) -> Non
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == f"installation   {daemon.layout.installation_id}"
+    assert lines[0] == f"daemon         {metadata.version('ficc-executor-host')}"
+    assert lines[1] == f"installation   {daemon.layout.installation_id}"
     assert "offer          revision 1   control active" in lines
     assert "attempts       3" in lines
     for plan in plans:

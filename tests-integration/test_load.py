@@ -1,4 +1,4 @@
-"""Load (QUALITY R5): 64 concurrent clients, mixed and malformed requests, for a while.
+"""Load (reliability target R5): 64 concurrent clients, mixed and malformed requests, for a while.
 
 64 client processes (32 forked as the transport account on transport.sock, 32 as root
 on admin.sock) each send, one connection per request as the protocol says, a seeded

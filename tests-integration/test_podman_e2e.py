@@ -1,6 +1,6 @@
 """Real jobs end to end: the real daemon, its real sockets, real rootless Podman.
 
-Issues 5 and 6, "Must show". Each test talks to `python -m ficc.execution serve` (one
+Each test talks to `python -m ficc.execution serve` (one
 daemon per module and backend; the restart tests restart it) over its transport socket
 with the real Client, as the real transport account, and the job runs in a real
 rootless Podman container as a real slot account, inside the host's system service,

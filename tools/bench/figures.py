@@ -12,7 +12,7 @@ from collections.abc import Callable
 class Figure:
     """One measured figure. `ratio` is value / baseline (or the inverse for rates).
 
-    `target` is the QUALITY.md bound on the ratio and `higher_is_better` says which
+    `target` is the bound docs/benchmarks.md gives the ratio and `higher_is_better` says which
     side of it passes; `met` is None when the figure is reported without a target.
     """
 

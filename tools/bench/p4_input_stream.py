@@ -12,7 +12,7 @@ nothing either), so the figure is what the daemon and the socket cost.
 Baseline: the same base64 chunks, in one process: base64-decode, SHA-256 of the chunk,
 pwrite, fsync, into a file on the same filesystem (the slot's directory).
 
-Ratio = value rate / baseline rate (higher is better); QUALITY.md wants >= 0.5x.
+Ratio = value rate / baseline rate (higher is better); the target is >= 0.5x.
 Rounds alternate daemon and baseline; each daemon round streams a new attempt (a
 stream is written once), and the figure is the median round.
 """

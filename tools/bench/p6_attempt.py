@@ -1,6 +1,6 @@
 """P6: a whole attempt of a `true` payload through the daemon and the Podman provider.
 
-Value (QUALITY.md P6): through the real daemon (`python -m ficc.execution serve`) with
+Value (benchmark P6): through the real daemon (`python -m ficc.execution serve`) with
 the real ficc-provider-podman installed from a wheel into a root-owned prefix and
 pinned, rootless Podman as the slot account (attempt_support.podman_host). One client, a
 forked child as the transport account speaking through ficc.execution.client.Client
@@ -18,7 +18,7 @@ ulimits), as the same slot account in the same Podman storage, of `/bin/true`. O
 
 Rounds alternate attempt and baseline (drift hits both alike); medians of 5 (quick) or
 15 rounds after one untimed round that loads the image into the slot's storage.
-QUALITY.md: whole attempt / baseline at most 2x. The two phases are reported
+Target: whole attempt / baseline at most 2x. The two phases are reported
 separately (no target), and so is the earlier direct measurement of the provider, the
 cgroupfs service and the payload gate without the daemon (no target; its own world,
 its own baseline).

@@ -7,11 +7,11 @@ ready (provider prepare done), and one in the `big` slot class that declares one
 streamed input of 1 GiB (128 MiB with --quick).
 
 Figures (memory from /proc/PID/status of the daemon process):
-1. VmRSS with the records and the 64 active attempts. QUALITY.md: at most 100 MiB.
+1. VmRSS with the records and the 64 active attempts. Target: at most 100 MiB.
    Baseline = that budget, ratio = value / 100 MiB (<= 1 passes).
 2. Growth while streaming the input in `input_chunk_bytes` (8 MiB) chunks over the
    socket: the peak is reset just before (`clear_refs` 5), so VmHWM after the stream
-   minus VmRSS before it is the highest resident growth at any moment. QUALITY.md: at
+   minus VmRSS before it is the highest resident growth at any moment. Target: at
    most 3 chunk sizes (24 MiB). Baseline = 24 MiB, ratio = value / 24 MiB.
 3. Without a target, the VmRSS growth that remains after the stream.
 

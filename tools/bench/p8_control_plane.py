@@ -12,7 +12,7 @@ Baseline: a bare frame echo over the same kind of socket: a tiny asyncio server
 (uvloop, as the daemon) on a Unix socket in its own process reads one frame and writes
 it back; the same 8 clients send it the same frames in the same pattern.
 
-Figures: p50 and p99 of each action and of the echo; QUALITY.md wants each p99 at most
+Figures: p50 and p99 of each action and of the echo; the target wants each p99 at most
 20x the echo's p99 (ratio = value / baseline, lower is better). p50 ratios are
 reported without a target. Full runs interleave 3 rounds (echo, then daemon, 100 renew +
 100 observe per client each) and report the median of the rounds' percentiles: the

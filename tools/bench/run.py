@@ -1,4 +1,4 @@
-"""Run the QUALITY.md benchmarks and print one line per figure.
+"""Run the benchmarks of docs/benchmarks.md and print one line per figure.
 
 Each benchmark is a module `tools/bench/p<N>_*.py` with a function
 `run(quick: bool) -> list[Figure]`. A figure is a value measured beside its

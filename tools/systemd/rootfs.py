@@ -6,7 +6,7 @@ debootstrap takes about a minute, so its result is cached: the tarball lives in
 CACHE/<key>/rootfs.tar, where <key> is a digest of everything that decides its
 content (suite, variant, mirror, package list, the files written below). A cache
 hit only re-imports the tarball into Podman if the image is missing. Delete the
-directory to force a rebuild. DESIGN.md section 7 records why each package is here:
+directory to force a rebuild. Why each package is here:
 systemd (PID 1), dbus (systemctl talks to it), python3 (the tests and the start
 shim), podman + runc (a provider's runtime nested under the attempt's unit),
 busybox-static (test images).

@@ -2,7 +2,7 @@
 
     python tools/systemd/run.py [-- PYTEST ARGS]
 
-This workplace's machines have no systemd as PID 1 (DESIGN.md section 7), so the
+This workplace's machines have no systemd as PID 1, so the
 systemd backend's behaviour tests run in a container that boots Debian's systemd:
 
 1. the image comes from `rootfs.py` (debootstrap, cached by its recipe);

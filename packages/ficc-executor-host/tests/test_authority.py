@@ -28,7 +28,7 @@ from ficc.execution.host.peercred import (
 
 T, A, OW = SocketKind.TRANSPORT, SocketKind.ADMINISTRATOR, SocketKind.LOCAL_OWNER
 
-# DESIGN 4.4 "who may send", written out independently of the module under test.
+# docs/protocol.md "Who may send", written out independently of the module under test.
 EXPECTED = {
     "prepare": {T, A},
     "renew": {T, A},
@@ -43,6 +43,7 @@ EXPECTED = {
     "reconcile_absent": {A},
     "snapshot": {T, OW, A},
     "set_offer": {OW, A},
+    "metrics": {A},
 }
 
 

@@ -9,7 +9,10 @@ integration tests in tests-integration/ run the real one as a separate process.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import platform
+import re
 import shutil
 import signal
 import socket
@@ -17,13 +20,14 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ficc.execution.client import Client
-from ficc.execution.host import commands
+from ficc.execution.host import commands, logs
 from ficc.execution.host.commands import fetch_snapshots, format_status, run_daemon
 from ficc.execution.host.config import Config, parse_config
 from ficc.execution.host.errors import HostError
@@ -41,6 +45,7 @@ from ficc.execution.wire import (
 )
 
 MIB = 1024 * 1024
+RFC3339 = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z\Z")
 NOW_MS = 1_800_000_000_000
 RESOURCES = Resources(
     attempts=4,
@@ -124,17 +129,18 @@ def test_status_table_shows_bindings_offer_capacity_providers_and_attempts() -> 
         ],
         next_cursor=None,
     )
-    text = format_status([first, second], now_ms=NOW_MS)
+    text = format_status([first, second], now_ms=NOW_MS, daemon_version="9.8.7")
     lines = text.splitlines()
-    assert lines[0] == f"installation   {'1' * 32}"
-    assert lines[1] == f"ledger         {'2' * 32}   admission_version 1"
-    assert lines[2] == "lease ceiling  600 s   input chunk 8.0 MiB"
+    assert lines[0] == "daemon         9.8.7"
+    assert lines[1] == f"installation   {'1' * 32}"
+    assert lines[2] == f"ledger         {'2' * 32}   admission_version 1"
+    assert lines[3] == "lease ceiling  600 s   input chunk 8.0 MiB"
     assert "offer          revision 3   control paused" in lines
     assert f"  projects     {'3' * 32}" in lines
     assert "  runtimes     test" in lines
     assert any(line.split() == ["memory", "4.0", "GiB", "4.0", "GiB"] for line in lines)
     assert any(line.split() == ["small", "2", "1", "20.0", "GiB", "200000"] for line in lines)
-    assert any(line.split()[:2] == ["podman", "NO"] for line in lines)
+    assert any(line.split()[:2] == ["podman", "UNAVAILABLE"] for line in lines)
     assert "attempts       4" in lines
     header = next(line for line in lines if line.startswith("ATTEMPT"))
     assert header.split() == [
@@ -287,7 +293,10 @@ def test_serve_listens_notifies_serves_and_stops_on_sigterm(
     events = [line for line in err.splitlines() if line.startswith("{")]
     assert any('"event":"ready"' in e for e in events)
     assert any('"event":"stopped"' in e for e in events)
-    assert fake.calls == [(Sender.ADMINISTRATOR, "snapshot")] * 4
+    # status on admin.sock: every snapshot page, then the daemon's version (metrics)
+    assert fake.calls == [(Sender.ADMINISTRATOR, "snapshot")] * 4 + [
+        (Sender.ADMINISTRATOR, "metrics")
+    ]
     assert not os.path.exists(admin) or _refused(admin)
 
 
@@ -311,19 +320,35 @@ def test_serve_prints_a_startup_refusal_and_exits_1(
     def refuse(config: Config, path: list[str] | None) -> Any:
         raise HostError("ledger_unsafe", "the ledger file is a symbolic link; remove it")
 
-    monkeypatch.setattr(commands, "load_config", lambda path: config_for(socket_dir))
-    monkeypatch.setattr(commands, "check_host", lambda config: None)
+    monkeypatch.setattr(commands, "checked_config", lambda path: config_for(socket_dir))
     monkeypatch.setattr(commands, "_open_daemon", refuse)
     assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
-    err = capsys.readouterr().err
-    assert "ledger_unsafe: the ledger file is a symbolic link; remove it" in err
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert all(RFC3339.match(line["ts"]) for line in lines)
+    assert lines[0]["event"] == "starting"
+    assert lines[0]["version"] == metadata.version("ficc-executor-host")
+    refused = lines[-1]
+    assert (refused["level"], refused["event"], refused["code"]) == (
+        "error",
+        "refused",
+        "ledger_unsafe",
+    )
+    assert refused["message"] == "the ledger file is a symbolic link; remove it"
 
 
 def test_serve_refuses_an_unsafe_configuration_before_opening_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert commands.main(["serve", "--config", "/tmp/ficc-t-absent.json"]) == 1
-    assert capsys.readouterr().err.startswith("config_unsafe_file:")
+    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert (line["level"], line["event"], line["code"]) == (
+        "error",
+        "refused",
+        "config_unsafe_file",
+    )
+    # /tmp is shared: the advice is to move the file, never to change /tmp
+    assert "chmod" not in line["message"]
+    assert "move it below a directory only root can write" in line["message"]
 
 
 def test_status_reports_a_missing_socket_as_a_transport_failure(
@@ -378,3 +403,116 @@ def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip() == "", result.stderr
+
+
+# --- the console command ----------------------------------------------------------------------
+
+COMMAND = Path(sys.executable).parent / "ficc-executor"
+SUBCOMMANDS = ["serve", "check-config", "status", "metrics", "provider-digest", "request"]
+
+
+def run_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(COMMAND), *argv], capture_output=True, text=True, check=False, timeout=60
+    )
+
+
+def test_one_help_lists_every_subcommand() -> None:
+    assert COMMAND.exists(), "the ficc-executor console script is not installed"
+    shown = run_command("--help")
+    assert shown.returncode == 0
+    listed = [line.split()[0] for line in shown.stdout.splitlines() if re.match(r"    \S", line)]
+    assert listed == SUBCOMMANDS
+    module = subprocess.run(
+        [sys.executable, "-m", "ficc.execution", "--help"], capture_output=True, text=True,
+        check=False, timeout=60,
+    )  # fmt: skip
+    assert module.stdout.replace("python -m ficc.execution", "ficc-executor") == shown.stdout
+
+
+@pytest.mark.parametrize("argv", [[], *([name] for name in SUBCOMMANDS)])
+def test_version_everywhere(argv: list[str]) -> None:
+    expected = (
+        f"ficc-executor {metadata.version('ficc-executor-host')} "
+        f"(ficc-protocol {metadata.version('ficc-protocol')}, Python {platform.python_version()})"
+    )
+    shown = run_command(*argv, "--version")
+    assert (shown.returncode, shown.stdout.strip()) == (0, expected), shown.stderr
+
+
+def test_serve_log_level_hides_lines_below_it(
+    socket_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse(config: Config, path: list[str] | None) -> Any:
+        raise HostError("ledger_unsafe", "the ledger file is a symbolic link; remove it")
+
+    monkeypatch.setattr(commands, "checked_config", lambda path: config_for(socket_dir))
+    monkeypatch.setattr(commands, "_open_daemon", refuse)
+    try:
+        argv = ["serve", "--config", "/etc/ficc/x.json", "--log-level", "error"]
+        assert commands.main(argv) == 1
+    finally:
+        logs.set_level("info")
+    events = [json.loads(line)["event"] for line in capsys.readouterr().err.splitlines()]
+    assert events == ["refused"]  # no `starting` (info)
+
+
+def test_status_explains_a_daemon_that_is_not_running(socket_dir: Path) -> None:
+    shown = run_command("status", "--socket", str(socket_dir / "admin.sock"))
+    assert shown.returncode == 3
+    assert "ConnectFailed" in shown.stderr
+    assert f"hint: no daemon is listening on {socket_dir / 'admin.sock'}" in shown.stderr
+    assert "systemctl status ficc-executor-host" in shown.stderr
+    metrics = run_command("metrics", "--socket", str(socket_dir / "admin.sock"))
+    assert metrics.returncode == 3
+    assert "hint: no daemon is listening" in metrics.stderr
+
+
+def test_status_json_carries_every_page(
+    socket_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeDaemon()
+    config = config_for(socket_dir)
+    admin = str(socket_dir / "admin.sock")
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        served = asyncio.ensure_future(commands._serve_until(fake, config, ServerLimits(), stop))
+        await _until_listening(admin)
+        try:
+            return await asyncio.to_thread(commands.main, ["status", "--socket", admin, "--json"])
+        finally:
+            stop.set()
+            await served
+
+    assert asyncio.run(main()) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["daemon_version"] is None  # the fake refuses `metrics`
+    ids = [a["attempt_id"] for page in shown["pages"] for a in page["attempts"]]
+    assert ids == [f"{1:032x}", f"{2:032x}"]
+    assert shown["pages"][0]["capacity"]["providers"][1] == {
+        "id": "podman", "package_digest": "sha256:" + "b" * 64, "available": False,
+    }  # fmt: skip
+
+
+async def _until_listening(path: str) -> None:
+    async with asyncio.timeout(30):
+        while not os.path.exists(path) or _refused(path):
+            await asyncio.sleep(0.01)
+
+
+def test_an_unexpected_failure_of_serve_is_a_json_line_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(path: str) -> Config:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(commands, "checked_config", broken)
+    assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
+    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert (line["level"], line["event"], line["error"]) == (
+        "error",
+        "failed",
+        "RuntimeError('a bug')",
+    )
+    assert "RuntimeError: a bug" in line["traceback"]

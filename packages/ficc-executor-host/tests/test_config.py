@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pwd
 import re
 import shutil
 import stat
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +23,9 @@ from ficc.execution.host.config import (
     MAX_CONFIG_BYTES,
     Config,
     check_directories,
+    check_accounts,
     check_host,
+    check_metrics_textfile,
     load_config,
     parse_config,
 )
@@ -258,7 +262,11 @@ def test_an_ancestor_writable_by_others_is_refused(trusted_dir: Path, mode: int)
     os.chmod(inner, mode)
     error = refusal(lambda: load_config(str(path)))
     assert error.code == "config_unsafe_file"
-    assert "chmod go-w" in error.message
+    if mode & 0o1002:  # shared (world-writable or sticky, like /tmp): move, never chmod it
+        assert "chmod" not in error.message
+        assert "move it below a directory only root can write" in error.message
+    else:
+        assert f"chmod go-w {inner}" in error.message
 
 
 def test_an_ancestor_owned_by_another_user_is_refused(trusted_dir: Path) -> None:
@@ -599,3 +607,82 @@ def test_the_nesting_rule_matches_a_pairwise_check(paths: list[str]) -> None:
         assert refusal(lambda: parse(doc)).code == "config_conflict"
     else:
         parse(doc)
+
+
+# --- messages an operator can act on ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (["mode"], "x", 'mode: \'x\' is not one of "managed", "voluntary";'),
+        (["supervisor"], "bad", 'supervisor: \'bad\' is not one of "auto", "cgroupfs", "systemd";'),
+        (
+            ["initial_offer", "control"],
+            "nope",
+            "initial_offer.control: 'nope' is not one of "
+            '"active", "draining", "paused", "stopped";',
+        ),
+        (["installation_id"], "zz", "installation_id: expected an identity (32 lowercase"),
+        (["state_dir"], "rel", "state_dir: expected an absolute path (starting with /"),
+        (["slots", 0, "id"], "Bad!", "slots[0].id: expected a name (a lowercase letter"),
+        (["providers", 0, "package_digest"], "md5:x", "package_digest: expected a digest (sha256:"),
+    ],
+)
+def test_schema_messages_name_the_type_or_list_the_choices(
+    path: list[str | int], value: str, expected: str
+) -> None:
+    doc = document()
+    target: Any = doc
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    error = refusal(lambda: parse(doc))
+    assert error.code == "config_invalid"
+    assert expected in error.message
+    assert "regex" not in error.message
+    assert "\\" not in error.message
+
+
+def test_transport_and_owner_accounts_must_exist() -> None:
+    existing = parse(document())  # UIDs 990, 1000, 1001: not necessarily accounts here
+    missing = 3_999_000
+    while True:
+        try:
+            pwd.getpwuid(missing)
+        except KeyError:
+            break
+        missing += 1
+    doc = document()
+    doc["local_owner_uids"] = [missing]
+    config = parse(doc)
+    with_transport = msgspec.structs.replace(config, transport_uid=0)  # root always exists
+    error = refusal(lambda: check_accounts(with_transport))
+    assert error.code == "account_missing"
+    assert error.message.startswith(f"local_owner_uids[0]: UID {missing} has no account")
+    assert "useradd" in error.message
+    real = msgspec.structs.replace(existing, transport_uid=0, local_owner_uids=(os.geteuid(),))
+    check_accounts(real)
+
+
+# --- metrics_textfile -------------------------------------------------------------------
+
+
+def test_metrics_textfile_is_optional_and_must_be_a_prom_file_in_a_root_directory(
+    trusted_dir: Path,
+) -> None:
+    assert parse(document()).metrics_textfile is None
+    check_metrics_textfile(parse(document()))  # absent: nothing to check
+    doc = document()
+    doc["metrics_textfile"] = str(trusted_dir / "ficc.prom")
+    check_metrics_textfile(parse(doc))
+    doc["metrics_textfile"] = str(trusted_dir / "ficc.txt")
+    error = refusal(lambda: check_metrics_textfile(parse(doc)))
+    assert (error.code, error.message.split(":")[0]) == ("config_invalid", "metrics_textfile")
+    shared = trusted_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    doc["metrics_textfile"] = str(shared / "ficc.prom")
+    error = refusal(lambda: check_metrics_textfile(parse(doc)))
+    assert error.code == "host_path_unsafe"
+    assert "move it below a directory only root can write" in error.message

@@ -921,7 +921,7 @@ PRIVILEGE_CODES = {"gate_uid", "gate_gid", "gate_capabilities", "gate_no_new_pri
 
 @requires_root
 def test_unconfined_root_process_is_refused(world: World) -> None:
-    """The seed's 'unconfined test provider must be refused', on a real `sleep`."""
+    """The contract's 'an unconfined test provider must be refused', on a real `sleep`."""
     payload = world.command(["sleep", "1000"], exe="/bin/sleep")
     verdict = gate.check(procfs.read_evidence(payload.pid), world.expectation())
     assert not verdict.ok
@@ -1258,7 +1258,7 @@ def _remove_cgroup_tree(top: Path) -> None:
 
 
 def podman_expectation(world: World, parent: str, uid: int) -> Expectation:
-    """What a Podman payload must look like: the shape the daemon builds for issue 5."""
+    """What a Podman payload must look like: the shape the daemon builds for it."""
     host_nodes = ("null", "zero", "full", "tty", "random", "urandom")
     mounts = (
         _prepared("/busybox", world.barrier, True, ("nosuid", "nodev")),

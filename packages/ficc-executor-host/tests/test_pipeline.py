@@ -637,7 +637,7 @@ def _runs_as(pid: int, uid: int) -> bool:
 def test_gate_refuses_the_unconfined_test_provider_and_never_releases_the_payload(
     world: World,
 ) -> None:
-    """The required test (issue 4, item 14)."""
+    """The required end-to-end pipeline test."""
     plan = world.plan()
     fence = world.admit(plan)
     attempt_id = fence.attempt_id

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import json
 import os
 import py_compile
 import shutil
@@ -147,6 +148,37 @@ def test_digest_is_stable_across_a_reinstall_of_the_same_wheel(wheel: Path, site
     assert digest_of(elsewhere) == before
 
 
+def test_one_wheel_installed_from_two_paths_pins_as_one_digest(wheel: Path, tmp_path: Path) -> None:
+    """pip records the install source (direct_url.json, INSTALLER, REQUESTED, and their
+    RECORD rows); none of that is part of the release, so none of it is in the pin."""
+    sites = []
+    for where in ("a", "b/c"):
+        copy = tmp_path / "from" / where / wheel.name
+        copy.parent.mkdir(parents=True)
+        shutil.copyfile(wheel, copy)
+        sites.append(install(copy, tmp_path / "prefix" / where))
+    records = [next(s.glob("*.dist-info/direct_url.json")).read_text() for s in sites]
+    assert records[0] != records[1]  # the two installs really do differ in their source
+    (sites[1] / next(sites[1].glob("*.dist-info")).name / "REQUESTED").unlink()
+    _drop_record_row(sites[1], "REQUESTED")
+    first, second = (compute_digest("test", [str(s)]) for s in sites)
+    assert first.digest == second.digest
+    covered = {f.path.rsplit("/", 1)[-1] for f in first.files}
+    assert not covered & {"direct_url.json", "INSTALLER", "REQUESTED", "RECORD"}
+    assert {"METADATA", "entry_points.txt", "WHEEL"} <= covered
+
+
+def _drop_record_row(site: Path, name: str) -> None:
+    """Remove one dist-info file's row from RECORD (pip omits REQUESTED for dependencies)."""
+    (record,) = site.glob("*.dist-info/RECORD")
+    kept = [
+        line
+        for line in record.read_text().splitlines()
+        if line.split(",", 1)[0].rsplit("/", 1)[-1] != name
+    ]
+    record.write_text("\n".join(kept) + "\n")
+
+
 def test_one_changed_byte_changes_the_digest(site: Path) -> None:
     before = digest_of(site)
     source = (site / PACKAGE).read_bytes()
@@ -178,6 +210,21 @@ def test_cli_prints_the_library_digest(site: Path, capsys: pytest.CaptureFixture
         check=True,
     )
     assert quiet.stdout == expected + "\n"
+
+
+def test_provider_digest_json(site: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    verified = compute_digest("test", [str(site)])
+    assert commands.main(["provider-digest", "test", "--path", str(site), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == {
+        "id": "test",
+        "distribution": "ficc-test-provider",
+        "version": verified.version,
+        "entry_point": verified.distribution.entry_point,
+        "location": str(site),
+        "files": len(verified.files),
+        "package_digest": verified.digest,
+    }
 
 
 def test_python_m_ficc_execution_reaches_provider_digest(site: Path) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
+from importlib import metadata
 
 from ficc.hoststate import Status, acquire
 from hs_support import HOST, plan
@@ -117,3 +119,40 @@ def test_inspect_unsafe_and_bad_arguments(store: pathlib.Path, tmp_path: pathlib
         [sys.executable, "-m", "ficc.hoststate"], check=False, capture_output=True
     )
     assert usage.returncode == 2
+
+
+def test_inspect_json_carries_the_same_facts_as_the_table(store: pathlib.Path) -> None:
+    populated(store)
+    result = subprocess.run(
+        [sys.executable, "-m", "ficc.hoststate", "inspect", str(store), "--host-id", HOST,
+         "--json"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["directory"] == str(store)
+    assert "checksum verified" in document["note"]
+    assert document["operations"] == [
+        {"id": "deploy-1", "status": "succeeded", "revision": 3, "plan_hash": plan(1)},
+        {"id": "deploy-2", "status": "queued", "revision": 1, "plan_hash": plan(2)},
+    ]
+
+
+def test_the_console_command_has_help_and_version_everywhere(store: pathlib.Path) -> None:
+    """`ficc-hoststate` is on the interpreter's PATH (a console script of the wheel)."""
+    command = pathlib.Path(sys.executable).parent / "ficc-hoststate"
+    assert command.exists(), "the ficc-hoststate console script is not installed"
+    expected = f"ficc-hoststate {metadata.version('ficc-hoststate')}\n"
+    for argv in (["--version"], ["inspect", "--version"]):
+        shown = subprocess.run([command, *argv], check=False, capture_output=True, text=True)
+        assert (shown.returncode, shown.stdout) == (0, expected), shown.stderr
+    helped = subprocess.run([command, "--help"], check=False, capture_output=True, text=True)
+    assert helped.returncode == 0
+    assert "inspect" in helped.stdout
+    populated(store)
+    listed = subprocess.run(
+        [command, "inspect", str(store), "--host-id", HOST], check=False, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert "2 operations" in listed.stdout

@@ -1,4 +1,4 @@
-"""The public API on a real store: every rule of the seed and every refusal."""
+"""The public API on a real store: every rule of the contract and every refusal."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Model-based test: random call sequences against a real session and a tiny model.
 
-The model is the seed's rules written as plainly as possible; hypothesis drives both
+The model is the contract's rules written as plainly as possible; hypothesis drives both
 with the same calls (including reopening the store) and compares every outcome.
 """
 

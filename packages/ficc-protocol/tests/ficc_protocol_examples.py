@@ -29,6 +29,7 @@ from ficc.execution.protocol import (
     InputStatusRequest,
     InputWrite,
     InputWriteRequest,
+    MetricsRequest,
     ObjectRef,
     ObserveRequest,
     OfferLimits,
@@ -190,6 +191,7 @@ def requests() -> dict[str, Any]:
             **base, **bindings(), plans=[p1], acknowledge_unknown=True
         ),
         "snapshot": SnapshotRequest(**base, after=hexid(7)),
+        "metrics": MetricsRequest(**base),
         "set_offer": SetOfferRequest(
             **base,
             expected_revision=3,

@@ -12,6 +12,7 @@ cleanly.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -263,7 +264,7 @@ def slot_processes(accounts: harness.Accounts) -> list[str]:
 def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown(
     installed: Installed,
 ) -> None:
-    """Issue 6: `systemctl stop` of the daemon's unit stops every attempt unit bound to it
+    """`systemctl stop` of the daemon's unit stops every attempt unit bound to it
     (BindsTo=; here one attempt in each of the two slots), and the next start reports
     each attempt `unknown` (executor_restarted) with its cleanup confirmed; the
     provider's `start` is never called again for either."""
@@ -291,6 +292,10 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
         )
         assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
     wait_for(lambda: len({p.split()[1] for p in slot_processes(installed.accounts)}) == 2)
+    # The service exists before the provider's `start` is called: wait for that call too,
+    # so the count after the restart below compares with a call that was made.
+    for plan in plans:
+        wait_for(lambda plan=plan: installed.layout.provider_calls("start", plan.attempt_id))
     assert [daemon.observe(plan).state for plan in plans] == ["starting"] * 2, journal()
 
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
@@ -317,3 +322,86 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
         assert released.state == "released", released
         assert installed.layout.provider_calls("start", plan.attempt_id) == 1
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+# --- the journal: priorities, and startup refusals from check-config ------------------------
+
+
+def journal_records(since_us: int, *extra: str) -> list[dict[str, Any]]:
+    """This unit's journal entries newer than `since_us` (`journalctl -o json`, after
+    filters like `-p err`). Filtered by time here, not with `--after-cursor`: with a
+    match such as `-p`, journalctl skips the first matching entry after the cursor."""
+    argv = ["journalctl", "-u", UNIT, "--no-pager", "-o", "json", *extra]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    records = [json.loads(line) for line in output.splitlines() if line.strip()]
+    return [r for r in records if int(r["__REALTIME_TIMESTAMP"]) > since_us]
+
+
+def daemon_lines(since_us: int, *extra: str) -> list[tuple[int, dict[str, Any]]]:
+    """(priority, parsed JSON line) of each JSON line the daemon wrote to the journal."""
+    found = []
+    for record in journal_records(since_us, *extra):
+        message = record.get("MESSAGE")
+        if isinstance(message, str) and message.startswith("{"):
+            found.append((int(record["PRIORITY"]), json.loads(message)))
+    return found
+
+
+def rewrite_config(layout: harness.Layout, document: dict[str, Any], mode: int = 0o600) -> None:
+    layout.config_path.unlink()
+    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(document, out)
+    os.chmod(layout.config_path, mode)
+
+
+@pytest.fixture
+def since_us() -> int:
+    """The journal's newest entry time, so a test reads only the entries it caused."""
+    records = subprocess.run(
+        ["journalctl", "-n", "1", "-o", "json", "--no-pager"],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    return int(json.loads(records[-1])["__REALTIME_TIMESTAMP"]) if records else 0
+
+
+def test_journal_priorities_follow_the_log_levels(installed: Installed, since_us: int) -> None:
+    """`journalctl -p err` selects the daemon's error lines: each JSON line is written with
+    its syslog priority prefix, which journald strips and records as PRIORITY."""
+    if installed.layout.document["supervisor"] != "cgroupfs":
+        pytest.skip("independent of the daemon's supervisor; runs once")
+    document = dict(installed.layout.document)
+    document["providers"] = [{**document["providers"][0], "configuration": {"argv": "x"}}]
+    rewrite_config(installed.layout, document)
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)  # an unavailable provider: starts
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+    lines = daemon_lines(since_us)
+    by_event = {line["event"]: (priority, line) for priority, line in lines}
+    assert by_event["starting"][0] == 6
+    assert by_event["ready"][0] == 6
+    unavailable = [(p, line) for p, line in lines if "unavailable" in str(line.get("message"))]
+    assert [p for p, _ in unavailable] == [3]
+    assert all(p == {"error": 3, "warning": 4, "info": 6, "debug": 7}[line["level"]]
+               for p, line in lines)  # fmt: skip
+    errors = daemon_lines(since_us, "-p", "err")
+    assert [line["message"] for _, line in errors] == [unavailable[0][1]["message"]]
+    # check-config (ExecStartPre) reported the same provider as unavailable, as text
+    texts = [str(r.get("MESSAGE")) for r in journal_records(since_us)]
+    assert any("provider test: unavailable: provider_configure_failed" in t for t in texts)
+
+
+def test_check_config_refuses_the_start_before_serve_runs(
+    installed: Installed, since_us: int
+) -> None:
+    if installed.layout.document["supervisor"] != "cgroupfs":
+        pytest.skip("independent of the daemon's supervisor; runs once")
+    rewrite_config(installed.layout, installed.layout.document, mode=0o644)
+    started = subprocess.run([SYSTEMCTL, "start", UNIT], capture_output=True, check=False)
+    assert started.returncode != 0
+    # failed, or waiting to try again (Restart=on-failure): either way serve never ran
+    state = show("Result", "ExecMainPID")
+    assert state == {"Result": "exit-code", "ExecMainPID": "0"}, state
+    texts = [str(r.get("MESSAGE")) for r in journal_records(since_us)]
+    assert any(t.startswith("config_unsafe_file: ") and "chmod 0600" in t for t in texts), texts
+    assert not [line for _, line in daemon_lines(since_us) if line["event"] == "starting"]
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=False)

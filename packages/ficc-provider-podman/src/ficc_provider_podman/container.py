@@ -6,7 +6,7 @@ the parts of the prepare result that describe the container to the payload gate:
 bind mounts with their recorded identities, the targets the runtime generates
 itself, and the devices.
 
-Isolation (DESIGN.md section 6) and how each flag is realised rootless on this host:
+Isolation (docs/providers.md) and how each flag is realised rootless on this host:
 - `--network=none`, `--read-only`, `--cap-drop=all`, `no-new-privileges`, Podman's
   default seccomp profile, private IPC/UTS/PID/cgroup namespaces.
 - User mapping: rootless Podman with no subuid range maps container root to the slot
@@ -65,7 +65,7 @@ _UNSAFE_IN_VOLUME = (":", ",", "\n", "\x00")
 
 @dataclass(frozen=True)
 class AttemptPaths:
-    """The host's attempt layout (DESIGN: S/ficc/<attempt>/...) and the provider's own."""
+    """The host's attempt layout (`S/ficc/<attempt>/...`) and the provider's own."""
 
     attempt_dir: str
 

@@ -1,4 +1,6 @@
-"""`python -m ficc.hoststate inspect DIR --host-id ID`: verify and show, read-only.
+"""`ficc-hoststate inspect DIR --host-id ID [--json]`: verify and show, read-only.
+
+(`python -m ficc.hoststate` is the same command.)
 
 It applies every check `acquire` applies but never takes the lock and never writes:
 it opens `host.lock` and `state.json` read-only and reads one snapshot, which is
@@ -9,9 +11,11 @@ write command.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from . import marker
 from .errors import Corrupt, HostMismatch, HostStateError
@@ -24,15 +28,36 @@ from .snapshot import MAX_BYTES, decode
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ficc.hoststate", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="verify the store and list its operations")
+def version() -> str:
+    """`ficc-hoststate X.Y.Z`, from the installed distribution's metadata."""
+    try:
+        return f"ficc-hoststate {metadata.version('ficc-hoststate')}"
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "ficc-hoststate (not installed)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ficc-hoststate",
+        description="Read-only inspection of a host operation registry.",
+    )
+    parser.add_argument("--version", action="version", version=version())
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    inspect = commands.add_parser(
+        "inspect", help="verify the store and list its operations", description=__doc__
+    )
+    inspect.add_argument("--version", action="version", version=version())
     inspect.add_argument("directory", help="the host's state directory")
     inspect.add_argument("--host-id", required=True, help="the host ID the store must belong to")
-    args = parser.parse_args(argv)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        print(render(*inspect_store(args.directory, args.host_id)), flush=True)
+        found = inspect_store(args.directory, args.host_id)
+        print(render_json(*found) if args.json else render(*found), flush=True)
     except BrokenPipeError:  # e.g. piped into `head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
@@ -83,3 +108,22 @@ def render(directory: str, operations: list[Operation], note: str) -> str:
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
     return "\n".join(lines)
+
+
+def render_json(directory: str, operations: list[Operation], note: str) -> str:
+    """The same facts as `render`, as one JSON object for scripts."""
+    document = {
+        "directory": directory,
+        "note": note,
+        "operations": [
+            {"id": op.id, "status": op.status.value, "revision": op.revision,
+             "plan_hash": op.plan_hash}
+            for op in operations
+        ],
+    }  # fmt: skip
+    return json.dumps(document, sort_keys=True)
+
+
+def console_main() -> None:
+    """The `ficc-hoststate` console command."""
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The seed's rules over the set of operations, without I/O.
+"""The registry's rules over the set of operations, without I/O.
 
 Each mutation is split into `plan_*` (decide, or refuse, without changing anything)
 and `commit` (record the decided value), because the session must save the new

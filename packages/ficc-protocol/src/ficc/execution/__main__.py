@@ -32,6 +32,7 @@ import json
 import pathlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from typing import Any
 
 from ficc.execution import _schema, _upload
@@ -83,6 +84,7 @@ def request_command(argv: Sequence[str]) -> int:
         prog="python -m ficc.execution request",
         description="Send one JSON request from stdin to an executor socket.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--socket", required=True, help="the executor's Unix socket")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
     try:
@@ -153,12 +155,18 @@ def _generated_files(root: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in paths if p.is_file()}
 
 
+def _version() -> str:
+    try:
+        return f"ficc-protocol {metadata.version('ficc-protocol')}"
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "ficc-protocol (not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """`request` here; everything else (help and --version included) is the host's
+    `ficc-executor` command when ficc-executor-host is installed."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(__doc__)
-        return EXIT_OK if args else EXIT_USAGE
-    command, rest = args[0], args[1:]
+    command, rest = (args[0], args[1:]) if args else ("", [])
     if command == "request":
         return request_command(rest)
     if command == "schema":
@@ -170,6 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in ("ficc.execution.host", _HOST_COMMANDS):
             raise
+        if command in ("", "-h", "--help"):
+            print(__doc__)
+            return EXIT_OK if args else EXIT_USAGE
+        if command == "--version":
+            print(_version())
+            return EXIT_OK
         print(f"install ficc-executor-host for `{command}`", file=sys.stderr)
         return EXIT_USAGE
     return int(host.main(args))

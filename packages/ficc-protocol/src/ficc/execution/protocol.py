@@ -535,6 +535,10 @@ class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):
     limits: OfferLimits | None = None
 
 
+class MetricsRequest(Request, frozen=True, kw_only=True, tag="metrics"):
+    """The daemon's metrics in the Prometheus text format (administrator only)."""
+
+
 _SentRequest = (
     PrepareRequest
     | RenewRequest
@@ -549,6 +553,7 @@ _SentRequest = (
     | ReconcileAbsentRequest
     | SnapshotRequest
     | SetOfferRequest
+    | MetricsRequest
 )
 """The request models as a controller builds them, and as `decode_request` decodes."""
 
@@ -570,8 +575,9 @@ SENDERS: dict[str, frozenset[Sender]] = {
     "reconcile_absent": frozenset({_A}),
     "snapshot": frozenset({_T, _O, _A}),
     "set_offer": frozenset({_O, _A}),
+    "metrics": frozenset({_A}),
 }
-"""Who may send each action (DESIGN 4.4). The host decides the sender from the socket."""
+"""Who may send each action (docs/protocol.md). The host decides the sender from the socket."""
 
 ACTIONS = frozenset(SENDERS)
 
@@ -768,6 +774,7 @@ __all__ = [
     "InputStatusRequest",
     "InputWrite",
     "InputWriteRequest",
+    "MetricsRequest",
     "ObjectName",
     "ObjectRef",
     "ObserveRequest",

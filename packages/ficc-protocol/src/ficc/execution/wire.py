@@ -38,7 +38,7 @@ State = Literal[
     "unknown",
     "released",
 ]
-"""Host states of an attempt (DESIGN 5.3). `released` keeps the prior one as `outcome`."""
+"""Host states of an attempt. `released` keeps the prior one as `outcome`."""
 
 Outcome = Literal["succeeded", "failed", "cancelled", "expired", "unknown"]
 """Terminal states. Once reached it is the outcome, kept through release."""
@@ -338,8 +338,24 @@ class OfferReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
     ok: Literal[True] = True
 
 
+METRICS_MAX_CHARS = 1024 * 1024
+
+
+class MetricsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The daemon's metrics as Prometheus text exposition format (version 0.0.4)."""
+
+    text: Annotated[str, msgspec.Meta(max_length=METRICS_MAX_CHARS)]
+    ok: Literal[True] = True
+
+
 AnyReply: TypeAlias = (
-    ErrorReply | AttemptsReply | InputsReply | ReadsReply | SnapshotReply | OfferReply
+    ErrorReply
+    | AttemptsReply
+    | InputsReply
+    | ReadsReply
+    | SnapshotReply
+    | OfferReply
+    | MetricsReply
 )
 
 # --- decoding and encoding ----------------------------------------------------------
@@ -423,6 +439,8 @@ def decode_reply(frame: bytes, action: str, *, rows: int | None = None) -> AnyRe
         return _decode_as(frame, SnapshotReply)  # type: ignore[no-any-return]
     if action == "set_offer":
         return _decode_as(frame, OfferReply)  # type: ignore[no-any-return]
+    if action == "metrics":
+        return _decode_as(frame, MetricsReply)  # type: ignore[no-any-return]
     if action not in _ROW_TYPES:
         raise ProtocolError(ErrorCode.UNSUPPORTED_ACTION, f"unknown action {action!r}")
     reply_type, row_type = _ROW_TYPES[action]
@@ -477,6 +495,7 @@ def encode_reply(reply: AnyReply) -> bytes:
 
 
 __all__ = [
+    "METRICS_MAX_CHARS",
     "REASONS",
     "TERMINAL",
     "AnyReply",
@@ -492,6 +511,7 @@ __all__ = [
     "InputResult",
     "InputRow",
     "InputsReply",
+    "MetricsReply",
     "Offer",
     "OfferReply",
     "Outcome",

@@ -1,4 +1,4 @@
-"""Who may send what: the action matrix of the three socket kinds (DESIGN 4.4).
+"""Who may send what: the action matrix of the three socket kinds (docs/protocol.md).
 
 Authority comes only from the socket a peer connected to (whose peer UID was checked
 with SO_PEERCRED before any frame was read, see `peercred`), never from message

@@ -1,4 +1,4 @@
-"""Bounded reads of an attempt's `stdout`, `stderr` and declared outputs (DESIGN 5.9).
+"""Bounded reads of an attempt's `stdout`, `stderr` and declared outputs.
 
 Only three kinds of object can be read, and never by a path from the request:
 `stdout` and `stderr` are the host's own log files (`logs/` of the attempt layout,

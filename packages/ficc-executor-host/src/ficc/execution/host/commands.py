@@ -1,14 +1,18 @@
-"""Administrator commands of the executor host (`python -m ficc.execution <command>`).
+"""The `ficc-executor` command (also `python -m ficc.execution <command>`).
 
 ficc-protocol's `__main__` handles `request` itself and hands every other command
-here as `main(argv)`:
+here as `main(argv)`; the `ficc-executor` console script enters at `console_main`:
 
-    serve --config PATH [--provider-path DIR ...]   the daemon, in the foreground
-    status (--config PATH | --socket PATH)          a readable table of the snapshot
-    provider-digest NAME [--path DIR ...]           the digest to pin for a provider
+    serve --config PATH [--provider-path DIR ...] [--log-level L]   the daemon
+    check-config --config PATH [--provider-path DIR ...]   every check serve makes
+    status (--config PATH | --socket PATH) [--json]        the daemon's snapshot
+    metrics (--config PATH | --socket PATH)                Prometheus text format
+    provider-digest NAME [--path DIR ...] [--json]         the digest to pin
+    request --socket PATH                                  one JSON request from stdin
 
 Exit status: 0 success, 1 a refusal (its stable code first on stderr), 2 a usage error
-(argparse), 3 (status only) no trustworthy reply from the daemon.
+(argparse), 3 no trustworthy reply from the daemon, 4 (check-config) every check
+passed but a provider is unavailable.
 """
 
 from __future__ import annotations
@@ -16,78 +20,193 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import importlib
+import json
 import logging
 import os
+import platform
 import secrets
 import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from typing import Any, Protocol
 
-from ficc.execution.client import Client, ClientError
-from ficc.execution.host import notify, provision
-from ficc.execution.host.config import Config, check_host, load_config
+import msgspec
+
+from ficc.execution.client import Client, ClientError, ConnectFailed
+from ficc.execution.host import logs, metrics, notify, provision
+from ficc.execution.host.config import (
+    Config,
+    check_accounts,
+    check_host,
+    check_metrics_textfile,
+    load_config,
+)
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import socket_paths
 from ficc.execution.host.providers.digest import GROUP, compute_digest
 from ficc.execution.host.server import Dispatcher, ServerLimits, serve, stderr_log
-from ficc.execution.protocol import SnapshotRequest
-from ficc.execution.wire import AttemptStatus, ErrorReply, SnapshotReply
+from ficc.execution.protocol import MetricsRequest, SnapshotRequest
+from ficc.execution.wire import AttemptStatus, ErrorReply, MetricsReply, SnapshotReply
 
-EXIT_OK, EXIT_REFUSED, EXIT_TRANSPORT = 0, 1, 3
+EXIT_OK, EXIT_REFUSED, EXIT_TRANSPORT, EXIT_DEGRADED = 0, 1, 3, 4
 _DAEMON_MODULE = "ficc.execution.host.daemon"
+_PROTOCOL_MAIN = "ficc.execution.__main__"
 _MAX_PAGES = 100_000  # 6.4 million attempts: a bound so a cursor bug cannot loop forever
+PROG = "ficc-executor"
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of the distributions this command is made of."""
+    found: dict[str, str] = {}
+    for name in ("ficc-executor-host", "ficc-protocol"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+            found[name] = "unknown"
+    return found
+
+
+def version_line() -> str:
+    """`ficc-executor 0.1.0 (ficc-protocol 0.1.0, Python 3.11.2)`."""
+    found = versions()
+    return (
+        f"{PROG} {found['ficc-executor-host']} (ficc-protocol {found['ficc-protocol']}, "
+        f"Python {platform.python_version()})"
+    )
+
+
+def console_main() -> None:
+    """The `ficc-executor` console command."""
+    raise SystemExit(main())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["request"]:
+        return _request(args_list[1:])
     parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(args_list)
     try:
         result: int = args.run(args)
     except HostError as error:
-        print(f"{error.code}: {error.message}", file=sys.stderr)
+        if args.command == "serve":  # the daemon's stderr is a JSON-lines log
+            stderr_log(_line("error", "refused", code=error.code, message=error.message))
+        else:
+            print(f"{error.code}: {error.message}", file=sys.stderr)
+        return EXIT_REFUSED
+    except Exception as error:
+        if args.command != "serve":
+            raise
+        # a bug, not a refusal; still one JSON line, so the journal stays parseable
+        failure = "".join(traceback.format_exception(error))
+        stderr_log(_line("error", "failed", error=repr(error), traceback=failure))
         return EXIT_REFUSED
     return result
 
 
+def _request(argv: list[str]) -> int:
+    """`request` belongs to ficc-protocol (a controller may vendor it without the host)."""
+    if argv[:1] == ["--version"]:
+        print(version_line())
+        return EXIT_OK
+    protocol_main = importlib.import_module(_PROTOCOL_MAIN)
+    return int(protocol_main.request_command(argv))
+
+
+def _command(commands: Any, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=help_text, description=description
+    )
+    parser.add_argument("--version", action="version", version=version_line())
+    return parser
+
+
+def _daemon_address(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--config", help="use admin.sock in this configuration's socket_dir")
+    where.add_argument("--socket", help="the socket to ask (admin.sock or an owner socket)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ficc.execution")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="The ficc executor host: a root daemon that runs other people's jobs "
+        "under leases, with pinned providers. Every command has --help and --version.",
+    )
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser(
+    run = _command(
+        commands,
         "serve",
-        help="run the executor host daemon in the foreground",
-        description="Load and check the configuration, open the ledger, recover, listen on "
+        "run the executor host daemon in the foreground",
+        "Load and check the configuration, open the ledger, recover, listen on "
         "the sockets and serve until SIGTERM or SIGINT. Under systemd (Type=notify) it "
-        "reports READY=1 once every socket listens; its monitor pings the watchdog.",
+        "reports READY=1 once every socket listens; its monitor pings the watchdog. "
+        "Logs are JSON lines on stderr.",
     )
     run.add_argument("--config", required=True, help="the administrator's configuration file")
+    _provider_path(run)
     run.add_argument(
-        "--provider-path",
-        action="append",
-        metavar="DIR",
-        help="search providers only in this site directory (repeatable; default: sys.path)",
+        "--log-level",
+        choices=logs.LEVELS,
+        default="info",
+        help="write log lines at this level and above (default: info)",
     )
     run.set_defaults(run=_serve)
 
-    status = commands.add_parser(
-        "status",
-        help="print the daemon's offer, capacity and attempts as a table",
-        description="Ask the daemon for its snapshot (every page) and print it.",
+    check = _command(
+        commands,
+        "check-config",
+        "run every check serve runs before it listens, then exit",
+        "Check the configuration file, the host paths and accounts it names, the ledger "
+        "and each provider's pin and configure(), with the same messages serve gives; "
+        "nothing is changed. Exit 0: "
+        "serve would start with every provider available; 1: serve would refuse to "
+        "start; 4: serve would start, but a provider would be unavailable.",
     )
-    where = status.add_mutually_exclusive_group(required=True)
-    where.add_argument("--config", help="use admin.sock in this configuration's socket_dir")
-    where.add_argument("--socket", help="the socket to ask (admin.sock or an owner socket)")
-    status.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    check.add_argument("--config", required=True, help="the administrator's configuration file")
+    _provider_path(check)
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.add_argument(
+        "--allow-unavailable-providers",
+        action="store_true",
+        help="exit 0 rather than 4 when only a provider is unavailable (the unit uses "
+        "this: the daemon must run to recover and release attempts even then)",
+    )
+    check.set_defaults(run=_check_config)
+
+    status = _command(
+        commands,
+        "status",
+        "print the daemon's offer, capacity and attempts as a table",
+        "Ask the daemon for its snapshot (every page) and print it.",
+    )
+    _daemon_address(status)
+    status.add_argument("--json", action="store_true", help="print every page as JSON")
     status.set_defaults(run=_status)
 
-    digest = commands.add_parser(
+    metrics_command = _command(
+        commands,
+        "metrics",
+        "print the daemon's metrics in the Prometheus text format",
+        "Ask the daemon (administrator socket only) for its metrics and print them in "
+        "the Prometheus text exposition format.",
+    )
+    _daemon_address(metrics_command)
+    metrics_command.set_defaults(run=_metrics)
+
+    digest = _command(
+        commands,
         "provider-digest",
-        help="print the package_digest to pin for an installed provider",
-        description="Verify an installed provider distribution without importing it and "
+        "print the package_digest to pin for an installed provider",
+        "Verify an installed provider distribution without importing it and "
         "print the digest to put in the configuration's providers[].package_digest.",
     )
     digest.add_argument("name", help=f"entry-point name in group {GROUP}")
@@ -97,11 +216,28 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="search only this site directory (repeatable; default: sys.path)",
     )
-    digest.add_argument("--quiet", action="store_true", help="print only the digest")
+    shown = digest.add_mutually_exclusive_group()
+    shown.add_argument("--quiet", action="store_true", help="print only the digest")
+    shown.add_argument("--json", action="store_true", help="print one JSON object")
     digest.set_defaults(run=_provider_digest)
 
     provision.add_parser(commands)
+
+    commands.add_parser(
+        "request",
+        help="send one reviewed JSON request from stdin (see `request --help`)",
+        add_help=False,
+    )
     return parser
+
+
+def _provider_path(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--provider-path",
+        action="append",
+        metavar="DIR",
+        help="search providers only in this site directory (repeatable; default: sys.path)",
+    )
 
 
 # --- provider-digest ---------------------------------------------------------------------
@@ -109,6 +245,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _provider_digest(args: argparse.Namespace) -> int:
     verified = compute_digest(args.name, args.path)
+    if args.json:
+        document = {
+            "id": args.name,
+            "distribution": verified.name,
+            "version": verified.version,
+            "entry_point": verified.distribution.entry_point,
+            "location": str(verified.distribution.site_dir),
+            "files": len(verified.files),
+            "package_digest": verified.digest,
+        }
+        print(json.dumps(document, sort_keys=True))
+        return EXIT_OK
     if not args.quiet:
         rows = [
             ("distribution", verified.name),
@@ -142,13 +290,83 @@ def _open_daemon(config: Config, provider_path: list[str] | None) -> Daemon:
     return daemon
 
 
-def _serve(args: argparse.Namespace) -> int:
-    _log_json_lines()
-    config = load_config(args.config)
+def checked_config(path: str) -> Config:
+    """The configuration at `path`, after every host check that needs no ledger.
+
+    `serve` and `check-config` both call this, so check-config runs exactly the checks
+    serve runs before it opens anything.
+    """
+    config = load_config(path)
     check_host(config)
+    check_accounts(config)
+    check_metrics_textfile(config)
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logs.set_level(args.log_level)
+    _log_json_lines(args.log_level)
+    config = checked_config(args.config)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_daemon(config, args.provider_path))
     return EXIT_OK
+
+
+# --- check-config --------------------------------------------------------------------------
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    try:
+        config = checked_config(args.config)
+        daemon = importlib.import_module(_DAEMON_MODULE)
+        ledger: str = daemon.check_ledger(config)
+    except HostError as error:
+        return _report_check(args, error, None, [])
+    providers = daemon.check_providers(config, args.provider_path)
+    return _report_check(args, None, ledger, providers)
+
+
+def _report_check(
+    args: argparse.Namespace,
+    refusal: HostError | None,
+    ledger: str | None,
+    providers: list[tuple[str, HostError | None]],
+) -> int:
+    """Print the outcome (text or JSON) and choose the exit status."""
+    unavailable = [(pid, error) for pid, error in providers if error is not None]
+    if refusal is not None:
+        status, result = EXIT_REFUSED, "refused"
+    elif unavailable and not args.allow_unavailable_providers:
+        status, result = EXIT_DEGRADED, "provider_unavailable"
+    else:
+        status, result = EXIT_OK, "ok"
+    if args.json:
+        document = {
+            "config": args.config,
+            "result": result,
+            "error": None if refusal is None else _error_json(refusal),
+            "ledger": ledger,
+            "providers": [
+                {"id": pid, "available": error is None,
+                 "error": None if error is None else _error_json(error)}
+                for pid, error in providers
+            ],
+        }  # fmt: skip
+        print(json.dumps(document, sort_keys=True))
+        return status
+    if refusal is not None:
+        print(f"{refusal.code}: {refusal.message}", file=sys.stderr)
+        return status
+    print(f"ledger: {ledger}")
+    for pid, error in providers:
+        shown = "available" if error is None else f"unavailable: {error.code}: {error.message}"
+        print(f"provider {pid}: {shown}", file=sys.stderr if error else sys.stdout)
+    print(f"{args.config}: {'ok' if status == EXIT_OK else 'a provider is unavailable'}")
+    return status
+
+
+def _error_json(error: HostError) -> dict[str, str]:
+    return {"code": error.code, "message": error.message}
 
 
 class _JsonLines(logging.Handler):
@@ -173,10 +391,10 @@ class _JsonLines(logging.Handler):
             self.handleError(record)
 
 
-def _log_json_lines() -> None:
+def _log_json_lines(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [_JsonLines()]
-    root.setLevel(logging.INFO)
+    root.setLevel(level.upper())
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -205,7 +423,17 @@ async def run_daemon(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    stderr_log(_line("info", "starting", pid=os.getpid()))
+    found = versions()
+    stderr_log(
+        _line(
+            "info",
+            "starting",
+            pid=os.getpid(),
+            version=found["ficc-executor-host"],
+            protocol_version=found["ficc-protocol"],
+            python=platform.python_version(),
+        )
+    )
     daemon = (open_daemon or _open_daemon)(config, provider_path)
     try:
         await daemon.start()
@@ -230,7 +458,11 @@ async def _serve_until(
             stderr_log(_line("error", "notify_failed", error=str(exc)))
         stderr_log(_line("info", "ready", sockets=[e.name for e in endpoints]))
 
-    server = asyncio.ensure_future(serve(daemon, endpoints, limits=limits, ready=ready))
+    def log(record: dict[str, Any]) -> None:
+        metrics.PROCESS.observe_log(record)
+        stderr_log(record)
+
+    server = asyncio.ensure_future(serve(daemon, endpoints, limits=limits, ready=ready, log=log))
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({server, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -255,20 +487,83 @@ def _line(level: str, event: str, **fields: Any) -> dict[str, Any]:
 # --- status --------------------------------------------------------------------------------
 
 
+def _socket_of(args: argparse.Namespace) -> str:
+    if args.socket is not None:
+        return str(args.socket)
+    return os.path.join(load_config(args.config).socket_dir, "admin.sock")
+
+
+def transport_failure(exc: ClientError, path: str) -> str:
+    """What went wrong talking to the daemon, and what to do when it is not running."""
+    line = f"transport: {type(exc).__name__}: {exc}"
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else None
+    if isinstance(exc, ConnectFailed) and (
+        cause is None or cause.errno in (errno.ENOENT, errno.ECONNREFUSED)
+    ):
+        line += (
+            f"\nhint: no daemon is listening on {path}. Is it running? "
+            "`systemctl status ficc-executor-host` and "
+            "`journalctl -u ficc-executor-host -p warning` show why not; "
+            "`ficc-executor check-config --config PATH` checks its configuration"
+        )
+    return line
+
+
 def _status(args: argparse.Namespace) -> int:
-    path = args.socket
-    if path is None:
-        path = os.path.join(load_config(args.config).socket_dir, "admin.sock")
+    path = _socket_of(args)
     client = Client(path, connect_timeout=args.timeout, read_timeout=args.timeout)
     try:
         pages = asyncio.run(fetch_snapshots(client))
+        daemon_version = None
+        if not isinstance(pages, ErrorReply) and os.path.basename(path) == "admin.sock":
+            daemon_version = asyncio.run(fetch_version(client))
     except ClientError as exc:
-        print(f"transport: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(transport_failure(exc, path), file=sys.stderr)
         return EXIT_TRANSPORT
     if isinstance(pages, ErrorReply):
         print(f"{pages.error.code}: {pages.error.message}", file=sys.stderr)
         return EXIT_REFUSED
-    sys.stdout.write(format_status(pages, now_ms=time.time_ns() // 1_000_000))
+    if args.json:
+        document = {
+            "daemon_version": daemon_version,
+            "pages": [msgspec.to_builtins(p) for p in pages],
+        }
+        print(json.dumps(document, sort_keys=True))
+        return EXIT_OK
+    now_ms = time.time_ns() // 1_000_000
+    sys.stdout.write(format_status(pages, now_ms=now_ms, daemon_version=daemon_version))
+    return EXIT_OK
+
+
+async def fetch_metrics(client: Client) -> MetricsReply | ErrorReply:
+    reply = await client.request(MetricsRequest(version=1, id=secrets.token_hex(16)))
+    assert isinstance(reply, (MetricsReply, ErrorReply))  # decode_reply picks it
+    return reply
+
+
+async def fetch_version(client: Client) -> str | None:
+    """The daemon's version from its metrics (`ficc_build_info`); None if refused."""
+    reply = await fetch_metrics(client)
+    if isinstance(reply, ErrorReply):
+        return None
+    for line in reply.text.splitlines():
+        if line.startswith('ficc_build_info{version="'):
+            return line.split('"', 2)[1]
+    return None
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    path = _socket_of(args)
+    client = Client(path, connect_timeout=args.timeout, read_timeout=args.timeout)
+    try:
+        reply = asyncio.run(fetch_metrics(client))
+    except ClientError as exc:
+        print(transport_failure(exc, path), file=sys.stderr)
+        return EXIT_TRANSPORT
+    if isinstance(reply, ErrorReply):
+        print(f"{reply.error.code}: {reply.error.message}", file=sys.stderr)
+        return EXIT_REFUSED
+    sys.stdout.write(reply.text)
     return EXIT_OK
 
 
@@ -292,7 +587,9 @@ async def fetch_snapshots(client: Client) -> list[SnapshotReply] | ErrorReply:
     raise HostError("status_cursor", f"more than {_MAX_PAGES} snapshot pages; giving up")
 
 
-def format_status(pages: Sequence[SnapshotReply], *, now_ms: int) -> str:
+def format_status(
+    pages: Sequence[SnapshotReply], *, now_ms: int, daemon_version: str | None = None
+) -> str:
     """A readable, stable text table of one snapshot (all its pages)."""
     first = pages[0]
     attempts = [a for page in pages for a in page.attempts]
@@ -300,6 +597,7 @@ def format_status(pages: Sequence[SnapshotReply], *, now_ms: int) -> str:
     res = offer.limits.resources
     avail = first.capacity.available
     out = [
+        f"daemon         {daemon_version or '- (its version is shown on admin.sock)'}",
         f"installation   {first.installation_id}",
         f"ledger         {first.ledger_id or '-'}   admission_version {first.admission_version}",
         f"lease ceiling  {first.maximum_lease_seconds} s"
@@ -333,7 +631,7 @@ def format_status(pages: Sequence[SnapshotReply], *, now_ms: int) -> str:
         _table(
             ["PROVIDER", "AVAILABLE", "PACKAGE DIGEST"],
             [
-                [p.id, "yes" if p.available else "NO", p.package_digest]
+                [p.id, "yes" if p.available else "UNAVAILABLE", p.package_digest]
                 for p in first.capacity.providers
             ],
         ),

@@ -26,12 +26,15 @@ import json
 import math
 import os
 import posixpath
+import pwd
 import re
 import stat
 import tomllib
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 
 from ficc.execution.host import fsutil, ledger_space, slotfs
 from ficc.execution.host.errors import HostError
@@ -41,7 +44,8 @@ MAX_CONFIG_BYTES = 1 << 20
 MAX_LEASE_SECONDS = 86_400
 _MAX_JSON_DEPTH = 32
 
-AbsolutePath = Annotated[str, msgspec.Meta(pattern=r"\A/[^\x00-\x1f\x7f]*\Z", max_length=4095)]
+_ABSOLUTE_PATH = r"\A/[^\x00-\x1f\x7f]*\Z"
+AbsolutePath = Annotated[str, msgspec.Meta(pattern=_ABSOLUTE_PATH, max_length=4095)]
 AccountId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
@@ -121,6 +125,8 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
     """How long one provider batch call may take before its rows are uncertain."""
 
+    metrics_textfile: AbsolutePath | None = None
+
 
 def _refuse(code: str, key: str, problem: str, fix: str) -> HostError:
     return HostError(code, f"{key}: {problem}; {fix}")
@@ -182,12 +188,34 @@ def _refuse_constant(name: str) -> object:
 _SCHEMA_LOCATION = re.compile(r"^(?P<problem>.*?)(?: - at `\$(?P<key>[^`]*)`)?$", re.DOTALL)
 
 
+_PATTERN_PROBLEM = re.compile(r"^Expected `str` matching regex '(?P<regex>.*)'$", re.DOTALL)
+_ENUM_PROBLEM = re.compile(r"^Invalid enum value (?P<value>.*)$", re.DOTALL)
+
+
+def _pattern_of(annotated: object) -> str:
+    (meta,) = [m for m in typing.get_args(annotated)[1:] if isinstance(m, msgspec.Meta)]
+    assert meta.pattern is not None
+    return meta.pattern
+
+
+_PATTERN_NAMES = {
+    _pattern_of(Identity): "an identity (32 lowercase hexadecimal digits)",
+    _pattern_of(Digest): "a digest (sha256: and 64 lowercase hexadecimal digits)",
+    _pattern_of(Name): "a name (a lowercase letter, then up to 79 of a-z, 0-9, '_', '.', '-')",
+    _ABSOLUTE_PATH: "an absolute path (starting with /, no control characters)",
+}
+
+
 def _schema_refusal(detail: str) -> HostError:
-    """Turn msgspec's 'problem - at `$.slots[2].uid`' into 'slots[2].uid: problem; fix'."""
+    """Turn msgspec's 'problem - at `$.slots[2].uid`' into 'slots[2].uid: problem; fix'.
+
+    A pattern mismatch names the expected type rather than printing its regex, and an
+    invalid enum value lists the allowed values.
+    """
     match = _SCHEMA_LOCATION.match(detail)
     assert match is not None  # the pattern matches every string
     key = (match["key"] or "").lstrip(".") or "top level"
-    problem = match["problem"]
+    problem = _readable_problem(match["problem"], key)
     if "unknown field" in problem:
         fix = "remove it or correct its spelling (unknown keys are refused)"
     elif "missing required field" in problem:
@@ -195,6 +223,41 @@ def _schema_refusal(detail: str) -> HostError:
     else:
         fix = "fix this value"
     return _refuse("config_invalid", key, problem, f"{fix}; docs/configuration.md lists every key")
+
+
+def _readable_problem(problem: str, key: str) -> str:
+    pattern = _PATTERN_PROBLEM.match(problem)
+    if pattern is not None:
+        regex = pattern["regex"].encode().decode("unicode_escape")
+        return f"expected {_PATTERN_NAMES.get(regex, 'a string of the documented form')}"
+    enum = _ENUM_PROBLEM.match(problem)
+    if enum is not None:
+        allowed = _allowed_values(key)
+        if allowed:
+            return f"{enum['value']} is not one of {', '.join(allowed)}"
+    return problem
+
+
+def _allowed_values(key: str) -> list[str]:
+    """The literal values allowed at a key path such as `initial_offer.control`."""
+    node: Any = msgspec.inspect.type_info(Config)
+    for token in re.findall(r"[^.\[\]]+", key):
+        while isinstance(node, msgspec.inspect.Metadata):
+            node = node.type
+        if isinstance(node, msgspec.inspect.StructType):
+            fields = {f.encode_name: f.type for f in node.fields}
+            if token not in fields:
+                return []
+            node = fields[token]
+        elif isinstance(node, (msgspec.inspect.VarTupleType, msgspec.inspect.ListType)):
+            node = node.item_type
+        else:
+            return []
+    while isinstance(node, msgspec.inspect.Metadata):
+        node = node.type
+    if isinstance(node, msgspec.inspect.LiteralType):
+        return [json.dumps(value) for value in node.values]
+    return []
 
 
 # --- cross-field rules (pure) ----------------------------------------------------------
@@ -392,12 +455,12 @@ def _check_trusted_directory(st: os.stat_result, key: str, where: str, code: str
     if st.st_uid != 0:
         raise _refuse(code, key, f"directory {where} is owned by UID {st.st_uid}", "chown root")
     if st.st_mode & 0o022:
-        raise _refuse(
-            code,
-            key,
-            f"directory {where} has mode {stat.S_IMODE(st.st_mode):04o}, writable by others",
-            f"chmod go-w {where}",
-        )
+        mode = stat.S_IMODE(st.st_mode)
+        problem = f"directory {where} has mode {mode:04o}, writable by others"
+        if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):  # a shared directory such as /tmp
+            fix = "move it below a directory only root can write (for example /etc/ficc)"
+            raise _refuse(code, key, problem, fix)
+        raise _refuse(code, key, problem, f"chmod go-w {where}")
 
 
 def _open_unchanged_child(parent_fd: int, name: str, key: str, where: str, code: str) -> int:
@@ -579,3 +642,47 @@ def check_slots(config: Config) -> None:
 def open_image_parent(path: str, key: str) -> int:
     """The directory of a loop-mounted slot's image file, trusted like the config's."""
     return open_trusted_directory(path, key, "slot_filesystem")
+
+
+def check_accounts(config: Config) -> None:
+    """The transport and local-owner UIDs name existing accounts on this machine.
+
+    A UID with no account cannot be told apart from one a later `useradd` hands to
+    somebody else, so a socket owned by it is refused until the account exists.
+    """
+    accounts = [("transport_uid", config.transport_uid)]
+    accounts += [(f"local_owner_uids[{i}]", uid) for i, uid in enumerate(config.local_owner_uids)]
+    for key, uid in accounts:
+        try:
+            pwd.getpwuid(uid)
+        except KeyError:
+            raise _refuse(
+                "account_missing",
+                key,
+                f"UID {uid} has no account on this host",
+                "create it (useradd --system) or fix the UID",
+            ) from None
+
+
+METRICS_TEXTFILE_SUFFIX = ".prom"
+
+
+def check_metrics_textfile(config: Config) -> None:
+    """`metrics_textfile` names a `.prom` file in a directory only root controls.
+
+    The daemon (root) replaces that file atomically; a directory others could write
+    would let them swap what node_exporter reads.
+    """
+    path = config.metrics_textfile
+    if path is None:
+        return
+    key = "metrics_textfile"
+    parent, name = posixpath.split(path)
+    if not name.endswith(METRICS_TEXTFILE_SUFFIX) or name.startswith("."):
+        raise _refuse(
+            "config_invalid",
+            key,
+            f"{path!r} does not name a {METRICS_TEXTFILE_SUFFIX} file",
+            "name the file node_exporter's textfile collector reads, e.g. ficc.prom",
+        )
+    os.close(open_trusted_directory(parent, key, "host_path_unsafe"))

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ficc.execution._executor import ReceivedRequest
-from ficc.execution.host import fsutil, handlers, notify
+from ficc.execution.host import fsutil, handlers, metrics, notify
 from ficc.execution.host.clock import BootClock
-from ficc.execution.host.config import Config, check_host
+from ficc.execution.host.config import Config, Provider, check_host
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.ledger import LEDGER_FILE, Ledger
@@ -42,7 +42,16 @@ from ficc.execution.host.staging import Stager
 from ficc.execution.protocol import Sender
 from ficc.execution.wire import AnyReply
 
-__all__ = ["LEDGER_MARKER", "Daemon", "RunnerLike", "open_ledger", "service_backend"]
+__all__ = [
+    "LEDGER_MARKER",
+    "Daemon",
+    "RunnerLike",
+    "check_ledger",
+    "check_ledger_present",
+    "check_providers",
+    "open_ledger",
+    "service_backend",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -81,6 +90,7 @@ class Daemon:
         self.ctx = ctx
         self.runner = runner
         self._monitor: asyncio.Task[None] | None = None
+        self._textfile: asyncio.Task[None] | None = None
         self._closed = False
 
     @classmethod
@@ -132,9 +142,13 @@ class Daemon:
         return cls(ctx, runner)
 
     async def start(self) -> None:
-        """Startup recovery (before the server listens), then the monitor loop."""
+        """Startup recovery (before the server listens), then the monitor loop (and the
+        metrics textfile writer when `metrics_textfile` is configured)."""
         await self.runner.recover()
-        self._monitor = asyncio.get_running_loop().create_task(self.runner.run())
+        loop = asyncio.get_running_loop()
+        self._monitor = loop.create_task(self.runner.run())
+        if self.ctx.config.metrics_textfile is not None:
+            self._textfile = loop.create_task(write_metrics_textfile(self.ctx))
 
     async def dispatch(self, sender: Sender, uid: int, request: ReceivedRequest) -> AnyReply:
         """Answer one request (authority already checked by the server)."""
@@ -148,10 +162,11 @@ class Daemon:
         if self._closed:
             return
         self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._textfile, self._monitor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.runner.close()
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.workers.shutdown)
         self.ctx.ledger.close()
@@ -159,9 +174,38 @@ class Daemon:
 
 # --- parts -----------------------------------------------------------------------------
 
+METRICS_TEXTFILE_SECONDS = 15.0
+"""How often `metrics_textfile` is rewritten (node_exporter reads it when scraped)."""
 
-def open_ledger(config: Config) -> Ledger:
-    """Open the ledger, or create it on the very first start (see the module docstring)."""
+
+async def write_metrics_textfile(
+    ctx: HostContext, interval: float = METRICS_TEXTFILE_SECONDS
+) -> None:
+    """Rewrite `metrics_textfile` atomically (mode 0644) every `interval` seconds; a
+    failed write is logged and retried on the next round, never fatal."""
+    path = ctx.config.metrics_textfile
+    assert path is not None
+    directory, name = os.path.split(path)
+    while True:
+        try:
+            facts = await ctx.workers.db(handlers.metric_facts, ctx)
+            text = metrics.render(facts, metrics.PROCESS).encode()
+            await asyncio.to_thread(_replace_file, directory, name, text)
+        except (OSError, HostError) as error:
+            _log.warning("metrics_textfile %s not written: %s", path, error)
+        await asyncio.sleep(interval)
+
+
+def _replace_file(directory: str, name: str, data: bytes) -> None:
+    dir_fd = fsutil.open_dir(directory)
+    try:
+        fsutil.atomic_replace(dir_fd, name, data, 0o644)
+    finally:
+        os.close(dir_fd)
+
+
+def check_ledger_present(config: Config) -> tuple[bool, bool]:
+    """(ledger exists, marker exists); refuses a ledger that existed and is gone."""
     state_fd = fsutil.open_dir(config.state_dir)
     try:
         has_ledger = _exists(state_fd, LEDGER_FILE)
@@ -175,6 +219,29 @@ def open_ledger(config: Config) -> Ledger:
             " existed: restore it from backup; a new ledger would silently invalidate every"
             " saved admission binding",
         )
+    return has_ledger, has_marker
+
+
+def check_ledger(config: Config) -> str:
+    """The ledger checks `serve` makes before it listens, changing nothing: a ledger that
+    existed is still there, opens, passes its integrity check and belongs to this
+    installation. Returns what was found; a ledger a running daemon holds is not
+    opened a second time (that daemon checked it when it started)."""
+    has_ledger, _ = check_ledger_present(config)
+    if not has_ledger:
+        return "none yet (serve creates it on its first start)"
+    try:
+        Ledger.open(config.state_dir, config.installation_id).close()
+    except HostError as error:
+        if error.code != "ledger_busy":
+            raise
+        return "held by a running daemon (checked when that daemon started)"
+    return "ok"
+
+
+def open_ledger(config: Config) -> Ledger:
+    """Open the ledger, or create it on the very first start (see the module docstring)."""
+    has_ledger, has_marker = check_ledger_present(config)
     if has_ledger:
         ledger = Ledger.open(config.state_dir, config.installation_id)
     else:
@@ -221,20 +288,33 @@ def _write_marker(state_dir: str, ledger_id: str) -> None:
         os.close(state_fd)
 
 
+def check_providers(
+    config: Config, provider_path: Sequence[str] | None
+) -> list[tuple[str, HostError | None]]:
+    """Each provider's id and its refusal (None: available), as `serve` would load it."""
+    return [(p.id, _load_one(p, provider_path).refusal) for p in config.providers]
+
+
+def _load_one(provider: Provider, provider_path: Sequence[str] | None) -> ProviderRuntime:
+    pin = provider.package_digest
+    try:
+        loaded = load_provider(provider.id, pin, provider.configuration, provider_path)
+    except HostError as error:
+        return ProviderRuntime(provider.id, pin, None, error)
+    return ProviderRuntime(provider.id, pin, loaded, None)
+
+
 def load_providers(
     config: Config, provider_path: Sequence[str] | None
 ) -> dict[str, ProviderRuntime]:
-    """Verify and load each configured provider; a refusal makes it unavailable."""
+    """Verify and load each configured provider; a refusal makes it unavailable
+    (reported in the log, `status`, the snapshot and the metrics; not fatal)."""
     providers: dict[str, ProviderRuntime] = {}
     for provider in config.providers:
-        pin = provider.package_digest
-        try:
-            loaded = load_provider(provider.id, pin, provider.configuration, provider_path)
-        except HostError as error:
-            _log.error("provider %s unavailable: %s", provider.id, error)
-            providers[provider.id] = ProviderRuntime(provider.id, pin, None, error)
-            continue
-        providers[provider.id] = ProviderRuntime(provider.id, pin, loaded, None)
+        runtime = _load_one(provider, provider_path)
+        if runtime.refusal is not None:
+            _log.error("provider %s unavailable: %s", provider.id, runtime.refusal)
+        providers[provider.id] = runtime
     return providers
 
 

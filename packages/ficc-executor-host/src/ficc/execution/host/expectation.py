@@ -1,6 +1,6 @@
 """The prepare result a provider returns, and the gate Expectation the host builds from it.
 
-A provider's prepare result (seed: argv, barrier, devices, mounts, generated_targets,
+A provider's prepare result (argv, barrier, devices, mounts, generated_targets,
 positive_devices, negative_devices) is validated ONCE, strictly, into `PrepareResult`
 and persisted before anything uses it (`check_prepare_result` compares it with the
 plan and with the real filesystem). From then on the host never trusts the provider

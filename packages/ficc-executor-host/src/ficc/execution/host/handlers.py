@@ -1,4 +1,4 @@
-"""One function per action: check against the records, commit, answer (DESIGN 4.4, 5.3).
+"""One function per action: check against the records, commit, answer.
 
 A handler validates a request against the ledger, commits in ONE ledger transaction
 where correctness allows, hands the asynchronous work to the runner (never calling a
@@ -28,9 +28,12 @@ Decisions made here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from importlib import metadata
 from typing import Any, NamedTuple, Protocol
 
 import msgspec
@@ -45,6 +48,7 @@ from ficc.execution.errors import ErrorCode
 from ficc.execution.host import collect as collecting
 from ficc.execution.host import leases, lifecycle
 from ficc.execution.host import ledger as ledgerlib
+from ficc.execution.host import metrics as metricslib
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
@@ -57,6 +61,7 @@ from ficc.execution.protocol import (
     InputStatusRequest,
     InputWrite,
     InputWriteRequest,
+    MetricsRequest,
     ObjectRef,
     ObserveRequest,
     OfferLimits,
@@ -82,6 +87,7 @@ from ficc.execution.wire import (
     InputResult,
     InputRow,
     InputsReply,
+    MetricsReply,
     Offer,
     OfferReply,
     ProviderInfo,
@@ -865,6 +871,58 @@ async def set_offer(
     return OfferReply(version=1, id=request.id, offer=wire_offer(offer))
 
 
+def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
+    """Everything the metrics read from the durable state, on the ledger thread."""
+    attempts: Counter[tuple[str, str]] = Counter()
+    reasons: Counter[str] = Counter()
+    unconfirmed = records = 0
+    for state, outcome, reason, confirmed, count in ctx.ledger.tally():
+        attempts[(state, outcome or "")] += count
+        if reason is not None:
+            reasons[reason] += count
+        if state in lifecycle.SETTLED and not confirmed:
+            unconfirmed += count
+        records += count
+    occupied, used = ctx.ledger.reservations()
+    capacity = _capacity(ctx, occupied, used)
+    return metricslib.LedgerFacts(
+        version=host_version(),
+        attempts=attempts,
+        reasons=reasons,
+        cleanup_unconfirmed=unconfirmed,
+        slots={c.class_: (c.total, c.free) for c in capacity.slot_classes},
+        providers={
+            p.id: None if p.refusal is None else p.refusal.code for p in ctx.providers.values()
+        },
+        ledger_records=records,
+        ledger_bytes=_ledger_bytes(ctx.config.state_dir),
+    )
+
+
+def host_version() -> str:
+    try:
+        return metadata.version("ficc-executor-host")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
+
+
+def _ledger_bytes(state_dir: str) -> int:
+    total = 0
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            total += os.stat(os.path.join(state_dir, ledgerlib.LEDGER_FILE + suffix)).st_size
+    return total
+
+
+async def metrics(
+    ctx: HostContext, runner: RunnerPort, sender: Sender, request: MetricsRequest
+) -> AnyReply:
+    """The daemon's metrics as Prometheus text (administrator only)."""
+    facts = await ctx.workers.db(metric_facts, ctx)
+    text = metricslib.render(facts, metricslib.PROCESS)
+    return MetricsReply(version=1, id=request.id, text=text)
+
+
 HANDLERS: dict[str, Handler] = {
     "prepare": prepare,
     "renew": renew,
@@ -879,6 +937,7 @@ HANDLERS: dict[str, Handler] = {
     "reconcile_absent": reconcile_absent,
     "snapshot": snapshot,
     "set_offer": set_offer,
+    "metrics": metrics,
 }
 
 

@@ -1,4 +1,4 @@
-"""The durable ledger: one SQLite database per host (DESIGN 5.2).
+"""The durable ledger: one SQLite database per host.
 
 It holds the installation ID, a random `ledger_id` made once when the file is
 created, the offer, and one record per attempt. Records are never deleted (a trigger
@@ -97,7 +97,7 @@ leases alive but starts nothing; stopped renews nothing, so expiry stops the wor
 
 
 class Bindings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a controller saves and sends back before any admission (seed: 3 bindings)."""
+    """What a controller saves and sends back before any admission (the three bindings)."""
 
     installation_id: planlib.Identity
     ledger_id: planlib.Identity
@@ -518,7 +518,7 @@ def _check_acknowledged(acknowledged: Sequence[str], unacknowledged: set[str]) -
 def _admissible_slot(
     plan: planlib.Plan, lease: Lease, terms: _Terms, facts: HostFacts, occupancy: _Occupancy
 ) -> SlotSpec:
-    """Every check of DESIGN 5.3 that needs no provider; raises _Rejection or returns a slot."""
+    """Every admission check that needs no provider; raises _Rejection or returns a slot."""
     offer, ceiling = terms.offer, terms.ceiling
     if "admit" not in OFFER_ALLOWS[offer.control]:
         raise _Rejection(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}; try later")
@@ -1083,6 +1083,16 @@ class Ledger:
             ).fetchall()
         records = [_record(r) for r in rows[:limit]]
         return records, (records[-1].attempt_id if len(rows) > limit else None)
+
+    def tally(self) -> list[tuple[str, str | None, str | None, bool, int]]:
+        """(state, outcome, reason, cleanup confirmed, records) for every combination
+        present: the figures the metrics report, in one aggregate query."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT state, outcome, reason, cleanup_confirmed, COUNT(*) FROM attempts"
+                " GROUP BY state, outcome, reason, cleanup_confirmed"
+            ).fetchall()
+        return [(str(s), o, r, bool(c), int(n)) for s, o, r, c, n in rows]
 
     def fenced(self, fences: Sequence[Fence]) -> list[AttemptRecord | HostError]:
         """The record of each fence, or `unknown_attempt` / `fence_mismatch` (one query)."""

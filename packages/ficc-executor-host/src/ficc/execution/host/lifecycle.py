@@ -1,4 +1,4 @@
-"""The attempt lifecycle: a pure state machine over one attempt's status (DESIGN 5.3).
+"""The attempt lifecycle: a pure state machine over one attempt's status.
 
 No I/O here. The ledger reads a record, calls `apply(status, event)` and writes the
 returned status in the same transaction, so every rule about which state may follow
@@ -9,17 +9,17 @@ applied in and what follows. A few rules need more than the state (is the attemp
 ready? was a start ever requested? is the lease current?); those are the guards in
 `_refusal`. Anything not in the table is refused with `invalid_state`.
 
-Decisions the seed leaves to the host, made here:
+Decisions the protocol leaves to the host, made here:
 
 - `outcome` is set whenever the attempt settles (reaches a terminal state or
-  `unknown`) and never changes afterwards, so `release` keeps it as the seed requires.
+  `unknown`) and never changes afterwards, so `release` keeps it, as the protocol requires.
 - A daemon restart (`DaemonRestarted`) turns `starting` and `running` into `unknown`:
   the payload may have been released and its outcome cannot be confirmed, so it is
   never resumed or replayed. A `prepared` attempt never ran its payload, so nothing
   about its execution is uncertain, but provider code may have been interrupted:
   - provider preparation in flight (`preparing`) -> `failed`, reason
     `executor_restarted`: replaying provider preparation is exactly the replay the
-    seed forbids, and "did not run" is certain, so it is a failure, not `unknown`.
+    protocol forbids, and "did not run" is certain, so it is a failure, not `unknown`.
     Cleanup is unconfirmed: the normal cleanup and release path follows.
   - staging inputs, or prepared and `ready` -> unchanged. Staged bytes are durable up
     to their committed offsets, a ready attempt's prepared result is persisted, and

@@ -1,6 +1,6 @@
 """The daemon's listening sockets and the kernel-checked identity of each peer.
 
-`socket_dir` holds one socket per role (DESIGN 5.10): `transport.sock` (the transport
+`socket_dir` holds one socket per role: `transport.sock` (the transport
 UID), `admin.sock` (root) and `owner-<uid>.sock` for each local owner. Each socket file
 is mode 0600 and owned by the one UID allowed to connect, so the file system refuses
 other users first; the daemon then checks the peer's SO_PEERCRED UID against the same

@@ -1,7 +1,7 @@
 """The runner: the asynchronous work on an attempt after a handler has replied.
 
 Handlers record decisions durably and reply; the `Runner` then does what takes time
-(DAEMON.md, "One attempt"), always through `ctx.workers` so the event loop never
+(docs/architecture.md), always through `ctx.workers` so the event loop never
 blocks, and records every outcome in the ledger as a lifecycle event:
 
 - prepare: the attempt layout, staging of streamed inputs, then provider `probe`
@@ -73,7 +73,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import gate, layout, leases, lifecycle, procfs, slotfs
+from ficc.execution.host import gate, layout, leases, lifecycle, metrics, procfs, slotfs
 from ficc.execution.host.config import open_image_parent
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
@@ -135,7 +135,7 @@ class DeviceOpen(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Observation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One `observe` row (seed: waiting, ready with device opens, payload with the host
+    """One `observe` row (waiting, ready with device opens, payload with the host
     PID, finished with an exit code 0..255)."""
 
     phase: Literal["waiting", "ready", "payload", "finished"]
@@ -418,7 +418,7 @@ class Runner:
         return _Attempt(record, plan, slot, place, place.paths(record.attempt_id), name)
 
     def _context(self, attempt: _Attempt, **extra: Any) -> dict[str, Any]:
-        """The provider context of the seed (prepare adds `check`; later ones `prepared`)."""
+        """The provider context of the contract (prepare adds `check`; later ones `prepared`)."""
         slot, paths = attempt.slot, attempt.paths
         return {
             "attempt_id": attempt.id,
@@ -904,7 +904,9 @@ class Runner:
             idle = False
         if idle:
             await self._apply(fresh, lifecycle.CleanupConfirmed())
-        elif not fresh.status.quarantined:
+            return
+        metrics.PROCESS.cleanup_not_confirmed()
+        if not fresh.status.quarantined:
             await self._apply(fresh, lifecycle.CleanupFailed())
 
     # --- reading the ledger -------------------------------------------------------

@@ -1,7 +1,7 @@
 """The daemon's socket shell: accept, check the peer, read one frame, dispatch, reply.
 
 A thin asyncio shell around the sans-I/O codecs of ficc-protocol and the daemon's
-`dispatch` (DESIGN 5.10). Per connection, in this order:
+`dispatch`. Per connection, in this order:
 
 1. `accept`, then SO_PEERCRED: a peer whose UID does not own this socket is refused
    before a single byte is read from it. The refusal is one `not_authorized` reply
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from ficc.execution.frames import (
     FrameDecoder,
     FrameError,
 )
+from ficc.execution.host import logs
 from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import Endpoint, check_peer, listen, peer_credentials
@@ -74,7 +74,7 @@ _REPLY_BUFFER_MAX = 2 * (HEADER.size + REPLY_MAX)
 
 
 class Dispatcher(Protocol):
-    """What the shell needs from the daemon (the contract in DAEMON.md)."""
+    """What the shell needs from the daemon (see docs/architecture.md)."""
 
     async def dispatch(self, sender: Sender, uid: int, request: ReceivedRequest) -> AnyReply: ...
 
@@ -108,9 +108,8 @@ Log = Callable[[dict[str, Any]], None]
 
 
 def stderr_log(record: dict[str, Any]) -> None:
-    """Write one JSON line to stderr (the journal under systemd)."""
-    sys.stderr.write(msgspec.json.encode(record).decode() + "\n")
-    sys.stderr.flush()
+    """Write one JSON line to stderr (the journal under systemd; see `logs`)."""
+    logs.emit(record)
 
 
 class _ReplyBuffers:

@@ -1,4 +1,4 @@
-"""Provider pinning, loading and batch calls (DESIGN.md 5.6).
+"""Provider pinning, loading and batch calls (docs/providers.md).
 
 - `digest`: find the one distribution registering an entry-point name and compute the
   digest an administrator pins, without importing it.

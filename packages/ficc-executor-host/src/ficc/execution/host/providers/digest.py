@@ -25,6 +25,14 @@ Refused, each with a stable code:
   directory writable by group or others, or one not owned by root (by root or the
   current user when not running as root).
 
+Records of the install, not of the release, are left out of the digest, so one
+release pins as one digest wherever its wheel was installed from (a path, an index, a
+cache, directly or as a dependency): the `.dist-info` files `RECORD` (its rows for the
+files below differ per install; every file it lists is hashed on its own),
+`direct_url.json` (the install source), `INSTALLER` and `REQUESTED`. They are still
+opened and checked like every other file, and RECORD is still read to know which files
+exist.
+
 Bytecode caches (`__pycache__/*.pyc`) are excluded from the digest, listed or not:
 pip writes them with install-time timestamps (so they would make the pin change on
 every reinstall) and RECORD carries no hash for them. They are still checked for
@@ -166,6 +174,10 @@ def _refuse(code: str, message: str) -> HostError:
     )
 
 
+_INSTALL_RECORDS = frozenset({"RECORD", "direct_url.json", "INSTALLER", "REQUESTED"})
+"""`.dist-info` files that describe one install rather than the release (not digested)."""
+
+
 def _is_bytecode_cache(relpath: str) -> bool:
     parts = relpath.split("/")
     return len(parts) >= 2 and parts[-2] == "__pycache__" and parts[-1].endswith(".pyc")
@@ -204,7 +216,7 @@ class _Verifier:
         files: list[InstalledFile] = []
         for relpath, (record_sha, record_size) in sorted(record.items()):
             checked = self._check_file(relpath, record_sha, record_size)
-            if checked is not None:
+            if checked is not None and not self._is_install_record(relpath):
                 files.append(checked)
         roots = self._import_roots(record)
         for root in [*sorted(roots.dirs), self.dist_info_rel]:
@@ -230,6 +242,10 @@ class _Verifier:
             import_roots=roots.names,
             digest="sha256:" + hashlib.sha256(canonical).hexdigest(),
         )
+
+    def _is_install_record(self, relpath: str) -> bool:
+        folder, _, name = relpath.rpartition("/")
+        return folder == self.dist_info_rel and name in _INSTALL_RECORDS
 
     # ---- RECORD -----------------------------------------------------------------------
 

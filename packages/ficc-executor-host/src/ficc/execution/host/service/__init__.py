@@ -1,4 +1,4 @@
-"""The system service enclosing each attempt (DESIGN 5.7): interface and backends."""
+"""The system service enclosing each attempt: interface and backends."""
 
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import (

@@ -1,6 +1,6 @@
 """The `cgroupfs` system service: the daemon manages the attempt's cgroups itself.
 
-For hosts without systemd as PID 1 (DESIGN 5.7). Each attempt gets a node
+For hosts without systemd as PID 1. Each attempt gets a node
 `<base>/<name>` in every hierarchy of the layout (`cgroups.discover`): on a v1 host
 in every v1 hierarchy plus the unified tree (for `cgroup.kill`); on a v2 host in the
 unified tree. Limits and the closed device policy are written on the node, read

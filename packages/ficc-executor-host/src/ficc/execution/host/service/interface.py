@@ -1,10 +1,10 @@
-"""The system service that encloses one attempt (DESIGN 5.7), independent of backend.
+"""The system service that encloses one attempt, independent of backend.
 
 The host, never the provider, creates this service: the provider only supplies the
 argv (its supervisor, e.g. Podman), and the host wraps it in a cgroup tree with the
 plan's limits, a closed device policy and kill-the-whole-tree on stop. Two backends
 implement `SystemService`: `cgroupfs` (this package, for hosts without systemd as
-PID 1) and `systemd` (later, issue 6). The daemon only talks to this interface, so
+PID 1) and `systemd`. The daemon only talks to this interface, so
 both must pass the same behaviour tests.
 
 Every method is synchronous and may block briefly (cgroup file I/O, polling with a

@@ -1,6 +1,6 @@
 """The `systemd` system service: each attempt is a transient unit of systemd (PID 1).
 
-For hosts where systemd is PID 1 (DESIGN 5.7). The attempt's service is the unit
+For hosts where systemd is PID 1. The attempt's service is the unit
 `<name>.service` (the daemon names it `ficc-work-<installation>-<attempt>`) in
 `ficc.slice`, created with `systemd-run`. Why `systemd-run` rather than D-Bus
 `StartTransientUnit`: the daemon may depend only on msgspec, uvloop and psutil, and

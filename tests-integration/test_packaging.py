@@ -1,0 +1,87 @@
+"""Release metadata of the four distributions: one version each, LICENSE, URLs,
+classifiers, consistent dependency bounds, the console commands, the Podman wheel tag.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DISTRIBUTIONS = ["ficc-hoststate", "ficc-protocol", "ficc-executor-host", "ficc-provider-podman"]
+
+
+def project(name: str) -> dict[str, Any]:
+    with open(ROOT / "packages" / name / "pyproject.toml", "rb") as file:
+        document: dict[str, Any] = tomllib.load(file)["project"]
+    return document
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+def test_each_distribution_carries_the_license_urls_and_classifiers(name: str) -> None:
+    meta = project(name)
+    assert meta["license"] == "Apache-2.0"
+    assert meta["license-files"] == ["LICENSE"]
+    assert (ROOT / "packages" / name / "LICENSE").read_bytes() == (ROOT / "LICENSE").read_bytes()
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert set(meta["urls"]) == {"Homepage", "Documentation", "Changelog", "Source", "Issues"}
+    assert meta["urls"]["Changelog"].endswith(f"packages/{name}/CHANGELOG.md")
+    assert "Programming Language :: Python :: 3 :: Only" in meta["classifiers"]
+    assert "Operating System :: POSIX :: Linux" in meta["classifiers"]
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+def test_the_version_lives_only_in_pyproject(name: str) -> None:
+    assert re.fullmatch(r"\d+\.\d+\.\d+", project(name)["version"])
+    sources = (ROOT / "packages" / name / "src").rglob("*.py")
+    assert [p for p in sources if "__version__" in p.read_text()] == []
+
+
+def test_dependency_bounds_are_ranges_and_agree() -> None:
+    bounds: dict[str, set[str]] = {}
+    for name in DISTRIBUTIONS:
+        for requirement in project(name)["dependencies"]:
+            match = re.fullmatch(r"([a-z0-9-]+)(>=[0-9.]+,<[0-9.]+)", requirement)
+            assert match is not None, f"{name}: {requirement} is not a >=,< range"
+            dependency, spec = match.groups()
+            bounds.setdefault(dependency, set()).add(spec)
+    assert {d: len(s) for d, s in bounds.items() if len(s) > 1} == {}
+
+
+def test_the_console_commands_are_declared() -> None:
+    assert project("ficc-executor-host")["scripts"] == {
+        "ficc-executor": "ficc.execution.host.commands:console_main"
+    }
+    assert project("ficc-hoststate")["scripts"] == {
+        "ficc-hoststate": "ficc.hoststate.cli:console_main"
+    }
+
+
+def test_the_podman_wheel_is_tagged_for_any_python_on_this_platform(tmp_path: Path) -> None:
+    """It holds a static executable but no CPython extension: py3-none-<platform>."""
+    subprocess.run(
+        [sys.executable, "-m", "hatchling", "build", "-t", "wheel", "-d", str(tmp_path)],
+        cwd=ROOT / "packages" / "ficc-provider-podman",
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    version = project("ficc-provider-podman")["version"]
+    assert wheel.name == f"ficc_provider_podman-{version}-py3-none-{platform}.whl"
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        wheel_file = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL")))
+    assert f"Tag: py3-none-{platform}" in wheel_file.decode()
+    assert "Root-Is-Purelib: false" in wheel_file.decode()
+    assert not [n for n in names if n.endswith(".so")]
+    assert any(n.endswith("_bin/ficc-barrier") for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
