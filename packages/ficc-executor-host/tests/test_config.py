@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from ficc.execution.host.config import (
     MAX_CONFIG_BYTES,
     Config,
-    check_directories,
     check_accounts,
+    check_directories,
     check_host,
     check_metrics_textfile,
     load_config,

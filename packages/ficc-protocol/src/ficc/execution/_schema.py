@@ -45,6 +45,7 @@ from ficc.execution.protocol import (
     InputStatusRequest,
     InputWrite,
     InputWriteRequest,
+    MetricsRequest,
     ObjectRef,
     ObserveRequest,
     OfferLimits,
@@ -92,6 +93,7 @@ def schema() -> dict[str, Any]:
         wire.ErrorReply,
         wire.SnapshotReply,
         wire.OfferReply,
+        wire.MetricsReply,
         wire.AttemptRow,
         wire.InputRow,
         wire.ReadRow,
@@ -102,7 +104,7 @@ def schema() -> dict[str, Any]:
     raw = defs.pop("_RawBatch")
     for name, (reply, row) in _BATCHES.items():
         defs[name] = _batch(raw, reply, row)
-    replies = ["ErrorReply", *_BATCHES, "SnapshotReply", "OfferReply"]
+    replies = ["ErrorReply", *_BATCHES, "SnapshotReply", "OfferReply", "MetricsReply"]
     defs["Request"] = found[1]
     defs["Reply"] = {"anyOf": [{"$ref": _REF.format(name=n)} for n in replies]}
     document = {
@@ -296,6 +298,7 @@ def example_requests() -> dict[str, Request]:
             control="active",
             limits=OfferLimits(resources=_resources(), projects=[_hex("0f")], runtimes=["podman"]),
         ),
+        "metrics": MetricsRequest(**base),
     }
 
 
@@ -416,6 +419,9 @@ def example_replies() -> dict[str, wire.AnyReply]:
             next=None,
         ),
         "set_offer": wire.OfferReply(**env, offer=offer),
+        "metrics": wire.MetricsReply(
+            **env, text='# TYPE ficc_slots_free gauge\nficc_slots_free{class="small"} 1\n'
+        ),
         "error": wire.error_reply(_REQUEST_ID, "not_authorized", "this socket may not send it"),
     }
 
