@@ -13,6 +13,7 @@ tools/systemd/tests/test_daemon_unit.py.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Callable
@@ -100,3 +101,38 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     assert attempt(daemon.release(plan)).state == "released"
     assert not slot_processes(daemon)
     assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+
+
+def _reaper_deadline(daemon: Daemon, plan: Plan) -> int:
+    """The boot-clock deadline the reaper holds for the attempt's service (0: none)."""
+    name = f"ficc-work-{daemon.layout.installation_id}-{plan.attempt_id}.deadline"
+    try:
+        document = json.loads((daemon.layout.state_dir / "deadlines" / name).read_text())
+    except FileNotFoundError:
+        return 0
+    return int(document["deadline_boottime_ns"])
+
+
+def test_a_renewal_moves_the_deadline_the_reaper_enforces(daemon: Daemon) -> None:
+    """The reaper's copy of the deadline follows a renewal, so a daemon hung after the
+    renewal stops the payload at the renewed deadline, not at the first one."""
+    plan, first_deadline = start_held(daemon)
+    held = _reaper_deadline(daemon, plan)
+    assert held > 0
+    renewed = now_ms() + 2 * LEASE_MS
+    assert daemon.renew(plan, 2, renewed).state == "starting"
+    wait_until(lambda: _reaper_deadline(daemon, plan) > held, "the reaper's deadline to move")
+    assert (_reaper_deadline(daemon, plan) - held) // 1_000_000 >= LEASE_MS // 2
+    resume = _stopped(daemon)
+    try:
+        remaining = (renewed + GRACE_MS - now_ms()) / 1000
+        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+        # Stopped at the renewed deadline: well after the first one had passed.
+        assert now_ms() > first_deadline + LEASE_MS // 2
+    finally:
+        resume()
+    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
+    assert settled.state in SETTLED, settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+    assert attempt(daemon.release(plan)).state == "released"
