@@ -12,7 +12,10 @@ blocks, and records every outcome in the ledger as a lifecycle event:
   `start`, `observe` until the barrier's PID, the device-open results checked, the
   payload gate run, and only on a pass the release marker written (`Started`).
 - the monitor (monitor.py) drives expiry, stops, observation and cleanup through
-  the `MonitorOps` methods below.
+  the `MonitorOps` methods below; each tick also hands moved lease deadlines to the
+  lease reaper (service/reaper.py), which stops a service at its deadline even when
+  this daemon is dead or hung. A start that fails once its lease has run out is left
+  to the monitor, which records the expiry (the reaper may have ended the service).
 - release and startup recovery.
 
 Provider calls go through `_Batcher`: every row queued for the same (provider,
@@ -50,6 +53,8 @@ service/interface.py + service/cgroupfs.py gained `planned_supervisor_cgroup(nam
 (the prepare context's cgroup, known before the service exists) and
 `account_idle(uid)` (cleanup of an attempt that never had a service); cgroupfs.py
 also always fills the base cgroup's empty cpuset (parallel creates raced on it).
+Both backends gained `planned_cgroups(name)`: the cgroups the lease reaper
+(service/reaper.py) kills at the deadline, handed to it before the service exists.
 No change to ledger.py or lifecycle.py was needed.
 """
 
