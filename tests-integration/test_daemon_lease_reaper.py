@@ -58,6 +58,10 @@ def start_held(daemon: Daemon) -> tuple[Plan, int]:
     ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
     assert (ready.state, ready.ready) == ("prepared", True), ready
     attempt(daemon.start_attempt(plan))
+    # The service (and its slot process) exists before the provider's start is called.
+    wait_until(
+        lambda: daemon.layout.provider_calls("start", plan.attempt_id) == 1, "provider start"
+    )
     wait_until(lambda: slot_processes(daemon), "the held barrier of the slot account")
     assert daemon.observe(plan).state == "starting"
     return plan, deadline

@@ -383,6 +383,8 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
     assert (ready.state, ready.ready) == ("prepared", True), ready
     harness.attempt(daemon.start_attempt(plan))
+    # The service (and its slot process) exists before the provider's start is called.
+    wait_for(lambda: installed.layout.provider_calls("start", plan.attempt_id) == 1)
     wait_for(lambda: slot_processes(installed.accounts))
     assert daemon.observe(plan).state == "starting"
 
