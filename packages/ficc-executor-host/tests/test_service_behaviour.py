@@ -283,6 +283,7 @@ def test_the_reaper_kills_a_service_at_its_deadline_and_a_renewal_moves_it(
     handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
     wait_for(member_count_is(service, handle, 3))
     directory = tmp_path / "deadlines"
+    reaper.prepare_directory(str(directory))
     keeper = reaper.Keeper(str(directory))
     boot_id, now = _boot()
     cgroups_of = service.planned_cgroups(name)

@@ -134,9 +134,12 @@ class Keeper:
         self.directory = directory
         self._interpreter = interpreter
         self._child: subprocess.Popen[bytes] | None = None
-        prepare_directory(directory)
+        self._prepared = False
 
     def set(self, name: str, boot_id: str, deadline_ns: int, cgroups: list[str]) -> None:
+        if not self._prepared:
+            prepare_directory(self.directory)
+            self._prepared = True
         write_deadline(self.directory, name, boot_id, deadline_ns, cgroups)
         self.ensure()
 
