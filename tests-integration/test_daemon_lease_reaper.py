@@ -1,11 +1,12 @@
-"""Leases hold without the daemon (QUALITY R8), with supervisor=cgroupfs.
+"""Leases hold without the daemon (reliability target R8), with supervisor=cgroupfs.
 
 An attempt with a 10 s lease is started and held as a live process of the slot
 account (the test provider's barrier, `FICC_TEST_PROVIDER_HOLD`); then the daemon is
-SIGKILLed, or separately SIGSTOPped. Nothing of the daemon enforces the lease any
-more: the lease reaper (service/reaper.py) must stop the service, so that no process
-of the slot account is left 5 s after the deadline. After a restart (or SIGCONT) the
-attempt is `expired` or `unknown`, and the provider's `start` ran exactly once.
+SIGKILLed, or separately SIGSTOPped, or stopped cleanly (SIGTERM). Nothing of the
+daemon enforces the lease any more: the lease reaper (service/reaper.py) must stop the
+service, so that no process of the slot account is left 5 s after the deadline. After
+a restart (or SIGCONT) the attempt is `expired` or `unknown`, and the provider's
+`start` ran exactly once.
 
 The same test under supervisor=systemd, with the daemon as its shipped unit, is in
 tools/systemd/tests/test_daemon_unit.py.
@@ -77,6 +78,17 @@ def _killed(daemon: Daemon) -> Callable[[], None]:
     return restart
 
 
+def _terminated(daemon: Daemon) -> Callable[[], None]:
+    """A clean stop (SIGTERM): with supervisor=cgroupfs the services outlive it."""
+    assert daemon.process.stop() == 0
+
+    def restart() -> None:
+        daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+        daemon.start()
+
+    return restart
+
+
 def _stopped(daemon: Daemon) -> Callable[[], None]:
     assert daemon.process.process is not None
     pid = daemon.process.process.pid
@@ -84,7 +96,9 @@ def _stopped(daemon: Daemon) -> Callable[[], None]:
     return lambda: os.kill(pid, signal.SIGCONT)
 
 
-@pytest.mark.parametrize("disrupt", [_killed, _stopped], ids=["sigkill", "sigstop"])
+@pytest.mark.parametrize(
+    "disrupt", [_killed, _stopped, _terminated], ids=["sigkill", "sigstop", "sigterm"]
+)
 def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     daemon: Daemon, disrupt: Callable[[Daemon], Callable[[], None]]
 ) -> None:

@@ -54,7 +54,7 @@ TEST_FILES = [
 SUPPORT_FILES = [
     ("packages/ficc-executor-host/tests/service_support.py", "tests"),
     ("tests-integration/harness.py", "tests-integration"),
-    # The crash loop (QUALITY R2) that test_daemon_unit.py runs with supervisor=systemd.
+    # The crash loop that test_daemon_unit.py runs with supervisor=systemd.
     ("tests-integration/test_crash_daemon.py", "tests-integration"),
     ("packages/ficc-executor-host/packaging/ficc-executor-host.service", "."),
 ]

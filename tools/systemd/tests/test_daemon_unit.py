@@ -309,6 +309,9 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
             lambda work=work: harness.show_unit(work, "ActiveState")["ActiveState"] == "active"
         )
         assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
+    # A unit (and its slot process) exists before the provider's start is called.
+    for plan in plans:
+        wait_for(lambda plan=plan: installed.layout.provider_calls("start", plan.attempt_id) == 1)
     wait_for(lambda: len({p.split()[1] for p in slot_processes(installed.accounts)}) == 2)
     assert [daemon.observe(plan).state for plan in plans] == ["starting"] * 2, journal()
 
@@ -404,13 +407,13 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
 
 
-# --- R2 under supervisor=systemd: the crash loop with the daemon as its unit -------------
+# --- the crash loop under supervisor=systemd, with the daemon as its unit ---------------
 
 
 def test_sigkill_at_random_points_under_systemd_loses_nothing_and_replays_nothing(
     slow_watchdog: Installed,
 ) -> None:
-    """The crash loop of tests-integration/test_crash_daemon.py (QUALITY R2), with the
+    """The crash loop of tests-integration/test_crash_daemon.py (reliability target R2), with the
     daemon as its shipped unit and supervisor=systemd: each kill is a SIGKILL of the
     main process and the restart is systemd's (Restart=on-failure). FICC_CRASH_KILLS
     sets the count (CI: 50)."""
