@@ -1535,3 +1535,52 @@ def test_the_live_v2_device_program_of_a_process_is_read_back_and_judged() -> No
             sleeper.kill()
             sleeper.wait()
         group.rmdir()
+
+
+FILTERED_READER = r"""
+import ctypes, json, sys
+from ficc.execution.host import seccomp
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint)]
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+program = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0x7FFF0000))
+assert libc.prctl(22, 2, ctypes.byref(SockFprog(1, program)), 0, 0) == 0
+try:
+    seccomp.read_filters(int(sys.argv[1]))
+    print(json.dumps({"read": True}))
+except seccomp.FiltersUnreadable as error:
+    print(json.dumps({"read": False, "why": str(error)}))
+"""
+
+
+@requires_root
+def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world: World) -> None:
+    """Why the daemon must not run under seccomp (its systemd unit sets no seccomp-based
+    option): the kernel refuses PTRACE_SECCOMP_GET_FILTER to a filtered process. The
+    gate then refuses the payload; it never treats an unread filter as a good one."""
+    payload = world.confined()
+    assert seccomp.read_filters(payload.pid).programs  # an unfiltered reader reads it
+    reader = subprocess.run(
+        [sys.executable, "-c", FILTERED_READER, str(payload.pid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(reader.stdout)
+    assert report["read"] is False
+    assert "Permission denied" in report["why"]
+    gone = world.command(["sleep", "1000"], exe="/bin/sleep")
+    pid = gone.pid
+    gone.kill()
+    with pytest.raises(seccomp.FiltersUnreadable):
+        seccomp.read_filters(pid)
+    unread = procfs.read_syscall_filters(pid, _evidence().status)
+    assert unread[0] is None
+    assert unread[1] is not None

@@ -770,8 +770,8 @@ def read_syscall_filters(
         return None, None
     try:
         return seccomp.read_filters(pid), None
-    except HostError as error:
-        return None, error.message
+    except seccomp.FiltersUnreadable as error:
+        return None, str(error)
 
 
 def read_evidence(pid: int, *, after_first_read: Callable[[], None] | None = None) -> Evidence:

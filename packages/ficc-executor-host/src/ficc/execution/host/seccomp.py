@@ -38,8 +38,6 @@ from typing import Annotated
 
 import msgspec
 
-from ficc.execution.host.errors import HostError
-
 U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 Instruction = tuple[int, int, int, int]
 """A classic BPF instruction: code, jt, jf, k."""
@@ -101,6 +99,11 @@ class SeccompFilters(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class BadProgram(ValueError):
     """An instruction seccomp would not have accepted: the filter cannot be judged."""
+
+
+class FiltersUnreadable(Exception):
+    """The filters of the process could not be read (the message says why and what to
+    do); the evidence records it and the gate refuses."""
 
 
 def seccomp_data(nr: int, arch: int, arg: int) -> bytes:
@@ -292,9 +295,8 @@ def _wait_stopped(pid: int, timeout: float) -> None:
         time.sleep(0.001)
 
 
-def _unreadable(pid: int, detail: str) -> HostError:
-    return HostError(
-        "gate_seccomp",
+def _unreadable(pid: int, detail: str) -> FiltersUnreadable:
+    return FiltersUnreadable(
         f"the system-call filter of process {pid} cannot be read ({detail}); the payload "
         "is not released: the daemon needs CAP_SYS_ADMIN and CAP_SYS_PTRACE, must not run "
         "under seccomp itself, and no one else may trace the payload",
