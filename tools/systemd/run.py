@@ -54,6 +54,8 @@ TEST_FILES = [
 SUPPORT_FILES = [
     ("packages/ficc-executor-host/tests/service_support.py", "tests"),
     ("tests-integration/harness.py", "tests-integration"),
+    # The crash loop that test_daemon_unit.py runs with supervisor=systemd.
+    ("tests-integration/test_crash_daemon.py", "tests-integration"),
     ("packages/ficc-executor-host/packaging/ficc-executor-host.service", "."),
 ]
 # The Podman end-to-end suite, run there with supervisor=systemd (the daemon as the

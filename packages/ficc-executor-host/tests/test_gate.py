@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -31,7 +32,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host import gate, procfs
+from ficc.execution.host import gate, procfs, seccomp
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.gate import (
     CgroupRequirement,
@@ -42,6 +43,8 @@ from ficc.execution.host.gate import (
     RlimitCeiling,
 )
 from ficc.execution.host.procfs import FileIdentity
+from ficc.execution.host.service import bpfdevices, cgroups
+from ficc.execution.host.service.interface import DeviceRule
 
 SLOT_USER = "ficc-gate-test"
 HIERARCHIES = ("pids", "devices", "unified")
@@ -307,6 +310,34 @@ BARRIER = FileIdentity(dev=65024, ino=77)
 LOG = FileIdentity(dev=65024, ino=78)
 
 
+ALLOW, ERRNO_EPERM, KILL_PROCESS = 0x7FFF0000, 0x00050001, 0x80000000
+
+
+def deny_program(lists: dict[int, list[int]]) -> tuple[tuple[int, int, int, int], ...]:
+    """A filter shaped like a runtime's: EPERM for the listed calls of each AUDIT_ARCH,
+    ALLOW for the rest, KILL for another architecture (the spawner builds the same)."""
+    size = sum(4 + len(nrs) for nrs in lists.values()) + 2
+    insns: list[tuple[int, int, int, int]] = []
+    for arch, nrs in lists.items():
+        insns += [(0x20, 0, 0, 4), (0x15, 0, len(nrs) + 2, arch), (0x20, 0, 0, 0)]
+        for nr in nrs:
+            insns.append((0x15, size - 2 - len(insns), 0, nr))
+        insns.append((0x06, 0, 0, ALLOW))
+    insns += [(0x06, 0, 0, KILL_PROCESS), (0x06, 0, 0, ERRNO_EPERM)]
+    return tuple(insns)
+
+
+def must_deny(machine: str = "x86_64") -> dict[int, list[int]]:
+    lists: dict[int, list[int]] = {}
+    for _name, arch, nr in seccomp.MUST_DENY[machine]:
+        lists.setdefault(arch, []).append(nr)
+    return lists
+
+
+def filters(*programs: tuple[tuple[int, int, int, int], ...]) -> seccomp.SeccompFilters:
+    return seccomp.SeccompFilters(machine="x86_64", programs=programs)
+
+
 def _evidence(**changes: Any) -> procfs.Evidence:
     """A recorded-shape evidence record that passes `_expectation()`."""
     ids = procfs.Ids(SLOT, SLOT, SLOT, SLOT)
@@ -328,6 +359,7 @@ def _evidence(**changes: Any) -> procfs.Evidence:
         ),
         namespaces={kind: 100 + i for i, kind in enumerate(procfs.NAMESPACE_KINDS)},
         reference_namespaces={kind: (1,) for kind in procfs.NAMESPACE_KINDS},
+        syscall_filters=filters(deny_program(must_deny())),
         limits=(procfs.Rlimit("core", 0, 0), procfs.Rlimit("nofile", 64, 64)),
         fds=(
             procfs.FdEntry(0, "/dev/null", "chr", 6, 3, gate.DEV_NULL, 0o100000, 24),
@@ -386,6 +418,64 @@ def _expectation(**changes: Any) -> Expectation:
         devices=(procfs.DeviceAccess("c", 1, 3, "rwm"), procfs.DeviceAccess("c", None, None, "m")),
     )
     return msgspec.structs.replace(base, **changes)
+
+
+def _deny_lists() -> dict[str, list[int]]:
+    """The calls every payload filter must deny, per AUDIT_ARCH (as JSON keys)."""
+    lists: dict[str, list[int]] = {}
+    for _name, arch, nr in seccomp.MUST_DENY[platform.machine()]:
+        lists.setdefault(str(arch), []).append(nr)
+    return lists
+
+
+def test_the_syscall_filter_is_judged_by_its_content() -> None:
+    """Seccomp mode 2 alone is not enough: an allow-all filter, one that lets a single
+    dangerous call through (in any ABI), one that cannot be read or judged, all fail."""
+    expectation = _expectation()
+    allow_all = filters(((0x06, 0, 0, ALLOW),))
+    verdict = gate.check(_evidence(syscall_filters=allow_all), expectation)
+    assert _codes(verdict) == {"gate_seccomp"}
+    assert "kexec_load" in verdict.failures[0].message
+    for name, arch, nr in seccomp.MUST_DENY["x86_64"]:
+        lists = must_deny()
+        lists[arch] = [n for n in lists[arch] if n != nr]
+        one_open = gate.check(_evidence(syscall_filters=filters(deny_program(lists))), expectation)
+        assert [f.code for f in one_open.failures] == ["gate_seccomp"], name
+        assert name in one_open.failures[0].message
+    # Stacked filters: the kernel takes the strictest result, so a later allow-all
+    # filter does not undo a complete one.
+    stacked = filters(((0x06, 0, 0, ALLOW),), deny_program(must_deny()))
+    assert gate.check(_evidence(syscall_filters=stacked), expectation).ok
+    unreadable = _evidence(syscall_filters=None, syscall_filters_error="EPERM")
+    assert _codes(gate.check(unreadable, expectation)) == {"gate_seccomp"}
+    foreign = filters(((0x20, 0, 0, 2),))  # a load off the word grid, then no return
+    assert _codes(gate.check(_evidence(syscall_filters=foreign), expectation)) == {"gate_seccomp"}
+    no_filters = filters()
+    assert _codes(gate.check(_evidence(syscall_filters=no_filters), expectation)) == {
+        "gate_seccomp"
+    }
+
+
+def test_a_deny_by_argument_filter_is_checked_with_zero_and_full_arguments() -> None:
+    """A filter that denies bpf only when its first argument is 0 lets bpf through
+    with other arguments: the evaluation with all-one arguments finds it."""
+    lists = must_deny()
+    arch = seccomp.AUDIT_ARCH_X86_64
+    lists[arch] = [n for n in lists[arch] if n != 321]
+    by_argument = (
+        (0x20, 0, 0, 4),
+        (0x15, 0, 4, arch),
+        (0x20, 0, 0, 0),
+        (0x15, 0, 2, 321),
+        (0x20, 0, 0, 16),  # A = low word of args[0]
+        (0x15, 1, 0, 0),  # == 0: EPERM
+        (0x06, 0, 0, ALLOW),
+        (0x06, 0, 0, ERRNO_EPERM),
+    )
+    stacked = filters(deny_program(lists), by_argument)
+    verdict = gate.check(_evidence(syscall_filters=stacked), _expectation())
+    assert [f.code for f in verdict.failures] == ["gate_seccomp"]
+    assert "bpf," in verdict.failures[0].message or "bpf " in verdict.failures[0].message
 
 
 def _codes(verdict: gate.Verdict) -> set[str]:
@@ -612,9 +702,28 @@ class SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
 
 
-def allow_all_seccomp():
-    program = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0x7FFF0000))  # BPF_RET|BPF_K, ALLOW
-    prog = SockFprog(1, program)
+def install_seccomp(kind):
+    # allow-all: one RET ALLOW. deny: EPERM for opts["deny"] (per AUDIT_ARCH, the calls
+    # every payload filter must deny), ALLOW for the rest, KILL for other architectures:
+    # the shape of a real runtime's profile.
+    if kind == "allow-all":
+        insns = [(0x06, 0, 0, 0x7FFF0000)]  # BPF_RET|BPF_K, ALLOW
+    else:
+        blocks = list(opts["deny"].items())
+        size = sum(4 + len(nrs) for _arch, nrs in blocks) + 2
+        insns = []
+        for arch, nrs in blocks:
+            insns.append((0x20, 0, 0, 4))  # A = arch
+            insns.append((0x15, 0, len(nrs) + 2, int(arch)))  # not this arch: next block
+            insns.append((0x20, 0, 0, 0))  # A = nr
+            for nr in nrs:
+                insns.append((0x15, size - 1 - len(insns) - 1, 0, nr))  # jeq nr -> EPERM
+            insns.append((0x06, 0, 0, 0x7FFF0000))  # ALLOW
+        insns.append((0x06, 0, 0, 0x80000000))  # KILL_PROCESS: another architecture
+        insns.append((0x06, 0, 0, 0x00050001))  # ERRNO(EPERM)
+        assert len(insns) == size
+    program = (SockFilter * len(insns))(*(SockFilter(*insn) for insn in insns))
+    prog = SockFprog(len(insns), program)
     ok(libc.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.byref(prog),
                   ctypes.c_ulong(0), ctypes.c_ulong(0)), "PR_SET_SECCOMP")
 
@@ -658,7 +767,7 @@ def child():
     if opts["nnp"]:
         prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
     if opts["seccomp"]:
-        allow_all_seccomp()
+        install_seccomp(opts["seccomp"])
     if opts["uid"] is not None:
         os.setgroups([])
         os.setresgid(opts["gid"], opts["gid"], opts["gid"])
@@ -761,7 +870,8 @@ class World:
             "rlimits": {"core": [0, 0], "nofile": [64, 64], "nproc": [64, 64]},
             "drop_bounding": True,
             "nnp": True,
-            "seccomp": True,
+            "seccomp": "deny",
+            "deny": _deny_lists(),
             "exe": "/barrier",
             "argv": ["sleep", "1000"],
         }
@@ -1014,6 +1124,8 @@ MS_NOSUID, MS_NODEV = 2, 4
     ("spawn", "expect", "code"),
     [
         ({"seccomp": False}, {}, "gate_seccomp"),
+        ({"seccomp": "allow-all"}, {}, "gate_seccomp"),
+        ({"deny": "all-but-bpf"}, {}, "gate_seccomp"),
         ({"nnp": False}, {}, "gate_no_new_privs"),
         ({"drop_bounding": False}, {}, "gate_capabilities"),
         ({"cgroups": "devices-only"}, {}, "gate_cgroup"),
@@ -1037,6 +1149,8 @@ MS_NOSUID, MS_NODEV = 2, 4
     ],
     ids=[
         "no-seccomp",
+        "allow-all-seccomp",
+        "seccomp-allows-bpf",
         "no-nnp",
         "bounding-set-kept",
         "wrong-cgroup",
@@ -1069,6 +1183,11 @@ def test_removing_one_control_fails_exactly_that_check(
         spawn["binds"] = [barrier_bind, [str(other), "/data", True]]
     if "allow_device" in spawn:
         world.allow_device(spawn.pop("allow_device"))
+    if spawn.get("deny") == "all-but-bpf":
+        drop = {(arch, nr) for name, arch, nr in seccomp.MUST_DENY[platform.machine()]
+                if name.split()[0] == "bpf"}  # fmt: skip
+        spawn["deny"] = {a: [n for n in nrs if (int(a), n) not in drop]
+                         for a, nrs in _deny_lists().items()}  # fmt: skip
     payload = world.confined(**spawn)
     verdict = _inspect(world, payload, world.expectation(**expect))
     assert not verdict.ok
@@ -1354,3 +1473,114 @@ def test_real_podman_container_passes_and_weaker_ones_do_not(
         assert verdict.ok, verdict.failures
     else:
         assert _codes(verdict) == {code}, verdict.failures
+
+
+# ---------------------------------------------------------------- cgroup v2 device policy
+
+V2_NULL = (
+    procfs.DeviceAccess("c", None, None, "m"),
+    procfs.DeviceAccess("b", None, None, "m"),
+    procfs.DeviceAccess("c", 1, 3, "rwm"),
+)
+
+
+def _v2(*programs: procfs.DeviceProgram, error: str | None = None) -> procfs.Evidence:
+    """Evidence of a process without a v1 devices cgroup (a cgroup v2 host)."""
+    return _evidence(devices=None, device_programs=programs or None, device_programs_error=error)
+
+
+def test_the_v2_device_policy_is_judged_from_the_effective_programs() -> None:
+    expectation = _expectation(devices=V2_NULL)
+    ours = procfs.DeviceProgram(7, V2_NULL)
+    assert gate.check(_v2(ours), expectation).ok
+    # A foreign program beside a bounding one only denies more: still within the plan.
+    assert gate.check(_v2(procfs.DeviceProgram(8, None), ours), expectation).ok
+    wider = procfs.DeviceProgram(9, (*V2_NULL, procfs.DeviceAccess("c", 1, 5, "rwm")))
+    verdict = gate.check(_v2(wider), expectation)
+    assert _codes(verdict) == {"gate_device"}
+    assert "c 1:5 rwm" in verdict.failures[0].message
+    for refused in (
+        _v2(procfs.DeviceProgram(8, None)),
+        _v2(),
+        _v2(error="bpf(2) refused: EPERM"),
+    ):
+        assert _codes(gate.check(refused, expectation)) == {"gate_device"}
+
+
+@requires_root
+def test_the_live_v2_device_program_of_a_process_is_read_back_and_judged() -> None:
+    """On this machine's unified tree: a process in a cgroup carrying the host's own
+    device program; its evidence names that program's rules, which the gate accepts
+    for a plan of /dev/null and refuses for a plan of no device at all."""
+    unified = next((h.mount for h in cgroups.discover().hierarchies if h.version == 2), None)
+    if unified is None:
+        pytest.skip("this host has no cgroup v2 hierarchy")
+    group = Path(unified) / f"ficc-t-gate-bpf-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    group.mkdir()
+    sleeper = None
+    try:
+        bpfdevices.attach(str(group), [DeviceRule("/dev/null", 1, 3)])
+        sleeper = subprocess.Popen(["sleep", "1000"], stdin=subprocess.DEVNULL)
+        (group / "cgroup.procs").write_text(str(sleeper.pid))
+        evidence = procfs.read_evidence(sleeper.pid)
+        assert evidence.device_programs is not None, evidence.device_programs_error
+        assert [p.rules for p in evidence.device_programs if p.rules] == [V2_NULL]
+        as_v2 = msgspec.structs.replace(evidence, devices=None)
+        plan_null = _expectation(devices=V2_NULL)
+        assert "gate_device" not in _codes(gate.check(as_v2, plan_null))
+        plan_none = _expectation(devices=V2_NULL[:2])
+        assert "gate_device" in _codes(gate.check(as_v2, plan_none))
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+        group.rmdir()
+
+
+FILTERED_READER = r"""
+import ctypes, json, sys
+from ficc.execution.host import seccomp
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint)]
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+program = (SockFilter * 1)(SockFilter(0x06, 0, 0, 0x7FFF0000))
+assert libc.prctl(22, 2, ctypes.byref(SockFprog(1, program)), 0, 0) == 0
+try:
+    seccomp.read_filters(int(sys.argv[1]))
+    print(json.dumps({"read": True}))
+except seccomp.FiltersUnreadable as error:
+    print(json.dumps({"read": False, "why": str(error)}))
+"""
+
+
+@requires_root
+def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world: World) -> None:
+    """Why the daemon must not run under seccomp (its systemd unit sets no seccomp-based
+    option): the kernel refuses PTRACE_SECCOMP_GET_FILTER to a filtered process. The
+    gate then refuses the payload; it never treats an unread filter as a good one."""
+    payload = world.confined()
+    assert seccomp.read_filters(payload.pid).programs  # an unfiltered reader reads it
+    reader = subprocess.run(
+        [sys.executable, "-c", FILTERED_READER, str(payload.pid)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    report = json.loads(reader.stdout)
+    assert report["read"] is False
+    assert "Permission denied" in report["why"]
+    gone = world.command(["sleep", "1000"], exe="/bin/sleep")
+    pid = gone.pid
+    gone.kill()
+    with pytest.raises(seccomp.FiltersUnreadable):
+        seccomp.read_filters(pid)
+    unread = procfs.read_syscall_filters(pid, _evidence().status)
+    assert unread[0] is None
+    assert unread[1] is not None

@@ -23,6 +23,7 @@ import os
 import select
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +39,7 @@ from ficc.execution.host.service import (
     ServiceLimits,
     ServiceSpec,
     cgroups,
+    reaper,
 )
 from service_support import (
     DAEMONIZER,
@@ -261,6 +263,79 @@ def test_adopt_after_restart_finds_and_stops_the_service(
     assert again.adopt(name) is None
     assert service.adopt(f"{prefix}-never-created") is None
     service.stop(original)  # (cgroupfs) reaps the old daemon's main process
+
+
+# --- the lease reaper (service/reaper.py) ----------------------------------------------
+
+
+def _boot() -> tuple[str, int]:
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return boot_id, time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def test_the_reaper_kills_a_service_at_its_deadline_and_a_renewal_moves_it(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """One pass of the reaper, with the boot clock given: before the deadline nothing
+    happens; a rewritten (renewed) deadline is the one that counts; at it the whole
+    tree dies and the deadline file goes once the tree is empty."""
+    name = f"{prefix}-reaped"
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    wait_for(member_count_is(service, handle, 3))
+    directory = tmp_path / "deadlines"
+    reaper.prepare_directory(str(directory))
+    keeper = reaper.Keeper(str(directory))
+    boot_id, now = _boot()
+    cgroups_of = service.planned_cgroups(name)
+    assert set(handle.cgroups.values()) <= set(cgroups_of)
+    reaper.write_deadline(str(directory), name, boot_id, now + 10**9, cgroups_of)
+    assert reaper.reap_once(str(directory), boot_id, now) == (1, reaper.POLL_SECONDS)
+    assert len(service.members(handle)) == 3
+    # A renewal moves the deadline later: the old one no longer kills.
+    reaper.write_deadline(str(directory), name, boot_id, now + 3 * 10**9, cgroups_of)
+    assert reaper.reap_once(str(directory), boot_id, now + 2 * 10**9)[0] == 1
+    assert len(service.members(handle)) == 3
+    left = reaper.reap_once(str(directory), boot_id, now + 3 * 10**9)[0]
+    wait_for(lambda: not service.members(handle))
+    if left:  # the kill was not yet complete on that pass; the next pass drops the file
+        assert reaper.reap_once(str(directory), boot_id, now + 3 * 10**9)[0] == 0
+    assert not list(directory.glob("*.deadline"))
+    assert not slot_tasks(slot[0])
+    keeper.drop(name)  # idempotent
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_spawned_reaper_outlives_its_parent_and_exits_when_nothing_is_left(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """The reaper as the daemon starts it: its own process and session, holding the
+    lock; it stops the service at the deadline, then exits (lock free again)."""
+    name = f"{prefix}-deadline"
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    wait_for(member_count_is(service, handle, 3))
+    keeper = reaper.Keeper(str(tmp_path / "deadlines"))
+    boot_id, now = _boot()
+    keeper.set(name, boot_id, now + 10**9, service.planned_cgroups(name))
+    wait_for(lambda: reaper.reaper_running(keeper.directory))
+    wait_for(lambda: not service.members(handle))
+    assert not slot_tasks(slot[0])
+    wait_for(lambda: not reaper.reaper_running(keeper.directory))
+    assert not list(Path(keeper.directory).glob("*.deadline"))
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_deadline_of_another_boot_or_unreadable_is_due_at_once(tmp_path: Path) -> None:
+    boot_id, now = _boot()
+    assert reaper.due("0" * 8 + boot_id[8:], now + 10**12, boot_id, now) is (boot_id[:8] != "0" * 8)
+    assert not reaper.due(boot_id, now + 1, boot_id, now)
+    assert reaper.due(boot_id, now, boot_id, now)
+    assert reaper.parse('{"boot_id": "x", "deadline_boottime_ns": 1, "cgroups": ["/etc"]}') is None
+    assert reaper.parse("not json") is None
+    (tmp_path / "x.deadline").write_text("garbage")
+    assert reaper.reap_once(str(tmp_path), boot_id, now) == (0, reaper.POLL_SECONDS)
+    assert not (tmp_path / "x.deadline").exists()
 
 
 def test_remove_refuses_a_non_empty_service(

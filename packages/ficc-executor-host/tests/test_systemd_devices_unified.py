@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from ficc.execution.host import gate, procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import bpfdevices, cgroups, systemd_devices
 from ficc.execution.host.service.interface import (
@@ -234,3 +235,50 @@ def test_the_backend_refuses_without_v2_controllers(units: list[str]) -> None:
     with pytest.raises(HostError) as refusal:
         SystemdService(bind_to_own_unit=False)
     assert refusal.value.code == "service_unsupported"
+
+
+def test_the_gate_judges_the_live_payload_cgroup_below_a_unit(units: list[str]) -> None:
+    """The payload gate on a pure cgroup v2 host: a process in a child cgroup of the
+    unit (where a runtime puts the payload, Delegate=yes) has no v1 devices cgroup;
+    its evidence carries the effective device programs of its own cgroup, systemd's
+    among them, and the gate accepts them for a plan of /dev/null and refuses them
+    for a plan of no device."""
+    node = Path(start(units, [NULL], ["/bin/sleep", "1000"]))
+    unit = node.name
+    pid = int(
+        subprocess.run(
+            ["systemctl", "show", "-p", "MainPID", "--value", unit],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    (node / "payload").mkdir()
+    (node / "payload" / "cgroup.procs").write_text(str(pid))
+    evidence = procfs.read_evidence(pid)
+    assert evidence.devices is None  # no v1 devices hierarchy here
+    assert evidence.device_programs, evidence.device_programs_error
+    decoded = [p.rules for p in evidence.device_programs if p.rules is not None]
+    null = tuple(
+        procfs.DeviceAccess(r.kind, r.major, r.minor, r.access)
+        for r in cgroups.expected_devices([NULL])
+    )
+    assert any(sorted(map(repr, rules)) == sorted(map(repr, null)) for rules in decoded)
+
+    def expectation(devices: tuple[procfs.DeviceAccess, ...]) -> gate.Expectation:
+        return gate.Expectation(
+            uid=1,
+            gid=1,
+            barrier=procfs.FileIdentity(0, 0),
+            cgroups=(gate.CgroupRequirement("", "/"),),
+            rlimits=(),
+            fds=(),
+            mounts=(),
+            generated=(),
+            devices=devices,
+        )
+
+    assert gate.check_devices(evidence, expectation(null)) == []
+    refused = gate.check_devices(evidence, expectation(null[:2]))
+    assert [failure.code for failure in refused] == ["gate_device"]
+    subprocess.run(["systemctl", "kill", "--signal=SIGKILL", unit], check=False)

@@ -12,6 +12,7 @@ cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -80,6 +81,7 @@ class Installed:
     layout: harness.Layout
     provider: harness.InstalledProvider
     accounts: harness.Accounts
+    unit: harness.UnitDaemon
 
 
 def _systemd_backend_wired() -> bool:
@@ -91,26 +93,43 @@ def _systemd_backend_wired() -> bool:
     return True
 
 
-@pytest.fixture(params=["cgroupfs", "systemd"])
-def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
-    """The shipped unit plus a drop-in for this test's configuration and provider
-    (harness.UnitDaemon), with each supervisor (the daemon's system-service backend)."""
-    if request.param == "systemd" and not _systemd_backend_wired():
-        pytest.skip("daemon.service_backend does not offer supervisor=systemd yet")
+@contextlib.contextmanager
+def _install(supervisor: str, dropin: str) -> Iterator[Installed]:
     accounts = harness.Accounts.ensure()
     base = harness.private_directory("/run", "ficc-it-unit-")
     unit: harness.UnitDaemon | None = None
     try:
         (wheel,) = PROVIDER_WHEELS.glob("ficc_test_provider-*.whl")
         provider = harness.install_provider(wheel, base / "provider")
-        layout = harness.Layout.create(base, accounts, provider, supervisor=request.param)
-        unit = harness.UnitDaemon(layout, provider, dropin="WatchdogSec=3s\nTimeoutStopSec=10s\n")
-        yield Installed(layout, provider, accounts)
+        layout = harness.Layout.create(base, accounts, provider, supervisor=supervisor)
+        unit = harness.UnitDaemon(layout, provider, dropin=dropin)
+        yield Installed(layout, provider, accounts, unit)
     finally:
         if unit is not None:
             unit.uninstall()
         shutil.rmtree(base, ignore_errors=True)
         accounts.remove()
+
+
+@pytest.fixture(params=["cgroupfs", "systemd"])
+def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
+    """The shipped unit plus a drop-in for this test's configuration and provider
+    (harness.UnitDaemon), with each supervisor (the daemon's system-service backend)."""
+    if request.param == "systemd" and not _systemd_backend_wired():
+        pytest.skip("daemon.service_backend does not offer supervisor=systemd yet")
+    with _install(request.param, "WatchdogSec=3s\nTimeoutStopSec=10s\n") as done:
+        yield done
+
+
+@pytest.fixture
+def slow_watchdog() -> Iterator[Installed]:
+    """supervisor=systemd with a watchdog far longer than a lease: a hung daemon is
+    not restarted by systemd before the lease deadline, so only the lease reaper can
+    stop its work in time. The crash loop restarts it far more often than the shipped
+    start limit (5 in 10 minutes) allows, so the limit is off here."""
+    dropin = "WatchdogSec=300s\nTimeoutStopSec=10s\n[Unit]\nStartLimitIntervalSec=0\n"
+    with _install("systemd", dropin) as done:
+        yield done
 
 
 def test_start_returns_after_ready_and_the_watchdog_is_fed(installed: Installed) -> None:
@@ -291,11 +310,10 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
             lambda work=work: harness.show_unit(work, "ActiveState")["ActiveState"] == "active"
         )
         assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
-    wait_for(lambda: len({p.split()[1] for p in slot_processes(installed.accounts)}) == 2)
-    # The service exists before the provider's `start` is called: wait for that call too,
-    # so the count after the restart below compares with a call that was made.
+    # A unit (and its slot process) exists before the provider's start is called.
     for plan in plans:
-        wait_for(lambda plan=plan: installed.layout.provider_calls("start", plan.attempt_id))
+        wait_for(lambda plan=plan: installed.layout.provider_calls("start", plan.attempt_id) == 1)
+    wait_for(lambda: len({p.split()[1] for p in slot_processes(installed.accounts)}) == 2)
     assert [daemon.observe(plan).state for plan in plans] == ["starting"] * 2, journal()
 
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
@@ -405,3 +423,115 @@ def test_check_config_refuses_the_start_before_serve_runs(
     assert any(t.startswith("config_unsafe_file: ") and "chmod 0600" in t for t in texts), texts
     assert not [line for _, line in daemon_lines(since_us) if line["event"] == "starting"]
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=False)
+
+
+# --- leases without a live daemon (the lease reaper), under supervisor=systemd ---------
+
+LEASE_MS = 10_000
+GRACE_MS = 5_000
+
+
+def _sigkill_main() -> Callable[[], None]:
+    """SIGKILL of the daemon's main process: systemd restarts it (Restart=on-failure)."""
+    old = show("MainPID")["MainPID"]
+    subprocess.run([SYSTEMCTL, "kill", "--kill-whom=main", "--signal=SIGKILL", UNIT], check=True)
+
+    def restarted() -> None:
+        wait_for(lambda: show("SubState", "MainPID")["MainPID"] not in {old, "0"})
+        wait_for(lambda: show("SubState")["SubState"] == "running")
+
+    return restarted
+
+
+def _sigstop_main() -> Callable[[], None]:
+    """SIGSTOP of the daemon's main process (hung: its monitor no longer runs)."""
+    pid = int(show("MainPID")["MainPID"])
+    os.kill(pid, signal.SIGSTOP)
+    return lambda: os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("disrupt", [_sigkill_main, _sigstop_main], ids=["sigkill", "sigstop"])
+def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
+    slow_watchdog: Installed, disrupt: Callable[[], Callable[[], None]]
+) -> None:
+    """A held attempt (a live process of the slot account in its unit) with a 10 s
+    lease; the daemon is SIGKILLed (its unit's BindsTo= stops the attempt unit at once)
+    or SIGSTOPped (only the lease reaper is left to stop it): either way no process of
+    the slot account is left 5 s after the deadline, the attempt ends `expired` or
+    `unknown`, and the provider's `start` ran once."""
+    installed = slow_watchdog
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    plan = daemon.plan()
+    held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
+    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
+    harness.rows(daemon.prepare([plan], expires_in_ms=LEASE_MS))
+    deadline = harness.now_ms() + LEASE_MS
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    harness.attempt(daemon.start_attempt(plan))
+    # The service (and its slot process) exists before the provider's start is called.
+    wait_for(lambda: installed.layout.provider_calls("start", plan.attempt_id) == 1)
+    wait_for(lambda: slot_processes(installed.accounts))
+    assert daemon.observe(plan).state == "starting"
+
+    resume = disrupt()
+    try:
+        assert harness.now_ms() < deadline - LEASE_MS // 2, "the start took too long"
+        remaining = (deadline + GRACE_MS - harness.now_ms()) / 1000
+        wait_for(lambda: not slot_processes(installed.accounts), timeout=remaining)
+    finally:
+        resume()
+    settled = daemon.wait_state(plan, lambda r: r.state in {"expired", "unknown"}, "settled")
+    assert settled.state in {"expired", "unknown"}, settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # ran once
+    assert harness.attempt(daemon.release(plan)).state == "released"
+    assert installed.layout.provider_calls("start", plan.attempt_id) == 1
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+# --- the crash loop under supervisor=systemd, with the daemon as its unit ---------------
+
+
+def test_sigkill_at_random_points_under_systemd_loses_nothing_and_replays_nothing(
+    slow_watchdog: Installed,
+) -> None:
+    """The crash loop of tests-integration/test_crash_daemon.py (reliability target R2), with the
+    daemon as its shipped unit and supervisor=systemd: each kill is a SIGKILL of the
+    main process and the restart is systemd's (Restart=on-failure). FICC_CRASH_KILLS
+    sets the count (CI: 50)."""
+    import test_crash_daemon  # noqa: PLC0415  (copied next to the harness by run.py)
+
+    installed = slow_watchdog
+    unit = installed.unit
+
+    class UnitCrasher(test_crash_daemon.Crasher):
+        def kill(self) -> None:
+            # The journal keeps every daemon's log: the last one's tail is enough here,
+            # and internal_failures reads the whole journal at the end.
+            unit.kill()
+            self.logs.append(unit.log(tail=400))
+
+        def restart(self) -> None:
+            unit.wait_restarted()
+
+    unit.start()
+    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    daemon.process = unit  # type: ignore[assignment]  (the same interface)
+    kills = int(os.environ.get("FICC_CRASH_KILLS", "50"))
+    crasher = UnitCrasher(daemon, test_crash_daemon.random.Random(test_crash_daemon.SEED))
+    for _ in range(kills):
+        crasher.arm()
+        try:
+            while True:
+                crasher.workload()
+        except test_crash_daemon.Killed:
+            pass
+        crasher.restart()
+        crasher.check_invariants()
+        crasher.clean_host()
+    assert sum(crasher.kills.values()) == kills
+    print(f"kills by phase: {dict(crasher.kills)}; in flight: {crasher.in_flight_kills}")
+    assert crasher.internal_failures() == []
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)

@@ -22,9 +22,9 @@ Decisions made here:
   files before they are persisted; the gate then compares `/proc/PID/exe` and each
   mount with these recorded identities.
 - The expected device policy is the backend's closed policy for exactly the prepared
-  devices (plus its mknod-only baseline); on cgroup v2 the policy cannot be read from
-  the process, so `devices` is None there (the service backend reads the eBPF program
-  back at create instead).
+  devices (plus its mknod-only baseline), on cgroup v1 and v2 alike: the gate reads
+  the live payload's v1 devices.list, or on v2 the effective device programs of its
+  cgroup (the service backend also reads its own program back at create).
 - Namespaces: mnt, pid, net, ipc, uts always differ from the daemon's; user and cgroup
   namespaces are required by default (rootless runtimes use both) and can be relaxed
   only by the caller, i.e. by host configuration, never by the provider.
@@ -285,12 +285,10 @@ def build_expectation(
     stdout/stderr files the host opened for the service.
     """
     barrier = procfs.FileIdentity(result.barrier.identity.device, result.barrier.identity.inode)
-    devices: tuple[procfs.DeviceAccess, ...] | None = None
-    if handle.cgroup_version == 1:
-        devices = tuple(
-            procfs.DeviceAccess(rule.kind, rule.major, rule.minor, rule.access)
-            for rule in cgroups.expected_devices(device_rules(result))
-        )
+    devices = tuple(
+        procfs.DeviceAccess(rule.kind, rule.major, rule.minor, rule.access)
+        for rule in cgroups.expected_devices(device_rules(result))
+    )
     return gate.Expectation(
         uid=uid,
         gid=gid,

@@ -27,7 +27,7 @@ from typing import Annotated
 
 import msgspec
 
-from ficc.execution.host import procfs
+from ficc.execution.host import procfs, seccomp
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.procfs import DeviceAccess, Evidence, FileIdentity, Mount
 
@@ -164,8 +164,8 @@ class Expectation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The runtime maps users: the user namespace must differ from the daemon's too."""
     cgroup_namespace: bool = False
     devices: tuple[DeviceAccess, ...] | None = None
-    """The closed device policy (v1 devices.list) may grant only these; None skips
-    the check, for hosts whose device policy is not a v1 devices cgroup."""
+    """The closed device policy may grant only these: the v1 devices.list of the
+    process, or on cgroup v2 its effective device programs. None skips the check."""
 
     def __post_init__(self) -> None:
         if any(rule.type == "a" for rule in self.devices or ()):
@@ -239,6 +239,30 @@ def check_privileges(evidence: Evidence, expectation: Expectation) -> list[Failu
             )
         )
     return failures
+
+
+def check_syscall_filter(evidence: Evidence, expectation: Expectation) -> list[Failure]:
+    """The filter is judged by its content: it must deny every call of
+    `seccomp.MUST_DENY` (an allow-all filter satisfies `Seccomp: 2` alone)."""
+    if evidence.status.seccomp != 2:
+        return []  # check_privileges reports the mode
+    filters = evidence.syscall_filters
+    if filters is None:
+        detail = evidence.syscall_filters_error or "no filter was read"
+        return [_fail("gate_seccomp", f"the system-call filter cannot be judged: {detail}")]
+    try:
+        allowed = seccomp.allowed_calls(filters)
+    except seccomp.BadProgram as error:
+        return [_fail("gate_seccomp", f"the system-call filter cannot be judged: {error}")]
+    if not allowed:
+        return []
+    shown = ", ".join(allowed[:8]) + (f" and {len(allowed) - 8} more" if len(allowed) > 8 else "")
+    return [
+        _fail(
+            "gate_seccomp",
+            f"the system-call filter allows {shown}, which every payload filter must deny",
+        )
+    ]
 
 
 def _hierarchy(controller: str, entry: procfs.CgroupEntry) -> bool:
@@ -418,28 +442,66 @@ def _covers(rule: DeviceAccess, granted: DeviceAccess) -> bool:
     )
 
 
+def _beyond(granted: tuple[DeviceAccess, ...], allowed: tuple[DeviceAccess, ...]) -> list[str]:
+    """Each grant no rule of `allowed` covers, as text."""
+    return [
+        f"{g.type} {'*' if g.major is None else g.major}:"
+        f"{'*' if g.minor is None else g.minor} {g.access}"
+        for g in granted
+        if not any(_covers(rule, g) for rule in allowed)
+    ]
+
+
 def check_devices(evidence: Evidence, expectation: Expectation) -> list[Failure]:
+    """The live payload's device policy must stay within the prepared devices.
+
+    cgroup v1: the process's devices.list. cgroup v2 (no v1 devices cgroup): the
+    kernel allows an access only if every effective program allows it, so one
+    program the host can read whose rules are within the plan bounds the policy;
+    none (no program, only foreign ones, or one that grants more) is a refusal.
+    """
     if expectation.devices is None:
         return []
-    if evidence.devices is None:
-        return [_fail("gate_device", "the process has no v1 devices cgroup to verify")]
     allowed = expectation.devices
+    if evidence.devices is not None:
+        return [
+            _fail(
+                "gate_device",
+                f"the device policy grants {grant}, which the prepared devices do not include",
+            )
+            for grant in _beyond(evidence.devices, allowed)
+        ]
+    programs = evidence.device_programs
+    if not programs:
+        detail = evidence.device_programs_error or "and no cgroup v2 device program runs for it"
+        return [_fail("gate_device", f"the process has no v1 devices cgroup {detail}")]
+    readable = [p for p in programs if p.rules is not None]
+    if any(not _beyond(p.rules, allowed) for p in readable if p.rules is not None):
+        return []
+    if not readable:
+        return [
+            _fail(
+                "gate_device",
+                f"none of the {len(programs)} cgroup v2 device programs of the process is "
+                "one the host can read, so its device policy is unknown",
+            )
+        ]
+    wider = sorted(
+        {grant for p in readable if p.rules is not None for grant in _beyond(p.rules, allowed)}
+    )
     return [
         _fail(
             "gate_device",
-            f"the device policy grants {granted.type} "
-            f"{'*' if granted.major is None else granted.major}:"
-            f"{'*' if granted.minor is None else granted.minor} {granted.access}, "
-            "which the prepared devices do not include",
+            f"the cgroup v2 device policy grants {', '.join(wider[:8])}, which the prepared "
+            "devices do not include",
         )
-        for granted in evidence.devices
-        if not any(_covers(rule, granted) for rule in allowed)
     ]
 
 
 CHECKS: tuple[Check, ...] = (
     check_ids,
     check_privileges,
+    check_syscall_filter,
     check_cgroups,
     check_namespaces,
     check_rlimits,

@@ -12,7 +12,10 @@ blocks, and records every outcome in the ledger as a lifecycle event:
   `start`, `observe` until the barrier's PID, the device-open results checked, the
   payload gate run, and only on a pass the release marker written (`Started`).
 - the monitor (monitor.py) drives expiry, stops, observation and cleanup through
-  the `MonitorOps` methods below.
+  the `MonitorOps` methods below; each tick also hands moved lease deadlines to the
+  lease reaper (service/reaper.py), which stops a service at its deadline even when
+  this daemon is dead or hung. A start that fails once its lease has run out is left
+  to the monitor, which records the expiry (the reaper may have ended the service).
 - release and startup recovery.
 
 Provider calls go through `_Batcher`: every row queued for the same (provider,
@@ -54,6 +57,8 @@ service/interface.py + service/cgroupfs.py gained `planned_supervisor_cgroup(nam
 (the prepare context's cgroup, known before the service exists) and
 `account_idle(uid)` (cleanup of an attempt that never had a service); cgroupfs.py
 also always fills the base cgroup's empty cpuset (parallel creates raced on it).
+Both backends gained `planned_cgroups(name)`: the cgroups the lease reaper
+(service/reaper.py) kills at the deadline, handed to it before the service exists.
 No change to ledger.py or lifecycle.py was needed.
 """
 
@@ -91,6 +96,7 @@ from ficc.execution.host.layout import AttemptPaths, service_name
 from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
+from ficc.execution.host.service import reaper
 from ficc.execution.host.service.interface import Controls, ServiceHandle, ServiceSpec
 from ficc.execution.host.staging import StreamState
 
@@ -106,6 +112,7 @@ INTERNAL_ERROR: Final = "internal_error"
 NO_RESOURCE_REASONS: Final = frozenset(
     {lifecycle.ADMISSION_REJECTED, lifecycle.LEGACY_ABSENCE_ACKNOWLEDGED}
 )
+LIVE_STATES: Final = frozenset({"starting", "running"})
 SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 """The complete environment of the provider argv: nothing is inherited."""
 
@@ -279,6 +286,9 @@ class Runner:
         self._handles: dict[str, ServiceHandle] = {}
         self._watch: set[str] = set()
         self._ticks = 0
+        self._reaper: reaper.Keeper | None = None
+        self._deadlines: dict[str, tuple[str, int]] = {}
+        """attempt ID -> (service, lease deadline) as last written for the reaper."""
 
     # --- the contract with the handlers -------------------------------------------
 
@@ -606,6 +616,8 @@ class Runner:
             await self._apply(record, lifecycle.OutcomeLost(reason=uncertain.reason))
         except HostError as error:
             await self._stop_service(attempt)
+            if not await self._lease_still_current(attempt.id):
+                return  # the reaper may have ended the service at the deadline: expiry
             await self._refused(record, lifecycle.StartFailed(reason=error.code), error)
         except Exception:
             _log.exception("attempt %s: start failed unexpectedly", attempt.id)
@@ -695,11 +707,89 @@ class Runner:
         except msgspec.ValidationError as error:
             raise HostError("service_spec", f"the service cannot be built: {error}") from error
         self._check_abort(attempt)
+        await self._set_deadline(attempt)
         handle: ServiceHandle = await self._io(self._ctx.service.create, spec)
         self._handles[attempt.id] = handle
         controls: Controls = await self._io(self._ctx.service.controls, handle)
         _check_controls(controls, attempt.plan.job.limits)
         return handle
+
+    # --- the lease reaper (service/reaper.py) -----------------------------------------
+
+    def _keeper(self) -> reaper.Keeper:
+        if self._reaper is None:
+            directory = os.path.join(self._ctx.config.state_dir, "deadlines")
+            self._reaper = reaper.Keeper(directory)
+        return self._reaper
+
+    async def _set_deadline(self, attempt: _Attempt) -> None:
+        """Hand the lease deadline to the reaper before the service exists, so the
+        service is stopped at the deadline even if this daemon dies or hangs."""
+        record = await self._db(self._ctx.ledger.get, attempt.id)
+        lease = None if record is None else record.lease
+        if lease is None:
+            raise HostError(ErrorCode.LEASE_EXPIRED, "the attempt holds no lease")
+        cgroups = self._ctx.service.planned_cgroups(attempt.service)
+        try:
+            await self._io(
+                self._keeper().set,
+                attempt.service,
+                lease.boot_id,
+                lease.deadline_boottime_ns,
+                cgroups,
+            )
+        except OSError as error:
+            raise HostError(
+                "service_create",
+                f"the lease deadline could not be handed to the reaper ({error}); check "
+                "the state directory",
+            ) from error
+        self._deadlines[attempt.id] = (attempt.service, lease.deadline_boottime_ns)
+
+    async def _sync_deadlines(self, records: Sequence[AttemptRecord]) -> None:
+        """Follow renewals (once per tick) and keep a reaper running while any live
+        service has a deadline."""
+        if not self._deadlines:
+            return
+        moved = []
+        for record in records:
+            written = self._deadlines.get(record.attempt_id)
+            lease = record.lease
+            if written is None or lease is None or record.status.state not in LIVE_STATES:
+                continue
+            if lease.deadline_boottime_ns != written[1]:
+                moved.append((record.attempt_id, written[0], lease))
+        keeper = self._keeper()
+
+        def write() -> None:
+            for _attempt_id, service, lease in moved:
+                reaper.write_deadline(
+                    keeper.directory,
+                    service,
+                    lease.boot_id,
+                    lease.deadline_boottime_ns,
+                    self._ctx.service.planned_cgroups(service),
+                )
+            keeper.ensure()
+
+        try:
+            await self._io(write)
+        except OSError as error:
+            _log.error("the lease reaper's deadlines could not be updated: %s", error)
+            return
+        for attempt_id, service, lease in moved:
+            self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
+
+    async def _drop_deadline(self, attempt: _Attempt) -> None:
+        self._deadlines.pop(attempt.id, None)
+        try:
+            await self._io(self._keeper().drop, attempt.service)
+        except OSError as error:
+            _log.warning("attempt %s: deadline file not removed: %s", attempt.id, error)
+
+    async def _lease_still_current(self, attempt_id: str) -> bool:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        return record is not None and self.lease_current(record)
 
     async def _await_payload(
         self, attempt: _Attempt, context: dict[str, Any], handle: ServiceHandle
@@ -820,6 +910,7 @@ class Runner:
                 found.append(record)
             else:
                 self._watch.discard(attempt_id)
+        await self._sync_deadlines(found)
         return found
 
     def start_running(self, attempt_id: str) -> bool:
@@ -903,6 +994,7 @@ class Runner:
             _log.warning("attempt %s: cleanup not confirmed: %s", attempt.id, error)
             idle = False
         if idle:
+            await self._drop_deadline(attempt)
             await self._apply(fresh, lifecycle.CleanupConfirmed())
             return
         metrics.PROCESS.cleanup_not_confirmed()

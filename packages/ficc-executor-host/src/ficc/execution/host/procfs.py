@@ -16,6 +16,7 @@ The reader is careful because the process belongs to someone else's job:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Annotated
 
 import msgspec
 
+from ficc.execution.host import seccomp
 from ficc.execution.host.errors import HostError
 
 MAX_PROC_FILE_BYTES = 1 << 20
@@ -162,6 +164,15 @@ class DeviceAccess(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device access {self.access!r} is not a subset of rwm")
 
 
+class DeviceProgram(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One cgroup v2 device program the kernel runs for the process's cgroup."""
+
+    id: NonNegative
+    rules: tuple[DeviceAccess, ...] | None
+    """What it allows, decoded from the kernel's copy (the host's own shape or
+    systemd's); None for any other program, which the gate cannot read."""
+
+
 class Exe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     identity: FileIdentity | None
     target: str
@@ -183,6 +194,15 @@ class Evidence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     exe: Exe
     devices: tuple[DeviceAccess, ...] | None
     """devices.list of the process's v1 devices cgroup; None without that hierarchy."""
+    syscall_filters: seccomp.SeccompFilters | None = None
+    """Every seccomp filter, read through ptrace (None: not in mode 2, or unreadable)."""
+    syscall_filters_error: str | None = None
+    """Why the filters could not be read, when they could not."""
+    device_programs: tuple[DeviceProgram, ...] | None = None
+    """The effective device programs of the process's cgroup v2 (every program the
+    kernel runs for it, its ancestors' included); None without a v2 cgroup."""
+    device_programs_error: str | None = None
+    """Why the v2 device programs could not be read, when they could not."""
 
 
 def malformed(what: str, detail: str) -> HostError:
@@ -705,6 +725,65 @@ def read_devices(cgroups: tuple[CgroupEntry, ...], pid: int) -> tuple[DeviceAcce
         os.close(current)
 
 
+def _cgroup2_mount(pid: int) -> str | None:
+    """Where the daemon sees the cgroup v2 hierarchy (its own mountinfo), if anywhere."""
+    own = open_process_dir(os.getpid())
+    try:
+        mounts = parse_mountinfo(read_bounded(own, "mountinfo", pid))
+    finally:
+        os.close(own)
+    for mount in mounts:
+        if mount.fs_type == "cgroup2" and mount.root == "/":
+            return mount.mount_point
+    return None
+
+
+def read_device_programs(
+    cgroups: tuple[CgroupEntry, ...], pid: int
+) -> tuple[tuple[DeviceProgram, ...] | None, str | None]:
+    """The effective v2 device programs of the process's unified cgroup, decoded, or
+    why they could not be read. Nothing here is trusted: only the gate judges."""
+    from ficc.execution.host.service import bpfdevices, systemd_devices  # noqa: PLC0415
+
+    entry = next((e for e in cgroups if e.hierarchy_id == 0 and not e.controllers), None)
+    mount = _cgroup2_mount(pid) if entry is not None else None
+    if entry is None or mount is None:
+        return None, None
+    parts = [part for part in entry.path.split("/") if part]
+    if any(part in (".", "..") for part in parts):
+        raise malformed("cgroup", f"v2 path {entry.path!r}")
+    directory = os.path.join(mount, *parts)
+    try:
+        _flags, ids = bpfdevices.query(directory, effective=True)
+        programs = []
+        for prog_id in ids:
+            prog_type, raw = bpfdevices.xlated(prog_id)
+            decoded = bpfdevices.decode(raw) if prog_type == bpfdevices.PROG_TYPE else None
+            if decoded is None and prog_type == bpfdevices.PROG_TYPE:
+                with contextlib.suppress(systemd_devices.NotSystemdShape):
+                    decoded = systemd_devices.decode(raw)
+            rules = None
+            if decoded is not None:
+                rules = tuple(DeviceAccess(d.kind, d.major, d.minor, d.access) for d in decoded)
+            programs.append(DeviceProgram(id=prog_id, rules=rules))
+    except (OSError, HostError) as error:
+        return None, f"the device programs of {directory} cannot be read ({error})"
+    return tuple(programs), None
+
+
+def read_syscall_filters(
+    pid: int, status: Status
+) -> tuple[seccomp.SeccompFilters | None, str | None]:
+    """The process's seccomp filters (mode 2 only), or why they could not be read: a
+    refusal to read is evidence too, and the gate judges it."""
+    if status.seccomp != 2:
+        return None, None
+    try:
+        return seccomp.read_filters(pid), None
+    except seccomp.FiltersUnreadable as error:
+        return None, str(error)
+
+
 def read_evidence(pid: int, *, after_first_read: Callable[[], None] | None = None) -> Evidence:
     """Read all evidence about `pid`, refusing if it changed while we read.
 
@@ -717,10 +796,13 @@ def read_evidence(pid: int, *, after_first_read: Callable[[], None] | None = Non
         if after_first_read is not None:
             after_first_read()
         cgroups = parse_cgroup(read_bounded(pid_fd, "cgroup", pid))
+        status = parse_status(read_bounded(pid_fd, "status", pid))
+        filters, filters_error = read_syscall_filters(pid, status)
+        programs, programs_error = read_device_programs(cgroups, pid)
         evidence = Evidence(
             pid=pid,
             start_time=first.start_time,
-            status=parse_status(read_bounded(pid_fd, "status", pid)),
+            status=status,
             cgroups=cgroups,
             namespaces=read_namespaces(pid_fd, pid),
             reference_namespaces=reference_namespaces(),
@@ -729,6 +811,10 @@ def read_evidence(pid: int, *, after_first_read: Callable[[], None] | None = Non
             mounts=read_mounts(pid_fd, pid),
             exe=read_exe(pid_fd, pid),
             devices=read_devices(cgroups, pid),
+            syscall_filters=filters,
+            syscall_filters_error=filters_error,
+            device_programs=programs,
+            device_programs_error=programs_error,
         )
         last = read_stat(pid_fd, pid)
     finally:

@@ -33,6 +33,8 @@ from ficc.execution.host.service.interface import DeviceAccess, DeviceRule
 _SYSCALL = {"x86_64": 321, "aarch64": 280}
 _PROG_LOAD, _PROG_ATTACH, _PROG_GET_FD_BY_ID, _OBJ_GET_INFO_BY_FD, _PROG_QUERY = 5, 8, 13, 15, 16
 _PROG_TYPE_CGROUP_DEVICE = 15
+PROG_TYPE = _PROG_TYPE_CGROUP_DEVICE
+"""BPF_PROG_TYPE_CGROUP_DEVICE, as `xlated` reports it."""
 _CGROUP_DEVICE = 6
 _F_ALLOW_MULTI = 2
 _F_QUERY_EFFECTIVE = 1

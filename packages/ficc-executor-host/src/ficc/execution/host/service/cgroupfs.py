@@ -421,6 +421,10 @@ class CgroupfsService:
     def account_idle(self, uid: int) -> bool:
         return not _uid_has_live_tasks(uid)
 
+    def planned_cgroups(self, name: str) -> list[str]:
+        check_name(name)
+        return [os.path.join(h.mount, self._base, name) for h in self._layout.hierarchies]
+
     def adopt(self, name: str) -> ServiceHandle | None:
         check_name(name)
         nodes = {

@@ -249,3 +249,8 @@ class SystemService(Protocol):
     def account_idle(self, uid: int) -> bool:
         """True only if no live process on the host runs as `uid` (any of its UIDs)."""
         ...
+
+    def planned_cgroups(self, name: str) -> list[str]:
+        """Every cgroup directory service `name` has or will have (existing or not):
+        what the lease reaper kills at the deadline, known before the service exists."""
+        ...

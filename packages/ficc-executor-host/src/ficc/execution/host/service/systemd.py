@@ -674,6 +674,10 @@ class SystemdService:
     def planned_supervisor_cgroup(self, name: str) -> str:
         return f"{unit_cgroup(self._slice, name)}/{PAYLOAD}"
 
+    def planned_cgroups(self, name: str) -> list[str]:
+        path = unit_cgroup(self._slice, name)
+        return [h.mount + path for h in self._layout.hierarchies if not h.key.startswith("name=")]
+
     def adopt(self, name: str) -> ServiceHandle | None:
         """The unit if systemd knows it, or its cgroups if any are left behind."""
         nodes = self._existing_nodes(unit_cgroup(self._slice, name))

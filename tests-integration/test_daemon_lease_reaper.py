@@ -1,0 +1,156 @@
+"""Leases hold without the daemon (reliability target R8), with supervisor=cgroupfs.
+
+An attempt with a 10 s lease is started and held as a live process of the slot
+account (the test provider's barrier, `FICC_TEST_PROVIDER_HOLD`); then the daemon is
+SIGKILLed, or separately SIGSTOPped, or stopped cleanly (SIGTERM). Nothing of the
+daemon enforces the lease any more: the lease reaper (service/reaper.py) must stop the
+service, so that no process of the slot account is left 5 s after the deadline. After
+a restart (or SIGCONT) the attempt is `expired` or `unknown`, and the provider's
+`start` ran exactly once.
+
+The same test under supervisor=systemd, with the daemon as its shipped unit, is in
+tools/systemd/tests/test_daemon_unit.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+
+import msgspec
+import psutil
+import pytest
+
+from ficc.execution.plan import Payload, Plan
+from harness import Daemon, DaemonProcess, attempt, now_ms, rows, wait_until
+
+LEASE_MS = 10_000
+GRACE_MS = 5_000
+SETTLED = {"expired", "unknown"}
+
+
+def slot_processes(daemon: Daemon) -> list[int]:
+    """Live (non-zombie) processes of either slot account."""
+    uids = {daemon.accounts["slot0"].uid, daemon.accounts["slot1"].uid}
+    found = []
+    for process in psutil.process_iter(["uids", "status"]):
+        try:
+            if process.info["uids"].real in uids and process.info["status"] != "zombie":
+                found.append(process.pid)
+        except (psutil.Error, AttributeError):
+            continue
+    return found
+
+
+def held_plan(daemon: Daemon) -> Plan:
+    plan = daemon.plan()
+    held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
+    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
+
+
+def start_held(daemon: Daemon) -> tuple[Plan, int]:
+    """Start a held attempt with a 10 s lease; returns it and the latest possible
+    deadline (wall-clock ms)."""
+    plan = held_plan(daemon)
+    rows(daemon.prepare([plan], expires_in_ms=LEASE_MS))
+    deadline = now_ms() + LEASE_MS
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    attempt(daemon.start_attempt(plan))
+    # The service (and its slot process) exists before the provider's start is called.
+    wait_until(
+        lambda: daemon.layout.provider_calls("start", plan.attempt_id) == 1, "provider start"
+    )
+    wait_until(lambda: slot_processes(daemon), "the held barrier of the slot account")
+    assert daemon.observe(plan).state == "starting"
+    return plan, deadline
+
+
+def _killed(daemon: Daemon) -> Callable[[], None]:
+    daemon.process.kill()
+
+    def restart() -> None:
+        daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+        daemon.start()
+
+    return restart
+
+
+def _terminated(daemon: Daemon) -> Callable[[], None]:
+    """A clean stop (SIGTERM): with supervisor=cgroupfs the services outlive it."""
+    assert daemon.process.stop() == 0
+
+    def restart() -> None:
+        daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+        daemon.start()
+
+    return restart
+
+
+def _stopped(daemon: Daemon) -> Callable[[], None]:
+    assert daemon.process.process is not None
+    pid = daemon.process.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    return lambda: os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize(
+    "disrupt", [_killed, _stopped, _terminated], ids=["sigkill", "sigstop", "sigterm"]
+)
+def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
+    daemon: Daemon, disrupt: Callable[[Daemon], Callable[[], None]]
+) -> None:
+    plan, deadline = start_held(daemon)
+    resume = disrupt(daemon)
+    try:
+        # The deadline is seconds away: the payload still runs without the daemon.
+        assert now_ms() < deadline - LEASE_MS // 2, "the start took too long for this test"
+        assert slot_processes(daemon), "the service died with the daemon, not at its deadline"
+        remaining = (deadline + GRACE_MS - now_ms()) / 1000
+        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+    finally:
+        resume()
+    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
+    assert settled.state in SETTLED, settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1  # ran once
+    assert attempt(daemon.release(plan)).state == "released"
+    assert not slot_processes(daemon)
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+
+
+def _reaper_deadline(daemon: Daemon, plan: Plan) -> int:
+    """The boot-clock deadline the reaper holds for the attempt's service (0: none)."""
+    name = f"ficc-work-{daemon.layout.installation_id}-{plan.attempt_id}.deadline"
+    try:
+        document = json.loads((daemon.layout.state_dir / "deadlines" / name).read_text())
+    except FileNotFoundError:
+        return 0
+    return int(document["deadline_boottime_ns"])
+
+
+def test_a_renewal_moves_the_deadline_the_reaper_enforces(daemon: Daemon) -> None:
+    """The reaper's copy of the deadline follows a renewal, so a daemon hung after the
+    renewal stops the payload at the renewed deadline, not at the first one."""
+    plan, first_deadline = start_held(daemon)
+    held = _reaper_deadline(daemon, plan)
+    assert held > 0
+    renewed = now_ms() + 2 * LEASE_MS
+    assert daemon.renew(plan, 2, renewed).state == "starting"
+    wait_until(lambda: _reaper_deadline(daemon, plan) > held, "the reaper's deadline to move")
+    assert (_reaper_deadline(daemon, plan) - held) // 1_000_000 >= LEASE_MS // 2
+    resume = _stopped(daemon)
+    try:
+        remaining = (renewed + GRACE_MS - now_ms()) / 1000
+        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+        # Stopped at the renewed deadline: well after the first one had passed.
+        assert now_ms() > first_deadline + LEASE_MS // 2
+    finally:
+        resume()
+    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
+    assert settled.state in SETTLED, settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+    assert attempt(daemon.release(plan)).state == "released"
