@@ -63,6 +63,10 @@ def host(*argv: str) -> str:
     return result.stdout
 
 
+NEW_SLOT_KEYS = frozenset({"filesystem_uuid"})
+"""Slot keys this release added: the previous release refuses them."""
+
+
 def upgrade_in_place() -> None:
     """What the administrator runs: pip of the installed prefix, the new wheels."""
     wheels = [str(w) for w in sorted(NEW_WHEELS.glob("ficc_*.whl"))]
@@ -74,9 +78,15 @@ def upgrade_in_place() -> None:
     )  # fmt: skip
 
 
-def write_config(layout: harness.Layout, digest: str) -> None:
+def write_config(layout: harness.Layout, digest: str, *, previous: bool = False) -> None:
+    """The configuration with this pin; `previous`: as the previous release reads it,
+    without the keys it does not know (it refuses unknown keys)."""
     document = dict(layout.document)
     document["providers"] = [{**document["providers"][0], "package_digest": digest}]
+    if previous:
+        document["slots"] = [
+            {k: v for k, v in slot.items() if k not in NEW_SLOT_KEYS} for slot in document["slots"]
+        ]
     layout.config_path.unlink()
     fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
@@ -93,6 +103,7 @@ def world() -> Iterator[tuple[harness.Daemon, Path]]:
     accounts = harness.Accounts.ensure()
     base = harness.private_directory("/run", "ficc-upgrade-")
     daemon: harness.Daemon | None = None
+    layout: harness.Layout | None = None
     try:
         wheel = harness.build_provider_wheel(base / "wheel")
         current = harness.install_provider(wheel, base / "provider")
@@ -100,12 +111,15 @@ def world() -> Iterator[tuple[harness.Daemon, Path]]:
         provider = harness.InstalledProvider(current.site, old_pin)
         (base / "host").mkdir(mode=0o755)
         layout = harness.Layout.create(base / "host", accounts, provider)
+        write_config(layout, old_pin, previous=True)
         daemon = harness.Daemon(layout, provider, accounts)
         start(daemon)
         yield daemon, base
     finally:
         if daemon is not None:
             daemon.stop()
+        if layout is not None:
+            layout.destroy()
         shutil.rmtree(base, ignore_errors=True)
         accounts.remove()
 
@@ -137,6 +151,8 @@ def test_upgrade_in_place_keeps_the_ledger_and_serves_an_old_controller(
 
     # --- upgrade the same prefix in place, start the new daemon ----------------------
     upgrade_in_place()
+    # the release notes' step: bind each slot to its filesystem (`filesystem_uuid`)
+    write_config(daemon.layout, daemon.provider.digest)
     version_line = host("--version")
     new_version = version_line.split()[1]
     new_pin = host("provider-digest", "test", "--path", str(daemon.provider.site), "--quiet")
