@@ -80,7 +80,11 @@ def layout(
         with small_ext4(base) as state_dir:
             overrides = {"state_dir": str(state_dir), "state_dir_min_free_bytes": MIN_FREE}
             overrides |= getattr(request, "param", {})
-            yield Layout.create(base, accounts, provider, **overrides)
+            made = Layout.create(base, accounts, provider, **overrides)
+            try:
+                yield made
+            finally:
+                made.destroy()
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
