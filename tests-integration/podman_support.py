@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ficc.execution.plan import InputObject, Job, Limits, Output, Payload, Plan, Runtime
 from ficc.execution.protocol import (
     CollectRequest,
@@ -290,6 +292,33 @@ def write_config(
     with os.fdopen(fd, "w") as out:
         json.dump(document, out, indent=2)
     return Layout(base, config_path, state_dir, socket_dir, slot_paths, document, [*filesystems])
+
+
+# --- the suites' shared fixtures -----------------------------------------------------------
+
+NEEDS_PODMAN = pytest.mark.skipif(
+    shutil.which("podman") is None
+    or shutil.which("runc") is None
+    or (shutil.which("cc") is None and not PREBUILT_WHEELS),
+    reason="needs podman, runc and a C compiler (apt-get install podman runc gcc libc6-dev "
+    "busybox-static)",
+)
+"""The skip of every suite built on this world: it needs real Podman and the barrier."""
+
+
+def each_test(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
+    """A test's use of the shared world: after it, every attempt it planned is stopped
+    and released (the next test finds its slot free) and no slot-account process may be
+    left. A failing test shows the daemon's log."""
+    first = len(world.plans)
+    yield world
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(f"\n--- daemon log ---\n{world.process.log(80)}")
+    for plan in world.plans[first:]:
+        world.finish(plan)
+    for account in world.slots:
+        assert processes_of(account.uid) == [], f"{account.name} has processes left"
 
 
 # --- the world -------------------------------------------------------------------------

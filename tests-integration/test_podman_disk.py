@@ -14,28 +14,14 @@ systemd container (tools/systemd/run.py).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from ficc.execution.wire import AttemptRow
-from podman_support import (
-    BACKENDS,
-    MIB,
-    PREBUILT_WHEELS,
-    PodmanWorld,
-    podman_world,
-    processes_of,
-)
+from podman_support import BACKENDS, MIB, NEEDS_PODMAN, PodmanWorld, each_test, podman_world
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("podman") is None
-    or shutil.which("runc") is None
-    or (shutil.which("cc") is None and not PREBUILT_WHEELS),
-    reason="needs podman, runc and a C compiler (apt-get install podman runc gcc libc6-dev "
-    "busybox-static)",
-)
+pytestmark = NEEDS_PODMAN
 
 SLOT_BYTES = 96 * MIB
 SLOT_INODES = 3_000
@@ -55,15 +41,7 @@ def world(request: pytest.FixtureRequest) -> Iterator[PodmanWorld]:
 
 @pytest.fixture
 def disk(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
-    first = len(world.plans)
-    yield world
-    report = getattr(request.node, "report_call", None)
-    if report is not None and report.failed:
-        print(f"\n--- daemon log ---\n{world.process.log(80)}")
-    for plan in world.plans[first:]:
-        world.finish(plan)
-    for account in world.slots:
-        assert processes_of(account.uid) == [], f"{account.name} has processes left"
+    yield from each_test(request, world)
 
 
 def _root_free() -> int:

@@ -38,22 +38,17 @@ from podman_support import (
     BACKENDS,
     DEVICE,
     MIB,
-    PREBUILT_WHEELS,
+    NEEDS_PODMAN,
     PodmanWorld,
     barrier_of,
+    each_test,
     podman_world,
     processes_of,
     sha256,
     wait_for,
 )
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("podman") is None
-    or shutil.which("runc") is None
-    or (shutil.which("cc") is None and not PREBUILT_WHEELS),
-    reason="needs podman, runc and a C compiler (apt-get install podman runc gcc libc6-dev "
-    "busybox-static)",
-)
+pytestmark = NEEDS_PODMAN
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -64,18 +59,8 @@ def world(request: pytest.FixtureRequest) -> Iterator[PodmanWorld]:
 
 @pytest.fixture
 def e2e(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
-    """The shared world; after the test, every attempt it planned is stopped and released
-    (so the next test finds a free slot) and no slot-account process may be left. A
-    failing test shows the daemon's log."""
-    first = len(world.plans)
-    yield world
-    report = getattr(request.node, "report_call", None)
-    if report is not None and report.failed:
-        print(f"\n--- daemon log ---\n{world.process.log(80)}")
-    for plan in world.plans[first:]:
-        world.finish(plan)
-    for account in world.slots:
-        assert processes_of(account.uid) == [], f"{account.name} has processes left"
+    """The shared world, cleaned after each test (podman_support.each_test)."""
+    yield from each_test(request, world)
 
 
 def _streamed(data: bytes, name: str) -> InputObject:
