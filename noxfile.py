@@ -302,7 +302,7 @@ def _install_built_wheels(session: nox.Session) -> None:
     """The test tools, then every distribution from its built wheel (not the source
     tree): the package tests then test what a release ships."""
     session.install(*TEST_TOOLS, *BUILD_TOOLS)
-    dist = pathlib.Path(session.create_tmp()) / "wheels"
+    dist = pathlib.Path(session.create_tmp()).resolve() / "wheels"
     shutil.rmtree(dist, ignore_errors=True)
     for name in _present():
         with session.chdir(PACKAGES / name):
