@@ -401,7 +401,7 @@ def release(session: nox.Session) -> None:
         stale.unlink()
     with session.chdir(PACKAGES / name):
         session.run("hatchling", "build", "-t", "wheel", "-t", "sdist", "-d", str(dist))
-    needed = pathlib.Path(session.create_tmp()) / "needed"
+    needed = pathlib.Path(session.create_tmp()).resolve() / "needed"
     shutil.rmtree(needed, ignore_errors=True)
     for other in _present()[: _present().index(name)]:
         with session.chdir(PACKAGES / other):
