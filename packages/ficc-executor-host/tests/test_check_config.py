@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -21,14 +22,18 @@ from typing import Any
 
 import pytest
 
+from ficc.execution.host import provision, slotfs
 from ficc.execution.host.config import parse_config
 from ficc.execution.host.daemon import open_ledger
 from ficc.execution.host.providers import compute_digest
+from service_support import _account
 
 ROOT = Path(__file__).resolve().parents[3]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
 COMMAND = Path(sys.executable).parent / "ficc-executor"
 TRANSPORT_UID, OWNER_UID = 1, 2  # `daemon` and `bin`: present on every Debian host
+SLOT_ACCOUNT = f"ficc-t-chk-{os.getpid() % 100000}"
+SLOT_BYTES, SLOT_INODES = 16 << 20, 1_000
 
 if os.geteuid() != 0:
     pytest.skip("needs root: the configuration must be root-owned", allow_module_level=True)
@@ -55,20 +60,47 @@ def provider_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return site
 
 
+@pytest.fixture(scope="module")
+def slot_account() -> Iterator[pwd.struct_passwd]:
+    """The slot's real account (its own group, no login)."""
+    _account("useradd", "--system", "--user-group", "--no-create-home",
+             "--shell", "/usr/sbin/nologin", SLOT_ACCOUNT)  # fmt: skip
+    try:
+        yield pwd.getpwnam(SLOT_ACCOUNT)
+    finally:
+        _account("userdel", SLOT_ACCOUNT)
+
+
 @pytest.fixture
-def host(provider_site: Path) -> Iterator[Path]:
-    """A root-owned directory tree under /run holding everything a configuration names."""
+def host(provider_site: Path, slot_account: pwd.struct_passwd) -> Iterator[Path]:
+    """A root-owned directory tree under /run holding everything a configuration names,
+    the slot a real filesystem of its own."""
     base = Path(tempfile.mkdtemp(prefix="ficc-t-check-", dir="/run"))
     os.chmod(base, 0o755)
     (base / "state").mkdir(mode=0o700)
     (base / "sockets").mkdir()
     os.chmod(base / "sockets", 0o711)
-    (base / "slots" / "a").mkdir(parents=True)
+    (base / "slots").mkdir()
+    (base / "images").mkdir(mode=0o700)
     (base / "etc").mkdir(mode=0o755)
     try:
+        provision.create_image_slot(
+            str(base / "images" / "a.img"), str(base / "slots" / "a"), SLOT_BYTES, SLOT_INODES
+        )
         yield base
     finally:
+        provision.remove_slot(str(base / "slots" / "a"))
         shutil.rmtree(base)
+
+
+def _slot_uuid(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        found = slotfs.filesystem_uuid(fd, slotfs.mount_of(fd, str(path)))
+    finally:
+        os.close(fd)
+    assert found is not None
+    return found
 
 
 def document(base: Path, digest: str, configuration: dict[str, Any]) -> dict[str, Any]:
@@ -91,10 +123,11 @@ def document(base: Path, digest: str, configuration: dict[str, Any]) -> dict[str
                 "class": "small",
                 "generation": 1,
                 "path": str(base / "slots/a"),
-                "uid": 3_999_950,
-                "gid": 3_999_950,
-                "storage_bytes": 1 << 30,
-                "storage_inodes": 10_000,
+                "uid": pwd.getpwnam(SLOT_ACCOUNT).pw_uid,
+                "gid": pwd.getpwnam(SLOT_ACCOUNT).pw_gid,
+                "storage_bytes": SLOT_BYTES,
+                "storage_inodes": SLOT_INODES,
+                "filesystem_uuid": _slot_uuid(base / "slots/a"),
             }
         ],
         "ceiling": allowance,

@@ -408,7 +408,15 @@ def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
 # --- the console command ----------------------------------------------------------------------
 
 COMMAND = Path(sys.executable).parent / "ficc-executor"
-SUBCOMMANDS = ["serve", "check-config", "status", "metrics", "provider-digest", "request"]
+SUBCOMMANDS = [
+    "serve",
+    "check-config",
+    "status",
+    "metrics",
+    "provider-digest",
+    "provision-slot",
+    "request",
+]
 
 
 def run_command(*argv: str) -> subprocess.CompletedProcess[str]:

@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
     shown.add_argument("--json", action="store_true", help="print one JSON object")
     digest.set_defaults(run=_provider_digest)
 
-    provision.add_parser(commands)
+    provision.add_parser(commands, version_line())
 
     commands.add_parser(
         "request",

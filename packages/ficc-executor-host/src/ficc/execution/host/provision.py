@@ -29,7 +29,6 @@ import pathlib
 import stat
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -264,7 +263,7 @@ def _size(text: str) -> int:
     return int(digits) * scale
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # type: ignore[type-arg]
     """Register `provision-slot` on the `ficc-executor` command."""
     parser = commands.add_parser(
         "provision-slot",
@@ -282,6 +281,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="make the mount survive a reboot (default: none)",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--version", action="version", version=version)
     parser.set_defaults(run=run)
 
 
@@ -309,10 +309,3 @@ def run(args: argparse.Namespace) -> int:
         print("slot entry for the configuration (add id, class, generation, uid, gid):")
         print(json.dumps(entry, indent=2))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ficc-executor")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.run(args))
