@@ -72,7 +72,7 @@ E2E_TESTS = [
     f"{INSIDE}/tests-integration/test_podman_e2e.py",
     f"{INSIDE}/tests-integration/test_podman_disk.py",
 ]
-LOOP_DEVICES = 32
+LOOP_DEVICES = 64
 """Loop device nodes made on the host before the container starts: a privileged
 container gets a copy of the host's /dev as it is then, and the tests inside
 loop-mount their slot filesystems."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import pathlib
@@ -156,7 +157,7 @@ def create_image_slot(
         for _ in range(_MAX_TRIES):
             _allocate(image, size)
             _mkfs(image, storage_inodes, force=True)
-            _run("mount", "-t", "ext4", "-o", f"loop,{MOUNT_OPTIONS}", image, mount)
+            _loop_mount(image, mount)
             lacking = _fits(mount, storage_bytes, storage_inodes)
             if not lacking:
                 return _finish(mount, image, storage_bytes, storage_inodes, loop=True)
@@ -166,6 +167,31 @@ def create_image_slot(
     except BaseException:
         remove_slot(mount, image)
         raise
+
+
+def _loop_mount(image: str, mount: str) -> None:
+    """`mount -o loop`; where that cannot make a loop device node (a container whose
+    /dev is a copy taken when it started), the first free node that exists is used,
+    and marked to detach itself when the filesystem is unmounted."""
+    result = subprocess.run(
+        ["mount", "-t", "ext4", "-o", f"loop,{MOUNT_OPTIONS}", image, mount],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode == 0:
+        return
+    for node in sorted(glob.glob("/dev/loop[0-9]*"), key=lambda p: int(p[len("/dev/loop") :])):
+        attached = subprocess.run(["losetup", node, image], capture_output=True, check=False)
+        if attached.returncode != 0:
+            continue
+        try:
+            _run("mount", "-t", "ext4", "-o", MOUNT_OPTIONS, node, mount)
+        finally:
+            # Clearing a mounted loop device only marks it: it detaches with the unmount.
+            subprocess.run(["losetup", "--detach", node], capture_output=True, check=False)
+        return
+    raise HostError("provision_failed", f"mount -o loop {image} {mount} failed: {result.stderr}")
 
 
 def create_device_slot(
