@@ -18,7 +18,7 @@ ulimits), as the same slot account in the same Podman storage, of `/bin/true`. O
 
 Rounds alternate attempt and baseline (drift hits both alike); medians of 5 (quick) or
 15 rounds after one untimed round that loads the image into the slot's storage.
-Target: whole attempt / baseline at most 2x. The two phases are reported
+Target: whole attempt / baseline at most 1.5x. The two phases are reported
 separately (no target), and so is the earlier direct measurement of the provider, the
 cgroupfs service and the payload gate without the daemon (no target; its own world,
 its own baseline).
