@@ -45,7 +45,6 @@ import fcntl
 import grp
 import os
 import pwd
-import re
 import stat
 import uuid
 from collections.abc import Callable, Iterable
@@ -69,7 +68,6 @@ FULL_INODES: Final = 16
 _FS_IOC_GETFSUUID: Final = (2 << 30) | (17 << 16) | (0x15 << 8)
 """_IOR(0x15, 0, struct fsuuid2 {u8 len; u8 uuid[16];})"""
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_UUID_RE: Final = re.compile(UUID_PATTERN)
 
 
 class SlotSpec(Protocol):
@@ -361,10 +359,6 @@ def _superblock_uuid(mount: procfs.Mount) -> str | None:
     finally:
         os.close(fd)
     return str(uuid.UUID(bytes=raw)) if len(raw) == 16 else None
-
-
-def is_uuid(value: str) -> bool:
-    return bool(_UUID_RE.match(value))
 
 
 # --- the slot account -----------------------------------------------------------------
