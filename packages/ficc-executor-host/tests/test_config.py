@@ -279,17 +279,24 @@ def test_an_ancestor_owned_by_another_user_is_refused(trusted_dir: Path) -> None
     assert f"owned by UID {NOBODY}" in error.message
 
 
-def test_a_file_under_the_shared_tmp_is_refused() -> None:
-    """/tmp is sticky and world-writable: strict means no exception for sticky dirs."""
+def test_a_file_under_a_sticky_shared_directory_is_refused() -> None:
+    """A sticky world-writable directory such as /tmp: strict means no exception for it.
+
+    The shared directory is made here rather than taken from $TMPDIR, which a CI runner
+    may point at a private directory.
+    """
     _need_root()
-    inner = Path(tempfile.mkdtemp(prefix="ficc-t-config-"))
+    shared = Path(tempfile.mkdtemp(prefix="ficc-t-shared-", dir="/run"))
     try:
+        os.chmod(shared, 0o1777)
+        inner = shared / "inner"
+        inner.mkdir(mode=0o700)
         path = write_config(inner, document())
         error = refusal(lambda: load_config(str(path)))
         assert error.code == "config_unsafe_file"
-        assert "/tmp" in error.message
+        assert str(shared) in error.message
     finally:
-        shutil.rmtree(inner)
+        shutil.rmtree(shared)
 
 
 def test_a_missing_file_is_refused(trusted_dir: Path) -> None:
