@@ -1,6 +1,8 @@
 """Developer tasks for the ficc monorepo; nox is the single entry point.
 
 Sessions:
+  unit                                 the fast lane: every package's tests that need no root and
+                                       no Podman (pure logic and codecs); first in CI
   hoststate, protocol, executor_host,
   provider_podman                      one distribution's own tests
   integration                          tests that cross distributions (tests-integration/)
@@ -66,13 +68,20 @@ TYPE_TOOLS = ["mypy>=1.10"]
 BUILD_TOOLS = ["hatchling>=1.27"]
 
 
+# Never released: the shared test machinery (the `root` and `podman` markers), installed
+# into every test environment and into no release.
+TESTKIT = PACKAGES / "ficc-testkit"
+# The tests `nox -s unit` leaves out; CI runs them after it, so each test runs once.
+OUTSIDE_THE_FAST_LANE = "root or podman or slow or soak"
+
+
 def _present() -> list[str]:
     """Distributions that exist in this checkout (a pyproject.toml is the marker)."""
     return [name for name in DISTRIBUTIONS if (PACKAGES / name / "pyproject.toml").exists()]
 
 
 def _install_all(session: nox.Session) -> None:
-    session.install(*TEST_TOOLS)
+    session.install(*TEST_TOOLS, f"-e{TESTKIT}")
     session.install(*[f"-e{PACKAGES / name}" for name in _present()])
 
 
@@ -80,7 +89,7 @@ def _pytest(session: nox.Session, target: pathlib.Path, *extra: str) -> None:
     """Run one test tree; an empty or missing tree is a failure, not a pass."""
     if not target.exists():
         session.error(f"test tree {target} is missing")
-    session.run("pytest", "-q", "-ra", str(target), *extra, *session.posargs)
+    session.run("pytest", "-q", "-ra", "--durations=10", str(target), *extra, *session.posargs)
 
 
 def _package_tests(session: nox.Session, name: str) -> None:
@@ -101,7 +110,7 @@ def _lint(session: nox.Session) -> None:
 
 
 def _typecheck(session: nox.Session) -> None:
-    for name in _present():
+    for name in [*_present(), TESTKIT.name]:
         src = PACKAGES / name / "src"
         session.run(
             "mypy",
@@ -181,6 +190,19 @@ def _check_wheel_alone(session: nox.Session, dist: pathlib.Path, name: str) -> N
         session.run(py, "-m", "pip", "install", "-q", "--find-links", str(dist), str(wheel))
         with session.chdir(tmp):  # not the repository: only the installed wheel is importable
             session.run(py, "-I", "-c", _IMPORT_ALL, *modules)
+
+
+def _unit_tests(session: nox.Session) -> None:
+    """Each package's tests that carry none of the `root`, `podman`, `slow` and `soak` markers."""
+    for name in _present():
+        _pytest(session, PACKAGES / name / "tests", "-m", f"not ({OUTSIDE_THE_FAST_LANE})")
+
+
+@nox.session
+def unit(session: nox.Session) -> None:
+    """The fast lane: pure logic and codecs, no root and no Podman needed."""
+    _install_all(session)
+    _unit_tests(session)
 
 
 @nox.session
@@ -301,7 +323,7 @@ def soak(session: nox.Session) -> None:
 def _install_built_wheels(session: nox.Session) -> None:
     """The test tools, then every distribution from its built wheel (not the source
     tree): the package tests then test what a release ships."""
-    session.install(*TEST_TOOLS, *BUILD_TOOLS)
+    session.install(*TEST_TOOLS, *BUILD_TOOLS, str(TESTKIT))
     dist = pathlib.Path(session.create_tmp()).resolve() / "wheels"
     shutil.rmtree(dist, ignore_errors=True)
     for name in _present():
@@ -313,13 +335,15 @@ def _install_built_wheels(session: nox.Session) -> None:
 
 @nox.session
 def ci(session: nox.Session) -> None:
-    """Everything CI runs: every package's tests against the installed wheels,
-    integration, systemd, upgrade, lint, typecheck, build."""
+    """Everything CI runs: every package's tests against the installed wheels (the
+    fast lane first, then the tests that need root or Podman), integration, systemd,
+    upgrade, lint, typecheck, build."""
     _install_built_wheels(session)
     session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
+    _unit_tests(session)  # first: a broken codec fails the run in a minute
     for name in _present():
-        _package_tests(session, name)
+        _pytest(session, PACKAGES / name / "tests", "-m", OUTSIDE_THE_FAST_LANE)
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
@@ -394,7 +418,7 @@ def release(session: nox.Session) -> None:
         session.error("usage: nox -s release -- DISTRIBUTION VERSION")
     name, version = session.posargs
     _release_checks(session, name, version)
-    session.install(*TEST_TOOLS, *BUILD_TOOLS)
+    session.install(*TEST_TOOLS, *BUILD_TOOLS, str(TESTKIT))
     dist = ROOT / "dist"
     dist.mkdir(exist_ok=True)
     for stale in dist.glob(f"{name.replace('-', '_')}-*"):

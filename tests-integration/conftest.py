@@ -29,12 +29,12 @@ from harness import (
     private_directory,
 )
 
-if os.geteuid() != 0:
-    pytest.skip(
-        "the integration suite needs root: it creates users, /run directories and runs the "
-        "daemon as root (run it as root, e.g. `nox -s integration`)",
-        allow_module_level=True,
-    )
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every integration test needs root: it creates users, /run directories and runs
+    the daemon as root."""
+    for item in items:
+        item.add_marker(pytest.mark.root("the integration suite runs the daemon as root"))
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -44,7 +44,8 @@ import rootfs  # a sibling script, not a package
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INSIDE = "/opt/ficc"
-PACKAGES = ["ficc-protocol", "ficc-executor-host"]
+# ficc-testkit: the markers the tests carry (root, podman); never released.
+PACKAGES = ["ficc-protocol", "ficc-executor-host", "ficc-testkit"]
 TEST_FILES = [
     "packages/ficc-executor-host/tests/test_service_behaviour.py",
     "packages/ficc-executor-host/tests/test_service_systemd.py",
@@ -316,7 +317,14 @@ def install(name: str, wheelhouse: pathlib.Path) -> None:
     _run([*PODMAN, "exec", name, "python3", "-m", "venv", f"{INSIDE}/venv"], check=True)
     pip = [*PODMAN, "exec", name, f"{INSIDE}/venv/bin/pip", "install", "-q", "--no-index"]
     # psutil: the integration suite's conftest (it kills what a failed test left).
-    pip += ["--find-links", f"{INSIDE}/wheels", "ficc-executor-host", "pytest", "psutil"]
+    pip += [
+        "--find-links",
+        f"{INSIDE}/wheels",
+        "ficc-executor-host",
+        "ficc-testkit",
+        "pytest",
+        "psutil",
+    ]
     _run(pip, check=True)
 
 

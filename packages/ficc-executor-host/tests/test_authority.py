@@ -26,6 +26,10 @@ from ficc.execution.host.peercred import (
     socket_paths,
 )
 
+pytestmark = pytest.mark.root(
+    "real peers are real users: it creates accounts and sockets owned by them"
+)
+
 T, A, OW = SocketKind.TRANSPORT, SocketKind.ADMINISTRATOR, SocketKind.LOCAL_OWNER
 
 # docs/protocol.md "Who may send", written out independently of the module under test.
@@ -101,8 +105,6 @@ class Account:
 @pytest.fixture(scope="module")
 def accounts() -> Iterator[dict[str, Account]]:
     """Three real system users, created for this module if absent, removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: it creates users and sockets owned by them")
     if not os.access(PYTHON, os.X_OK) or shutil.which("setpriv") is None:
         pytest.skip(f"needs {PYTHON} and setpriv to run a real unprivileged peer")
     created = []

@@ -35,8 +35,7 @@ TRANSPORT_UID, OWNER_UID = 1, 2  # `daemon` and `bin`: present on every Debian h
 SLOT_ACCOUNT = f"ficc-t-chk-{os.getpid() % 100000}"
 SLOT_BYTES, SLOT_INODES = 16 << 20, 1_000
 
-if os.geteuid() != 0:
-    pytest.skip("needs root: the configuration must be root-owned", allow_module_level=True)
+pytestmark = pytest.mark.root("needs root: the configuration must be root-owned")
 
 
 def _pip(*args: str) -> None:

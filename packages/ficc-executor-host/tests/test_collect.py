@@ -21,7 +21,7 @@ from ficc.execution.host.layout import Layout
 from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read, validate_request
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the layout chowns to a slot account")
+pytestmark = pytest.mark.root("the layout chowns to a slot account")
 
 SLOT_UID = 61_771
 SHA = "sha256:" + "c" * 64

@@ -198,8 +198,7 @@ class FakeDaemon:
         return error_reply(request.id, "unknown_attempt", "fake")
 
 
-if os.geteuid() != 0:
-    pytest.skip("needs root: sockets are owned per role under /run", allow_module_level=True)
+pytestmark = pytest.mark.root("needs root: sockets are owned per role under /run")
 
 
 @pytest.fixture

@@ -35,9 +35,7 @@ NOBODY = 65534
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 
-def _need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the checks are about files owned by root")
+needs_root = pytest.mark.root("the checks are about files owned by root")
 
 
 @pytest.fixture
@@ -47,7 +45,6 @@ def trusted_dir() -> Iterator[Path]:
     /tmp is sticky and world-writable, which the loader refuses on purpose, so the
     directory is made under /run.
     """
-    _need_root()
     path = Path(tempfile.mkdtemp(prefix="ficc-t-config-", dir="/run"))
     os.chmod(path, 0o700)
     yield path
@@ -158,6 +155,7 @@ def parse(doc: dict[str, Any]) -> Config:
 # --- loading real files ----------------------------------------------------------------
 
 
+@needs_root
 def test_a_valid_json_file_loads(trusted_dir: Path) -> None:
     config = load_config(str(write_config(trusted_dir, document())))
     assert config.transport_uid == 990
@@ -166,6 +164,7 @@ def test_a_valid_json_file_loads(trusted_dir: Path) -> None:
     assert config.providers[0].configuration["images"][0]["name"] == "busybox"
 
 
+@needs_root
 def test_toml_and_json_give_the_same_config(trusted_dir: Path) -> None:
     doc = document()
     from_json = load_config(str(write_config(trusted_dir, doc)))
@@ -173,6 +172,7 @@ def test_toml_and_json_give_the_same_config(trusted_dir: Path) -> None:
     assert load_config(str(toml_path)) == from_json
 
 
+@needs_root
 def test_a_file_of_exactly_the_size_limit_loads(trusted_dir: Path) -> None:
     data = json.dumps(document()).encode()
     data += b" " * (MAX_CONFIG_BYTES - len(data))
@@ -180,6 +180,7 @@ def test_a_file_of_exactly_the_size_limit_loads(trusted_dir: Path) -> None:
     load_config(str(write_file(trusted_dir / "host.json", data)))
 
 
+@needs_root
 def test_one_byte_over_the_size_limit_is_refused(trusted_dir: Path) -> None:
     data = json.dumps(document()).encode()
     data += b" " * (MAX_CONFIG_BYTES + 1 - len(data))
@@ -189,6 +190,7 @@ def test_one_byte_over_the_size_limit_is_refused(trusted_dir: Path) -> None:
     assert "bytes" in error.message
 
 
+@needs_root
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o400, 0o700, 0o4600, 0o660])
 def test_a_mode_other_than_0600_is_refused(trusted_dir: Path, mode: int) -> None:
     path = write_file(trusted_dir / "host.json", json.dumps(document()).encode(), mode=mode)
@@ -197,6 +199,7 @@ def test_a_mode_other_than_0600_is_refused(trusted_dir: Path, mode: int) -> None
     assert "chmod 0600" in error.message
 
 
+@needs_root
 def test_a_file_owned_by_another_user_is_refused(trusted_dir: Path) -> None:
     path = write_file(trusted_dir / "host.json", json.dumps(document()).encode(), uid=NOBODY)
     error = refusal(lambda: load_config(str(path)))
@@ -204,6 +207,7 @@ def test_a_file_owned_by_another_user_is_refused(trusted_dir: Path) -> None:
     assert f"UID {NOBODY}" in error.message
 
 
+@needs_root
 def test_a_hard_linked_file_is_refused(trusted_dir: Path) -> None:
     path = write_config(trusted_dir, document())
     os.link(path, trusted_dir / "second-name.json")
@@ -212,6 +216,7 @@ def test_a_hard_linked_file_is_refused(trusted_dir: Path) -> None:
     assert "2 hard links" in error.message
 
 
+@needs_root
 def test_a_fifo_is_refused_without_blocking(trusted_dir: Path) -> None:
     path = trusted_dir / "host.json"
     os.mkfifo(path, 0o600)
@@ -220,6 +225,7 @@ def test_a_fifo_is_refused_without_blocking(trusted_dir: Path) -> None:
     assert "regular" in error.message
 
 
+@needs_root
 def test_a_device_node_is_refused(trusted_dir: Path) -> None:
     path = trusted_dir / "host.json"
     try:
@@ -230,6 +236,7 @@ def test_a_device_node_is_refused(trusted_dir: Path) -> None:
     assert error.code == "config_unsafe_file"
 
 
+@needs_root
 def test_a_directory_is_refused(trusted_dir: Path) -> None:
     (trusted_dir / "host.json").mkdir(mode=0o600)
     assert refusal(lambda: load_config(str(trusted_dir / "host.json"))).code == (
@@ -237,6 +244,7 @@ def test_a_directory_is_refused(trusted_dir: Path) -> None:
     )
 
 
+@needs_root
 def test_a_symlinked_file_is_refused(trusted_dir: Path) -> None:
     real = write_config(trusted_dir, document(), name="real.json")
     (trusted_dir / "host.json").symlink_to(real)
@@ -245,6 +253,7 @@ def test_a_symlinked_file_is_refused(trusted_dir: Path) -> None:
     assert "symbolic link" in error.message
 
 
+@needs_root
 def test_a_symlinked_directory_in_the_path_is_refused(trusted_dir: Path) -> None:
     (trusted_dir / "real").mkdir(mode=0o700)
     write_config(trusted_dir / "real", document())
@@ -254,6 +263,7 @@ def test_a_symlinked_directory_in_the_path_is_refused(trusted_dir: Path) -> None
     assert "symbolic link" in error.message
 
 
+@needs_root
 @pytest.mark.parametrize("mode", [0o770, 0o702, 0o1777])
 def test_an_ancestor_writable_by_others_is_refused(trusted_dir: Path, mode: int) -> None:
     inner = trusted_dir / "etc"
@@ -269,6 +279,7 @@ def test_an_ancestor_writable_by_others_is_refused(trusted_dir: Path, mode: int)
         assert f"chmod go-w {inner}" in error.message
 
 
+@needs_root
 def test_an_ancestor_owned_by_another_user_is_refused(trusted_dir: Path) -> None:
     inner = trusted_dir / "etc"
     inner.mkdir(mode=0o755)
@@ -279,13 +290,13 @@ def test_an_ancestor_owned_by_another_user_is_refused(trusted_dir: Path) -> None
     assert f"owned by UID {NOBODY}" in error.message
 
 
+@needs_root
 def test_a_file_under_a_sticky_shared_directory_is_refused() -> None:
     """A sticky world-writable directory such as /tmp: strict means no exception for it.
 
     The shared directory is made here rather than taken from $TMPDIR, which a CI runner
     may point at a private directory.
     """
-    _need_root()
     shared = Path(tempfile.mkdtemp(prefix="ficc-t-shared-", dir="/run"))
     try:
         os.chmod(shared, 0o1777)
@@ -299,6 +310,7 @@ def test_a_file_under_a_sticky_shared_directory_is_refused() -> None:
         shutil.rmtree(shared)
 
 
+@needs_root
 def test_a_missing_file_is_refused(trusted_dir: Path) -> None:
     assert refusal(lambda: load_config(str(trusted_dir / "nope.json"))).code == "config_missing"
     assert refusal(lambda: load_config(str(trusted_dir / "no" / "x.json"))).code == (
@@ -311,6 +323,7 @@ def test_a_relative_or_unnormalized_path_is_refused(path: str) -> None:
     assert refusal(lambda: load_config(path)).code == "config_unsafe_file"
 
 
+@needs_root
 @pytest.mark.parametrize("name", ["host.yaml", "host", "host.JSON"])
 def test_an_unknown_extension_is_refused(trusted_dir: Path, name: str) -> None:
     path = write_config(trusted_dir, document(), name=name)
@@ -521,6 +534,7 @@ def host_root(trusted_dir: Path) -> Path:
     return trusted_dir
 
 
+@needs_root
 def test_check_directories_accepts_real_root_owned_directories(host_root: Path) -> None:
     # check_host's slot filesystem and account checks: test_slotfs.py, on real mounts
     check_directories(parse(document(str(host_root))))
@@ -532,6 +546,7 @@ def _mutated(root: Path, key: str, value: Any) -> Config:
     return parse(doc)
 
 
+@needs_root
 def test_check_host_refuses_a_missing_slot_directory(host_root: Path) -> None:
     os.rmdir(host_root / "slots" / "1")
     error = refusal(lambda: check_host(parse(document(str(host_root)))))
@@ -539,6 +554,7 @@ def test_check_host_refuses_a_missing_slot_directory(host_root: Path) -> None:
     assert error.message.startswith("slots[1].path: ")
 
 
+@needs_root
 def test_check_host_refuses_a_symlinked_slot_directory(host_root: Path) -> None:
     os.rmdir(host_root / "slots" / "1")
     (host_root / "slots" / "1").symlink_to(host_root / "slots" / "0")
@@ -547,6 +563,7 @@ def test_check_host_refuses_a_symlinked_slot_directory(host_root: Path) -> None:
     assert "symbolic link" in error.message
 
 
+@needs_root
 def test_check_host_refuses_a_file_as_slot_directory(host_root: Path) -> None:
     os.rmdir(host_root / "slots" / "2")
     write_file(host_root / "slots" / "2", b"")
@@ -555,6 +572,7 @@ def test_check_host_refuses_a_file_as_slot_directory(host_root: Path) -> None:
     assert "not a directory" in error.message
 
 
+@needs_root
 def test_check_host_refuses_a_slot_directory_owned_by_its_slot(host_root: Path) -> None:
     os.chown(host_root / "slots" / "0", 2000, 2000)
     error = refusal(lambda: check_host(parse(document(str(host_root)))))
@@ -562,11 +580,13 @@ def test_check_host_refuses_a_slot_directory_owned_by_its_slot(host_root: Path) 
     assert error.message.startswith("slots[0].path: ")
 
 
+@needs_root
 def test_check_host_refuses_a_group_writable_slot_directory(host_root: Path) -> None:
     os.chmod(host_root / "slots" / "2", 0o775)
     assert refusal(lambda: check_host(parse(document(str(host_root))))).code == ("host_path_unsafe")
 
 
+@needs_root
 @pytest.mark.parametrize(("name", "mode"), [("state", 0o755), ("state", 0o711), ("sockets", 0o700)])
 def test_check_host_requires_exact_modes_of_state_and_socket_dirs(
     host_root: Path, name: str, mode: int
@@ -675,6 +695,7 @@ def test_transport_and_owner_accounts_must_exist() -> None:
 # --- metrics_textfile -------------------------------------------------------------------
 
 
+@needs_root
 def test_metrics_textfile_is_optional_and_must_be_a_prom_file_in_a_root_directory(
     trusted_dir: Path,
 ) -> None:

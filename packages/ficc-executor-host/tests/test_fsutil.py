@@ -191,6 +191,7 @@ def test_open_regular_at_refuses_a_directory(tmp_path: Path, dir_fd: int) -> Non
     assert _code(excinfo) == "not_regular_file"
 
 
+@pytest.mark.root("only root makes a device node")
 def test_open_regular_at_refuses_a_device(tmp_path: Path, dir_fd: int) -> None:
     os.mknod(tmp_path / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     with pytest.raises(HostError) as excinfo:

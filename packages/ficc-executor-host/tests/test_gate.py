@@ -50,9 +50,8 @@ SLOT_USER = "ficc-gate-test"
 HIERARCHIES = ("pids", "devices", "unified")
 BUSYBOX = "/bin/busybox"
 
-requires_root = pytest.mark.skipif(
-    os.geteuid() != 0,
-    reason="real-process gate tests need root (they create users, cgroups and namespaces)",
+requires_root = pytest.mark.root(
+    "real-process gate tests need root (they create users, cgroups and namespaces)"
 )
 
 # ---------------------------------------------------------------- pure parsers
@@ -972,8 +971,6 @@ def _descendant_running(pid: int, target: FileIdentity) -> int | None:
 
 @pytest.fixture(scope="module")
 def slot_account() -> Iterator[tuple[int, int]]:
-    if os.geteuid() != 0:
-        pytest.skip("real-process gate tests need root to create the slot account")
     created = False
     if subprocess.run(["id", "-u", SLOT_USER], check=False, capture_output=True).returncode != 0:
         subprocess.run(
@@ -990,8 +987,6 @@ def slot_account() -> Iterator[tuple[int, int]]:
 
 @pytest.fixture
 def world(slot_account: tuple[int, int]) -> Iterator[World]:
-    if os.geteuid() != 0:
-        pytest.skip("real-process gate tests need root (users, cgroups, namespaces)")
     if not Path(BUSYBOX).is_file():
         pytest.skip("the barrier stand-in is a static busybox: apt-get install -y busybox-static")
     name = f"/ficc-gate-test-{uuid.uuid4().hex[:12]}"
@@ -1330,8 +1325,6 @@ PODMAN_DEVICES += b"c 5:0 rwm\nc 5:2 rwm\nc 10:200 rwm\nc 136:* rwm\n"
 
 @pytest.fixture(scope="module")
 def podman_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if os.geteuid() != 0 or shutil.which("podman") is None:
-        pytest.skip("podman (and root) are needed to gate a real container")
     rootfs = tmp_path_factory.mktemp("rootfs")
     for directory in ("data", "tmp", "etc"):
         (rootfs / directory).mkdir()
@@ -1422,7 +1415,7 @@ def podman_expectation(world: World, parent: str, uid: int) -> Expectation:
     )
 
 
-@requires_root
+@pytest.mark.podman("the gate checks a real Podman container")
 @pytest.mark.parametrize(
     ("flags", "code"),
     [

@@ -73,9 +73,7 @@ from ficc.execution.wire import (
     encode_reply,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="the daemon needs root: root-owned state, slot accounts, cgroups"
-)
+pytestmark = pytest.mark.root("the daemon needs root: root-owned state, slot accounts, cgroups")
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ from ficc.execution.host.layout import (
     Layout,
 )
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the layout chowns to a slot account")
+pytestmark = pytest.mark.root("the layout chowns to a slot account")
 
 SLOT_UID = 61_731  # a non-root numeric account; the kernel needs no passwd entry
 SLOT_GID = 61_731

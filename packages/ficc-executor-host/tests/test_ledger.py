@@ -43,6 +43,8 @@ from ficc.execution.host.ledger import (
 )
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 
+pytestmark = pytest.mark.root("the ledger lives in a root-owned state directory")
+
 INSTALLATION = "1" * 32
 BOOT = "8d7c2e55-0000-4000-8000-000000000001"
 OTHER_BOOT = "8d7c2e55-0000-4000-8000-000000000002"

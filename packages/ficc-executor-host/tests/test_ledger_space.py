@@ -39,6 +39,10 @@ from test_ledger import (
     to_ready,
 )
 
+pytestmark = pytest.mark.root(
+    "the ledger lives in a root-owned state directory; a full disk is a mounted tmpfs"
+)
+
 MIB = space.MIB
 
 
@@ -229,8 +233,6 @@ def test_the_hard_limit_fails_a_write_whole_and_the_ledger_goes_on(
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 24 MiB tmpfs, private to root, unmounted however the test ends."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: mounts a small tmpfs to fill")
     path = tmp_path / "small"
     path.mkdir()
     subprocess.run(

@@ -60,11 +60,9 @@ from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 
-if os.geteuid() != 0:
-    pytest.skip(
-        "the runner tests need root (cgroups, a slot account, root-owned installs)",
-        allow_module_level=True,
-    )
+pytestmark = pytest.mark.root(
+    "the runner tests need root (cgroups, a slot account, root-owned installs)"
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"

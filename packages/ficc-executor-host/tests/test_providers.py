@@ -46,9 +46,9 @@ PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider
 MODULE = "ficc_test_provider"
 PACKAGE = f"{MODULE}/__init__.py"
 
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0, reason="ownership checks need root-owned installs (run as root)"
-)
+pytestmark = pytest.mark.slow("each test builds or installs a real provider distribution")
+
+needs_root = pytest.mark.root("ownership checks need root-owned installs")
 
 
 # ---- building and installing the real distribution ------------------------------------

@@ -68,8 +68,7 @@ from ficc.execution.wire import (
     error_row,
 )
 
-if os.geteuid() != 0:
-    pytest.skip("needs root: sockets are owned per role under /run", allow_module_level=True)
+pytestmark = pytest.mark.root("needs root: sockets are owned per role under /run")
 
 MIB = 1024 * 1024
 FOREIGN_UID = 3_999_998  # nobody on this machine: root is the wrong peer for it

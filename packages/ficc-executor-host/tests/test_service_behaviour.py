@@ -68,6 +68,8 @@ from service_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.root("the behaviour tests need real cgroups and a real slot account")
+
 # The shared fixtures, defined once in service_support.
 slot = service_support.slot
 prefix = service_support.prefix
@@ -83,8 +85,6 @@ def service(request: pytest.FixtureRequest, prefix: str) -> Iterator[Backend]:
         with systemd_backend(prefix) as units:
             yield units
         return
-    if os.geteuid() != 0:
-        pytest.skip("the cgroupfs backend needs root (real cgroups)")
     if pid1_is_systemd():
         pytest.skip(
             "the cgroupfs backend is for hosts whose PID 1 is not systemd (here systemd "

@@ -46,8 +46,7 @@ from service_support import (
 # The shared fixtures, defined once in service_support.
 slot = service_support.slot
 
-if os.geteuid() != 0:
-    pytest.skip("the cgroupfs service tests need root (real cgroups)", allow_module_level=True)
+pytestmark = pytest.mark.root("the cgroupfs service tests need root (real cgroups)")
 
 
 @pytest.fixture

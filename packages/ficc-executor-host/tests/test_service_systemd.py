@@ -39,6 +39,8 @@ from service_support import (
     wait_for,
 )
 
+pytestmark = pytest.mark.root("the systemd backend runs real units")
+
 # The shared fixtures, defined once in service_support.
 slot = service_support.slot
 prefix = service_support.prefix

@@ -35,10 +35,7 @@ from ficc.execution.host.config import (
 from ficc.execution.host.errors import HostError
 from service_support import _account
 
-if os.geteuid() != 0:
-    pytest.skip(
-        "slot filesystems need root: they are loop-mounted ext4 images", allow_module_level=True
-    )
+pytestmark = pytest.mark.root("slot filesystems need root: they are loop-mounted ext4 images")
 
 MIB = 1 << 20
 BYTES = 24 * MIB

@@ -177,11 +177,12 @@ def test_foreign_and_broken_programs_are_refused() -> None:
 # --- on this machine's kernel (a real v2 cgroup) -----------------------------------------
 
 
+needs_kernel = pytest.mark.root("loading device programs needs root")
+
+
 @pytest.fixture
 def group() -> Iterator[Path]:
     """A fresh cgroup in this machine's v2 tree (no controllers needed for BPF)."""
-    if os.geteuid() != 0:
-        pytest.skip("loading device programs needs root")
     unified = next(h.mount for h in cgroups.discover().hierarchies if h.version == 2)
     path = Path(unified) / f"ficc-t-sdbpf-{os.getpid()}-{secrets.token_hex(3)}"
     path.mkdir()
@@ -192,6 +193,7 @@ def group() -> Iterator[Path]:
             child.rmdir()
 
 
+@needs_kernel
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_captured_program_reads_back_from_the_kernel(group: Path, name: str) -> None:
     bpfdevices.attach_program(str(group), raw_of(name))
@@ -200,6 +202,7 @@ def test_captured_program_reads_back_from_the_kernel(group: Path, name: str) -> 
     assert key(sd.read_back(str(group))) == key(planned(name))
 
 
+@needs_kernel
 def test_kernel_enforces_the_read_back_policy(group: Path, slot: tuple[int, int]) -> None:
     """systemd's program for /dev/null: null opens, zero is refused by the kernel; the
     v1 device cgroup of the child allows everything, so only the program denies."""
@@ -231,24 +234,28 @@ def _refused(group: Path) -> str:
     return refusal.value.message
 
 
+@needs_kernel
 def test_a_second_program_on_the_unit_is_refused(group: Path) -> None:
     bpfdevices.attach_program(str(group), raw_of("null"))
     bpfdevices.attach(str(group), [NULL])
     assert "2 device programs" in _refused(group)
 
 
+@needs_kernel
 def test_no_program_and_a_foreign_program_are_refused(group: Path) -> None:
     assert "0 device programs" in _refused(group)
     bpfdevices.attach(str(group), [NULL])
     assert "not systemd 252's shape" in _refused(group)
 
 
+@needs_kernel
 def test_an_overridable_program_is_refused(group: Path) -> None:
     """BPF_F_ALLOW_OVERRIDE: a program attached below would replace it, not add to it."""
     bpfdevices.attach_program(str(group), raw_of("null"), flags=1)
     assert "flags 1" in _refused(group)
 
 
+@needs_kernel
 def test_ancestor_programs_are_accepted_they_only_restrict(group: Path) -> None:
     """The parent's program runs too (effective list) and can only deny more."""
     bpfdevices.attach(str(group), [ZERO])
@@ -260,6 +267,7 @@ def test_ancestor_programs_are_accepted_they_only_restrict(group: Path) -> None:
     assert key(sd.read_back(str(unit))) == key(cgroups.expected_devices([NULL]))
 
 
+@needs_kernel
 def test_backend_gate_refuses_and_observers_see_none(group: Path) -> None:
     """How SystemdService uses it on v2: the start gate (strict) gets the refusal with
     its reason, `controls` (not strict) reports devices None (unverifiable)."""

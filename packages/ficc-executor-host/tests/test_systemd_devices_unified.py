@@ -45,6 +45,8 @@ from ficc.execution.host.service.systemd import (
     unit_name,
 )
 
+pytestmark = pytest.mark.root("loading device programs needs root")
+
 REQUIRED = os.environ.get("FICC_SYSTEMD_UNIFIED_REQUIRED") == "1"
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "systemd_devices.json").read_text())
 CASES = {case["name"]: case for case in VECTORS["cases"]}

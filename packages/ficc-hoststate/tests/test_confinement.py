@@ -23,6 +23,10 @@ def initialized(store: pathlib.Path) -> pathlib.Path:
     return store
 
 
+#: giving a file to another user takes root
+chowns = pytest.mark.root("it gives files to another user")
+
+
 def unsafe(directory: pathlib.Path, text: str) -> None:
     """acquire and inspect both refuse, and nothing is written into the directory."""
     before = snapshot_of(directory)
@@ -90,11 +94,13 @@ def test_group_writable_file(initialized: pathlib.Path, name: str) -> None:
     unsafe(initialized, "writable by group or others")
 
 
+@chowns
 def test_directory_owned_by_another_user(initialized: pathlib.Path) -> None:
     os.chown(initialized, NOBODY, -1)
     unsafe(initialized, f"owned by uid {NOBODY}")
 
 
+@chowns
 @pytest.mark.parametrize("name", ["state.json", "host.lock"])
 def test_file_owned_by_another_user(initialized: pathlib.Path, name: str) -> None:
     os.chown(initialized / name, NOBODY, -1)
@@ -136,6 +142,7 @@ def test_sticky_ancestor_is_fine(tmp_path: pathlib.Path) -> None:
         s.begin("op-1", plan(1))
 
 
+@chowns
 def test_ancestor_owned_by_another_user(tmp_path: pathlib.Path) -> None:
     parent = tmp_path / "theirs"
     parent.mkdir(mode=0o755)

@@ -44,6 +44,10 @@ from ficc.execution.protocol import (
 )
 from ficc.execution.wire import AttemptsReply, Error, ErrorReply, SnapshotReply, encode_reply
 
+pytestmark = pytest.mark.root(
+    "the client trusts only a root server, and the in-process server is root only under root"
+)
+
 PEER_USER = "ficc-test-peer"
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 
@@ -322,8 +326,6 @@ def _serve_one_as(uid: int, gid: int, path: pathlib.Path, reply: bytes, ready: i
 @pytest.fixture(scope="module")
 def peer_user() -> Iterator[pwd.struct_passwd]:
     """The real non-root system user; created for this module if missing, then removed."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a user and drop to it; run the tests as root")
     try:
         yield pwd.getpwnam(PEER_USER)
         return
@@ -396,8 +398,6 @@ def test_same_server_passes_only_with_an_injected_check(
 
 
 def test_root_peer_credentials_are_read(sock_dir: pathlib.Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("the in-process server is root only when the tests run as root")
     seen: list[PeerCredentials] = []
 
     async def good(payload: bytes, writer: asyncio.StreamWriter) -> None:

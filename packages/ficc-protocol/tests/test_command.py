@@ -84,7 +84,11 @@ def _attempt_rows(payload: bytes, *, fail_row: int | None = None) -> bytes:
 
 START = encode_request(ex.requests()["start"])
 
+#: the client trusts only a root server, and the in-process one is root only under root
+root_server = pytest.mark.root("these tests talk to an in-process server that must be root")
 
+
+@root_server
 def test_request_prints_the_reply_and_exits_0(sock_dir: pathlib.Path) -> None:
     server = OneShotServer(sock_dir / "admin.sock", _attempt_rows)
     try:
@@ -100,6 +104,7 @@ def test_request_prints_the_reply_and_exits_0(sock_dir: pathlib.Path) -> None:
     assert server.received == [START]  # validated, then sent canonically, once
 
 
+@root_server
 def test_refused_row_exits_1_with_the_code(sock_dir: pathlib.Path) -> None:
     server = OneShotServer(sock_dir / "s", lambda p: _attempt_rows(p, fail_row=1))
     try:
@@ -111,6 +116,7 @@ def test_refused_row_exits_1_with_the_code(sock_dir: pathlib.Path) -> None:
     assert json.loads(done.stdout)["results"][1]["ok"] is False
 
 
+@root_server
 def test_refused_request_exits_1_with_the_code(sock_dir: pathlib.Path) -> None:
     def refuse(payload: bytes) -> bytes:
         return encode_reply(ex.replies()["error"])

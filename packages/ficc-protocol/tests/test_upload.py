@@ -31,6 +31,10 @@ from ficc.execution.protocol import (
 )
 from ficc.execution.wire import InputRow, InputsReply, encode_reply, error_row
 
+pytestmark = pytest.mark.root(
+    "the client trusts only a root server, and the in-process server is root only under root"
+)
+
 CHUNK = 1000
 DATA = os.urandom(4 * CHUNK + 123)
 

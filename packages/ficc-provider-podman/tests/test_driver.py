@@ -25,10 +25,7 @@ import msgspec
 import harness as h
 from ficc_provider_podman.account import processes_of
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("podman") is None or shutil.which("runc") is None,
-    reason="needs root, podman and runc (apt-get install podman runc busybox-static)",
-)
+pytestmark = pytest.mark.podman("the driver runs real containers")
 
 STREAMED = b"streamed input bytes\n"
 

@@ -17,6 +17,9 @@ from ficc_provider_podman.observe import parse_device_results
 
 SHA = "sha256:" + "a" * 64
 
+#: a loaded configuration names root-owned files only
+root_files = pytest.mark.root("the configuration it loads must name root-owned files")
+
 
 def _valid(tmp_path: Path) -> dict[str, Any]:
     archive = tmp_path / "image.tar"
@@ -30,6 +33,7 @@ def _valid(tmp_path: Path) -> dict[str, Any]:
     }
 
 
+@root_files
 def test_a_valid_configuration_loads_with_defaults(tmp_path: Path) -> None:
     config = load(_valid(tmp_path))
     assert config.podman == "/usr/bin/podman"
@@ -94,6 +98,7 @@ def _argv(config: Config, tmp_path: Path) -> list[str]:
     )
 
 
+@root_files
 def test_the_argv_isolates_and_never_asks_podman_for_limits(tmp_path: Path) -> None:
     argv = _argv(load(_valid(tmp_path)), tmp_path)
     assert argv[:2] == ["/usr/bin/env", "-i"]
@@ -126,6 +131,7 @@ def test_the_argv_isolates_and_never_asks_podman_for_limits(tmp_path: Path) -> N
     assert argv[-3:] == ["--", "/bin/echo", "hi"]
 
 
+@root_files
 def test_devices_split_into_allowed_and_refused(tmp_path: Path) -> None:
     config = load(
         {
@@ -148,6 +154,7 @@ def test_devices_split_into_allowed_and_refused(tmp_path: Path) -> None:
     assert devices.mapped == []
 
 
+@root_files
 def test_a_volume_path_podman_cannot_parse_is_refused(tmp_path: Path) -> None:
     config = load(_valid(tmp_path))
     with pytest.raises(ValueError, match="podman -v"):

@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`ficc-hoststate inspect`: print what a state directory holds; exit 1 on a refusal."""
     args = _parser().parse_args(argv)
     try:
         found = inspect_store(args.directory, args.host_id)

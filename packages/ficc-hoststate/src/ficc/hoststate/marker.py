@@ -20,6 +20,8 @@ MAX_BYTES = 4096
 
 
 class Marker(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The ownership marker: which host a state directory belongs to, in which format."""
+
     format: str
     host_id: HostId
     version: int
@@ -30,6 +32,7 @@ _DECODER = msgspec.json.Decoder(Marker)
 
 
 def encode(host_id: str) -> bytes:
+    """The marker bytes for `host_id`, one JSON line with sorted keys."""
     return _ENCODER.encode(Marker(FORMAT, host_id, VERSION)) + b"\n"
 
 

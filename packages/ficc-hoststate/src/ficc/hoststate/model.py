@@ -87,6 +87,7 @@ REACHABLE = _reachable()
 
 
 def can_transition(current: Status, nxt: Status) -> bool:
+    """Whether the state machine allows moving from `current` to `nxt`."""
     return nxt in TRANSITIONS[current]
 
 
@@ -96,18 +97,22 @@ def is_consistent(op: Operation) -> bool:
 
 
 def check_op_id(value: object) -> str:
+    """`value` if it is a valid operation ID; InvalidArgument naming the rule otherwise."""
     return _check(value, OP_ID_PATTERN, "operation ID", "1-128 of [A-Za-z0-9._:-], alnum first")
 
 
 def check_host_id(value: object) -> str:
+    """`value` if it is a valid host ID; InvalidArgument naming the rule otherwise."""
     return _check(value, HOST_ID_PATTERN, "host ID", "1-128 of [A-Za-z0-9._-], alnum first")
 
 
 def check_plan_hash(value: object) -> str:
+    """`value` if it is a `sha256:` plan hash; InvalidArgument naming the rule otherwise."""
     return _check(value, PLAN_HASH_PATTERN, "plan hash", "'sha256:' + 64 lowercase hex")
 
 
 def check_status(value: object) -> Status:
+    """`value` as a Status; InvalidArgument listing the statuses otherwise."""
     try:
         return Status(value)  # type: ignore[arg-type]  # any object: ValueError if not a status
     except ValueError:
@@ -116,6 +121,7 @@ def check_status(value: object) -> Status:
 
 
 def check_revision(value: object) -> int:
+    """`value` if it is a positive int (never a bool); InvalidArgument otherwise."""
     if type(value) is not int or value < 1:
         raise InvalidArgument(f"revision must be a positive int, got {value!r}")
     return value

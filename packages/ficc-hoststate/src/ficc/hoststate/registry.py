@@ -30,6 +30,7 @@ class Registry:
         return [self._ops[k] for k in sorted(self._ops)]
 
     def get(self, op_id: str) -> Operation:
+        """The operation `op_id`; NotFound if the registry has none."""
         try:
             return self._ops[op_id]
         except KeyError:

@@ -63,6 +63,7 @@ class Root:
         return root
 
     def close(self) -> None:
+        """Close the directory descriptor; closing twice does nothing."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)

@@ -118,10 +118,12 @@ class Session:
 
     @property
     def host_id(self) -> str:
+        """The host this session's state directory belongs to."""
         return self._host_id
 
     @property
     def directory(self) -> str:
+        """The state directory's path, as it was opened."""
         return self._root.path
 
     def begin(self, op_id: str, plan_hash: str) -> tuple[Operation, bool]:

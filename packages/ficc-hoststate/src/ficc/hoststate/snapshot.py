@@ -236,6 +236,7 @@ class Image:
         return out
 
     def to_bytes(self) -> bytes:
+        """The whole snapshot file: header, then every piece, in order."""
         return b"".join([self.header(), *self.pieces()])
 
 

@@ -80,6 +80,7 @@ def _refusals(reply: AnyReply) -> list[str]:
 
 
 def request_command(argv: Sequence[str]) -> int:
+    """`python -m ficc.execution request`: send one JSON request read from stdin."""
     parser = argparse.ArgumentParser(
         prog="python -m ficc.execution request",
         description="Send one JSON request from stdin to an executor socket.",

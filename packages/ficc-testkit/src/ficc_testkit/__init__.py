@@ -1,0 +1,1 @@
+"""Shared test machinery of the ficc monorepo (never released)."""
