@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import filesystems
+from ficc.execution.host import filesystems, ledger_schema
 from ficc.execution.host import lifecycle as lc
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.ledger import (
@@ -1487,14 +1487,12 @@ def test_staged_bytes_of_a_batch(ledger: Ledger) -> None:
     assert inputs[unknown] == inputs[none.attempt_id] == []
 
 
-@pytest.mark.parametrize("query", ["_OCCUPANCY_SQL", "_STARTED_SQL", "_ACTIVE_SQL"])
+@pytest.mark.parametrize("query", ["OCCUPANCY_SQL", "STARTED_SQL", "ACTIVE_SQL"])
 def test_what_a_growing_ledger_looks_up_goes_through_an_index(ledger: Ledger, query: str) -> None:
     """Records are never deleted, so the reservations (every admission), the started
     usage (every start) and the active records (every restart) must be index lookups,
     not scans of every record ever made."""
-    from ficc.execution.host import ledger as ledger_module  # noqa: PLC0415
-
-    sql = getattr(ledger_module, query)
+    sql = getattr(ledger_schema, query)
     plan = [row[3] for row in ledger._db.execute(f"EXPLAIN QUERY PLAN {sql}")]
     assert any("USING INDEX attempts_" in step for step in plan), plan
     assert not any(step.startswith("SCAN attempts") for step in plan), plan

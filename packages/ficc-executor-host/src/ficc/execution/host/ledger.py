@@ -7,9 +7,10 @@ transaction, and a batch of rows is one transaction, so a crash leaves a batch e
 wholly committed or not at all. Durability: WAL with `synchronous=FULL`.
 
 Which state may follow which is decided by `lifecycle`; this module reads a record,
-asks the lifecycle, and writes the answer in the same transaction. Admission rules
-(slot, resources, devices, generation order, first lease) are here because they need
-every other record.
+asks the lifecycle, and writes the answer in the same transaction. Whether a plan is
+admissible (slot, resources, devices, generation order, first lease) is decided by
+`admission` from what the transaction read; the record types are in `records`, the
+tables and how a row maps to a record in `ledger_schema`.
 
 Calls are synchronous and serialized by a lock; the daemon runs them in a thread.
 
@@ -45,624 +46,51 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Concatenate, Final, Literal, NamedTuple, ParamSpec, TypeVar
+from typing import Concatenate, Final, NamedTuple, ParamSpec, TypeVar
 
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution._executor import canonical_plans
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import filesystems, fsutil, leases, ledger_space, lifecycle
+from ficc.execution.host import (
+    admission,
+    filesystems,
+    fsutil,
+    leases,
+    ledger_schema,
+    ledger_space,
+    lifecycle,
+)
+from ficc.execution.host.admission import AdmissionRejection
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Lease, Now
+from ficc.execution.host.ledger_schema import ADMITTED, SCHEMA_VERSION
+from ficc.execution.host.records import (
+    OFFER_ALLOWS,
+    RESOURCES,
+    STORAGE,
+    Admitted,
+    Applied,
+    AttemptRecord,
+    Bindings,
+    Control,
+    HostFacts,
+    InputRecord,
+    Offer,
+    PrepareRow,
+    Row,
+    SlotSpec,
+    lease_is_current,
+)
 from ficc.execution.host.staging import StreamState
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 
 LEDGER_FILE: Final = "ledger.sqlite3"
-SCHEMA_VERSION: Final = 2
-_MIGRATIONS: Final = {
-    # from version: the statements that bring a ledger to the next version, in one
-    # transaction. Columns are only ever added, with values that are true of every
-    # record made before them. A lease recorded before the effective expiry was kept
-    # gets its asked expiry as its effective one (the wall-clock time at its receipt
-    # is lost); its next renewal records the real one.
-    1: (
-        "ALTER TABLE attempts ADD COLUMN storage_exhausted INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE attempts ADD COLUMN log_cut_short INTEGER NOT NULL DEFAULT 0",
-        "ALTER TABLE attempts ADD COLUMN effective_expires_at_ms INTEGER",
-        "ALTER TABLE attempts ADD COLUMN acknowledged_unknown TEXT",
-        "ALTER TABLE attempts ADD COLUMN start_offer_revision INTEGER",
-        "UPDATE attempts SET effective_expires_at_ms = expires_at_ms WHERE boot_id IS NOT NULL",
-    ),
-}
 ADMISSION_VERSION: Final = 1
 PAGE_MAX: Final = 64
 BATCH_MAX: Final = planlib.MAX_ROWS
 
 _log = logging.getLogger(__name__)
-
-Control = Literal["active", "paused", "draining", "stopped"]
-
-OFFER_ALLOWS: Final[dict[str, frozenset[str]]] = {
-    "active": frozenset({"admit", "start", "renew"}),
-    "draining": frozenset({"start", "renew"}),
-    "paused": frozenset({"renew"}),
-    "stopped": frozenset(),
-}
-"""What each offer control lets through. Draining finishes admitted work; paused keeps
-leases alive but starts nothing; stopped renews nothing, so expiry stops the work."""
-
-
-# --- record types -------------------------------------------------------------------
-
-
-class Bindings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a controller saves and sends back before any admission (the three bindings)."""
-
-    installation_id: planlib.Identity
-    ledger_id: planlib.Identity
-    admission_version: Literal[1]
-
-
-def _current(lease: Lease | None, now: Now) -> bool:
-    """The lease rules are `leases`' (one copy); a record without a lease is not current."""
-    return lease is not None and leases.is_current(lease, now)
-
-
-class SlotSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A configured slot, as far as admission needs it."""
-
-    id: planlib.Name
-    slot_class: planlib.Name
-    storage_bytes: planlib.Count
-    storage_inodes: planlib.Count
-
-
-class HostFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What configuration and the clock say at the moment of admission."""
-
-    slots: list[SlotSpec]
-    devices: frozenset[str]
-    ceiling: OfferLimits
-    now: Now
-
-
-class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    revision: planlib.Positive
-    control: Control
-    limits: OfferLimits
-
-
-class AttemptRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One attempt as the ledger holds it (the plan bytes are read separately)."""
-
-    attempt_id: str
-    job_id: str
-    generation: int
-    plan_digest: str
-    offer_revision: int
-    status: lifecycle.Status
-    detail: str | None
-    """The precise admission refusal code when status.reason is admission_rejected."""
-    slot_id: str | None
-    lease: Lease | None
-    created: int
-    updated: int
-    """Ledger ordinals (a counter bumped by every write transaction), not clock times."""
-
-    @property
-    def fence(self) -> Fence:
-        return Fence(self.attempt_id, self.generation, self.plan_digest)
-
-
-class InputRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A streamed input object of an attempt and its durable next offset.
-
-    `failed` is the staging refusal that made the object unusable (the attempt cannot
-    start); `identity` is the sealed file's identity, recorded at completion, so the
-    start pipeline and a restarted daemon can check the file is still the one hashed.
-    """
-
-    attempt_id: str
-    object_id: str
-    name: str
-    bytes: int
-    digest: str
-    offset: int
-    complete: bool
-    failed: str | None = None
-    identity: fsutil.FileIdentity | None = None
-
-    def stream_state(self) -> StreamState:
-        """The staging state to register with a `Stager` (after a restart, say)."""
-        return StreamState(
-            id=self.object_id,
-            name=self.name,
-            bytes=self.bytes,
-            digest=self.digest,
-            offset=self.offset,
-            complete=self.complete,
-            failed=self.failed,
-            identity=self.identity,
-        )
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A row that returned a record. `new` means this call created it (after `prepare`:
-    staging and provider preparation follow); a repeat returns the record unchanged
-    with `new` false."""
-
-    record: AttemptRecord
-    new: bool
-
-
-@dataclass(frozen=True)
-class PrepareRow:
-    """A plan to admit with its granted first lease. `refusal` is a check the caller made
-    before the transaction (for example, the provider is unavailable): a new plan with a
-    refusal is recorded as a durable admission rejection with that code."""
-
-    plan: planlib.Plan
-    lease: Lease
-    refusal: HostError | None = None
-    acknowledged_unknown: Sequence[str] = ()
-    """The prepare row's acknowledgement of the job's earlier unknown attempts."""
-
-
-@dataclass(frozen=True)
-class Applied:
-    record: AttemptRecord
-    changed: bool
-
-
-Row = Admitted | HostError
-
-
-# --- schema -------------------------------------------------------------------------
-
-
-_SCHEMA: Final = """
-CREATE TABLE meta (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    schema_version INTEGER NOT NULL,
-    installation_id TEXT NOT NULL,
-    ledger_id TEXT NOT NULL,
-    admission_version INTEGER NOT NULL,
-    ordinal INTEGER NOT NULL
-) STRICT;
-CREATE TABLE offer (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    revision INTEGER NOT NULL,
-    control TEXT NOT NULL CHECK (control IN ('active', 'paused', 'draining', 'stopped')),
-    limits BLOB NOT NULL
-) STRICT;
-CREATE TABLE attempts (
-    attempt_id TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    generation INTEGER NOT NULL,
-    plan_digest TEXT NOT NULL,
-    plan BLOB NOT NULL,
-    offer_revision INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    ready INTEGER NOT NULL,
-    preparing INTEGER NOT NULL,
-    start_requested INTEGER NOT NULL,
-    stop_pending TEXT,
-    outcome TEXT,
-    reason TEXT,
-    exit_code INTEGER,
-    cleanup_confirmed INTEGER NOT NULL,
-    quarantined INTEGER NOT NULL,
-    storage_exhausted INTEGER NOT NULL DEFAULT 0,
-    log_cut_short INTEGER NOT NULL DEFAULT 0,
-    detail TEXT,
-    slot_id TEXT,
-    cpu_millis INTEGER NOT NULL,
-    memory_bytes INTEGER NOT NULL,
-    swap_bytes INTEGER NOT NULL,
-    processes INTEGER NOT NULL,
-    storage_bytes INTEGER NOT NULL,
-    storage_inodes INTEGER NOT NULL,
-    devices TEXT NOT NULL,
-    boot_id TEXT,
-    sequence INTEGER,
-    expires_at_ms INTEGER,
-    deadline_boottime_ns INTEGER,
-    effective_expires_at_ms INTEGER,
-    acknowledged_unknown TEXT,
-    start_offer_revision INTEGER,
-    prepare_result BLOB,
-    created INTEGER NOT NULL,
-    updated INTEGER NOT NULL
-) STRICT;
-CREATE INDEX attempts_job ON attempts (job_id, generation);
--- Records are never deleted: what admission, starts and recovery look for (the records
--- holding a slot, the active ones) must not cost a scan of every record ever made.
-CREATE INDEX attempts_held ON attempts (slot_id)
-    WHERE slot_id IS NOT NULL AND state != 'released';
-CREATE INDEX attempts_state ON attempts (state);
-CREATE TABLE input_objects (
-    attempt_id TEXT NOT NULL REFERENCES attempts (attempt_id),
-    object_id TEXT NOT NULL,
-    name TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    digest TEXT NOT NULL,
-    offset INTEGER NOT NULL CHECK (offset BETWEEN 0 AND bytes),
-    complete INTEGER NOT NULL CHECK (complete IN (0, 1)),
-    failed TEXT,
-    identity BLOB,
-    PRIMARY KEY (attempt_id, object_id)
-) STRICT;
-CREATE TRIGGER attempts_never_deleted BEFORE DELETE ON attempts
-BEGIN SELECT RAISE(ABORT, 'attempt records are never deleted'); END;
-CREATE TRIGGER inputs_never_deleted BEFORE DELETE ON input_objects
-BEGIN SELECT RAISE(ABORT, 'input records are never deleted'); END;
-CREATE TRIGGER meta_never_deleted BEFORE DELETE ON meta
-BEGIN SELECT RAISE(ABORT, 'the ledger identity is never deleted'); END;
-CREATE TRIGGER offer_never_deleted BEFORE DELETE ON offer
-BEGIN SELECT RAISE(ABORT, 'the offer is never deleted'); END;
-CREATE TRIGGER identity_fixed BEFORE UPDATE OF installation_id, ledger_id, admission_version
-ON meta BEGIN SELECT RAISE(ABORT, 'the ledger identity never changes'); END;
-CREATE TRIGGER fence_fixed BEFORE UPDATE OF attempt_id, job_id, generation, plan_digest, plan
-ON attempts BEGIN SELECT RAISE(ABORT, 'an attempt fence never changes'); END;
-"""
-"""Status columns are named after `lifecycle.Status` fields and lease columns after
-`Lease` fields, so a record is read by name (see `_record`)."""
-
-_STATUS_FIELDS: Final = lifecycle.Status.__struct_fields__
-_LEASE_FIELDS: Final = Lease.__struct_fields__
-_HEAD_FIELDS: Final = ("attempt_id", "job_id", "generation", "plan_digest", "offer_revision")
-_TAIL_FIELDS: Final = ("detail", "slot_id", "created", "updated")
-_RECORD_FIELDS: Final = _HEAD_FIELDS + _STATUS_FIELDS + _LEASE_FIELDS + _TAIL_FIELDS
-_RESOURCES: Final = ("cpu_millis", "memory_bytes", "swap_bytes", "processes")
-_STORAGE: Final = ("storage_bytes", "storage_inodes")
-
-# SQL is only ever assembled from the constant column names above, never from input.
-_SELECT: Final = f"SELECT {', '.join(_RECORD_FIELDS)} FROM attempts"  # noqa: S608
-_AMOUNTS: Final = ", ".join(_RESOURCES + _STORAGE)
-_OCCUPANCY_SQL: Final = (
-    f"SELECT slot_id, devices, {_AMOUNTS} FROM attempts"  # noqa: S608
-    " WHERE slot_id IS NOT NULL AND state != 'released'"
-)
-"""The reservations: every record that holds a slot and is not released."""
-_STARTED_SQL: Final = f"SELECT {_AMOUNTS} FROM attempts WHERE state IN ('starting', 'running')"  # noqa: S608
-"""What started attempts hold (start authority)."""
-_ACTIVE_SQL: Final = f"{_SELECT} WHERE state IN ('prepared', 'starting', 'running')"
-"""The records a restart must settle."""
-_INSERT_COLUMNS: Final = (
-    _RECORD_FIELDS + _RESOURCES + _STORAGE + ("devices", "plan", "acknowledged_unknown")
-)
-
-
-def _literal(value: object) -> str:
-    """The SQL literal of a constant of this module (a status value, never input)."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool | int):
-        return str(int(value))
-    if isinstance(value, str) and value.isidentifier():
-        return f"'{value}'"
-    raise TypeError(f"no SQL literal for {value!r}")
-
-
-class _Insert(NamedTuple):
-    """An INSERT of a new record: its full row (in `_INSERT_COLUMNS` order) minus the
-    columns the statement fixes as literals, which `bound` drops from the row."""
-
-    sql: str
-    bound: Callable[[tuple[object, ...]], tuple[object, ...]]
-
-    @classmethod
-    def fixing(cls, fixed: dict[str, object]) -> _Insert:
-        kept = [i for i, column in enumerate(_INSERT_COLUMNS) if column not in fixed]
-        values = [_literal(fixed[c]) if c in fixed else "?" for c in _INSERT_COLUMNS]
-        sql = (
-            f"INSERT INTO attempts ({', '.join(_INSERT_COLUMNS)})"  # noqa: S608
-            f" VALUES ({', '.join(values)})"
-        )
-        return cls(sql, operator.itemgetter(*kept))
-
-
-_ADMITTED: Final = lifecycle.admitted()
-"""The status of every new admitted record (a frozen value, shared)."""
-_INSERT_ANY: Final = _Insert.fixing({})
-_INSERT_ADMITTED: Final = _Insert.fixing(msgspec.structs.asdict(_ADMITTED) | {"detail": None})
-"""The usual new record. Its status and detail are fixed in the statement: the sqlite3
-module binds a None or a bool far more slowly than an int or a str (an adapter lookup
-each), and they are a third of the columns."""
-
-
-def _record(row: tuple[object, ...]) -> AttemptRecord:
-    """A row of `_SELECT` as a record (SQLite integers become booleans where declared)."""
-    columns = dict(zip(_RECORD_FIELDS, row, strict=True))
-    fields = {name: columns[name] for name in _HEAD_FIELDS + _TAIL_FIELDS}
-    fields["status"] = {name: columns[name] for name in _STATUS_FIELDS}
-    has_lease = columns["boot_id"] is not None
-    fields["lease"] = {name: columns[name] for name in _LEASE_FIELDS} if has_lease else None
-    return msgspec.convert(fields, AttemptRecord, strict=False)
-
-
-def _input_record(row: tuple[object, ...]) -> InputRecord:
-    names = InputRecord.__struct_fields__
-    fields = dict(zip(names, row, strict=True))
-    if isinstance(fields["identity"], bytes):
-        fields["identity"] = msgspec.json.decode(fields["identity"])
-    return msgspec.convert(fields, InputRecord, strict=False)
-
-
-def _status_values(status: lifecycle.Status) -> list[object]:
-    return [getattr(status, name) for name in _STATUS_FIELDS]
-
-
-def _lease_values(lease: Lease | None) -> list[object]:
-    if lease is None:
-        return [None] * len(_LEASE_FIELDS)
-    return [
-        lease.boot_id,
-        lease.sequence,
-        lease.expires_at_ms,
-        lease.deadline_boottime_ns,
-        lease.effective_expires_at_ms,
-    ]
-
-
-# --- admission arithmetic (pure) ----------------------------------------------------
-
-_COUNTED: Final = ("attempts", *_RESOURCES, *_STORAGE)
-"""What admission counts per reservation, in the order it checks them."""
-
-
-def _amounts(limits: planlib.Limits) -> tuple[int, ...]:
-    """What one reservation of `limits` adds, aligned with `_COUNTED`."""
-    return (
-        1,
-        limits.cpu_millis,
-        limits.memory_bytes,
-        limits.swap_bytes,
-        limits.processes,
-        limits.storage_bytes,
-        limits.storage_inodes,
-    )
-
-
-@dataclass
-class _Occupancy:
-    """What non-released records with a slot hold: the reservations admission adds to."""
-
-    slots: set[str]
-    devices: set[str]
-    used: list[int]
-    """What they hold of each resource, aligned with `_COUNTED`."""
-    free: dict[str, list[SlotSpec]] = dataclasses.field(default_factory=dict)
-    """Free slots by class, in configuration order, filled on first use in a batch."""
-
-    def free_of(self, slot_class: str, facts: HostFacts) -> list[SlotSpec]:
-        if slot_class not in self.free:
-            self.free[slot_class] = [
-                s for s in facts.slots if s.slot_class == slot_class and s.id not in self.slots
-            ]
-        return self.free[slot_class]
-
-    def add(self, slot: SlotSpec, limits: planlib.Limits) -> None:
-        self.slots.add(slot.id)
-        if slot in self.free.get(slot.slot_class, ()):
-            self.free[slot.slot_class].remove(slot)
-        self.devices.update(limits.devices)
-        self.used = list(map(operator.add, self.used, _amounts(limits)))
-
-
-class _Rejection(HostError):
-    """An admission refusal before any provider call: committed as a failed record."""
-
-
-AdmissionRejection = _Rejection
-"""Public name: a prepare row refused with a durable `admission_rejected` record."""
-
-
-def _allowed(value: str, offered: list[str] | None, ceiling: list[str] | None) -> bool:
-    return (offered is None or value in offered) and (ceiling is None or value in ceiling)
-
-
-class _Terms(NamedTuple):
-    """What every row of one admission transaction is judged against, worked out once:
-    the offer, the ceiling, and the tighter of their bounds (aligned with `_COUNTED`)."""
-
-    offer: Offer
-    ceiling: OfferLimits
-    bounds: tuple[int, ...]
-
-    @classmethod
-    def of(cls, offer: Offer, ceiling: OfferLimits) -> _Terms:
-        offered, most = offer.limits.resources, ceiling.resources
-        bounds = tuple(min(getattr(offered, n), getattr(most, n)) for n in _COUNTED)
-        return cls(offer, ceiling, bounds)
-
-
-def _choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: _Occupancy) -> SlotSpec:
-    """The first free slot of the plan's class that fits its storage and streamed inputs."""
-    limits = plan.job.limits
-    streamed = sum(i.bytes for i in plan.streamed_inputs)
-    for slot in occupancy.free_of(plan.job.slot_class, facts):
-        if (
-            limits.storage_bytes <= slot.storage_bytes
-            and limits.storage_inodes <= slot.storage_inodes
-            and streamed <= min(slot.storage_bytes, limits.storage_bytes)
-        ):
-            return slot
-    raise _Rejection(
-        ErrorCode.SLOT_CAPACITY,
-        f"no free slot of class {plan.job.slot_class!r} fits this plan's storage and inputs;"
-        " wait for a release or send a smaller plan",
-    )
-
-
-def _check_acknowledged(acknowledged: Sequence[str], unacknowledged: set[str]) -> None:
-    """A job whose earlier attempts ended `unknown` is retried only with an explicit
-    acknowledgement of exactly those not yet acknowledged (each is acknowledged once)."""
-    if set(acknowledged) == unacknowledged:
-        return
-    missing, extra = (
-        sorted(unacknowledged - set(acknowledged)),
-        sorted(set(acknowledged) - unacknowledged),
-    )
-    raise _Rejection(
-        ErrorCode.UNKNOWN_NOT_ACKNOWLEDGED,
-        f"acknowledged_unknown must list exactly the job's earlier attempts whose outcome is"
-        f" unknown and not yet acknowledged; missing {missing}, not acceptable {extra}:"
-        " decide on each unknown attempt (inspect its effects), then prepare a new"
-        " attempt that lists them",
-    )
-
-
-def _admissible_slot(
-    plan: planlib.Plan, lease: Lease, terms: _Terms, facts: HostFacts, occupancy: _Occupancy
-) -> SlotSpec:
-    """Every admission check that needs no provider; raises _Rejection or returns a slot."""
-    offer, ceiling = terms.offer, terms.ceiling
-    if "admit" not in OFFER_ALLOWS[offer.control]:
-        raise _Rejection(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}; try later")
-    if plan.offer_revision != offer.revision:
-        raise _Rejection(
-            ErrorCode.OFFER_REVISION,
-            f"the plan was made for offer revision {plan.offer_revision}, the offer is now at"
-            f" {offer.revision}; take a new snapshot",
-        )
-    if not _current(lease, facts.now):
-        raise _Rejection(ErrorCode.LEASE_EXPIRED, "the first lease is already past its deadline")
-    if not _allowed(plan.project_id, offer.limits.projects, ceiling.projects):
-        raise _Rejection(ErrorCode.ADMISSION_REJECTED, "this project is not in the offer")
-    if not _allowed(plan.job.runtime.provider, offer.limits.runtimes, ceiling.runtimes):
-        raise _Rejection(ErrorCode.ADMISSION_REJECTED, "this runtime is not in the offer")
-    limits = plan.job.limits
-    for device in limits.devices:
-        if device not in facts.devices or device in occupancy.devices:
-            raise _Rejection(
-                ErrorCode.ADMISSION_REJECTED, f"device {device!r} is not configured or is in use"
-            )
-    asked = _amounts(limits)
-    for name, held, amount, bound in zip(
-        _COUNTED, occupancy.used, asked, terms.bounds, strict=True
-    ):
-        if held + amount > bound:
-            raise _Rejection(
-                ErrorCode.ADMISSION_REJECTED,
-                f"{name}: {held} reserved + {amount} asked > {bound} offered",
-            )
-    return _choose_slot(plan, facts, occupancy)
-
-
-def _fits(
-    plan: planlib.Plan, offer: Offer, ceiling: OfferLimits | None, started: dict[str, int]
-) -> bool:
-    """Whether the current offer (and ceiling) still covers starting `plan` now."""
-    limits = [offer.limits] + ([ceiling] if ceiling is not None else [])
-    for bound in limits:
-        if not _allowed(plan.project_id, bound.projects, None):
-            return False
-        if not _allowed(plan.job.runtime.provider, bound.runtimes, None):
-            return False
-    wanted = {"attempts": 1} | {n: getattr(plan.job.limits, n) for n in _RESOURCES + _STORAGE}
-    for name, amount in wanted.items():
-        bound_value = min(getattr(b.resources, name) for b in limits)
-        if started[name] + amount > bound_value:
-            return False
-    return True
-
-
-def _add_usage(usage: dict[str, int], limits: planlib.Limits, sign: int = 1) -> None:
-    usage["attempts"] += sign
-    for name in _RESOURCES + _STORAGE:
-        usage[name] += sign * getattr(limits, name)
-
-
-def _within(limits: OfferLimits, ceiling: OfferLimits) -> str | None:
-    """Why `limits` exceeds `ceiling`, or None."""
-    for name in Resources.__struct_fields__:
-        if getattr(limits.resources, name) > getattr(ceiling.resources, name):
-            return f"resources.{name} is above the ceiling"
-    for name in ("projects", "runtimes"):
-        allowed, wanted = getattr(ceiling, name), getattr(limits, name)
-        if allowed is not None and (wanted is None or not set(wanted) <= set(allowed)):
-            return f"{name} allows more than the ceiling"
-    return None
-
-
-class _Encoded(NamedTuple):
-    """A plan with its canonical bytes and digest, computed once outside the transaction."""
-
-    plan: planlib.Plan
-    data: bytes
-    digest: str
-
-    @classmethod
-    def each(cls, plans: Iterable[planlib.Plan]) -> list[_Encoded]:
-        plans = list(plans)
-        data = canonical_plans(plans)
-        return list(map(cls, plans, data, map(planlib.digest_of, data)))
-
-
-class _JobAttempt(NamedTuple):
-    """What admission needs of each earlier attempt of a job."""
-
-    attempt_id: str
-    generation: int
-    state: str
-    outcome: str | None
-    acknowledged: tuple[str, ...]
-    """The unknown attempts this attempt's admission acknowledged."""
-
-
-@dataclass
-class _Known:
-    """The records a batch can collide with, read once and updated as rows are recorded."""
-
-    records: dict[str, AttemptRecord]
-    jobs: dict[str, list[_JobAttempt]]
-    """job ID -> each of its attempts."""
-
-    def add(self, record: AttemptRecord, acknowledged: Sequence[str] = ()) -> None:
-        self.records[record.attempt_id] = record
-        status = record.status
-        entry = _JobAttempt(
-            record.attempt_id, record.generation, status.state, status.outcome, tuple(acknowledged)
-        )
-        self.jobs.setdefault(record.job_id, []).append(entry)
-
-    def unacknowledged(self, plan: planlib.Plan) -> set[str]:
-        """The job's earlier attempts with an `unknown` outcome that no admission has
-        acknowledged yet: exactly what the plan's prepare row must acknowledge."""
-        attempts = self.jobs.get(plan.job_id, [])
-        done = {attempt_id for a in attempts for attempt_id in a.acknowledged}
-        return {
-            a.attempt_id
-            for a in attempts
-            if a.generation < plan.generation and a.outcome == "unknown"
-        } - done
-
-    def existing(self, plan: _Encoded) -> AttemptRecord | None:
-        """The record of a repeated plan, or None if the plan may be recorded; raises
-        `fence_mismatch` or `generation_conflict` (the caller decides what to record)."""
-        record = self.records.get(plan.plan.attempt_id)
-        if record is not None:
-            if record.plan_digest != plan.digest or record.generation != plan.plan.generation:
-                raise HostError(
-                    ErrorCode.FENCE_MISMATCH,
-                    "this attempt ID is recorded with another plan; never reuse an attempt ID",
-                )
-            return record
-        for _, generation, state, _, _ in self.jobs.get(plan.plan.job_id, []):
-            if generation >= plan.plan.generation:
-                raise HostError(
-                    ErrorCode.GENERATION_CONFLICT,
-                    f"generation {generation} of this job is already recorded; use a higher one",
-                )
-            if state != "released":
-                raise HostError(
-                    ErrorCode.GENERATION_CONFLICT,
-                    f"generation {generation} of this job is not released yet; release it first",
-                )
-        return None
 
 
 class _RenewTerms(NamedTuple):
@@ -685,10 +113,12 @@ class _Batch:
     """
 
     ordinal: int
-    terms: _Terms
-    occupancy: _Occupancy
-    known: _Known
-    records: list[tuple[_Insert, tuple[object, ...]]] = dataclasses.field(default_factory=list)
+    terms: admission.Terms
+    occupancy: admission.Occupancy
+    known: admission.Known
+    records: list[tuple[ledger_schema.Insert, tuple[object, ...]]] = dataclasses.field(
+        default_factory=list
+    )
     inputs: list[tuple[object, ...]] = dataclasses.field(default_factory=list)
 
 
@@ -832,7 +262,7 @@ def _migrate(db: sqlite3.Connection) -> None:
     transaction; a crash in between leaves a ledger of one version or the next."""
     while db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
         row = db.execute("SELECT schema_version FROM meta").fetchone()
-        statements = _MIGRATIONS.get(row[0]) if row is not None else None
+        statements = ledger_schema.MIGRATIONS.get(row[0]) if row is not None else None
         if statements is None:
             return
         db.execute("BEGIN IMMEDIATE")
@@ -891,7 +321,7 @@ class Ledger:
             raise HostError(
                 "invalid_installation_id", f"{error}; use the configured 32-hex installation ID"
             ) from error
-        if (why := _within(initial_offer, ceiling)) is not None:
+        if (why := admission.within(initial_offer, ceiling)) is not None:
             raise HostError(ErrorCode.OFFER_EXCEEDS_CEILING, f"initial offer: {why}")
         dir_fd = _lock_state_dir(state_dir)
         try:
@@ -908,10 +338,17 @@ class Ledger:
             db = _connect(state_dir, dir_fd, checked)
             try:
                 db.execute("PRAGMA journal_mode=WAL")
-                db.executescript("BEGIN IMMEDIATE;" + _SCHEMA)  # the transaction stays open
+                db.executescript(
+                    "BEGIN IMMEDIATE;" + ledger_schema.SCHEMA
+                )  # the transaction stays open
                 db.execute(
                     "INSERT INTO meta VALUES (1, ?, ?, ?, ?, 0)",
-                    (SCHEMA_VERSION, installation_id, secrets.token_hex(16), ADMISSION_VERSION),
+                    (
+                        SCHEMA_VERSION,
+                        installation_id,
+                        secrets.token_hex(16),
+                        ADMISSION_VERSION,
+                    ),
                 )
                 db.execute(
                     "INSERT INTO offer VALUES (1, 1, 'active', ?)",
@@ -990,7 +427,7 @@ class Ledger:
                     ledger_space.RESERVE_FILE,
                 )
 
-    def _check_room(self, plans: Sequence[_Encoded]) -> None:
+    def _check_room(self, plans: Sequence[admission.Encoded]) -> None:
         """Refuse admission (`ledger_full`) before the ledger or its filesystem passes a
         configured bound, or while the reserve is missing (the space a spent reserve
         freed is for admitted work, not for new records); called inside the admission
@@ -1078,10 +515,10 @@ class Ledger:
         limit = max(1, min(limit, PAGE_MAX))
         with self._lock:
             rows = self._db.execute(
-                f"{_SELECT} WHERE attempt_id > ? ORDER BY attempt_id LIMIT ?",
+                f"{ledger_schema.SELECT} WHERE attempt_id > ? ORDER BY attempt_id LIMIT ?",
                 (after or "", limit + 1),
             ).fetchall()
-        records = [_record(r) for r in rows[:limit]]
+        records = [ledger_schema.record(r) for r in rows[:limit]]
         return records, (records[-1].attempt_id if len(rows) > limit else None)
 
     def tally(self) -> list[tuple[str, str | None, str | None, bool, int]]:
@@ -1104,7 +541,7 @@ class Ledger:
         """Slots held by unreleased records, and what they reserve per resource."""
         with self._lock:
             occupancy = self._occupancy()
-        return set(occupancy.slots), dict(zip(_COUNTED, occupancy.used, strict=True))
+        return set(occupancy.slots), dict(zip(admission.COUNTED, occupancy.used, strict=True))
 
     def staged_bytes(self, attempt_ids: Sequence[str]) -> dict[str, int]:
         """Durable streamed bytes per attempt (0 for attempts without streams)."""
@@ -1137,7 +574,7 @@ class Ledger:
                 " ORDER BY attempt_id, object_id",
                 ids,
             ).fetchall()
-        for record in map(_input_record, rows):
+        for record in map(ledger_schema.input_record, rows):
             found[record.attempt_id].append(record)
         return found
 
@@ -1156,9 +593,9 @@ class Ledger:
         precise code.
         """
         _check_batch(rows)
-        encoded = _Encoded.each(r.plan for r in rows)
+        encoded = admission.Encoded.each(r.plan for r in rows)
         with self._write(bindings) as ordinal:
-            terms = _Terms.of(self._offer(), facts.ceiling)
+            terms = admission.Terms.of(self._offer(), facts.ceiling)
             batch = _Batch(ordinal, terms, self._occupancy(), self._known(encoded))
             self._check_room([p for p in encoded if p.plan.attempt_id not in batch.known.records])
             results: list[Row] = []
@@ -1170,7 +607,9 @@ class Ledger:
                         results.append(error)  # fence_mismatch: the ID holds another plan
                         continue
                     results.append(
-                        self._reject_new(plan, row, _Rejection(error.code, error.message), batch)
+                        self._reject_new(
+                            plan, row, admission.Rejection(error.code, error.message), batch
+                        )
                     )
                     continue
                 if existing is not None:
@@ -1180,18 +619,22 @@ class Ledger:
             self._write_new(batch.records, batch.inputs)
         return results
 
-    def _admit_new(self, plan: _Encoded, row: PrepareRow, facts: HostFacts, batch: _Batch) -> Row:
+    def _admit_new(
+        self, plan: admission.Encoded, row: PrepareRow, facts: HostFacts, batch: _Batch
+    ) -> Row:
         """Reserve for a plan never seen before, or record its durable rejection."""
         lease = row.lease
         try:
             if row.refusal is not None:
-                raise _Rejection(row.refusal.code, row.refusal.message)
-            _check_acknowledged(row.acknowledged_unknown, batch.known.unacknowledged(plan.plan))
-            slot = _admissible_slot(plan.plan, lease, batch.terms, facts, batch.occupancy)
-        except _Rejection as rejection:
+                raise admission.Rejection(row.refusal.code, row.refusal.message)
+            admission.check_acknowledged(
+                row.acknowledged_unknown, batch.known.unacknowledged(plan.plan)
+            )
+            slot = admission.admissible_slot(plan.plan, lease, batch.terms, facts, batch.occupancy)
+        except admission.Rejection as rejection:
             return self._reject_new(plan, row, rejection, batch)
         acknowledged = row.acknowledged_unknown
-        record = self._insert(plan, _ADMITTED, batch.records, slot_id=slot.id, lease=lease,
+        record = self._insert(plan, ADMITTED, batch.records, slot_id=slot.id, lease=lease,
                               ordinal=batch.ordinal, acknowledged=acknowledged)  # fmt: skip
         batch.known.add(record, acknowledged)
         batch.occupancy.add(slot, plan.plan.job.limits)
@@ -1200,8 +643,12 @@ class Ledger:
         return Admitted(record, new=True)
 
     def _reject_new(
-        self, plan: _Encoded, row: PrepareRow, rejection: _Rejection, batch: _Batch
-    ) -> _Rejection:
+        self,
+        plan: admission.Encoded,
+        row: PrepareRow,
+        rejection: admission.Rejection,
+        batch: _Batch,
+    ) -> admission.Rejection:
         """Commit the durable rejection of a plan never seen before (no slot, nothing
         acknowledged, cleanup confirmed) and return it with its precise code."""
         status = lifecycle.admission_rejected()
@@ -1213,7 +660,7 @@ class Ledger:
     def reject_absent(self, bindings: Bindings, plans: Sequence[planlib.Plan]) -> list[Row]:
         """Commit failed, never-runnable rejections for plans the host never admitted."""
         return self._record_absent(
-            bindings, plans, lifecycle.admission_rejected(), "rejected_absent", admission=True
+            bindings, plans, lifecycle.admission_rejected(), "rejected_absent", as_admission=True
         )
 
     @_spending_reserve
@@ -1243,12 +690,12 @@ class Ledger:
         detail: str | None,
         *,
         require_idle: bool = False,
-        admission: bool = False,
+        as_admission: bool = False,
     ) -> list[Row]:
         _check_batch(plans)
         if len({p.attempt_id for p in plans}) != len(plans):
             raise HostError(ErrorCode.INVALID_REQUEST, "plans must have distinct attempt IDs")
-        encoded = _Encoded.each(plans)
+        encoded = admission.Encoded.each(plans)
         with self._write(bindings) as ordinal:
             if require_idle and self._occupancy().slots:
                 raise HostError(
@@ -1256,10 +703,10 @@ class Ledger:
                     "the ledger still holds reservations; release them before reconciling",
                 )
             known = self._known(encoded)
-            if admission:
+            if as_admission:
                 self._check_room([p for p in encoded if p.plan.attempt_id not in known.records])
             results: list[Row] = []
-            new: list[tuple[_Insert, tuple[object, ...]]] = []
+            new: list[tuple[ledger_schema.Insert, tuple[object, ...]]] = []
             for plan in encoded:
                 try:
                     existing = known.existing(plan)
@@ -1277,14 +724,14 @@ class Ledger:
             self._write_new(new, [])
         return results
 
-    def _known(self, plans: Sequence[_Encoded]) -> _Known:
+    def _known(self, plans: Sequence[admission.Encoded]) -> admission.Known:
         """The records a batch can collide with: same attempt IDs or same jobs."""
         ids = [p.plan.attempt_id for p in plans]
         jobs = sorted({p.plan.job_id for p in plans})
         marks = ", ".join("?" * len(ids))
-        records = self._db.execute(f"{_SELECT} WHERE attempt_id IN ({marks})", ids)
-        known = _Known({}, {})
-        for record in map(_record, records.fetchall()):
+        records = self._db.execute(f"{ledger_schema.SELECT} WHERE attempt_id IN ({marks})", ids)
+        known = admission.Known({}, {})
+        for record in map(ledger_schema.record, records.fetchall()):
             known.records[record.attempt_id] = record
         marks = ", ".join("?" * len(jobs))
         columns = "job_id, attempt_id, generation, state, outcome, acknowledged_unknown"
@@ -1295,15 +742,15 @@ class Ledger:
             done: tuple[str, ...] = ()
             if acknowledged:
                 done = tuple(msgspec.json.decode(acknowledged, type=list[str]))
-            entry = _JobAttempt(attempt_id, generation, state, outcome, done)
+            entry = admission.JobAttempt(attempt_id, generation, state, outcome, done)
             known.jobs.setdefault(job_id, []).append(entry)
         return known
 
     def _insert(
         self,
-        plan: _Encoded,
+        plan: admission.Encoded,
         status: lifecycle.Status,
-        pending: list[tuple[_Insert, tuple[object, ...]]],
+        pending: list[tuple[ledger_schema.Insert, tuple[object, ...]]],
         *,
         slot_id: str | None,
         lease: Lease | None,
@@ -1328,11 +775,11 @@ class Ledger:
             updated=ordinal,
         )
         limits = plan.plan.job.limits
-        row = (  # in _INSERT_COLUMNS order
+        row = (  # in ledger_schema.INSERT_COLUMNS order
             *(record.attempt_id, record.job_id, record.generation, record.plan_digest),
             record.offer_revision,
             *msgspec.structs.astuple(status),
-            *_lease_values(lease),
+            *ledger_schema.lease_values(lease),
             *(detail, slot_id, ordinal, ordinal),
             *(limits.cpu_millis, limits.memory_bytes, limits.swap_bytes, limits.processes),
             *(limits.storage_bytes, limits.storage_inodes),
@@ -1340,14 +787,18 @@ class Ledger:
             plan.data,
             msgspec.json.encode(acknowledged).decode() if acknowledged else None,
         )
-        insert = _INSERT_ADMITTED if status == _ADMITTED and detail is None else _INSERT_ANY
+        insert = (
+            ledger_schema.INSERT_ADMITTED
+            if status == ledger_schema.ADMITTED and detail is None
+            else ledger_schema.INSERT_ANY
+        )
         pending.append((insert, insert.bound(row)))
         self._changed.append((record, "admitted" if status.reason is None else status.reason))
         return record
 
     def _write_new(
         self,
-        records: list[tuple[_Insert, tuple[object, ...]]],
+        records: list[tuple[ledger_schema.Insert, tuple[object, ...]]],
         inputs: list[tuple[object, ...]],
     ) -> None:
         """Insert the records `_insert` collected, in order (one `executemany` per run of
@@ -1359,13 +810,13 @@ class Ledger:
                 "INSERT INTO input_objects VALUES (?, ?, ?, ?, ?, 0, 0, NULL, NULL)", inputs
             )
 
-    def _occupancy(self) -> _Occupancy:
+    def _occupancy(self) -> admission.Occupancy:
         """The reservations, summed column by column (one row per reserving record)."""
-        rows = self._db.execute(_OCCUPANCY_SQL).fetchall()
+        rows = self._db.execute(ledger_schema.OCCUPANCY_SQL).fetchall()
         # zip(*rows) of no rows has no columns at all, not empty ones
-        columns = list(zip(*rows, strict=True)) or [()] * (2 + len(_RESOURCES + _STORAGE))
+        columns = list(zip(*rows, strict=True)) or [()] * (2 + len(RESOURCES + STORAGE))
         slot_ids, device_lists, *amounts = columns
-        occupancy = _Occupancy(set(slot_ids), set(), [len(rows), *map(sum, amounts)])
+        occupancy = admission.Occupancy(set(slot_ids), set(), [len(rows), *map(sum, amounts)])
         for devices in device_lists:
             if devices != "[]":
                 occupancy.devices.update(msgspec.json.decode(devices, type=list[str]))
@@ -1421,13 +872,13 @@ class Ledger:
                     continue
                 plan = planlib.decode_plan(plans[fence.attempt_id])
                 event = lifecycle.StartRequested(
-                    lease_current=_current(record.lease, now),
+                    lease_current=lease_is_current(record.lease, now),
                     offer_open="start" in OFFER_ALLOWS[offer.control],
-                    offer_fits=_fits(plan, offer, ceiling, started),
+                    offer_fits=admission.fits(plan, offer, ceiling, started),
                 )
                 result = self._apply_one(fence, event, ordinal, records)
                 if isinstance(result, Applied) and result.changed:
-                    _add_usage(started, plan.job.limits)
+                    admission.add_usage(started, plan.job.limits)
                     self._db.execute(
                         "UPDATE attempts SET start_offer_revision = ? WHERE attempt_id = ?",
                         (offer.revision, fence.attempt_id),
@@ -1475,18 +926,20 @@ class Ledger:
             return str(ErrorCode.OFFER_CLOSED)
         plan = planlib.decode_plan(self._plan_blobs([record.attempt_id])[record.attempt_id])
         others = self._started_usage()
-        _add_usage(others, plan.job.limits, -1)  # the attempt itself is counted as starting
-        if not _fits(plan, offer, ceiling, others):
+        admission.add_usage(
+            others, plan.job.limits, -1
+        )  # the attempt itself is counted as starting
+        if not admission.fits(plan, offer, ceiling, others):
             return str(ErrorCode.OFFER_CHANGED)
         return None
 
     def _started_usage(self) -> dict[str, int]:
         """What attempts in `starting` or `running` hold, summed per resource."""
         usage = dict.fromkeys(Resources.__struct_fields__, 0)
-        rows = self._db.execute(_STARTED_SQL)
+        rows = self._db.execute(ledger_schema.STARTED_SQL)
         for amounts in rows:
             usage["attempts"] += 1
-            for name, amount in zip(_RESOURCES + _STORAGE, amounts, strict=True):
+            for name, amount in zip(RESOURCES + STORAGE, amounts, strict=True):
                 usage[name] += amount
         return usage
 
@@ -1516,8 +969,8 @@ class Ledger:
             return error
         if not step.changed:
             return Applied(record, changed=False)
-        assignments = ", ".join(f"{name} = ?" for name in _STATUS_FIELDS)
-        values = [*_status_values(step.status), ordinal, fence.attempt_id]
+        assignments = ", ".join(f"{name} = ?" for name in ledger_schema.STATUS_FIELDS)
+        values = [*ledger_schema.status_values(step.status), ordinal, fence.attempt_id]
         self._db.execute(
             f"UPDATE attempts SET {assignments}, updated = ? WHERE attempt_id = ?",  # noqa: S608
             values,
@@ -1543,8 +996,8 @@ class Ledger:
             records = {
                 record.attempt_id: record
                 for record in map(
-                    _record,
-                    self._db.execute(_ACTIVE_SQL).fetchall(),
+                    ledger_schema.record,
+                    self._db.execute(ledger_schema.ACTIVE_SQL).fetchall(),
                 )
             }
             changed = []
@@ -1603,7 +1056,7 @@ class Ledger:
             "UPDATE attempts SET boot_id = ?, sequence = ?, expires_at_ms = ?,"
             " deadline_boottime_ns = ?, effective_expires_at_ms = ?,"
             " updated = ? WHERE attempt_id = ?",
-            [*_lease_values(lease), ordinal, fence.attempt_id],
+            [*ledger_schema.lease_values(lease), ordinal, fence.attempt_id],
         )
         updated = msgspec.structs.replace(record, lease=lease, updated=ordinal)
         records[fence.attempt_id] = updated
@@ -1707,7 +1160,7 @@ class Ledger:
         ).fetchone()
         if row is None:
             raise HostError(ErrorCode.INPUT_UNKNOWN, "not a declared streamed input of this plan")
-        return _input_record(row)
+        return ledger_schema.input_record(row)
 
     # -- the offer ------------------------------------------------------------------
 
@@ -1720,7 +1173,7 @@ class Ledger:
         ceiling: OfferLimits,
     ) -> Offer:
         """Change the offer if its revision is still `expected_revision`; bump it."""
-        if limits is not None and (why := _within(limits, ceiling)) is not None:
+        if limits is not None and (why := admission.within(limits, ceiling)) is not None:
             raise HostError(ErrorCode.OFFER_EXCEEDS_CEILING, f"{why}; offer less")
         with self._write():
             current = self._offer()
@@ -1786,8 +1239,10 @@ class Ledger:
             self._db.execute("ROLLBACK")
 
     def _get(self, attempt_id: str) -> AttemptRecord | None:
-        row = self._db.execute(f"{_SELECT} WHERE attempt_id = ?", (attempt_id,)).fetchone()
-        return None if row is None else _record(row)
+        row = self._db.execute(
+            f"{ledger_schema.SELECT} WHERE attempt_id = ?", (attempt_id,)
+        ).fetchone()
+        return None if row is None else ledger_schema.record(row)
 
     def _records(self, attempt_ids: Iterable[str]) -> dict[str, AttemptRecord]:
         """The records of these attempts by ID, read with one query (a batch's rows);
@@ -1795,8 +1250,10 @@ class Ledger:
         ids = list(dict.fromkeys(attempt_ids))
         if not ids:
             return {}
-        rows = self._db.execute(f"{_SELECT} WHERE attempt_id IN ({_marks(len(ids))})", ids)
-        return {record.attempt_id: record for record in map(_record, rows.fetchall())}
+        rows = self._db.execute(
+            f"{ledger_schema.SELECT} WHERE attempt_id IN ({_marks(len(ids))})", ids
+        )
+        return {record.attempt_id: record for record in map(ledger_schema.record, rows.fetchall())}
 
     def _fenced(self, fence: Fence) -> AttemptRecord:
         record = _fenced_in(self._records([fence.attempt_id]), fence)
@@ -1912,6 +1369,7 @@ __all__ = [
     "Applied",
     "AttemptRecord",
     "Bindings",
+    "Control",
     "HostFacts",
     "InputRecord",
     "Lease",
@@ -1919,5 +1377,6 @@ __all__ = [
     "Now",
     "Offer",
     "PrepareRow",
+    "Row",
     "SlotSpec",
 ]

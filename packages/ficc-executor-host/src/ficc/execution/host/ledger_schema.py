@@ -1,0 +1,218 @@
+"""The ledger's tables, its migrations, and how a row maps to a record and back.
+
+SQL is only ever assembled from the constant column names here, never from input.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Final, NamedTuple
+
+import msgspec
+
+from ficc.execution.host import lifecycle, records
+from ficc.execution.host.leases import Lease
+
+SCHEMA_VERSION: Final = 2
+MIGRATIONS: Final = {
+    # from version: the statements that bring a ledger to the next version, in one
+    # transaction. Columns are only ever added, with values that are true of every
+    # record made before them. A lease recorded before the effective expiry was kept
+    # gets its asked expiry as its effective one (the wall-clock time at its receipt
+    # is lost); its next renewal records the real one.
+    1: (
+        "ALTER TABLE attempts ADD COLUMN storage_exhausted INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE attempts ADD COLUMN log_cut_short INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE attempts ADD COLUMN effective_expires_at_ms INTEGER",
+        "ALTER TABLE attempts ADD COLUMN acknowledged_unknown TEXT",
+        "ALTER TABLE attempts ADD COLUMN start_offer_revision INTEGER",
+        "UPDATE attempts SET effective_expires_at_ms = expires_at_ms WHERE boot_id IS NOT NULL",
+    ),
+}
+
+
+SCHEMA: Final = """
+CREATE TABLE meta (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    schema_version INTEGER NOT NULL,
+    installation_id TEXT NOT NULL,
+    ledger_id TEXT NOT NULL,
+    admission_version INTEGER NOT NULL,
+    ordinal INTEGER NOT NULL
+) STRICT;
+CREATE TABLE offer (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    revision INTEGER NOT NULL,
+    control TEXT NOT NULL CHECK (control IN ('active', 'paused', 'draining', 'stopped')),
+    limits BLOB NOT NULL
+) STRICT;
+CREATE TABLE attempts (
+    attempt_id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    plan_digest TEXT NOT NULL,
+    plan BLOB NOT NULL,
+    offer_revision INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    ready INTEGER NOT NULL,
+    preparing INTEGER NOT NULL,
+    start_requested INTEGER NOT NULL,
+    stop_pending TEXT,
+    outcome TEXT,
+    reason TEXT,
+    exit_code INTEGER,
+    cleanup_confirmed INTEGER NOT NULL,
+    quarantined INTEGER NOT NULL,
+    storage_exhausted INTEGER NOT NULL DEFAULT 0,
+    log_cut_short INTEGER NOT NULL DEFAULT 0,
+    detail TEXT,
+    slot_id TEXT,
+    cpu_millis INTEGER NOT NULL,
+    memory_bytes INTEGER NOT NULL,
+    swap_bytes INTEGER NOT NULL,
+    processes INTEGER NOT NULL,
+    storage_bytes INTEGER NOT NULL,
+    storage_inodes INTEGER NOT NULL,
+    devices TEXT NOT NULL,
+    boot_id TEXT,
+    sequence INTEGER,
+    expires_at_ms INTEGER,
+    deadline_boottime_ns INTEGER,
+    effective_expires_at_ms INTEGER,
+    acknowledged_unknown TEXT,
+    start_offer_revision INTEGER,
+    prepare_result BLOB,
+    created INTEGER NOT NULL,
+    updated INTEGER NOT NULL
+) STRICT;
+CREATE INDEX attempts_job ON attempts (job_id, generation);
+-- Records are never deleted: what admission, starts and recovery look for (the records
+-- holding a slot, the active ones) must not cost a scan of every record ever made.
+CREATE INDEX attempts_held ON attempts (slot_id)
+    WHERE slot_id IS NOT NULL AND state != 'released';
+CREATE INDEX attempts_state ON attempts (state);
+CREATE TABLE input_objects (
+    attempt_id TEXT NOT NULL REFERENCES attempts (attempt_id),
+    object_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    digest TEXT NOT NULL,
+    offset INTEGER NOT NULL CHECK (offset BETWEEN 0 AND bytes),
+    complete INTEGER NOT NULL CHECK (complete IN (0, 1)),
+    failed TEXT,
+    identity BLOB,
+    PRIMARY KEY (attempt_id, object_id)
+) STRICT;
+CREATE TRIGGER attempts_never_deleted BEFORE DELETE ON attempts
+BEGIN SELECT RAISE(ABORT, 'attempt records are never deleted'); END;
+CREATE TRIGGER inputs_never_deleted BEFORE DELETE ON input_objects
+BEGIN SELECT RAISE(ABORT, 'input records are never deleted'); END;
+CREATE TRIGGER meta_never_deleted BEFORE DELETE ON meta
+BEGIN SELECT RAISE(ABORT, 'the ledger identity is never deleted'); END;
+CREATE TRIGGER offer_never_deleted BEFORE DELETE ON offer
+BEGIN SELECT RAISE(ABORT, 'the offer is never deleted'); END;
+CREATE TRIGGER identity_fixed BEFORE UPDATE OF installation_id, ledger_id, admission_version
+ON meta BEGIN SELECT RAISE(ABORT, 'the ledger identity never changes'); END;
+CREATE TRIGGER fence_fixed BEFORE UPDATE OF attempt_id, job_id, generation, plan_digest, plan
+ON attempts BEGIN SELECT RAISE(ABORT, 'an attempt fence never changes'); END;
+"""
+"""Status columns are named after `lifecycle.Status` fields and lease columns after
+`Lease` fields, so a record is read by name (see `record`)."""
+
+STATUS_FIELDS: Final = lifecycle.Status.__struct_fields__
+LEASE_FIELDS: Final = Lease.__struct_fields__
+HEAD_FIELDS: Final = ("attempt_id", "job_id", "generation", "plan_digest", "offer_revision")
+TAIL_FIELDS: Final = ("detail", "slot_id", "created", "updated")
+RECORD_FIELDS: Final = HEAD_FIELDS + STATUS_FIELDS + LEASE_FIELDS + TAIL_FIELDS
+
+# SQL is only ever assembled from the constant column names above, never from input.
+SELECT: Final = f"SELECT {', '.join(RECORD_FIELDS)} FROM attempts"  # noqa: S608
+AMOUNTS: Final = ", ".join(records.RESOURCES + records.STORAGE)
+OCCUPANCY_SQL: Final = (
+    f"SELECT slot_id, devices, {AMOUNTS} FROM attempts"  # noqa: S608
+    " WHERE slot_id IS NOT NULL AND state != 'released'"
+)
+"""The reservations: every record that holds a slot and is not released."""
+STARTED_SQL: Final = f"SELECT {AMOUNTS} FROM attempts WHERE state IN ('starting', 'running')"  # noqa: S608
+"""What started attempts hold (start authority)."""
+ACTIVE_SQL: Final = f"{SELECT} WHERE state IN ('prepared', 'starting', 'running')"
+"""The records a restart must settle."""
+INSERT_COLUMNS: Final = (
+    RECORD_FIELDS
+    + records.RESOURCES
+    + records.STORAGE
+    + ("devices", "plan", "acknowledged_unknown")
+)
+
+
+def literal(value: object) -> str:
+    """The SQL literal of a constant of this module (a status value, never input)."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool | int):
+        return str(int(value))
+    if isinstance(value, str) and value.isidentifier():
+        return f"'{value}'"
+    raise TypeError(f"no SQL literal for {value!r}")
+
+
+class Insert(NamedTuple):
+    """An INSERT of a new record: its full row (in `INSERT_COLUMNS` order) minus the
+    columns the statement fixes as literals, which `bound` drops from the row."""
+
+    sql: str
+    bound: Callable[[tuple[object, ...]], tuple[object, ...]]
+
+    @classmethod
+    def fixing(cls, fixed: dict[str, object]) -> Insert:
+        kept = [i for i, column in enumerate(INSERT_COLUMNS) if column not in fixed]
+        values = [literal(fixed[c]) if c in fixed else "?" for c in INSERT_COLUMNS]
+        sql = (
+            f"INSERT INTO attempts ({', '.join(INSERT_COLUMNS)})"  # noqa: S608
+            f" VALUES ({', '.join(values)})"
+        )
+        return cls(sql, operator.itemgetter(*kept))
+
+
+ADMITTED: Final = lifecycle.admitted()
+"""The status of every new admitted record (a frozen value, shared)."""
+INSERT_ANY: Final = Insert.fixing({})
+INSERT_ADMITTED: Final = Insert.fixing(msgspec.structs.asdict(ADMITTED) | {"detail": None})
+"""The usual new record. Its status and detail are fixed in the statement: the sqlite3
+module binds a None or a bool far more slowly than an int or a str (an adapter lookup
+each), and they are a third of the columns."""
+
+
+def record(row: tuple[object, ...]) -> records.AttemptRecord:
+    """A row of `SELECT` as a record (SQLite integers become booleans where declared)."""
+    columns = dict(zip(RECORD_FIELDS, row, strict=True))
+    fields = {name: columns[name] for name in HEAD_FIELDS + TAIL_FIELDS}
+    fields["status"] = {name: columns[name] for name in STATUS_FIELDS}
+    has_lease = columns["boot_id"] is not None
+    fields["lease"] = {name: columns[name] for name in LEASE_FIELDS} if has_lease else None
+    return msgspec.convert(fields, records.AttemptRecord, strict=False)
+
+
+def input_record(row: tuple[object, ...]) -> records.InputRecord:
+    names = records.InputRecord.__struct_fields__
+    fields = dict(zip(names, row, strict=True))
+    if isinstance(fields["identity"], bytes):
+        fields["identity"] = msgspec.json.decode(fields["identity"])
+    return msgspec.convert(fields, records.InputRecord, strict=False)
+
+
+def status_values(status: lifecycle.Status) -> list[object]:
+    return [getattr(status, name) for name in STATUS_FIELDS]
+
+
+def lease_values(lease: Lease | None) -> list[object]:
+    if lease is None:
+        return [None] * len(LEASE_FIELDS)
+    return [
+        lease.boot_id,
+        lease.sequence,
+        lease.expires_at_ms,
+        lease.deadline_boottime_ns,
+        lease.effective_expires_at_ms,
+    ]

@@ -1,0 +1,159 @@
+"""What the ledger holds and hands out: the offer, attempt and input records, and the
+rows of an admission batch.
+
+These are the values the rest of the daemon reads; the ledger is the only writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import msgspec
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import fsutil, leases, lifecycle
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.leases import Lease, Now
+from ficc.execution.host.staging import StreamState
+from ficc.execution.protocol import Fence, OfferLimits
+
+Control = Literal["active", "paused", "draining", "stopped"]
+
+OFFER_ALLOWS: Final[dict[str, frozenset[str]]] = {
+    "active": frozenset({"admit", "start", "renew"}),
+    "draining": frozenset({"start", "renew"}),
+    "paused": frozenset({"renew"}),
+    "stopped": frozenset(),
+}
+"""What each offer control lets through. Draining finishes admitted work; paused keeps
+leases alive but starts nothing; stopped renews nothing, so expiry stops the work."""
+
+
+RESOURCES: Final = ("cpu_millis", "memory_bytes", "swap_bytes", "processes")
+STORAGE: Final = ("storage_bytes", "storage_inodes")
+"""The resource and storage amounts of a reservation, by their column and limit names."""
+
+
+class Bindings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a controller saves and sends back before any admission (the three bindings)."""
+
+    installation_id: planlib.Identity
+    ledger_id: planlib.Identity
+    admission_version: Literal[1]
+
+
+def lease_is_current(lease: Lease | None, now: Now) -> bool:
+    """The lease rules are `leases`' (one copy); a record without a lease is not current."""
+    return lease is not None and leases.is_current(lease, now)
+
+
+class SlotSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A configured slot, as far as admission needs it."""
+
+    id: planlib.Name
+    slot_class: planlib.Name
+    storage_bytes: planlib.Count
+    storage_inodes: planlib.Count
+
+
+class HostFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What configuration and the clock say at the moment of admission."""
+
+    slots: list[SlotSpec]
+    devices: frozenset[str]
+    ceiling: OfferLimits
+    now: Now
+
+
+class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    revision: planlib.Positive
+    control: Control
+    limits: OfferLimits
+
+
+class AttemptRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One attempt as the ledger holds it (the plan bytes are read separately)."""
+
+    attempt_id: str
+    job_id: str
+    generation: int
+    plan_digest: str
+    offer_revision: int
+    status: lifecycle.Status
+    detail: str | None
+    """The precise admission refusal code when status.reason is admission_rejected."""
+    slot_id: str | None
+    lease: Lease | None
+    created: int
+    updated: int
+    """Ledger ordinals (a counter bumped by every write transaction), not clock times."""
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.attempt_id, self.generation, self.plan_digest)
+
+
+class InputRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A streamed input object of an attempt and its durable next offset.
+
+    `failed` is the staging refusal that made the object unusable (the attempt cannot
+    start); `identity` is the sealed file's identity, recorded at completion, so the
+    start pipeline and a restarted daemon can check the file is still the one hashed.
+    """
+
+    attempt_id: str
+    object_id: str
+    name: str
+    bytes: int
+    digest: str
+    offset: int
+    complete: bool
+    failed: str | None = None
+    identity: fsutil.FileIdentity | None = None
+
+    def stream_state(self) -> StreamState:
+        """The staging state to register with a `Stager` (after a restart, say)."""
+        return StreamState(
+            id=self.object_id,
+            name=self.name,
+            bytes=self.bytes,
+            digest=self.digest,
+            offset=self.offset,
+            complete=self.complete,
+            failed=self.failed,
+            identity=self.identity,
+        )
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A row that returned a record. `new` means this call created it (after `prepare`:
+    staging and provider preparation follow); a repeat returns the record unchanged
+    with `new` false."""
+
+    record: AttemptRecord
+    new: bool
+
+
+@dataclass(frozen=True)
+class PrepareRow:
+    """A plan to admit with its granted first lease. `refusal` is a check the caller made
+    before the transaction (for example, the provider is unavailable): a new plan with a
+    refusal is recorded as a durable admission rejection with that code."""
+
+    plan: planlib.Plan
+    lease: Lease
+    refusal: HostError | None = None
+    acknowledged_unknown: Sequence[str] = ()
+    """The prepare row's acknowledgement of the job's earlier unknown attempts."""
+
+
+@dataclass(frozen=True)
+class Applied:
+    record: AttemptRecord
+    changed: bool
+
+
+Row = Admitted | HostError
