@@ -23,7 +23,7 @@ EXPORTS: dict[str, list[str]] = {
         "Positive", "Runtime", "decode_plan", "digest_of", "encode_plan", "plan_digest",
     ],
     "protocol": [
-        "ACKNOWLEDGED_MAX", "ACTIONS", "COLLECT_MAX_BYTES", "INPUT_CHUNK_LEGACY_BYTES",
+        "ACKNOWLEDGED_MAX", "ACTIONS", "COLLECT_MAX_BYTES", "Control", "INPUT_CHUNK_LEGACY_BYTES",
         "INPUT_CHUNK_MAX_BYTES",
         "PROTOCOL_VERSION", "SENDERS", "ZERO_ID", "AnyRequest", "CollectRequest", "Fence",
         "InputStatusRequest", "InputWrite", "InputWriteRequest", "MetricsRequest", "ObjectName",

@@ -221,6 +221,11 @@ class Resources(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     storage_inodes: Count
 
 
+Control = Literal["active", "paused", "draining", "stopped"]
+"""The offer's control: `active` admits, `draining` starts what is admitted, `paused`
+only renews, `stopped` renews nothing."""
+
+
 class OfferLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What an offer allows, within the administrator's ceiling.
 
@@ -531,7 +536,7 @@ class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):
     """Change the offer, if its revision is still `expected_revision`."""
 
     expected_revision: Count
-    control: Literal["active", "paused", "draining", "stopped"]
+    control: Control
     limits: OfferLimits | None = None
 
 
@@ -770,6 +775,7 @@ __all__ = [
     "ZERO_ID",
     "AnyRequest",
     "CollectRequest",
+    "Control",
     "Fence",
     "InputStatusRequest",
     "InputWrite",

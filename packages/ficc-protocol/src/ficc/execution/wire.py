@@ -21,6 +21,7 @@ from ficc.execution.protocol import (
     INPUT_CHUNK_LEGACY_BYTES,
     INPUT_CHUNK_MAX_BYTES,
     ZERO_ID,
+    Control,
     ObjectName,
     OfferLimits,
     Resources,
@@ -44,8 +45,6 @@ Outcome = Literal["succeeded", "failed", "cancelled", "expired", "unknown"]
 """Terminal states. Once reached it is the outcome, kept through release."""
 
 TERMINAL: frozenset[str] = frozenset(Outcome.__args__)  # type: ignore[attr-defined]
-
-Control = Literal["active", "paused", "draining", "stopped"]
 
 REASONS: dict[str, str] = {
     "admission_rejected": "refused before any provider call; no slot, nothing ran",

@@ -39,6 +39,7 @@ import msgspec.inspect
 from ficc.execution.host import fsutil, ledger_space, slotfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.plan import Digest, Identity, Name
+from ficc.execution.wire import Control
 
 MAX_CONFIG_BYTES = 1 << 20
 MAX_LEASE_SECONDS = 86_400
@@ -49,7 +50,6 @@ AbsolutePath = Annotated[str, msgspec.Meta(pattern=_ABSOLUTE_PATH, max_length=40
 AccountId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
-Control = Literal["active", "paused", "draining", "stopped"]
 LedgerBytes = Annotated[int, msgspec.Meta(ge=ledger_space.MIN_LEDGER_MAX_BYTES, le=2**50)]
 FreeBytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 

@@ -529,7 +529,7 @@ def _single_name(name: str) -> None:
         raise HostError("gate_evidence", f"{name!r} is not a plain file name")
 
 
-def create_exclusive(dir_fd: int, name: str, data: bytes, *, mode: int, gid: int) -> None:
+def publish_file(dir_fd: int, name: str, data: bytes, *, mode: int, gid: int) -> None:
     """Create `name` in `dir_fd` complete, durably, never replacing or following anything.
 
     The file is written as an unnamed O_TMPFILE (owner, mode and bytes final, fsynced)
@@ -557,7 +557,7 @@ def create_exclusive(dir_fd: int, name: str, data: bytes, *, mode: int, gid: int
 
 def write_evidence(dir_fd: int, name: str, evidence: Evidence) -> None:
     """Root-only evidence file: it holds host paths the slot has no need to see."""
-    create_exclusive(dir_fd, name, msgspec.json.encode(evidence) + b"\n", mode=0o600, gid=0)
+    publish_file(dir_fd, name, msgspec.json.encode(evidence) + b"\n", mode=0o600, gid=0)
 
 
 def write_release_marker(dir_fd: int, name: str, *, group: int) -> None:
@@ -567,7 +567,7 @@ def write_release_marker(dir_fd: int, name: str, *, group: int) -> None:
     executes the payload; it must never be writable by the slot account.
     """
     try:
-        create_exclusive(dir_fd, name, RELEASE_CONTENT, mode=0o640, gid=group)
+        publish_file(dir_fd, name, RELEASE_CONTENT, mode=0o640, gid=group)
     except OSError as exc:
         raise HostError(
             "release_marker_failed",

@@ -73,7 +73,6 @@ from ficc.execution.host.records import (
     Applied,
     AttemptRecord,
     Bindings,
-    Control,
     HostFacts,
     InputRecord,
     Offer,
@@ -84,6 +83,7 @@ from ficc.execution.host.records import (
 )
 from ficc.execution.host.staging import StreamState
 from ficc.execution.protocol import Fence, OfferLimits, Resources
+from ficc.execution.wire import Control
 
 LEDGER_FILE: Final = "ledger.sqlite3"
 ADMISSION_VERSION: Final = 1

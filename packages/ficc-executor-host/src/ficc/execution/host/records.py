@@ -18,8 +18,7 @@ from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Lease, Now
 from ficc.execution.host.staging import StreamState
 from ficc.execution.protocol import Fence, OfferLimits
-
-Control = Literal["active", "paused", "draining", "stopped"]
+from ficc.execution.wire import Control
 
 OFFER_ALLOWS: Final[dict[str, frozenset[str]]] = {
     "active": frozenset({"admit", "start", "renew"}),
