@@ -1577,3 +1577,30 @@ def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world:
     unread = procfs.read_syscall_filters(pid, _evidence().status)
     assert unread[0] is None
     assert unread[1] is not None
+
+
+# ---------------------------------------------------------------- the host-wide task scan
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"Name:\tx\nState:\tS (sleeping)\nTgid:\t1\nUid:\t1\t2\t3\t4\n", (b"S", (1, 2, 3, 4))),
+        (b"Name:\tx\nState:\tZ (zombie)\nUid:\t0\t0\t0\t0\n", (b"Z", (0, 0, 0, 0))),
+        (b"Name:\tx\nUid:\t1\t2\t3\t4\nState:\tS (sleeping)\n", None),  # Uid before State
+        (b"Name:\tx\nState:\tS (sleeping)\n", None),  # no Uid
+        (b"Name:\tx\nState:\tS (sleeping)\nUid:\t1\t2\t3\n", None),  # three values
+        (b"Name:\tx\nState:\tS (sleeping)\nUid:\t1\t2\t3\t-4\n", None),
+        (b"", None),
+    ],
+)
+def test_a_status_the_scan_cannot_read_is_none_which_counts_as_live(
+    data: bytes, expected: tuple[bytes, tuple[int, ...]] | None
+) -> None:
+    assert procfs.state_and_uids(data) == expected
+
+
+def test_the_scan_finds_this_process_by_its_uid() -> None:
+    me = os.getuid()
+    assert (me, os.getpid()) in procfs.live_tasks({me})
+    assert all(uid == me or uid == -1 for uid, _ in procfs.live_tasks({me}))

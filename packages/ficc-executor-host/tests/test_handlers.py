@@ -26,11 +26,11 @@ import pytest
 from ficc.execution import plan as planlib
 from ficc.execution._executor import ReceivedInputWriteRequest, receive_request
 from ficc.execution.host import lifecycle as lc
+from ficc.execution.host import procfs
 from ficc.execution.host.config import Config, check_directories, parse_config
 from ficc.execution.host.context import HostContext, ProviderRuntime
 from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, service_backend
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.handlers import live_processes
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
 from ficc.execution.host.service.cgroupfs import CgroupfsService
@@ -853,6 +853,33 @@ def test_reconcile_absent_refuses_a_leftover_attempt_directory(host: Host) -> No
     assert "slot1 retains ficc/" in reply.error.message
 
 
+#: a slot process that makes itself non-dumpable: its /proc files are then root's
+NON_DUMPABLE = (
+    "import ctypes, sys, time; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0);"  # PR_SET_DUMPABLE 0
+    " sys.stdout.write('ready'); sys.stdout.flush(); time.sleep(300)"
+)
+
+
+def test_a_non_dumpable_process_of_a_slot_account_is_still_found(host: Host) -> None:
+    """The scan reads each thread's credentials, not who owns its /proc files."""
+    slot = host.ctx.slots["slot0"]
+    command = ["setpriv", f"--reuid={slot.uid}", f"--regid={slot.gid}", "--clear-groups"]
+    child = subprocess.Popen(
+        [*command, "/usr/bin/python3", "-c", NON_DUMPABLE], stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.read(5) == b"ready"
+        assert os.stat(f"/proc/{child.pid}/status").st_uid == 0  # what an owner filter sees
+        assert (slot.uid, child.pid) in procfs.live_tasks({slot.uid})
+        reply = reconcile(host, make_plan())
+        assert isinstance(reply, ErrorReply)
+        assert f"process {child.pid}" in reply.error.message
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_reconcile_absent_refuses_a_live_process_of_a_slot_account(host: Host) -> None:
     slot = host.ctx.slots["slot0"]
     child = subprocess.Popen(
@@ -867,7 +894,7 @@ def test_reconcile_absent_refuses_a_live_process_of_a_slot_account(host: Host) -
     )
     try:
         deadline = time.monotonic() + 10
-        while (slot.uid, child.pid) not in live_processes({slot.uid}):
+        while (slot.uid, child.pid) not in procfs.live_tasks({slot.uid}):
             assert time.monotonic() < deadline, "setpriv never became the slot account"
             time.sleep(0.01)
         plan = make_plan()

@@ -46,7 +46,7 @@ from ficc.execution._executor import (
 )
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import collect as collecting
-from ficc.execution.host import leases, lifecycle
+from ficc.execution.host import leases, lifecycle, procfs
 from ficc.execution.host import ledger as ledgerlib
 from ficc.execution.host import metrics as metricslib
 from ficc.execution.host.config import Config
@@ -452,44 +452,18 @@ def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
             problems.append(f"slot {slot.id}: {error.code}: {error.message}")
             continue
         problems += [f"slot {slot.id} retains {entry}" for entry in left]
-    for uid, pid in live_processes(set(slot_uids)):
-        problems.append(f"process {pid} runs as the account of slot {slot_uids[uid]}")
+    for uid, pid in procfs.live_tasks(set(slot_uids)):
+        whose = (
+            f"the account of slot {slot_uids[uid]}"
+            if uid in slot_uids
+            else "an account we cannot read"
+        )
+        problems.append(f"process {pid} runs as {whose}")
     for attempt_id in attempt_ids:
         name = service_name(ctx.config.installation_id, attempt_id)
         if ctx.service.adopt(name) is not None:
             problems.append(f"service {name} still exists")
     return problems
-
-
-def live_processes(uids: set[int]) -> list[tuple[int, int]]:
-    """(uid, pid) of every non-zombie task whose real, effective, saved or fs UID is in
-    `uids` (threads one by one: credentials are per thread)."""
-    found: list[tuple[int, int]] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            tasks = os.listdir(f"/proc/{entry}/task")
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{entry}/task/{task}/status", "rb") as status:
-                    fields = dict(
-                        line.split(b":", 1)
-                        for line in status.read(16384).splitlines()
-                        if b":" in line
-                    )
-            except OSError:
-                continue
-            if fields.get(b"State", b"").strip().startswith(b"Z"):
-                continue
-            ids = {int(v) for v in fields.get(b"Uid", b"").split()}
-            hit = ids & uids
-            if hit:
-                found.append((min(hit), int(entry)))
-                break
-    return found
 
 
 # --- renew, start, observe, stop, release -------------------------------------------
@@ -951,6 +925,5 @@ __all__ = [
     "host_facts",
     "idle_evidence",
     "initial_limits",
-    "live_processes",
     "provider_refusal",
 ]

@@ -833,3 +833,74 @@ def confirm_unchanged(pid: int, start_time: int) -> None:
         os.close(pid_fd)
     if current.start_time != start_time:
         raise process_changed(pid, "was replaced by another process")
+
+
+# --- every task on the host, by account ------------------------------------------------
+
+TASK_STATUS_BYTES = 8192
+"""Enough for State and Uid, which come in a status file's first lines."""
+
+
+def state_and_uids(data: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+    """The `State:` letter and the four `Uid:` values of a status file, or None when
+    either is missing or malformed (a caller counting live tasks counts it as live).
+
+    Only these two lines are parsed: a host-wide scan reads every task's status.
+    """
+    state: bytes | None = None
+    for line in data.split(b"\n"):
+        if line.startswith(b"State:"):
+            state = line[6:].strip()[:1]
+        elif line.startswith(b"Uid:"):
+            parts = line[4:].split()
+            if state is None or len(parts) != 4 or not all(p.isdigit() for p in parts):
+                return None
+            return state, tuple(int(p) for p in parts)
+    return None
+
+
+def _task_status(path: str) -> bytes | None:
+    """A task's status bytes; None when the task is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, TASK_STATUS_BYTES)
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def live_tasks(uids: set[int]) -> list[tuple[int, int]]:
+    """(uid, pid) of each process with a live (non-zombie) thread whose real,
+    effective, saved or filesystem UID is in `uids`; uid -1 for a thread whose status
+    could not be parsed, which is counted as live (fail closed).
+
+    Every thread is read (credentials are per thread), each on its own: a thread that
+    ends while it is read is skipped without skipping its siblings. Who owns the /proc
+    files is not used to filter: a non-dumpable process's files are root's.
+    """
+    found: list[tuple[int, int]] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            tasks = os.listdir(f"/proc/{entry}/task")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for task in tasks:
+            data = _task_status(f"/proc/{entry}/task/{task}/status")
+            if data is None:
+                continue
+            parsed = state_and_uids(data)
+            if parsed is None:
+                found.append((-1, int(entry)))
+                break
+            state, ids = parsed
+            hit = set(ids) & uids
+            if hit and state != b"Z":
+                found.append((min(hit), int(entry)))
+                break
+    return found
