@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import shim
-from ficc.execution.host.service.cgroupfs import DEFAULT_INTERPRETER
+from ficc.execution.host.service.launch import DEFAULT_INTERPRETER
 
 TIMEOUT_S = 30.0
 NOFILE = 256

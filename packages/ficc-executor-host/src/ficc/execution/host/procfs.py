@@ -904,3 +904,39 @@ def live_tasks(uids: set[int]) -> list[tuple[int, int]]:
                 found.append((min(hit), int(entry)))
                 break
     return found
+
+
+# --- a service's first process, as the service backends check it ---------------------
+
+
+def _small_file(path: str) -> str:
+    """A small /proc file as text, never through a link; OSError if it cannot be read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return os.read(fd, TASK_STATUS_BYTES).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def status_fields(pid: int) -> dict[str, str]:
+    """/proc/PID/status as {field: value}, every field as the kernel prints it."""
+    fields = {}
+    for line in _small_file(f"/proc/{pid}/status").splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat: with the PID it names one process (PIDs are reused)."""
+    return int(_small_file(f"/proc/{pid}/stat").rpartition(")")[2].split()[19])
+
+
+def limit_fields(pid: int) -> dict[str, tuple[str, str]]:
+    """/proc/PID/limits as {label: (soft, hard)}; labels are the fixed kernel ones."""
+    limits = {}
+    for line in _small_file(f"/proc/{pid}/limits").splitlines()[1:]:
+        name, values = line[:26].strip(), line[26:].split()
+        if len(values) >= 2:
+            limits[name] = (values[0], values[1])
+    return limits

@@ -48,13 +48,12 @@ from __future__ import annotations
 import os
 import select
 import signal
-import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable
 from typing import Literal
 
+from ficc.execution.host import procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import bpfdevices, cgroups, shim
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
@@ -66,10 +65,14 @@ from ficc.execution.host.service.interface import (
     check_account,
     check_name,
 )
+from ficc.execution.host.service.launch import (
+    DEFAULT_INTERPRETER,
+    check_credentials,
+    open_output,
+    trusted_interpreter,
+    wait_until,
+)
 
-#: The shim's interpreter: it runs as the slot account, so it must be a system-wide,
-#: root-owned Python (a daemon virtualenv under /root would not be executable).
-DEFAULT_INTERPRETER = "/usr/bin/python3"
 SUPERVISOR = "supervisor"
 PAYLOAD = "payload"
 
@@ -142,7 +145,12 @@ class CgroupfsService:
         with self._lock:
             self._started[spec.name] = process
         return ServiceHandle(
-            spec.name, self.backend, self._version, nodes, process.pid, start_ticks(process.pid)
+            spec.name,
+            self.backend,
+            self._version,
+            nodes,
+            process.pid,
+            procfs.start_ticks(process.pid),
         )
 
     @property
@@ -598,44 +606,6 @@ def _verify(spec: ServiceSpec, controls: Controls, swap: bool) -> None:
         )
 
 
-def open_output(path: str) -> int:
-    """Open (creating root-owned 0600) a regular output file, never through a link.
-
-    O_NONBLOCK keeps a planted FIFO from blocking the open; it is cleared after the
-    file is known to be regular.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags | os.O_NONBLOCK, 0o600)
-    except OSError as error:
-        raise HostError("service_output", f"cannot open output file {path}: {error}") from error
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
-        os.close(fd)
-        raise HostError(
-            "service_output",
-            f"{path} is not a regular, singly linked file owned by the daemon; remove it",
-        )
-    os.set_blocking(fd, True)
-    return fd
-
-
-def trusted_interpreter(path: str) -> str:
-    """Resolve the shim interpreter and refuse one that someone else could replace."""
-    real = os.path.realpath(path)
-    try:
-        info = os.stat(real)
-    except OSError as error:
-        raise HostError("service_unsupported", f"shim interpreter {path}: {error}") from error
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
-        raise HostError(
-            "service_unsupported",
-            f"shim interpreter {real} must be a regular file owned by root and writable "
-            "only by root",
-        )
-    return real
-
-
 def _delegate_controllers(parent: str, controllers: frozenset[str]) -> None:
     """Enable v2 controllers for the children of `parent` (those not enabled yet)."""
     path = os.path.join(parent, "cgroup.subtree_control")
@@ -666,56 +636,6 @@ def _read(node: str, name: str) -> str:
     return cgroups.read_text(os.path.join(node, name))
 
 
-def proc_status(pid: int, task: str = "") -> dict[str, str]:
-    path = f"/proc/{pid}/task/{task}/status" if task else f"/proc/{pid}/status"
-    fields = {}
-    for line in cgroups.read_text(path).splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    return fields
-
-
-def start_ticks(pid: int) -> int:
-    stat_line = cgroups.read_text(f"/proc/{pid}/stat")
-    return int(stat_line.rpartition(")")[2].split()[19])
-
-
-def check_credentials(pid: int, spec: ServiceSpec, *, groups: frozenset[str]) -> None:
-    """The gated shim must already be exactly the slot account, with core dumps off and
-    no supplementary group beyond `groups` (GIDs as /proc prints them). The cgroupfs
-    shim has none; systemd gives `User=` the account's group list, which for a slot
-    account is just its own primary GID: that grants nothing more, and the payload
-    gate accepts it too."""
-    status = proc_status(pid)
-    uids, gids = status["Uid"].split(), status["Gid"].split()
-    limits = proc_limits(pid)
-    problems = []
-    if uids != [str(spec.uid)] * 4 or gids != [str(spec.gid)] * 4:
-        problems.append(f"credentials uid={uids} gid={gids}")
-    if set(status["Groups"].split()) - groups:
-        problems.append(f"supplementary groups {status['Groups']!r}")
-    if limits.get("Max core file size") != ("0", "0"):
-        problems.append(f"core limit {limits.get('Max core file size')}")
-    nofile = str(spec.limits.nofile)
-    if limits.get("Max open files") != (nofile, nofile):
-        problems.append(f"nofile limit {limits.get('Max open files')}")
-    if problems:
-        raise HostError(
-            "service_start",
-            f"the start shim of {spec.name} is not confined as planned: {', '.join(problems)}",
-        )
-
-
-def proc_limits(pid: int) -> dict[str, tuple[str, str]]:
-    """/proc/PID/limits as {name: (soft, hard)}; names are the fixed kernel labels."""
-    limits = {}
-    for line in cgroups.read_text(f"/proc/{pid}/limits").splitlines()[1:]:
-        name, values = line[:26].strip(), line[26:].split()
-        if len(values) >= 2:
-            limits[name] = (values[0], values[1])
-    return limits
-
-
 def _send_order(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -730,32 +650,6 @@ def _readable(fd: int, timeout: float) -> bool:
 
 
 def _uid_has_live_tasks(uid: int) -> bool:
-    """Any non-zombie task on the host whose real, effective, saved or fs UID is `uid`.
-
-    Threads are checked one by one: Linux credentials are per thread.
-    """
-    wanted = str(uid)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            tasks = os.listdir(f"/proc/{entry}/task")
-            for task in tasks:
-                status = proc_status(int(entry), task)
-                if status["State"].startswith("Z"):
-                    continue
-                if wanted in status["Uid"].split():
-                    return True
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return False
-
-
-def wait_until(condition: Callable[[], bool], deadline: float) -> bool:
-    """Poll `condition()` every 5 ms until true or the monotonic deadline passes."""
-    while True:
-        if condition():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
+    """Any live task on the host with `uid` among its credentials (or one whose
+    status cannot be read: fail closed)."""
+    return bool(procfs.live_tasks({uid}))

@@ -75,17 +75,10 @@ from collections.abc import Mapping
 
 import msgspec
 
+from ficc.execution.host import procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import cgroups, shim, systemd_devices
-from ficc.execution.host.service.cgroupfs import (
-    DEFAULT_INTERPRETER,
-    CgroupfsService,
-    check_credentials,
-    open_output,
-    start_ticks,
-    trusted_interpreter,
-    wait_until,
-)
+from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.cgroups import Layout
 from ficc.execution.host.service.interface import (
     Controls,
@@ -95,6 +88,13 @@ from ficc.execution.host.service.interface import (
     ServiceSpec,
     check_account,
     check_name,
+)
+from ficc.execution.host.service.launch import (
+    DEFAULT_INTERPRETER,
+    check_credentials,
+    open_output,
+    trusted_interpreter,
+    wait_until,
 )
 
 SLICE = "ficc.slice"
@@ -484,7 +484,7 @@ class SystemdService:
             check_credentials(pid, spec, groups=frozenset({str(spec.gid)}))
             nodes = self._nodes(spec.name, show.get("ControlGroup", ""))
             handle = ServiceHandle(
-                spec.name, self.backend, self._layout.version, nodes, pid, start_ticks(pid)
+                spec.name, self.backend, self._layout.version, nodes, pid, procfs.start_ticks(pid)
             )
             self._check_member(pid, unit_cgroup(self._slice, spec.name), nodes)
             swap = self._enforce_swap(spec, nodes)
