@@ -490,6 +490,9 @@ def _upgrade(session: nox.Session) -> None:
             "FICC_UPGRADE_HOST_PYTHON": host,
             "FICC_UPGRADE_NEW_WHEELS": str(new),
             "FICC_UPGRADE_CONTROLLER_PYTHON": controller,
+            "FICC_UPGRADE_OLD_PROVIDER": str(
+                old_tree / "tests-integration" / "providers" / "ficc-test-provider"
+            ),
         }
         session.run("pytest", "-q", "-ra", str(ROOT / "tools" / "upgrade"), *session.posargs,
                     env=env)  # fmt: skip
