@@ -638,7 +638,7 @@ def _setup(args: argparse.Namespace) -> Kit:
 def _argv(text: str) -> list[str]:
     argv = json.loads(text)
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise HostError("usage", f"{text!r} is not a JSON list of strings")
+        raise HostError("conformance_usage", f"{text!r} is not a JSON list of strings")
     return argv
 
 
