@@ -6,6 +6,8 @@ Sessions:
   hoststate, protocol, executor_host,
   provider_podman                      one distribution's own tests
   integration                          tests that cross distributions (tests-integration/)
+  conformance                          the provider conformance kit on both providers (also
+                                       part of integration)
   systemd                              the systemd backend under real systemd in a container
   systemd_unified                      systemd's v2 device programs, systemd in unified mode
   lint                                 ruff
@@ -258,6 +260,14 @@ def integration(session: nox.Session) -> None:
     """Tests that cross distributions: real daemon, real socket, real provider."""
     _install_all(session)
     _integration_tests(session)
+
+
+@nox.session
+def conformance(session: nox.Session) -> None:
+    """The provider conformance kit on the test provider and the Podman provider, and
+    on a deliberately broken provider (part of `integration`, so of `ci`)."""
+    _install_all(session)
+    _pytest(session, ROOT / "tests-integration" / "test_conformance.py")
 
 
 @nox.session
@@ -514,6 +524,9 @@ def _upgrade(session: nox.Session) -> None:
             "FICC_UPGRADE_HOST_PYTHON": host,
             "FICC_UPGRADE_NEW_WHEELS": str(new),
             "FICC_UPGRADE_CONTROLLER_PYTHON": controller,
+            "FICC_UPGRADE_OLD_PROVIDER": str(
+                old_tree / "tests-integration" / "providers" / "ficc-test-provider"
+            ),
         }
         session.run("pytest", "-q", "-ra", str(ROOT / "tools" / "upgrade"), *session.posargs,
                     env=env)  # fmt: skip

@@ -289,6 +289,10 @@ HOST_ONLY: dict[str, str] = {
         " provider_failed",
     ),
     **dict.fromkeys(
+        ("conformance_usage", "plan_unsupported", "provider_unknown", "slot_busy"),
+        "the provider conformance kit's command refuses to run (exit 2); no daemon involved",
+    ),
+    **dict.fromkeys(
         ("file_exists", "file_too_large", "not_directory"),
         "fsutil refusals on paths only the host creates (layout and staging set-up, config"
         " reading): they fail the attempt or the start, or are turned into object_*",

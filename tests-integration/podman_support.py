@@ -628,21 +628,30 @@ def _attempt_row(reply: Any) -> AttemptRow:
     return row
 
 
+@dataclass
+class PodmanLayout:
+    """Everything of the world but the daemon: accounts, image, provider, slots, config."""
+
+    base: Path
+    layout: Layout
+    provider: InstalledProvider
+    image: dict[str, str]
+    slots: list[Account]
+    transport: Account
+
+
 @contextlib.contextmanager
-def podman_world(
+def podman_layout(
     backend: str = "cgroupfs", slot_bytes: int = SLOT_BYTES, slot_inodes: int = SLOT_INODES
-) -> Iterator[PodmanWorld]:
-    """Build the whole world (see the module docstring) with the daemon's system-service
-    backend `backend` and two slot filesystems of `slot_bytes` and `slot_inodes`; tear
-    all of it down after. With `systemd` the daemon runs as the shipped unit
-    (harness.UnitDaemon), which needs systemd as PID 1."""
+) -> Iterator[PodmanLayout]:
+    """The world's accounts, image, installed provider, two slot filesystems of
+    `slot_bytes` and `slot_inodes` and the configuration for `backend`, without a
+    daemon; all removed after (services of the installation included)."""
     tag = secrets.token_hex(3)
     base = private_directory("/run", f"ficc-pe2e-{tag}-")
     accounts: list[Account] = []
     filesystems: list[SlotFilesystem] = []
-    process: DaemonProcess | UnitDaemon | None = None
     layout: Layout | None = None
-    world: PodmanWorld | None = None
     try:
         for role in ("s0", "s1", "tr"):
             accounts.append(create_account(f"ficc-pe2e-{tag}-{role}"))
@@ -653,25 +662,46 @@ def podman_world(
         layout = write_config(
             base, slots, transport, provider, image, backend, filesystems, slot_inodes
         )
-        process = _daemon(backend, layout, provider)
-        process.start()
-        world = PodmanWorld(base, layout, provider, image, slots, transport, process)
-        yield world
-        status = world.process.stop()
-        assert status == 0, f"the daemon did not stop cleanly ({status}):\n{world.process.log()}"
+        yield PodmanLayout(base, layout, provider, image, slots, transport)
     finally:
-        if world is not None:
-            process = world.process  # a restart may have replaced it
-        if isinstance(process, UnitDaemon):
-            process.uninstall()
-        elif process is not None:
-            process.kill()
         if layout is not None:
             _purge_services(backend, layout.installation_id)
         for account in accounts:
             _remove_account(account)
         remove_slots(filesystems)
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+@contextlib.contextmanager
+def podman_world(
+    backend: str = "cgroupfs", slot_bytes: int = SLOT_BYTES, slot_inodes: int = SLOT_INODES
+) -> Iterator[PodmanWorld]:
+    """Build the whole world (see the module docstring) with the daemon's system-service
+    backend `backend` and two slot filesystems of `slot_bytes` and `slot_inodes`; tear
+    all of it down after. With `systemd` the daemon runs as the shipped unit
+    (harness.UnitDaemon), which needs systemd as PID 1."""
+    with podman_layout(backend, slot_bytes, slot_inodes) as made:
+        process: DaemonProcess | UnitDaemon | None = None
+        world: PodmanWorld | None = None
+        try:
+            process = _daemon(backend, made.layout, made.provider)
+            process.start()
+            world = PodmanWorld(
+                made.base, made.layout, made.provider, made.image, made.slots, made.transport,
+                process,
+            )  # fmt: skip
+            yield world
+            status = world.process.stop()
+            assert status == 0, (
+                f"the daemon did not stop cleanly ({status}):\n{world.process.log()}"
+            )
+        finally:
+            if world is not None:
+                process = world.process  # a restart may have replaced it
+            if isinstance(process, UnitDaemon):
+                process.uninstall()
+            elif process is not None:
+                process.kill()
 
 
 def _daemon(

@@ -8,11 +8,14 @@ runs this file with:
   ficc-protocol and ficc-executor-host (the "installed host");
 - FICC_UPGRADE_NEW_WHEELS: a directory with the current build's wheels;
 - FICC_UPGRADE_CONTROLLER_PYTHON: a virtualenv's python holding only the previous
-  ficc-protocol (a controller that has not upgraded).
+  ficc-protocol (a controller that has not upgraded);
+- FICC_UPGRADE_OLD_PROVIDER: the previous release's test provider source (it speaks
+  the previous provider contract; this build's speaks the typed SDK).
 
 The scenario is what an administrator does: the old daemon runs with a ledger that
 holds finished and active attempts; it is stopped; the same prefix is upgraded with
-pip; the new daemon starts on the same configuration and ledger. Then: the ledger
+pip, and the provider with it (the contract changed); the new daemon starts on the
+same configuration and ledger. Then: the ledger
 opens, bindings and records are unchanged, active attempts follow the restart rule,
 the provider pin is verified again by the new code, and the old controller runs a new
 job through the new host.
@@ -40,9 +43,10 @@ from ficc.execution.plan import encode_plan  # noqa: E402
 HOST_PYTHON = os.environ.get("FICC_UPGRADE_HOST_PYTHON", "")
 NEW_WHEELS = Path(os.environ.get("FICC_UPGRADE_NEW_WHEELS", "/nonexistent"))
 CONTROLLER_PYTHON = os.environ.get("FICC_UPGRADE_CONTROLLER_PYTHON", "")
+OLD_PROVIDER = os.environ.get("FICC_UPGRADE_OLD_PROVIDER", "")
 CONTROLLER = Path(__file__).resolve().parent / "controller.py"
 
-if os.geteuid() != 0 or not HOST_PYTHON or not CONTROLLER_PYTHON:
+if os.geteuid() != 0 or not HOST_PYTHON or not CONTROLLER_PYTHON or not OLD_PROVIDER:
     pytest.skip(
         "run through `nox -s upgrade` (as root): it builds the previous release and "
         "the two virtualenvs this test upgrades and drives",
@@ -78,6 +82,14 @@ def upgrade_in_place() -> None:
     )  # fmt: skip
 
 
+def upgrade_provider(base: Path) -> None:
+    """The provider's upgrade: this build's test provider replaces the previous one in
+    the same prefix (a new pin follows)."""
+    wheel = harness.build_provider_wheel(base / "new-wheel")
+    shutil.rmtree(base / "provider")
+    harness.install_provider(wheel, base / "provider")
+
+
 def write_config(layout: harness.Layout, digest: str, *, previous: bool = False) -> None:
     """The configuration with this pin; `previous`: as the previous release reads it,
     without the keys it does not know (it refuses unknown keys)."""
@@ -105,7 +117,10 @@ def world() -> Iterator[tuple[harness.Daemon, Path]]:
     daemon: harness.Daemon | None = None
     layout: harness.Layout | None = None
     try:
-        wheel = harness.build_provider_wheel(base / "wheel")
+        old_wheels = base / "wheel"
+        harness.pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(old_wheels),
+                    OLD_PROVIDER)  # fmt: skip
+        (wheel,) = old_wheels.glob("ficc_test_provider-*.whl")
         current = harness.install_provider(wheel, base / "provider")
         old_pin = host("provider-digest", "test", "--path", str(current.site), "--quiet").strip()
         provider = harness.InstalledProvider(current.site, old_pin)
@@ -151,6 +166,7 @@ def test_upgrade_in_place_keeps_the_ledger_and_serves_an_old_controller(
 
     # --- upgrade the same prefix in place, start the new daemon ----------------------
     upgrade_in_place()
+    upgrade_provider(base)
     # the release notes' step: bind each slot to its filesystem (`filesystem_uuid`)
     write_config(daemon.layout, daemon.provider.digest)
     version_line = host("--version")

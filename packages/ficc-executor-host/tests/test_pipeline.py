@@ -1126,7 +1126,7 @@ def test_a_new_offer_revision_that_still_covers_the_attempt_releases_it(world: W
 
 # --- the provider context ----------------------------------------------------------------
 
-SLOT_FIELDS = {"id", "class", "path", "uid", "gid", "storage_bytes", "storage_inodes"}
+SLOT_FIELDS = {"id", "slot_class", "path", "uid", "gid", "storage_bytes", "storage_inodes"}
 STORAGE_FIELDS = {"path", "device", "inode", "bytes", "inodes"}
 
 
@@ -1175,7 +1175,7 @@ def test_every_context_holds_what_the_provider_contract_lists(world: World) -> N
     (prepare,) = world.installed.contexts("prepare", attempt_id)
     for context in (probe, prepare):
         _check_common(world, context, plan)
-        assert "prepared" not in context
+        assert context["prepared"] is None
     assert prepare["check"] == "<callable>"
     assert "check" not in probe
     for method in ("start", "observe", "stop"):

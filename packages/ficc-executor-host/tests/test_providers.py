@@ -40,6 +40,7 @@ from ficc.execution.host.providers import (
     load_provider,
 )
 from ficc.execution.host.providers import loader as loader_module
+from sdk_support import sample_context, with_check
 
 ROOT = Path(__file__).resolve().parents[3]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
@@ -489,9 +490,7 @@ def test_loaded_test_provider_runs_a_real_unconfined_child(site: Path) -> None:
     loaded = load_provider("test", digest_of(site), {"argv": argv}, [str(site)])
     driver = loaded.driver
     checks: list[str] = []
-    contexts = [
-        {"attempt_id": f"a{i}", "check": lambda i=i: checks.append(f"a{i}")} for i in (1, 2)
-    ]
+    contexts = [with_check(sample_context(), lambda i=i: checks.append(f"a{i}")) for i in (1, 2)]
 
     prepared = call(driver, "prepare", contexts)
     assert checks == ["a1", "a2"]

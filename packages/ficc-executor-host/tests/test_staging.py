@@ -15,12 +15,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.fsutil import identity_of
+from ficc.execution.host.sdk import FileIdentity, InputCapability
 from ficc.execution.host.staging import (
     STAGING_DIRECTORY,
     Stager,
@@ -142,21 +144,21 @@ def test_chunked_upload_completes_with_a_sealed_capability(slot: Path, slot_gid:
         assert (stat.S_IMODE(st_dir.st_mode), st_dir.st_uid) == (0o700, 0)
 
     [capability] = stager.capabilities(attempt)
-    assert capability == {
-        "id": state.id,
-        "name": "in0.bin",
-        "bytes": len(data),
-        "digest": sha(data),
-        "delivery": "stream",
-        "path": str(path),
-        "identity": {
-            "device": st_file.st_dev,
-            "inode": st_file.st_ino,
-            "mode": st_file.st_mode,
-            "bytes": len(data),
-            "mtime_ns": st_file.st_mtime_ns,
-        },
-    }
+    assert capability == InputCapability(
+        id=state.id,
+        name="in0.bin",
+        bytes=len(data),
+        digest=sha(data),
+        delivery="stream",
+        path=str(path),
+        identity=FileIdentity(
+            device=st_file.st_dev,
+            inode=st_file.st_ino,
+            mode=st_file.st_mode,
+            bytes=len(data),
+            mtime_ns=st_file.st_mtime_ns,
+        ),
+    )
     assert stager.all_complete(attempt)
     stager.verify_identity(attempt, capability)
 
@@ -170,7 +172,7 @@ def test_several_streams_are_independent_and_all_must_complete(slot: Path, slot_
     assert code_of(stager.capabilities, attempt) == "inputs_incomplete"
     upload(stager, attempt, sb, b, 4096, Ledger())
     assert stager.all_complete(attempt)
-    assert [c["id"] for c in stager.capabilities(attempt)] == [sa.id, sb.id]
+    assert [c.id for c in stager.capabilities(attempt)] == [sa.id, sb.id]
 
 
 def test_an_empty_object_completes_with_one_empty_chunk(slot: Path, slot_gid: int) -> None:
@@ -555,16 +557,16 @@ def test_a_hard_link_planted_at_the_object_fails_it(
 
 
 @pytest.fixture
-def completed(slot: Path, slot_gid: int) -> tuple[Stager, str, dict[str, Any], Path]:
+def completed(slot: Path, slot_gid: int) -> tuple[Stager, str, InputCapability, Path]:
     stager = Stager(str(slot), slot_gid)
     attempt, [state] = admit(stager, b"the input")
     stager.write(attempt, state.id, 0, b"the input", sha(b"the input"))
     [capability] = stager.capabilities(attempt)
-    return stager, attempt, capability, Path(capability["path"])
+    return stager, attempt, capability, Path(capability.path)
 
 
 def test_a_provider_hard_link_keeps_the_identity(
-    completed: tuple[Stager, str, dict[str, Any], Path], tmp_path: Path
+    completed: tuple[Stager, str, InputCapability, Path], tmp_path: Path
 ) -> None:
     stager, attempt, capability, path = completed
     ctime = os.stat(path).st_ctime_ns
@@ -574,14 +576,16 @@ def test_a_provider_hard_link_keeps_the_identity(
     stager.verify_identity(attempt, capability)
 
 
-def test_a_touched_input_refuses_start(completed: tuple[Stager, str, dict[str, Any], Path]) -> None:
+def test_a_touched_input_refuses_start(
+    completed: tuple[Stager, str, InputCapability, Path],
+) -> None:
     stager, attempt, capability, path = completed
-    os.utime(path, ns=(0, capability["identity"]["mtime_ns"] + 1))
+    os.utime(path, ns=(0, capability.identity.mtime_ns + 1))
     assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
 
 
 def test_a_replaced_input_refuses_start(
-    completed: tuple[Stager, str, dict[str, Any], Path], slot_gid: int
+    completed: tuple[Stager, str, InputCapability, Path], slot_gid: int
 ) -> None:
     stager, attempt, capability, path = completed
     replacement = path.with_name("replacement")
@@ -592,7 +596,7 @@ def test_a_replaced_input_refuses_start(
 
 
 def test_changed_mode_or_group_refuses_start(
-    completed: tuple[Stager, str, dict[str, Any], Path],
+    completed: tuple[Stager, str, InputCapability, Path],
 ) -> None:
     stager, attempt, capability, path = completed
     os.chmod(path, 0o640)
@@ -604,10 +608,10 @@ def test_changed_mode_or_group_refuses_start(
 
 
 def test_a_capability_with_a_foreign_path_is_refused(
-    completed: tuple[Stager, str, dict[str, Any], Path],
+    completed: tuple[Stager, str, InputCapability, Path],
 ) -> None:
     stager, attempt, capability, _ = completed
-    forged = dict(capability, path="/etc/shadow")
+    forged = msgspec.structs.replace(capability, path="/etc/shadow")
     assert code_of(stager.verify_identity, attempt, forged) == "input_changed"
 
 
@@ -741,11 +745,11 @@ def test_remove_attempt_refuses_unexpected_entries(slot: Path, slot_gid: int) ->
 
 
 def test_a_removed_attempt_takes_no_more_writes_and_fails_identity(
-    completed: tuple[Stager, str, dict[str, Any], Path],
+    completed: tuple[Stager, str, InputCapability, Path],
 ) -> None:
     stager, attempt, capability, _ = completed
     stager.remove_attempt(attempt)
-    assert code_of(stager.write, attempt, capability["id"], 0, b"", EMPTY) == "attempt_not_staged"
+    assert code_of(stager.write, attempt, capability.id, 0, b"", EMPTY) == "attempt_not_staged"
     assert code_of(stager.prepare_attempt, attempt) == "attempt_not_staged"
     assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
 

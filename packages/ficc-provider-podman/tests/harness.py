@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, layout, procfs
+from ficc.execution.host import gate, layout, procfs, sdk
 from ficc.execution.host.expectation import (
     PrepareResult,
     build_expectation,
@@ -262,7 +262,7 @@ class Attempt:
     plan: planlib.Plan
     paths: layout.AttemptPaths
     checks: int = 0
-    capabilities: list[dict[str, Any]] = field(default_factory=list)
+    capabilities: list[sdk.InputCapability] = field(default_factory=list)
     result: PrepareResult | None = None
     handle: ServiceHandle | None = None
     ready: dict[str, Any] | None = None
@@ -272,36 +272,42 @@ class Attempt:
     def id(self) -> str:
         return self.plan.attempt_id
 
-    def context(self, **extra: Any) -> dict[str, Any]:
+    def context(self, check: Callable[[], None] | None = None) -> sdk.Context:
+        """The context the host would build (a `PrepareContext` when `check` is given)."""
         slot = self.w.slot
-        return {
-            "attempt_id": self.id,
-            "plan": msgspec.to_builtins(self.plan),
-            "plan_digest": planlib.plan_digest(self.plan),
-            "slot": {
-                "id": slot.id,
-                "class": "cpu",
-                "path": slot.path,
-                "uid": slot.uid,
-                "gid": slot.gid,
-                "storage_bytes": 1 << 30,
-                "storage_inodes": 10000,
-            },
-            "attempt_directory": self.paths.root,
-            "provider_directory": self.paths.provider,
-            "control_directory": self.paths.control,
-            "release_marker": f"{self.paths.control}/release",
-            "logs": {"stdout": self.paths.stdout, "stderr": self.paths.stderr},
-            "service": f"attempt-{self.id}",
-            "inputs": self.capabilities,
-            **extra,
-        }
+        context = sdk.Context(
+            attempt_id=self.id,
+            plan=self.plan,
+            plan_digest=planlib.plan_digest(self.plan),
+            slot=sdk.Slot(
+                id=slot.id,
+                slot_class="cpu",
+                path=slot.path,
+                uid=slot.uid,
+                gid=slot.gid,
+                storage_bytes=1 << 30,
+                storage_inodes=10000,
+            ),
+            storage=sdk.StorageBinding(path=self.paths.storage),
+            attempt_directory=self.paths.root,
+            provider_directory=self.paths.provider,
+            control_directory=self.paths.control,
+            release_marker=f"{self.paths.control}/release",
+            logs=sdk.Logs(stdout=self.paths.stdout, stderr=self.paths.stderr),
+            service=f"attempt-{self.id}",
+            cgroup=f"/ficc/attempt-{self.id}/supervisor",
+            supervisor=sdk.Supervisor(backend="cgroupfs", service=f"attempt-{self.id}"),
+            inputs=tuple(self.capabilities),
+        )
+        if check is None:
+            return context
+        return sdk.PrepareContext(**msgspec.structs.asdict(context), check=check)
 
     def check(self) -> None:
         self.checks += 1
 
-    def call(self, method: str, **extra: Any) -> dict[str, Any]:
-        (reply,) = getattr(self.w.driver, method)([self.context(**extra)])
+    def call(self, method: str, check: Callable[[], None] | None = None) -> dict[str, Any]:
+        (reply,) = getattr(self.w.driver, method)([self.context(check)])
         assert isinstance(reply, dict)
         return reply
 

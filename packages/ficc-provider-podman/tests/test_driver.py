@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import msgspec
 
 import harness as h
+from ficc.execution.host import sdk
 from ficc_provider_podman.account import processes_of
 
 pytestmark = pytest.mark.podman("the driver runs real containers")
@@ -58,7 +59,7 @@ def test_a_real_job_passes_the_gate_runs_and_is_cleaned_up(w: h.World) -> None:
     for flag in ("--network=none", "--read-only", "--cap-drop=all", "--cgroupns=private"):
         assert flag in result.argv
     # The streamed input is a hard link of the staged file, not a copy.
-    staged = os.stat(attempt.capabilities[0]["path"])
+    staged = os.stat(attempt.capabilities[0].path)
     linked = os.stat(f"{attempt.paths.provider}/inputs/data.txt")
     assert (linked.st_dev, linked.st_ino) == (staged.st_dev, staged.st_ino)
     assert (linked.st_uid, linked.st_mode & 0o777) == (0, 0o440)
@@ -193,7 +194,7 @@ def test_a_changed_staged_input_refuses_start(w: h.World) -> None:
     attempt = h.new_attempt(w, plan, STREAMED)
     try:
         h.prepare(attempt)
-        staged = attempt.capabilities[0]["path"]
+        staged = attempt.capabilities[0].path
         os.utime(staged, ns=(1, 1))  # the same inode, another mtime
         refused = attempt.call("start")
         assert refused["error"] == "input_changed", refused
@@ -202,11 +203,8 @@ def test_a_changed_staged_input_refuses_start(w: h.World) -> None:
 
 
 def test_a_check_refusal_stops_prepare_before_anything_is_loaded(w: h.World) -> None:
-    class Refused(Exception):
-        code = "lease_expired"
-
     def check() -> None:
-        raise Refused("the lease expired during preparation")
+        raise sdk.Refused("lease_expired", "the lease expired during preparation")
 
     attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
     try:

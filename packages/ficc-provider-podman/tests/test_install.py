@@ -35,13 +35,22 @@ sha = "sha256:" + "a" * 64
 digest = compute_digest("podman", [site]).digest
 config = {"images": [{"digest": sha, "archive": archive, "archive_sha256": sha, "image_id": sha}]}
 loaded = load_provider("podman", digest, config, [site])
-plan = {"attempt_id": "0" * 32, "job": {
-    "runtime": {"image_digest": sha, "isolation": "vm", "network": "none"},
-    "payload": {"argv": ["/bin/true"], "environment": {}},
-    "limits": {"processes": 8, "devices": []}, "inputs": []}}
+from ficc.execution import plan as planlib
+from ficc.execution.host import sdk
+limits = planlib.Limits(1000, 64 << 20, 0, 8, 1 << 20, 100, [])
+job = planlib.Job("job", "cpu", planlib.Runtime("podman", sha, sha, "vm", "none"),
+                  planlib.Payload(["/bin/true"], {}), limits, [], [], False)
+plan = planlib.Plan(1, "1" * 32, "2" * 32, "3" * 32, "4" * 32, "0" * 32, 1, 1, job)
+d = "/nonexistent/" + "0" * 32
+context = sdk.Context(
+    "0" * 32, plan, planlib.plan_digest(plan),
+    sdk.Slot("slot0", "cpu", "/nonexistent", 65534, 65534, 1 << 30, 1000),
+    sdk.StorageBinding(d + "/storage"), d, d + "/provider", d + "/control",
+    d + "/control/release", sdk.Logs(d + "/logs/stdout", d + "/logs/stderr"), "svc",
+    "/ficc/svc/supervisor", sdk.Supervisor("cgroupfs", "svc"))
 from ficc_provider_podman.barrier import barrier_path
 print(json.dumps({"digest": digest, "file": loaded.module.__file__,
-                  "barrier": str(barrier_path()), "probe": loaded.driver.probe([{"plan": plan}])}))
+                  "barrier": str(barrier_path()), "probe": loaded.driver.probe([context])}))
 """
 
 

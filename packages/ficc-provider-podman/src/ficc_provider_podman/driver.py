@@ -3,13 +3,13 @@
 The host loads this module through the `ficc.executor` entry point `podman` (after
 verifying the installed distribution's digest) and calls `configure` with the
 administrator's configuration (config.py). Every method takes a list of 1..64
-context dicts and returns one dict per context, in order. A row that cannot be
-served returns `{"error": CODE, "message": TEXT}`; it never fails the other rows.
+contexts (the provider SDK's `Context`, `PrepareContext` for prepare) and returns one
+dict per context, in order, built from the SDK's reply Structs. A row that cannot be
+served returns `sdk.refusal(CODE, TEXT)`; it never fails the other rows.
 
-Context keys used (as built by the host's runner): `attempt_id`, `plan` (the plan as
-plain data), `slot` {path, uid, gid}, `attempt_directory`, `inputs` (streamed-input
-capabilities), `check` (prepare only). Paths of the attempt layout are the host's
-(`provider/`, `storage/`, `control/` under the attempt directory).
+Context parts used: `plan`, `slot` (path, uid, gid), `attempt_directory`, `inputs`
+(streamed-input capabilities), `check` (prepare only). Paths of the attempt layout
+are the host's (`provider/`, `storage/`, `control/` under the attempt directory).
 
 Methods:
 - probe: refuses an unknown image, isolation other than `shared-kernel`, a network
@@ -35,11 +35,13 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 
+from ficc.execution import plan as planlib
+from ficc.execution.host import sdk
 from ficc_provider_podman import account as accounts
 from ficc_provider_podman import container, inputs, observe
 from ficc_provider_podman.account import SlotAccount, run_podman, slot_lock
@@ -52,51 +54,9 @@ API_VERSION = 1
 ISOLATION = "shared-kernel"
 NETWORK = "none"
 
-Context = dict[str, Any]
-Reply = dict[str, Any]
-
-
-# --- the parts of the plan this provider reads (the host validated the whole plan) ---
-
-
-class _Loose(msgspec.Struct, frozen=True):
-    pass
-
-
-class _Runtime(_Loose, frozen=True):
-    image_digest: str
-    isolation: str
-    network: str
-
-
-class _Payload(_Loose, frozen=True):
-    argv: list[str]
-    environment: dict[str, str]
-
-
-class _Limits(_Loose, frozen=True):
-    processes: int
-    devices: list[str]
-
-
-class _Input(_Loose, frozen=True):
-    id: str
-    name: str
-    bytes: int
-    digest: str
-    delivery: str = "local"
-
-
-class _Job(_Loose, frozen=True):
-    runtime: _Runtime
-    payload: _Payload
-    limits: _Limits
-    inputs: list[_Input]
-
-
-class _Plan(_Loose, frozen=True):
-    attempt_id: str
-    job: _Job
+Context = sdk.Context
+Reply = sdk.Reply
+_C = TypeVar("_C", bound=sdk.Context)
 
 
 class State(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -112,44 +72,23 @@ class State(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     negative: list[str]
 
 
-def _plan(context: Context) -> _Plan:
-    try:
-        return msgspec.convert(context["plan"], _Plan)
-    except (KeyError, msgspec.ValidationError) as error:
-        raise ProviderError(
-            "context_invalid", f"the context has no usable plan: {error}"
-        ) from error
-
-
 def _account(context: Context) -> SlotAccount:
-    slot = context.get("slot") or {}
-    try:
-        return SlotAccount(int(slot["uid"]), int(slot["gid"]), str(slot["path"]))
-    except (KeyError, TypeError, ValueError) as error:
-        raise ProviderError(
-            "context_invalid", f"the context has no usable slot: {error}"
-        ) from error
+    slot = context.slot
+    return SlotAccount(slot.uid, slot.gid, slot.path)
 
 
 def _paths(context: Context) -> AttemptPaths:
-    directory = context.get("attempt_directory")
-    if not isinstance(directory, str) or not directory.startswith("/"):
-        raise ProviderError("context_invalid", "the context has no attempt_directory")
-    return AttemptPaths(directory)
+    return AttemptPaths(context.attempt_directory)
 
 
-def _row(fn: Callable[[Context], Reply], context: Context) -> Reply:
-    """One row: its reply, or `{"error", "message"}` (the host's check() code included)."""
+def _row(fn: Callable[[_C], Reply], context: _C) -> Reply:
+    """One row: its reply, or a refusal (the host's check() code included)."""
     try:
         return fn(context)
-    except ProviderError as error:
-        return {"error": error.code, "message": error.message}
-    except Exception as error:  # a refusal of check() or an OS error: this row only
-        code = getattr(error, "code", None)
-        return {
-            "error": code if isinstance(code, str) else "provider_failed",
-            "message": str(getattr(error, "message", None) or error)[:512],
-        }
+    except sdk.Refused as error:
+        return sdk.refusal(error.code, error.message)
+    except Exception as error:  # an OS error or a bug: this row only
+        return sdk.refusal("provider_failed", str(error)[:512])
 
 
 def configure(configuration: Any) -> Driver:
@@ -166,7 +105,7 @@ class Driver:
         self._payload_pid: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def _each(self, contexts: list[Context], fn: Callable[[Context], Reply]) -> list[Reply]:
+    def _each(self, contexts: Sequence[_C], fn: Callable[[_C], Reply]) -> list[Reply]:
         return [_row(fn, context) for context in contexts]
 
     # --- probe ---------------------------------------------------------------------
@@ -176,10 +115,10 @@ class Driver:
 
     def _probe(self, context: Context) -> Reply:
         check_files(self.config)
-        self._image_for(_plan(context))
-        return {"ok": True, "isolation": ISOLATION, "network": NETWORK}
+        self._image_for(context.plan)
+        return sdk.reply(sdk.ProbeReply(ok=True))
 
-    def _image_for(self, plan: _Plan) -> Image:
+    def _image_for(self, plan: planlib.Plan) -> Image:
         """Everything probe refuses, as one check also repeated by prepare."""
         runtime = plan.job.runtime
         image = self.config.image(runtime.image_digest)
@@ -211,17 +150,32 @@ class Driver:
 
     # --- prepare -------------------------------------------------------------------
 
-    def prepare(self, contexts: list[Context]) -> list[Reply]:
+    def prepare(self, contexts: list[sdk.PrepareContext]) -> list[Reply]:
         return self._each(contexts, self._prepare)
 
-    def _prepare(self, context: Context) -> Reply:
-        check: Callable[[], Any] = context["check"]
+    def _prepare(self, context: sdk.PrepareContext) -> Reply:
+        check = context.check
         check()
-        plan = _plan(context)
+        plan = context.plan
         image = self._image_for(plan)
         slot = _account(context)
         paths = _paths(context)
         _check_host_layout(paths, slot)
+        try:
+            return self._prepare_layout(context, plan, image, slot, paths)
+        except BaseException:
+            _remove_provider_files(paths)  # a refused prepare leaves nothing behind
+            raise
+
+    def _prepare_layout(
+        self,
+        context: sdk.PrepareContext,
+        plan: planlib.Plan,
+        image: Image,
+        slot: SlotAccount,
+        paths: AttemptPaths,
+    ) -> Reply:
+        check = context.check
         placed = self._place_inputs(context, plan, paths, slot, check)
         _write_environment(paths, plan.job.payload.environment, slot.gid)
         check()
@@ -257,28 +211,34 @@ class Driver:
             devices.negative,
         )
         _write_state(paths, state)
-        return {
-            "argv": argv,
-            "barrier": {
-                "path": str(barrier),
-                "identity": {"device": identity.st_dev, "inode": identity.st_ino},
-            },
-            "devices": devices.prepared,
-            "mounts": container.mounts(self.config, paths, str(barrier)),
-            "generated_targets": container.generated_targets(devices, container.host_dev_fs_type()),
-            "positive_devices": devices.positive,
-            "negative_devices": devices.negative,
-        }
+        result = sdk.PrepareResult(
+            argv=argv,
+            barrier=sdk.BarrierSpec(
+                path=str(barrier),
+                identity=sdk.Identity(device=identity.st_dev, inode=identity.st_ino),
+            ),
+            devices=msgspec.convert(devices.prepared, list[sdk.PreparedDevice]),
+            mounts=msgspec.convert(
+                container.mounts(self.config, paths, str(barrier)), list[sdk.MountSpec]
+            ),
+            generated_targets=msgspec.convert(
+                container.generated_targets(devices, container.host_dev_fs_type()),
+                list[sdk.GeneratedTarget],
+            ),
+            positive_devices=devices.positive,
+            negative_devices=devices.negative,
+        )
+        return sdk.reply(result)
 
     def _place_inputs(
         self,
         context: Context,
-        plan: _Plan,
+        plan: planlib.Plan,
         paths: AttemptPaths,
         slot: SlotAccount,
         check: Callable[[], Any],
     ) -> list[inputs.PlacedInput]:
-        capabilities = {str(c.get("id")): c for c in context.get("inputs") or []}
+        capabilities = {c.id: c for c in context.inputs}
         _fresh_dir(paths.inputs, 0, slot.gid, 0o750)
         _fresh_dir(paths.run, slot.uid, slot.gid, 0o700)
         _blank_exit_status(f"{paths.exit_file}.tmp", slot)
@@ -290,9 +250,9 @@ class Driver:
                 if obj.delivery == "stream":
                     capability = capabilities.get(obj.id)
                     if capability is None or (
-                        capability.get("name"),
-                        capability.get("bytes"),
-                        capability.get("digest"),
+                        capability.name,
+                        capability.bytes,
+                        capability.digest,
                     ) != (obj.name, obj.bytes, obj.digest):
                         raise ProviderError(
                             "input_missing", f"streamed input {obj.name!r} has no capability"
@@ -364,7 +324,7 @@ class Driver:
             inputs.verify(state.inputs, dir_fd, slot.gid)
         finally:
             os.close(dir_fd)
-        return {"started": True}
+        return sdk.reply(sdk.StartReply(started=True))
 
     # --- observe -------------------------------------------------------------------
 
@@ -377,7 +337,7 @@ class Driver:
         state = _read_state(paths)
         code = observe.exit_status(paths.run, container.EXIT_STATUS)
         if code is not None:
-            return {"phase": "finished", "exit_code": code}
+            return _observed(sdk.Observation(phase="finished", exit_code=code))
         released = os.path.lexists(f"{paths.control}/{container.RELEASE_MARKER}")
         identity = (state.barrier_device, state.barrier_inode)
         waiting = observe.barrier_processes(slot.uid, identity)
@@ -388,22 +348,25 @@ class Driver:
             pid = waiting[0]
             devices = observe.device_results(pid, [*state.positive, *state.negative])
             if devices is None:
-                return {"phase": "waiting"}
+                return _observed(sdk.Observation(phase="waiting"))
             with self._lock:
                 first = attempt not in self._ready_reported
                 self._ready_reported.add(attempt)
                 self._payload_pid[attempt] = pid
-            return {"phase": "ready" if first else "payload", "pid": pid, "devices": devices}
+            opened = msgspec.convert(devices, list[sdk.DeviceOpen])
+            if first:
+                return _observed(sdk.Observation(phase="ready", pid=pid, devices=opened))
+            return _observed(sdk.Observation(phase="payload", pid=pid, devices=opened))
         with self._lock:
             known = self._payload_pid.get(attempt) or (waiting[0] if waiting else None)
         if released and known is not None:
-            return {"phase": "payload", "pid": known}
+            return _observed(sdk.Observation(phase="payload", pid=known))
         if not accounts.processes_of(slot.uid):
             raise ProviderError(
                 "runtime_lost",
                 "no process of the attempt is left and no exit status was recorded",
             )
-        return {"phase": "waiting"}
+        return _observed(sdk.Observation(phase="waiting"))
 
     # --- stop, collect, release ----------------------------------------------------
 
@@ -412,10 +375,10 @@ class Driver:
 
     def _stop(self, context: Context) -> Reply:
         accounts.kill_leftovers(_account(context).uid)
-        return {"stopped": True}
+        return sdk.reply(sdk.StopReply(stopped=True))
 
     def collect(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, lambda _: {"ok": True})
+        return self._each(contexts, lambda _: sdk.reply(sdk.CollectReply(ok=True)))
 
     def release(self, contexts: list[Context]) -> list[Reply]:
         return self._each(contexts, self._release)
@@ -423,7 +386,7 @@ class Driver:
     def _release(self, context: Context) -> Reply:
         slot = _account(context)
         paths = _paths(context)
-        plan = _plan(context)
+        plan = context.plan
         if os.path.isdir(slot.base):
             with slot_lock(slot.uid):
                 removed = run_podman(
@@ -434,16 +397,30 @@ class Driver:
             error = removed.stderr.decode(errors="replace")
             if removed.returncode != 0 and "no such container" not in error.lower():
                 raise ProviderError("container_remove_failed", f"podman rm: {error[-400:]}")
-        for directory in (paths.run, paths.inputs):
-            if os.path.lexists(directory):
-                shutil.rmtree(directory)
-        for name in (paths.env_file, paths.state_file):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+        _remove_provider_files(paths)
         with self._lock:
             self._ready_reported.discard(plan.attempt_id)
             self._payload_pid.pop(plan.attempt_id, None)
-        return {"released": True}
+        return sdk.reply(sdk.ReleaseReply(released=True))
+
+
+def _observed(observation: sdk.Observation) -> Reply:
+    return sdk.reply(observation)
+
+
+def _remove_provider_files(paths: AttemptPaths) -> None:
+    """Everything the provider made in its part of the attempt layout."""
+    for directory in (paths.run, paths.inputs):
+        if os.path.lexists(directory):
+            shutil.rmtree(directory)
+    for name in (
+        paths.env_file,
+        f"{paths.env_file}.tmp",
+        paths.state_file,
+        f"{paths.state_file}.tmp",
+    ):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
 
 
 # --- the provider's part of the attempt layout --------------------------------------

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+from ficc.execution.host.sdk import Refused
 
-class ProviderError(Exception):
+
+class ProviderError(Refused):
     """A refusal of one row (or of the configuration), with a stable code.
 
-    The driver turns it into the row `{"error": code, "message": message}`; codes are
-    listed in docs/providers.md.
+    The driver turns it into the row `{"error": code, "message": message}` (the SDK's
+    `Refusal`); codes are listed in docs/providers.md.
     """
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message

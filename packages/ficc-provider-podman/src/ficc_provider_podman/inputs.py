@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from ficc.execution.host import sdk
 from ficc_provider_podman.config import Config
 from ficc_provider_podman.errors import ProviderError
 
@@ -70,17 +71,12 @@ def _check_name(name: str) -> None:
         raise ProviderError("input_name", f"input name {name!r} cannot be a file name")
 
 
-def link_capability(capability: dict[str, Any], dir_fd: int, gid: int) -> PlacedInput:
+def link_capability(capability: sdk.InputCapability, dir_fd: int, gid: int) -> PlacedInput:
     """Hard-link one streamed capability into `dir_fd` after verifying its identity."""
-    name = str(capability.get("name", ""))
+    name = capability.name
     _check_name(name)
-    try:
-        recorded = msgspec.convert(capability.get("identity"), FileIdentity)
-    except msgspec.ValidationError as error:
-        raise _changed(name, f"has no usable identity ({error})") from error
-    source = str(capability.get("path", ""))
-    if not source.startswith("/"):
-        raise _changed(name, "has no absolute host path")
+    recorded = msgspec.convert(msgspec.to_builtins(capability.identity), FileIdentity)
+    source = capability.path
     st = os.stat(source, follow_symlinks=False)
     _require_sealed(name, st, recorded, gid)
     try:
@@ -95,7 +91,7 @@ def link_capability(capability: dict[str, Any], dir_fd: int, gid: int) -> Placed
         ) from error
     linked = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     _require_sealed(name, linked, recorded, gid)
-    return PlacedInput(str(capability.get("id", "")), name, "stream", recorded)
+    return PlacedInput(capability.id, name, "stream", recorded)
 
 
 def _require_sealed(name: str, st: os.stat_result, recorded: FileIdentity, gid: int) -> None:

@@ -5,8 +5,9 @@ seccomp, no dropped capabilities -- so the host's payload gate must refuse it. I
 exists to exercise provider pinning, loading and batch calls against a real installed
 distribution. Never install it on a real host.
 
-Every driver method takes a list of 1..64 context dicts and returns one dict per
-context, in order, as the host's provider interface requires.
+Every driver method takes a list of 1..64 contexts (the provider SDK's `Context`,
+`PrepareContext` for prepare) and returns one dict per context, in order, built from
+the SDK's reply Structs, as the host's provider interface requires.
 
 Two runtimes, chosen by the administrator configuration (`runtime`):
 
@@ -23,8 +24,17 @@ Two runtimes, chosen by the administrator configuration (`runtime`):
 If `call_log` names a file, every row of every driver call appends one line
 `<method> <attempt_id>` to it, so tests can count calls (e.g. "start never again").
 If `context_log` names a file, every row also appends one JSON line
-`{"method": ..., "context": ...}` with the context as received (a callable, such as
-prepare's `check`, is written as the string "<callable>").
+`{"method": ..., "context": ...}` with the context as received, as plain data (a
+callable, such as prepare's `check`, is written as the string "<callable>").
+
+What it offers (each optional): `images`, `isolations` and `networks` list the
+image digests, isolations and networks probe accepts; it refuses any other with
+`image_unknown`, `isolation_unsupported` or `network_unsupported`, as a real provider
+refuses what it does not offer.
+
+Deliberate defects (`defects`, a list; TEST ONLY, to show the conformance kit
+failing): `prepare_ignores_check` (prepare goes on when check() refuses) and
+`release_not_idempotent` (a second release of an attempt is refused).
 
 Failures a plan can ask for through its payload environment (TEST ONLY):
 `FICC_TEST_PROVIDER_PROBE=fail` makes probe answer `ok: false`;
@@ -40,8 +50,12 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from ficc.execution.host import sdk
 
 API_VERSION = 1
 
@@ -53,8 +67,9 @@ if os.environ.get(_MARKER_VARIABLE):
     with open(os.environ[_MARKER_VARIABLE], "w", encoding="utf-8") as _marker:
         _marker.write("imported\n")
 
-Context = dict[str, Any]
-Reply = dict[str, Any]
+Context = sdk.Context
+Reply = sdk.Reply
+_C = TypeVar("_C", bound=sdk.Context)
 
 
 def configure(configuration: dict[str, Any]) -> Driver:
@@ -79,11 +94,22 @@ def configure(configuration: dict[str, Any]) -> Driver:
         raise ValueError("configuration 'negative_devices' must be a list of paths")
     if call_log is not None and not isinstance(call_log, str):
         raise ValueError("configuration 'call_log' must be a path")
+    offer = {key: configuration.get(key) for key in ("images", "isolations", "networks")}
+    for key, value in offer.items():
+        if value is not None and (
+            not isinstance(value, list) or not all(isinstance(v, str) for v in value)
+        ):
+            raise ValueError(f"configuration {key!r} must be a list of strings")
+    defects = configuration.get("defects", [])
+    if not isinstance(defects, list) or not set(defects) <= DEFECTS:
+        raise ValueError(f"configuration 'defects' must be a list of {sorted(DEFECTS)}")
     if runtime == "service":
         driver: Driver = ServiceDriver(list(argv), dict(devices), list(negative), call_log)
     else:
         driver = Driver(list(argv), call_log)
     driver.context_log = context_log
+    driver.offer = {k: frozenset(v) for k, v in offer.items() if v is not None}
+    driver.defects = frozenset(defects)
     return driver
 
 
@@ -94,25 +120,19 @@ def main() -> int:
 
 
 def _attempt(context: Context) -> str:
-    attempt = context["attempt_id"]
-    if not isinstance(attempt, str):
-        raise TypeError("context 'attempt_id' must be a string")
-    return attempt
+    return context.attempt_id
 
 
+DEFECTS = frozenset({"prepare_ignores_check", "release_not_idempotent"})
 PROBE_VARIABLE = "FICC_TEST_PROVIDER_PROBE"
 HANG_VARIABLE = "FICC_TEST_PROVIDER_HANG"
 
 
 def _environment(context: Context) -> dict[str, str]:
-    plan = context.get("plan")
-    if not isinstance(plan, dict):
-        return {}
-    environment = plan.get("job", {}).get("payload", {}).get("environment", {})
-    return environment if isinstance(environment, dict) else {}
+    return dict(context.plan.job.payload.environment)
 
 
-def _hang(method: str, contexts: list[Context]) -> None:
+def _hang(method: str, contexts: Sequence[Context]) -> None:
     """Block as long as a row's plan asks this method to hang (the longest of them)."""
     longest = 0.0
     for context in contexts:
@@ -123,14 +143,8 @@ def _hang(method: str, contexts: list[Context]) -> None:
         time.sleep(longest)
 
 
-def _loggable(value: Any) -> Any:
-    if callable(value):
-        return "<callable>"
-    if isinstance(value, dict):
-        return {str(k): _loggable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_loggable(v) for v in value]
-    return value
+def _loggable(context: Context) -> Any:
+    return msgspec.to_builtins(context, enc_hook=lambda value: "<callable>")
 
 
 class Driver:
@@ -140,12 +154,15 @@ class Driver:
         self.argv = argv
         self.call_log = call_log
         self.context_log: str | None = None
+        self.offer: dict[str, frozenset[str]] = {}
+        self.defects: frozenset[str] = frozenset()
+        self.released: set[str] = set()
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
-    def _each(self, contexts: list[Context], row: Callable[[Context], Reply]) -> list[Reply]:
+    def _each(self, contexts: Sequence[_C], row: Callable[[_C], Reply]) -> list[Reply]:
         return [row(context) for context in contexts]
 
-    def _logged(self, method: str, contexts: list[Context]) -> None:
+    def _logged(self, method: str, contexts: Sequence[Context]) -> None:
         if self.context_log is not None:
             with open(self.context_log, "a", encoding="utf-8") as log:
                 for context in contexts:
@@ -154,33 +171,62 @@ class Driver:
         if self.call_log is not None:
             with open(self.call_log, "a", encoding="utf-8") as log:
                 for context in contexts:
-                    log.write(f"{method} {context.get('attempt_id')}\n")
+                    log.write(f"{method} {context.attempt_id}\n")
         _hang(method, contexts)
+
+    def _check(self, context: sdk.PrepareContext) -> Reply | None:
+        """check() before preparing: its refusal as the row's, unless a defect ignores it."""
+        try:
+            context.check()
+        except sdk.Refused as error:
+            if "prepare_ignores_check" not in self.defects:
+                return sdk.refusal(error.code, error.message)
+        return None
+
+    def _release(self, context: Context) -> Reply:
+        if "release_not_idempotent" in self.defects:
+            if context.attempt_id in self.released:
+                return sdk.refusal("not_prepared", "this attempt was released already")
+            self.released.add(context.attempt_id)
+        return sdk.reply(sdk.ReleaseReply(released=True))
 
     def probe(self, contexts: list[Context]) -> list[Reply]:
         self._logged("probe", contexts)
 
         def row(context: Context) -> Reply:
             if _environment(context).get(PROBE_VARIABLE) == "fail":
-                return {"ok": False, "reason": "the plan asked the probe to fail"}
-            return {"ok": True, "runtime": "unconfined-process"}
+                return sdk.reply(sdk.ProbeReply(ok=False))
+            runtime = context.plan.job.runtime
+            for key, value, code in (
+                ("images", runtime.image_digest, "image_unknown"),
+                ("isolations", runtime.isolation, "isolation_unsupported"),
+                ("networks", runtime.network, "network_unsupported"),
+            ):
+                if key in self.offer and value not in self.offer[key]:
+                    return sdk.refusal(code, f"{value!r} is not offered ({key})")
+            return sdk.reply(sdk.ProbeReply(ok=True))
 
         return self._each(contexts, row)
 
-    def prepare(self, contexts: list[Context]) -> list[Reply]:
+    def prepare(self, contexts: list[sdk.PrepareContext]) -> list[Reply]:
         self._logged("prepare", contexts)
 
-        def row(context: Context) -> Reply:
-            context["check"]()  # lease and local authority, before preparation
-            return {
-                "argv": list(self.argv),
-                "barrier": self.argv[0],
-                "devices": [],
-                "mounts": [],
-                "generated_targets": [],
-                "positive_devices": [],
-                "negative_devices": [],
-            }
+        def row(context: sdk.PrepareContext) -> Reply:
+            refused = self._check(context)  # lease and local authority, before preparing
+            if refused is not None:
+                return refused
+            found = os.stat(self.argv[0])
+            identity = sdk.Identity(device=found.st_dev, inode=found.st_ino)
+            result = sdk.PrepareResult(
+                argv=list(self.argv),
+                barrier=sdk.BarrierSpec(path=self.argv[0], identity=identity),
+                devices=[],
+                mounts=[],
+                generated_targets=[],
+                positive_devices=[],
+                negative_devices=[],
+            )
+            return sdk.reply(result)
 
         return self._each(contexts, row)
 
@@ -193,7 +239,7 @@ class Driver:
                 self.children[attempt] = subprocess.Popen(
                     self.argv, stdin=subprocess.DEVNULL, start_new_session=True
                 )
-            return {"started": True, "pid": self.children[attempt].pid}
+            return {**sdk.reply(sdk.StartReply(started=True)), "pid": self.children[attempt].pid}
 
         return self._each(contexts, row)
 
@@ -203,11 +249,12 @@ class Driver:
         def row(context: Context) -> Reply:
             child = self.children.get(_attempt(context))
             if child is None:
-                return {"phase": "waiting"}
+                return sdk.reply(sdk.Observation(phase="waiting"))
             status = child.poll()
             if status is None:
-                return {"phase": "payload", "pid": child.pid}
-            return {"phase": "finished", "exit_code": status if status >= 0 else 128 - status}
+                return sdk.reply(sdk.Observation(phase="payload", pid=child.pid))
+            code = status if status >= 0 else 128 - status
+            return sdk.reply(sdk.Observation(phase="finished", exit_code=code))
 
         return self._each(contexts, row)
 
@@ -219,13 +266,13 @@ class Driver:
             if child is not None and child.poll() is None:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
-            return {"stopped": True}
+            return sdk.reply(sdk.StopReply(stopped=True))
 
         return self._each(contexts, row)
 
     def collect(self, contexts: list[Context]) -> list[Reply]:
         self._logged("collect", contexts)
-        return self._each(contexts, lambda _: {"ok": True})
+        return self._each(contexts, lambda _: sdk.reply(sdk.CollectReply(ok=True)))
 
     def release(self, contexts: list[Context]) -> list[Reply]:
         self._logged("release", contexts)
@@ -235,7 +282,7 @@ class Driver:
             if child is not None and child.poll() is None:
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
-            return {"released": True}
+            return self._release(context)
 
         return self._each(contexts, row)
 
@@ -302,54 +349,56 @@ class ServiceDriver(Driver):
 
     @staticmethod
     def _status(context: Context) -> str:
-        return os.path.join(context["storage"]["path"], STATUS_DIRECTORY)
+        return os.path.join(context.storage.path, STATUS_DIRECTORY)
 
-    def prepare(self, contexts: list[Context]) -> list[Reply]:
+    def prepare(self, contexts: list[sdk.PrepareContext]) -> list[Reply]:
         self._logged("prepare", contexts)
 
-        def row(context: Context) -> Reply:
-            context["check"]()
+        def row(context: sdk.PrepareContext) -> Reply:
+            refused = self._check(context)  # lease and local authority, before preparing
+            if refused is not None:
+                return refused
             shell = os.path.realpath("/bin/sh")
             found = os.stat(shell)
             devices = []
-            for name in context["plan"]["job"]["limits"]["devices"]:
+            for name in context.plan.job.limits.devices:
                 path = self.devices[name]
                 node = os.stat(path)
                 devices.append(
-                    {
-                        "name": name,
-                        "path": path,
-                        "major": os.major(node.st_rdev),
-                        "minor": os.minor(node.st_rdev),
-                    }
+                    sdk.PreparedDevice(
+                        name=name,
+                        path=path,
+                        major=os.major(node.st_rdev),
+                        minor=os.minor(node.st_rdev),
+                    )
                 )
-            positive = [device["path"] for device in devices]
-            environment = context["plan"]["job"]["payload"]["environment"]
-            hold = environment.get(HOLD_VARIABLE) == "1"
+            positive = [device.path for device in devices]
+            job = context.plan.job
+            hold = job.payload.environment.get(HOLD_VARIABLE) == "1"
             argv = [
                 shell, "-c", BARRIER_SCRIPT, "ficc-test-barrier",
-                context["release_marker"], self._status(context), "1" if hold else "0",
+                context.release_marker, self._status(context), "1" if hold else "0",
                 str(len(positive)), *positive, str(len(self.negative)), *self.negative,
-                *context["plan"]["job"]["payload"]["argv"],
+                *job.payload.argv,
             ]  # fmt: skip
-            return {
-                "argv": argv,
-                "barrier": {
-                    "path": shell,
-                    "identity": {"device": found.st_dev, "inode": found.st_ino},
-                },
-                "devices": devices,
-                "mounts": [],
-                "generated_targets": [],
-                "positive_devices": positive,
-                "negative_devices": list(self.negative),
-            }
+            result = sdk.PrepareResult(
+                argv=argv,
+                barrier=sdk.BarrierSpec(
+                    path=shell, identity=sdk.Identity(device=found.st_dev, inode=found.st_ino)
+                ),
+                devices=devices,
+                mounts=[],
+                generated_targets=[],
+                positive_devices=positive,
+                negative_devices=list(self.negative),
+            )
+            return sdk.reply(result)
 
         return self._each(contexts, row)
 
     def start(self, contexts: list[Context]) -> list[Reply]:
         self._logged("start", contexts)
-        return self._each(contexts, lambda _: {"started": True})
+        return self._each(contexts, lambda _: sdk.reply(sdk.StartReply(started=True)))
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
         self._logged("observe", contexts)
@@ -358,26 +407,27 @@ class ServiceDriver(Driver):
             status = self._status(context)
             code = _read_report(status, "exit")
             if code is not None:
-                return {"phase": "finished", "exit_code": int(code.strip())}
+                return sdk.reply(sdk.Observation(phase="finished", exit_code=int(code.strip())))
             results = _read_report(status, "devices")
             if results is None:
-                return {"phase": "waiting"}
+                return sdk.reply(sdk.Observation(phase="waiting"))
             devices = [
-                {"path": line[2:], "opened": line[0] == "1"}
+                sdk.DeviceOpen(path=line[2:], opened=line[0] == "1")
                 for line in results.splitlines()
                 if line[:2] in ("0 ", "1 ")
             ]
             pid = _read_report(status, "pid")
             if pid is None:
-                return {"phase": "ready", "devices": devices}
-            return {"phase": "payload", "pid": int(pid.strip()), "devices": devices}
+                return sdk.reply(sdk.Observation(phase="ready", devices=devices))
+            observed = sdk.Observation(phase="payload", pid=int(pid.strip()), devices=devices)
+            return sdk.reply(observed)
 
         return self._each(contexts, row)
 
     def stop(self, contexts: list[Context]) -> list[Reply]:
         self._logged("stop", contexts)
-        return self._each(contexts, lambda _: {"stopped": True})
+        return self._each(contexts, lambda _: sdk.reply(sdk.StopReply(stopped=True)))
 
     def release(self, contexts: list[Context]) -> list[Reply]:
         self._logged("release", contexts)
-        return self._each(contexts, lambda _: {"released": True})
+        return self._each(contexts, self._release)

@@ -1,7 +1,8 @@
 """The prepare result a provider returns, and the gate Expectation the host builds from it.
 
 A provider's prepare result (argv, barrier, devices, mounts, generated_targets,
-positive_devices, negative_devices) is validated ONCE, strictly, into `PrepareResult`
+positive_devices, negative_devices) is validated ONCE, strictly, into the provider
+SDK's `PrepareResult` (sdk.py, the one definition both sides use)
 and persisted before anything uses it (`check_prepare_result` compares it with the
 plan and with the real filesystem). From then on the host never trusts the provider
 again: the payload gate judges the live process against an `Expectation` built here
@@ -37,13 +38,20 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
-from typing import Annotated
 
 import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import gate, procfs
 from ficc.execution.host.errors import HostError
+from ficc.execution.host.sdk import (
+    BarrierSpec,
+    GeneratedTarget,
+    MountSpec,
+    PreparedDevice,
+    PrepareResult,
+    decode_reply,
+)
 from ficc.execution.host.service import cgroups
 from ficc.execution.host.service.interface import DeviceRule, ServiceHandle
 
@@ -71,73 +79,6 @@ RUNTIME_NODES = frozenset({(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0)})
 DEFAULT_NOFILE = 1024
 """RLIMIT_NOFILE of every attempt's service (the plan has no field for it)."""
 
-_Path = Annotated[str, msgspec.Meta(pattern=r"\A/[^\x00]*\Z", max_length=4096)]
-_Arg = Annotated[str, msgspec.Meta(pattern=r"\A[^\x00]*\Z", max_length=65536)]
-_Number = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-_DeviceNumber = Annotated[int, msgspec.Meta(ge=0, le=2**20 - 1)]
-_Option = Annotated[str, msgspec.Meta(pattern=r"\A(ro|nosuid|nodev|noexec)\Z")]
-_FsType = Annotated[str, msgspec.Meta(pattern=r"\A[a-z0-9_.]{1,32}\Z")]
-
-
-class _Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    pass
-
-
-class Identity(_Strict, frozen=True):
-    """(st_dev, st_ino) of a file recorded at prepare."""
-
-    device: _Number
-    inode: _Number
-
-
-class BarrierSpec(_Strict, frozen=True):
-    """The trusted barrier executable: its path and the identity recorded at prepare."""
-
-    path: _Path
-    identity: Identity
-
-
-class PreparedDevice(_Strict, frozen=True):
-    """An exact character node the payload may open, serving plan device `name`."""
-
-    name: planlib.Name
-    path: _Path
-    major: _DeviceNumber
-    minor: _DeviceNumber
-
-
-class MountSpec(_Strict, frozen=True):
-    """A bind mount of `source` at `target` with the source's recorded identity."""
-
-    source: _Path
-    target: _Path
-    read_only: bool
-    identity: Identity
-
-
-class GeneratedTarget(_Strict, frozen=True):
-    """A mount the runtime makes itself (/proc, /dev, the root): constrained by type."""
-
-    target: _Path
-    fs_types: Annotated[list[_FsType], msgspec.Meta(min_length=1, max_length=16)]
-    subtree: bool = False
-    read_only: bool | None = None
-    required_options: Annotated[list[_Option], msgspec.Meta(max_length=4)] = msgspec.field(
-        default_factory=lambda: ["nosuid", "nodev"]
-    )
-
-
-class PrepareResult(_Strict, frozen=True):
-    """The validated prepare result, persisted in the ledger before anything uses it."""
-
-    argv: Annotated[list[_Arg], msgspec.Meta(min_length=1, max_length=4096)]
-    barrier: BarrierSpec
-    devices: Annotated[list[PreparedDevice], msgspec.Meta(max_length=64)]
-    mounts: Annotated[list[MountSpec], msgspec.Meta(max_length=256)]
-    generated_targets: Annotated[list[GeneratedTarget], msgspec.Meta(max_length=256)]
-    positive_devices: Annotated[list[_Path], msgspec.Meta(max_length=64)]
-    negative_devices: Annotated[list[_Path], msgspec.Meta(max_length=64)]
-
 
 def _invalid(message: str) -> HostError:
     return HostError(
@@ -150,7 +91,7 @@ def _invalid(message: str) -> HostError:
 def decode_prepare_result(reply: object) -> PrepareResult:
     """The provider's reply as a `PrepareResult`, or `provider_malformed`."""
     try:
-        return msgspec.convert(reply, PrepareResult, strict=True)
+        return decode_reply("prepare", reply, PrepareResult)
     except msgspec.ValidationError as error:
         raise _invalid(str(error)) from error
 

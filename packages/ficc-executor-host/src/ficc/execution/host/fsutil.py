@@ -31,9 +31,8 @@ import secrets
 import stat
 from collections.abc import Callable
 
-import msgspec
-
 from ficc.execution.host.errors import HostError
+from ficc.execution.host.sdk import FileIdentity
 
 __all__ = [
     "FileIdentity",
@@ -54,20 +53,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # daemon; it has no effect on regular files, which are all we accept.
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
 _READ_CHUNK = 1 << 20
-
-
-class FileIdentity(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What must stay the same for a file to be "the file we recorded".
-
-    ctime is deliberately excluded: creating a hard link (which a provider may do to
-    place a staged input into its runtime layout) changes ctime but not the file.
-    """
-
-    device: int
-    inode: int
-    mode: int
-    bytes: int
-    mtime_ns: int
 
 
 def identity_of(source: int | os.stat_result) -> FileIdentity:

@@ -72,13 +72,13 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Annotated, Any, Final, Literal
+from typing import Any, Final, TypeVar
 
 import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import gate, layout, leases, lifecycle, metrics, procfs, slotfs
+from ficc.execution.host import gate, layout, leases, lifecycle, metrics, procfs, sdk, slotfs
 from ficc.execution.host.config import open_image_parent
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
@@ -96,6 +96,7 @@ from ficc.execution.host.layout import AttemptPaths, service_name
 from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
+from ficc.execution.host.sdk import DeviceOpen, Observation
 from ficc.execution.host.service import reaper
 from ficc.execution.host.service.interface import Controls, ServiceHandle, ServiceSpec
 from ficc.execution.host.staging import StreamState
@@ -113,6 +114,7 @@ NO_RESOURCE_REASONS: Final = frozenset(
     {lifecycle.ADMISSION_REJECTED, lifecycle.LEGACY_ABSENCE_ACKNOWLEDGED}
 )
 LIVE_STATES: Final = frozenset({"starting", "running"})
+_R = TypeVar("_R", bound=msgspec.Struct)
 SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 """The complete environment of the provider argv: nothing is inherited."""
 
@@ -136,34 +138,18 @@ class Settings:
 # --- provider replies ---------------------------------------------------------------
 
 
-class DeviceOpen(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    path: Annotated[str, msgspec.Meta(pattern=r"\A/[^\x00]*\Z", max_length=4096)]
-    opened: bool
-
-
-class Observation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One `observe` row (waiting, ready with device opens, payload with the host
-    PID, finished with an exit code 0..255)."""
-
-    phase: Literal["waiting", "ready", "payload", "finished"]
-    pid: Annotated[int, msgspec.Meta(gt=0, le=2**22)] | None = None
-    exit_code: Annotated[int, msgspec.Meta(ge=0, le=255)] | None = None
-    devices: Annotated[list[DeviceOpen], msgspec.Meta(max_length=128)] | None = None
-
-    def __post_init__(self) -> None:
-        if self.phase == "payload" and self.pid is None:
-            raise ValueError("phase payload needs the host pid")
-        if self.phase == "finished" and self.exit_code is None:
-            raise ValueError("phase finished needs the exit code")
-
-
 def _observation(result: RowResult) -> Observation:
     if result.reply is None:
         raise HostError(result.code or ErrorCode.PROVIDER_FAILED, result.message or "")
+    return _decoded(result, "observe", Observation)
+
+
+def _decoded(result: RowResult, method: str, kind: type[_R]) -> _R:
+    """A row's reply as its SDK Struct, or `provider_malformed`."""
     try:
-        return msgspec.convert(result.reply, Observation, strict=True)
+        return sdk.decode_reply(method, result.reply, kind)
     except (msgspec.ValidationError, ValueError) as error:
-        raise HostError("provider_malformed", f"observe returned {error}") from error
+        raise HostError("provider_malformed", f"{method} returned {error}") from error
 
 
 class _Uncertain(Exception):
@@ -187,10 +173,10 @@ class _Batcher:
     def __init__(self, ctx: HostContext, timeout: float) -> None:
         self._ctx = ctx
         self._timeout = timeout
-        self._pending: dict[tuple[str, str], list[tuple[dict[str, Any], asyncio.Future[Any]]]] = {}
+        self._pending: dict[tuple[str, str], list[tuple[sdk.Context, asyncio.Future[Any]]]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
 
-    async def call(self, provider: str, method: str, context: dict[str, Any]) -> RowResult:
+    async def call(self, provider: str, method: str, context: sdk.Context) -> RowResult:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[RowResult] = loop.create_future()
         queue = self._pending.setdefault((provider, method), [])
@@ -209,7 +195,7 @@ class _Batcher:
             task.add_done_callback(self.tasks.discard)
 
     async def _run(
-        self, key: tuple[str, str], rows: list[tuple[dict[str, Any], asyncio.Future[Any]]]
+        self, key: tuple[str, str], rows: list[tuple[sdk.Context, asyncio.Future[Any]]]
     ) -> None:
         provider, method = key
         runtime = self._ctx.providers.get(provider)
@@ -325,6 +311,7 @@ class Runner:
         result = await self._batcher.call(attempt.provider, "release", context)
         if not result.ok:
             raise _row_error(result, "release")
+        _decoded(result, "release", sdk.ReleaseReply)
         await self._io(attempt.slot.stager.remove_attempt, attempt.id)
         await self._io(attempt.layout.remove, attempt.id)
         handle = self._handles.pop(attempt.id, None) or await self._io(
@@ -427,52 +414,62 @@ class Runner:
         name = service_name(self._ctx.config.installation_id, record.attempt_id)
         return _Attempt(record, plan, slot, place, place.paths(record.attempt_id), name)
 
-    def _context(self, attempt: _Attempt, **extra: Any) -> dict[str, Any]:
+    def _context(
+        self,
+        attempt: _Attempt,
+        storage: sdk.StorageBinding,
+        inputs: Sequence[sdk.InputCapability] = (),
+        prepared: sdk.PrepareResult | None = None,
+    ) -> sdk.Context:
         """The provider context of the contract (prepare adds `check`; later ones `prepared`)."""
         slot, paths = attempt.slot, attempt.paths
-        return {
-            "attempt_id": attempt.id,
-            "plan": msgspec.to_builtins(attempt.plan),
-            "plan_digest": attempt.record.plan_digest,
-            "slot": {
-                "id": slot.id,
-                "class": slot.slot_class,
-                "path": slot.path,
-                "uid": slot.uid,
-                "gid": slot.gid,
-                "storage_bytes": slot.storage_bytes,
-                "storage_inodes": slot.storage_inodes,
-            },
-            "attempt_directory": paths.root,
-            "provider_directory": paths.provider,
-            "control_directory": paths.control,
-            "release_marker": f"{paths.control}/{RELEASE_MARKER}",
-            "logs": {"stdout": paths.stdout, "stderr": paths.stderr},
-            "service": attempt.service,
-            "cgroup": self._ctx.service.planned_supervisor_cgroup(attempt.service),
-            "supervisor": {
-                "backend": getattr(self._ctx.service, "backend", self._ctx.config.supervisor),
-                "service": attempt.service,
-            },
-            "inputs": [],
-            **extra,
-        }
+        return sdk.Context(
+            attempt_id=attempt.id,
+            plan=attempt.plan,
+            plan_digest=attempt.record.plan_digest,
+            slot=sdk.Slot(
+                id=slot.id,
+                slot_class=slot.slot_class,
+                path=slot.path,
+                uid=slot.uid,
+                gid=slot.gid,
+                storage_bytes=slot.storage_bytes,
+                storage_inodes=slot.storage_inodes,
+            ),
+            storage=storage,
+            attempt_directory=paths.root,
+            provider_directory=paths.provider,
+            control_directory=paths.control,
+            release_marker=f"{paths.control}/{RELEASE_MARKER}",
+            logs=sdk.Logs(stdout=paths.stdout, stderr=paths.stderr),
+            service=attempt.service,
+            cgroup=self._ctx.service.planned_supervisor_cgroup(attempt.service),
+            supervisor=sdk.Supervisor(backend=self._ctx.service.backend, service=attempt.service),
+            inputs=tuple(inputs),
+            prepared=prepared,
+        )
 
-    async def _later_context(self, attempt: _Attempt, *, verify: bool = False) -> dict[str, Any]:
+    async def _later_context(
+        self,
+        attempt: _Attempt,
+        *,
+        verify: bool = False,
+        inputs: Sequence[sdk.InputCapability] = (),
+    ) -> sdk.Context:
         """Context for start/observe/stop/release: with the persisted prepared result and
         the verified storage binding. With `verify` (start) a binding that cannot be
         verified refuses; otherwise (stopping, cleaning up) the context falls back to
         the storage path alone, so cleanup never waits on a damaged layout."""
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
-        prepared = None if data is None else msgspec.json.decode(data)
+        prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
         try:
             storage = await self._io(_verified_storage, attempt)
         except (HostError, OSError) as error:
             if verify:
                 raise
             _log.warning("attempt %s: storage binding not verified: %s", attempt.id, error)
-            storage = {"path": attempt.paths.storage}
-        return self._context(attempt, prepared=prepared, storage=storage)
+            storage = sdk.StorageBinding(path=attempt.paths.storage)
+        return self._context(attempt, storage, inputs, prepared)
 
     # --- prepare ------------------------------------------------------------------
 
@@ -547,12 +544,13 @@ class Runner:
         try:
             storage = await self._io(_verified_storage, attempt)
             inputs = await self._inputs(attempt)
-            context = self._context(attempt, storage=storage, inputs=inputs)
-            probe = await self._batcher.call(attempt.provider, "probe", dict(context))
-            if not probe.ok or (probe.reply or {}).get("ok") is not True:
+            context = self._context(attempt, storage, inputs)
+            probe = await self._batcher.call(attempt.provider, "probe", context)
+            if not probe.ok or not _decoded(probe, "probe", sdk.ProbeReply).ok:
                 raise _row_error(probe, "probe")
-            context["check"] = self._checker(attempt.id, refusals)
-            prepared = await self._batcher.call(attempt.provider, "prepare", context)
+            check = self._checker(attempt.id, refusals)
+            prepare_context = sdk.PrepareContext(**msgspec.structs.asdict(context), check=check)
+            prepared = await self._batcher.call(attempt.provider, "prepare", prepare_context)
             if not prepared.ok:
                 raise refusals[0] if refusals else _row_error(prepared, "prepare")
             result = decode_prepare_result(prepared.reply)
@@ -566,10 +564,12 @@ class Runner:
             return
         await self._apply(attempt.record, lifecycle.PrepareOk(result=msgspec.json.encode(result)))
 
-    async def _inputs(self, attempt: _Attempt) -> list[dict[str, Any]]:
+    async def _inputs(self, attempt: _Attempt) -> list[sdk.InputCapability]:
         if not attempt.plan.streamed_inputs:
             return []
-        caps: list[dict[str, Any]] = await self._io(attempt.slot.stager.capabilities, attempt.id)
+        caps: list[sdk.InputCapability] = await self._io(
+            attempt.slot.stager.capabilities, attempt.id
+        )
         return caps
 
     def _checker(self, attempt_id: str, refusals: list[HostError]) -> Callable[[], None]:
@@ -583,7 +583,7 @@ class Runner:
                 future.result(timeout=60)
             except HostError as error:
                 refusals.append(error)
-                raise
+                raise sdk.Refused(error.code, error.message) from error
 
         return check
 
@@ -630,13 +630,13 @@ class Runner:
         for capability in inputs:
             await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
         handle = await self._create_service(attempt, result)
-        context = await self._later_context(attempt, verify=True)
-        context["inputs"] = inputs
+        context = await self._later_context(attempt, verify=True, inputs=inputs)
         started = await self._batcher.call(attempt.provider, "start", context)
         if started.code == PROVIDER_TIMEOUT:
             raise _Uncertain(PROVIDER_TIMEOUT)
         if not started.ok:
             raise _row_error(started, "start")
+        _decoded(started, "start", sdk.StartReply)
         pid, devices = await self._await_payload(attempt, context, handle)
         check_device_opens(result, None if devices is None else {d.path: d.opened for d in devices})
         verdict = await self._io(self._run_gate, attempt, result, handle, pid)
@@ -792,7 +792,7 @@ class Runner:
         return record is not None and self.lease_current(record)
 
     async def _await_payload(
-        self, attempt: _Attempt, context: dict[str, Any], handle: ServiceHandle
+        self, attempt: _Attempt, context: sdk.Context, handle: ServiceHandle
     ) -> tuple[int, list[DeviceOpen] | None]:
         """Observe until the barrier's host PID is reported (or the deadline).
 
@@ -1023,7 +1023,7 @@ class Runner:
 # --- blocking helpers (run in worker threads) ---------------------------------------
 
 
-def _verified_storage(attempt: _Attempt) -> dict[str, Any]:
+def _verified_storage(attempt: _Attempt) -> sdk.StorageBinding:
     """The storage binding: the slot-owned storage directory on the slot's filesystem."""
     fd = attempt.layout.open_part(attempt.id, layout.STORAGE)
     try:
@@ -1037,13 +1037,13 @@ def _verified_storage(attempt: _Attempt) -> dict[str, Any]:
             f"{attempt.paths.storage} is not on the slot's reserved filesystem; check the slot",
         )
     limits = attempt.plan.job.limits
-    return {
-        "path": attempt.paths.storage,
-        "device": st.st_dev,
-        "inode": st.st_ino,
-        "bytes": limits.storage_bytes,
-        "inodes": limits.storage_inodes,
-    }
+    return sdk.StorageBinding(
+        path=attempt.paths.storage,
+        device=st.st_dev,
+        inode=st.st_ino,
+        bytes=limits.storage_bytes,
+        inodes=limits.storage_inodes,
+    )
 
 
 def _write_marker(attempt: _Attempt) -> None:

@@ -65,6 +65,7 @@ from ficc.execution.host.fsutil import (
     open_regular_at,
     require_owner,
 )
+from ficc.execution.host.sdk import InputCapability
 
 __all__ = [
     "STAGING_DIRECTORY",
@@ -334,7 +335,7 @@ class Stager:
         attempt = self._ready_attempt(attempt_id)
         return all(s.complete and s.failed is None for s in attempt.states.values())
 
-    def capabilities(self, attempt_id: str) -> list[dict[str, Any]]:
+    def capabilities(self, attempt_id: str) -> list[InputCapability]:
         """The provider-context `inputs`: one host-created capability per completed stream."""
         attempt = self._ready_attempt(attempt_id)
         if not self.all_complete(attempt_id):
@@ -342,32 +343,30 @@ class Stager:
                 "inputs_incomplete", "some streamed inputs are not complete; keep uploading"
             )
         return [
-            {
-                "id": s.id,
-                "name": s.name,
-                "bytes": s.bytes,
-                "digest": s.digest,
-                "delivery": "stream",
-                "path": self._object_path(attempt_id, s.id),
-                "identity": msgspec.to_builtins(s.identity),
-            }
+            InputCapability(
+                id=s.id,
+                name=s.name,
+                bytes=s.bytes,
+                digest=s.digest,
+                delivery="stream",
+                path=self._object_path(attempt_id, s.id),
+                identity=s.identity,
+            )
             for s in attempt.states.values()
+            if s.identity is not None
         ]
 
-    def verify_identity(self, attempt_id: str, capability: dict[str, Any]) -> None:
+    def verify_identity(self, attempt_id: str, capability: InputCapability) -> None:
         """Refuse start (`input_changed`) unless the staged file is still the recorded one.
 
         Compares device, inode, mode, bytes and mtime (not ctime, nor the link count:
         the provider's hard link changes both), plus root ownership and the slot group.
         """
-        object_id = str(capability.get("id", ""))
+        object_id = capability.id
         _check_identity(object_id, "input object ID")
-        if capability.get("path") != self._object_path(attempt_id, object_id):
+        if capability.path != self._object_path(attempt_id, object_id):
             raise HostError("input_changed", f"capability {object_id} has a foreign path")
-        try:
-            recorded = msgspec.convert(capability.get("identity"), FileIdentity)
-        except msgspec.ValidationError as error:
-            raise HostError("input_changed", f"capability {object_id}: {error}") from error
+        recorded = capability.identity
         st = self._lstat_staged(attempt_id, object_id)
         owners = (_ROOT, self._slot_gid)
         if st is None or identity_of(st) != recorded or (st.st_uid, st.st_gid) != owners:

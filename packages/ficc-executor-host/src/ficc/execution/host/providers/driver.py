@@ -9,9 +9,10 @@ wrong number of rows, return a non-dict row -- the result is one `RowResult` per
 input context, so a failure is recorded against exactly the rows it concerns and
 never escapes into the daemon.
 
-Contexts are passed as shallow copies: values (the plan, and for prepare the `check`
-callable) go through untouched and are never serialized here, but a provider that
-adds or removes keys does not change the host's own dicts.
+Contexts are the provider SDK's frozen Structs (sdk.py) and go through untouched
+(never serialized here, so prepare's `check` callable passes as it is). A mapping
+row, as scripted tests pass, goes as a shallow copy, so a driver that edits it
+does not change the caller's dict.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def bounded(error: BaseException) -> str:
     return f"{type(error).__name__}: {text}"[:MAX_MESSAGE]
 
 
-def call(driver: Any, method: str, contexts: Sequence[Mapping[str, Any]]) -> list[RowResult]:
+def call(driver: Any, method: str, contexts: Sequence[object]) -> list[RowResult]:
     """Call `driver.method` once with 1..64 contexts; exactly one result per context."""
     if method not in METHODS:
         raise HostError("provider_method", f"{method!r} is not a provider driver method")
@@ -69,7 +70,8 @@ def call(driver: Any, method: str, contexts: Sequence[Mapping[str, Any]]) -> lis
         )
     count = len(contexts)
     try:
-        replies = getattr(driver, method)([dict(context) for context in contexts])
+        rows = [dict(c) if isinstance(c, Mapping) else c for c in contexts]
+        replies = getattr(driver, method)(rows)
     except (Exception, SystemExit) as error:
         return [RowResult.failed("provider_error", f"{method}: {bounded(error)}")] * count
     if not isinstance(replies, list) or len(replies) != count:

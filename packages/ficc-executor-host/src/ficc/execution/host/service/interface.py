@@ -192,6 +192,9 @@ class ServiceHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SystemService(Protocol):
     """The enclosing service of attempts; implemented by `cgroupfs` and `systemd`."""
 
+    backend: str
+    """The backend's name (`cgroupfs`, `systemd`), told to providers in their context."""
+
     def create(self, spec: ServiceSpec) -> ServiceHandle:
         """Create the service, enforce and verify its controls, start argv inside it.
 

@@ -1,0 +1,51 @@
+"""The conformance kit's parts that need no provider: its rule names, as documented,
+and its report. Runs against real providers: tests-integration/test_conformance.py."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from ficc.execution.host import conformance
+from ficc.execution.host.conformance import RULES, Outcome
+
+DOC = pathlib.Path(__file__).parents[3] / "docs" / "providers.md"
+
+
+def test_the_documented_rules_are_the_kits() -> None:
+    if not DOC.exists():
+        pytest.skip(f"{DOC} is not part of this tree (an sdist has no docs/)")
+    body = DOC.read_text().split("<!-- conformance-rules -->")[1]
+    body = body.split("<!-- /conformance-rules -->")[0]
+    rows = [line for line in body.strip().splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(RULES)
+
+
+def test_a_report_names_the_broken_rule_and_counts() -> None:
+    outcomes = [
+        Outcome("probe.accepts", True),
+        Outcome("release.repeatable", False, "release refused the row: not_prepared: gone"),
+    ]
+    lines = list(conformance._report(outcomes, as_json=False))
+    assert lines == [
+        "pass  probe.accepts",
+        "FAIL  release.repeatable: release refused the row: not_prepared: gone",
+        "1 passed, 1 failed",
+    ]
+    (document,) = conformance._report(outcomes, as_json=True)
+    assert json.loads(document)[1] == {
+        "rule": "release.repeatable",
+        "passed": False,
+        "message": "release refused the row: not_prepared: gone",
+    }
+
+
+def test_a_configuration_that_cannot_be_read_cannot_run(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "absent.json")
+    argv = ["--config", missing, "--provider", "test", "--plan", missing]
+    assert conformance.main(argv) == 2
+    assert capsys.readouterr().err.startswith("conformance: cannot run: ")

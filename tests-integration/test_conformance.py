@@ -1,0 +1,181 @@
+"""The provider conformance kit, run as an integrator runs it: the command, against a
+provider installed in a root-owned prefix and pinned, on real slot filesystems and
+accounts, with the host's real service backend (no daemon).
+
+It passes on the test provider and on the Podman provider, and fails on the test
+provider configured with a deliberate defect, naming the broken rule.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from ficc.execution.host.conformance import RULES
+from ficc.execution.plan import Job, Limits, Payload, Plan, Runtime
+from harness import IMAGE, MIB, PROJECT, InstalledProvider, Layout, new_id
+from podman_support import ISOLATION, NEEDS_PODMAN, SLOT_CLASS, podman_layout
+
+TEST_OFFER = {"images": [IMAGE], "isolations": ["process"], "networks": ["none"]}
+
+
+def write_root_file(path: Path, data: bytes) -> Path:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    return path
+
+
+def run_kit(
+    layout: Layout, provider_id: str, site: Path, plan: Plan, configuration: dict[str, Any]
+) -> tuple[int, dict[str, dict[str, Any]], str]:
+    """The kit's command on a copy of `layout`'s configuration whose provider has
+    `configuration`; (exit status, outcomes by rule, stderr)."""
+    document = dict(layout.document)
+    (provider,) = [p for p in document["providers"] if p["id"] == provider_id]
+    document["providers"] = [{**provider, "configuration": configuration}]
+    name = new_id()
+    config = write_root_file(layout.base / f"kit-{name}.json", json.dumps(document).encode())
+    plan_file = write_root_file(layout.base / f"plan-{name}.json", msgspec.json.encode(plan))
+    command = [
+        sys.executable, "-m", "ficc.execution.host.conformance", "--config", str(config),
+        "--provider", provider_id, "--provider-path", str(site), "--plan", str(plan_file),
+        "--json", "--timeout", "60",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    outcomes = {o["rule"]: o for o in json.loads(done.stdout)} if done.stdout else {}
+    return done.returncode, outcomes, done.stderr
+
+
+def kit_plan(layout: Layout, provider: InstalledProvider) -> Plan:
+    doc = layout.document
+    return Plan(
+        version=1,
+        deployment_id=doc["deployment_id"],
+        node_id=doc["node_id"],
+        project_id=PROJECT,
+        job_id=new_id(),
+        attempt_id=new_id(),
+        generation=1,
+        offer_revision=1,
+        job=Job(
+            name="kit-job",
+            slot_class="small",
+            runtime=Runtime("test", provider.digest, IMAGE, "process", "none"),
+            payload=Payload(argv=["/bin/true"], environment={}),
+            limits=Limits(
+                cpu_millis=500,
+                memory_bytes=64 * MIB,
+                swap_bytes=0,
+                processes=32,
+                storage_bytes=32 * MIB,
+                storage_inodes=1000,
+                devices=[],
+            ),
+            inputs=[],
+            outputs=[],
+            sensitive=False,
+        ),
+    )
+
+
+Run = Callable[[dict[str, Any]], tuple[int, dict[str, dict[str, Any]], str]]
+
+
+@pytest.fixture
+def kit(layout: Layout, provider: InstalledProvider) -> Run:
+    """The kit on the test provider with a given configuration."""
+
+    def run(configuration: dict[str, Any]) -> tuple[int, dict[str, dict[str, Any]], str]:
+        plan = kit_plan(layout, provider)
+        return run_kit(layout, "test", provider.site, plan, configuration)
+
+    return run
+
+
+def test_the_test_provider_passes_every_rule(kit: Run) -> None:
+    status, outcomes, stderr = kit({"runtime": "service", **TEST_OFFER})
+    failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
+    assert (status, failed) == (0, {}), stderr
+    assert set(outcomes) == set(RULES)
+
+
+@pytest.mark.parametrize(
+    ("defect", "rule", "words"),
+    [
+        ("release_not_idempotent", "release.repeatable", "not_prepared"),
+        ("prepare_ignores_check", "prepare.check_refusal", "returned a result"),
+    ],
+)
+def test_a_broken_provider_fails_the_rule_it_breaks(
+    kit: Run, defect: str, rule: str, words: str
+) -> None:
+    status, outcomes, stderr = kit({"runtime": "service", **TEST_OFFER, "defects": [defect]})
+    assert status == 1, stderr
+    failed = {r: o["message"] for r, o in outcomes.items() if not o["passed"]}
+    assert set(failed) == {rule}, failed
+    assert words in failed[rule]
+
+
+def test_a_provider_that_refuses_nothing_fails_the_probe_rules(kit: Run) -> None:
+    status, outcomes, _ = kit({"runtime": "service"})
+    assert status == 1
+    failed = {r for r, o in outcomes.items() if not o["passed"]}
+    assert failed == {
+        "probe.refuses_unknown_image",
+        "probe.refuses_unknown_isolation",
+        "probe.refuses_unknown_network",
+        "batch.probe_64",
+    }
+    assert "probe accepted it" in outcomes["probe.refuses_unknown_image"]["message"]
+
+
+@NEEDS_PODMAN
+def test_the_podman_provider_passes_every_rule() -> None:
+    with podman_layout() as made:
+        doc = made.layout.document
+        plan = Plan(
+            version=1,
+            deployment_id=doc["deployment_id"],
+            node_id=doc["node_id"],
+            project_id=PROJECT,
+            job_id=new_id(),
+            attempt_id=new_id(),
+            generation=1,
+            offer_revision=1,
+            job=Job(
+                name="kit-job",
+                slot_class=SLOT_CLASS,
+                runtime=Runtime(
+                    "podman", made.provider.digest, made.image["image_id"], ISOLATION, "none"
+                ),
+                payload=Payload(argv=["/bin/true"], environment={}),
+                limits=Limits(
+                    cpu_millis=1000,
+                    memory_bytes=256 * MIB,
+                    swap_bytes=0,
+                    processes=128,
+                    storage_bytes=doc["slots"][0]["storage_bytes"] // 2,
+                    storage_inodes=doc["slots"][0]["storage_inodes"] // 2,
+                    devices=[],
+                ),
+                inputs=[],
+                outputs=[],
+                sensitive=False,
+            ),
+        )
+        (provider,) = doc["providers"]
+        status, outcomes, stderr = run_kit(
+            made.layout, "podman", made.provider.site, plan, provider["configuration"]
+        )
+    failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
+    assert (status, failed) == (0, {}), stderr
+    assert set(outcomes) == set(RULES)
