@@ -42,7 +42,7 @@ import msgspec
 
 from ficc_provider_podman import account as accounts
 from ficc_provider_podman import container, inputs, observe
-from ficc_provider_podman.account import SlotAccount, run_podman, slot_lock
+from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
 from ficc_provider_podman.barrier import barrier_path
 from ficc_provider_podman.config import Config, Image, check_files, load, sha256_of_fd
 from ficc_provider_podman.container import AttemptPaths
@@ -165,6 +165,9 @@ class Driver:
         self._ready_reported: set[str] = set()
         self._payload_pid: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._images_seen: dict[tuple[int, str, str], _Fingerprint] = {}
+        """(slot uid, storage, image ID) -> the image record file as it was when
+        Podman last confirmed the image there (see `_image_unchanged`)."""
 
     def _each(self, contexts: list[Context], fn: Callable[[Context], Reply]) -> list[Reply]:
         return [_row(fn, context) for context in contexts]
@@ -310,7 +313,10 @@ class Driver:
 
     def _ensure_image(self, slot: SlotAccount, image: Image, check: Callable[[], Any]) -> None:
         """The pinned image in the slot's storage: verified by ID, loaded if missing."""
+        if self._image_unchanged(slot, image):
+            return
         if self._image_present(slot, image):
+            self._image_seen(slot, image)
             return
         fd = os.open(image.archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -338,6 +344,28 @@ class Driver:
                 "image_id_mismatch",
                 f"{image.archive} does not contain image {image.image_id}; re-pin the image",
             )
+        self._image_seen(slot, image)
+
+    def _image_seen(self, slot: SlotAccount, image: Image) -> None:
+        """Right after Podman confirmed the image (the account has no process left, so
+        nothing of it is writing the storage): remember its image record file."""
+        key = (slot.uid, slot.storage, image.image_id)
+        seen = _fingerprint(slot)
+        with self._lock:
+            if seen is None:
+                self._images_seen.pop(key, None)
+            else:
+                self._images_seen[key] = seen
+
+    def _image_unchanged(self, slot: SlotAccount, image: Image) -> bool:
+        """Whether Podman's answer for this image is still the one it gave: the storage's
+        image record file is the very file it was then (device, inode, size, mtime and
+        ctime, which no unprivileged process can set back), and the account has no
+        process that could be changing it. `podman image inspect` reads that same file,
+        so it could answer nothing else; any change sends prepare back to Podman."""
+        with self._lock:
+            seen = self._images_seen.get((slot.uid, slot.storage, image.image_id))
+        return seen is not None and seen == _fingerprint(slot) and not processes_of(slot.uid)
 
     def _image_present(self, slot: SlotAccount, image: Image) -> bool:
         found = run_podman(
@@ -444,6 +472,24 @@ class Driver:
             self._ready_reported.discard(plan.attempt_id)
             self._payload_pid.pop(plan.attempt_id, None)
         return {"released": True}
+
+
+# --- the slot's image record -----------------------------------------------------------
+
+_Fingerprint = tuple[int, int, int, int, int]
+IMAGE_RECORDS = "overlay-images/images.json"
+"""Where containers-storage (the overlay driver, storage.conf) lists its images."""
+
+
+def _fingerprint(slot: SlotAccount) -> _Fingerprint | None:
+    """Identity of the storage's image record file (no symlink followed at the end)."""
+    try:
+        st = os.stat(f"{slot.storage}/{IMAGE_RECORDS}", follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 # --- the provider's part of the attempt layout --------------------------------------
