@@ -30,6 +30,7 @@ Methods:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -49,6 +50,8 @@ from ficc_provider_podman.container import AttemptPaths
 from ficc_provider_podman.errors import ProviderError
 
 API_VERSION = 1
+MAX_PARALLEL_SLOTS = 8
+"""Slots of one batch whose rows run at the same time (prepare, stop, release)."""
 ISOLATION = "shared-kernel"
 NETWORK = "none"
 
@@ -152,6 +155,14 @@ def _row(fn: Callable[[Context], Reply], context: Context) -> Reply:
         }
 
 
+def _slot_key(context: Context) -> object:
+    """Rows of one slot account run one after another; a row without a usable slot is
+    its own group (it fails on its own)."""
+    slot = context.get("slot")
+    uid = slot.get("uid") if isinstance(slot, dict) else None
+    return uid if isinstance(uid, int) else object()
+
+
 def configure(configuration: Any) -> Driver:
     """Validate the administrator configuration; returns the driver (raises on refusal)."""
     return Driver(load(configuration))
@@ -171,6 +182,26 @@ class Driver:
 
     def _each(self, contexts: list[Context], fn: Callable[[Context], Reply]) -> list[Reply]:
         return [_row(fn, context) for context in contexts]
+
+    def _per_slot(self, contexts: list[Context], fn: Callable[[Context], Reply]) -> list[Reply]:
+        """`_each`, with the rows of different slot accounts run at the same time (each
+        slot has its own account, storage and lock; its rows keep their order)."""
+        groups: dict[object, list[int]] = {}
+        for index, context in enumerate(contexts):
+            groups.setdefault(_slot_key(context), []).append(index)
+        if len(groups) < 2:
+            return self._each(contexts, fn)
+        replies: list[Reply] = [{}] * len(contexts)
+
+        def run(indices: list[int]) -> None:
+            for index in indices:
+                replies[index] = _row(fn, contexts[index])
+
+        workers = min(len(groups), MAX_PARALLEL_SLOTS)
+        with concurrent.futures.ThreadPoolExecutor(workers, "ficc-podman-slot") as pool:
+            for done in [pool.submit(run, indices) for indices in groups.values()]:
+                done.result()
+        return replies
 
     # --- probe ---------------------------------------------------------------------
 
@@ -215,7 +246,7 @@ class Driver:
     # --- prepare -------------------------------------------------------------------
 
     def prepare(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._prepare)
+        return self._per_slot(contexts, self._prepare)
 
     def _prepare(self, context: Context) -> Reply:
         check: Callable[[], Any] = context["check"]
@@ -397,9 +428,13 @@ class Driver:
     # --- observe -------------------------------------------------------------------
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._observe)
+        # One walk of /proc for the batch, before any exit status is read: an account
+        # with no process here and no exit status after has truly lost its runtime.
+        uids = {key for key in map(_slot_key, contexts) if isinstance(key, int)}
+        processes = accounts.processes_by_uid(uids)
+        return self._each(contexts, lambda context: self._observe(context, processes))
 
-    def _observe(self, context: Context) -> Reply:
+    def _observe(self, context: Context, processes: dict[int, list[int]]) -> Reply:
         slot = _account(context)
         paths = _paths(context)
         state = _read_state(paths)
@@ -408,7 +443,7 @@ class Driver:
             return {"phase": "finished", "exit_code": code}
         released = os.path.lexists(f"{paths.control}/{container.RELEASE_MARKER}")
         identity = (state.barrier_device, state.barrier_inode)
-        waiting = observe.barrier_processes(slot.uid, identity)
+        waiting = observe.barrier_processes(slot.uid, identity, processes.get(slot.uid, []))
         if len(waiting) > 1:
             raise ProviderError("runtime_report", f"several barrier processes: {waiting}")
         attempt = state.attempt_id
@@ -426,7 +461,7 @@ class Driver:
             known = self._payload_pid.get(attempt) or (waiting[0] if waiting else None)
         if released and known is not None:
             return {"phase": "payload", "pid": known}
-        if not accounts.processes_of(slot.uid):
+        if not processes.get(slot.uid):
             raise ProviderError(
                 "runtime_lost",
                 "no process of the attempt is left and no exit status was recorded",
@@ -436,7 +471,7 @@ class Driver:
     # --- stop, collect, release ----------------------------------------------------
 
     def stop(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._stop)
+        return self._per_slot(contexts, self._stop)
 
     def _stop(self, context: Context) -> Reply:
         accounts.kill_leftovers(_account(context).uid)
@@ -446,7 +481,7 @@ class Driver:
         return self._each(contexts, lambda _: {"ok": True})
 
     def release(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._release)
+        return self._per_slot(contexts, self._release)
 
     def _release(self, context: Context) -> Reply:
         slot = _account(context)
