@@ -1050,6 +1050,31 @@ def test_starts_waiting_for_their_payload_observe_on_one_shared_beat() -> None:
     asyncio.run(scenario())
 
 
+def test_the_shared_beat_slows_down_when_observing_gets_expensive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pause before the next shared observation is `observe_interval`, or four
+    times the last observe call's duration when that is longer."""
+    runner = Runner(SimpleNamespace(), settings=Settings(observe_interval=0.01))  # type: ignore[arg-type]
+    pauses: list[float] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.call_later
+
+        def recording(delay: float, *args: Any) -> Any:
+            pauses.append(delay)
+            return real(0, *args)
+
+        monkeypatch.setattr(loop, "call_later", recording)
+        await runner._next_observation()
+        runner._observe_cost = 0.05
+        await runner._next_observation()
+
+    asyncio.run(scenario())
+    assert pauses == [0.01, 0.2]
+
+
 def test_a_hung_provider_call_leaves_its_rows_timed_out() -> None:
     driver = RecordingDriver()
     batcher, workers = _batcher(driver, timeout=0.2)

@@ -362,6 +362,8 @@ class Runner:
         """attempt ID -> (service, lease deadline) as last written for the reaper."""
         self._beat: asyncio.Future[None] | None = None
         """The next shared observation instant of starts (see `_next_observation`)."""
+        self._observe_cost = 0.0
+        """Seconds the last observe call of a waiting start took."""
 
     # --- the contract with the handlers -------------------------------------------
 
@@ -924,7 +926,9 @@ class Runner:
         furthest = "waiting"
         while True:
             self._check_abort(attempt)
+            began = time.monotonic()
             result = await self._batcher.call(attempt.provider, "observe", context)
+            self._observe_cost = time.monotonic() - began
             if result.code == PROVIDER_TIMEOUT:
                 raise _Uncertain(PROVIDER_TIMEOUT)
             seen = _observation(result)
@@ -956,7 +960,10 @@ class Runner:
         if beat is None or beat.done():
             loop = asyncio.get_running_loop()
             beat = self._beat = loop.create_future()
-            loop.call_later(self._settings.observe_interval, _settle_beat, beat)
+            # Observing many attempts costs more per call: the pause grows with the last
+            # call's duration, so observation takes at most a fifth of a thread.
+            pause = max(self._settings.observe_interval, 4 * self._observe_cost)
+            loop.call_later(pause, _settle_beat, beat)
         await asyncio.shield(beat)
 
     def _run_gate(

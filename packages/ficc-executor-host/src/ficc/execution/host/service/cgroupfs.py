@@ -734,21 +734,37 @@ def _uid_has_live_tasks(uid: int) -> bool:
 
     Threads are checked one by one: Linux credentials are per thread.
     """
-    wanted = str(uid)
+    wanted = str(uid).encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             tasks = os.listdir(f"/proc/{entry}/task")
             for task in tasks:
-                status = proc_status(int(entry), task)
-                if status["State"].startswith("Z"):
-                    continue
-                if wanted in status["Uid"].split():
-                    return True
+                state, uids = _state_and_uids(f"/proc/{entry}/task/{task}/status")
+                if uids is None or (not state.startswith(b"Z") and wanted in uids):
+                    return True  # a status it cannot read counts as live: fail closed
         except (FileNotFoundError, ProcessLookupError):
             continue
     return False
+
+
+def _state_and_uids(path: str) -> tuple[bytes, list[bytes] | None]:
+    """The `State:` value and the four `Uid:` values of a status file. Only these two
+    lines are parsed: the idle check reads every task on the host, so this is hot."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 8192)
+    finally:
+        os.close(fd)
+    state = uids = b""
+    for line in data.split(b"\n"):
+        if line.startswith(b"State:"):
+            state = line[6:].strip()
+        elif line.startswith(b"Uid:"):
+            uids = line[4:]
+            break  # Uid follows State in every kernel's status layout
+    return state, uids.split() if state and uids else None
 
 
 def wait_until(condition: Callable[[], bool], deadline: float) -> bool:
