@@ -3,7 +3,7 @@
 Value: through the real daemon with the real Podman provider (attempt_support.podman_host
 with 32 slots of one class, every slot a real slot filesystem and its own account), one
 forked client as the transport account does what a controller would, in batches: ONE
-`prepare` request of N rows, `observe` of the N fences (one request, every POLL_S) until
+`prepare` request of N rows, `observe` of the N fences (one request, every 50 ms) until
 all are ready, ONE `start` of N rows, `observe` until all are terminal with their
 cleanup confirmed, ONE `release` of N rows. Timed from sending prepare to the release
 reply. Payloads: `/bin/true`, and `/bin/sleep 2`.
@@ -80,7 +80,8 @@ from ficc_provider_podman.account import SlotAccount
 SIZES = (8, 32)
 PAYLOADS = {"true": ("/bin/true",), "sleep 2": ("/bin/sleep", "2")}
 SLOT_BYTES = 128 * 1024 * 1024
-POLL_S = p6.POLL_S
+POLL_S = 0.05
+"""A controller's pace for a batch (P6, one attempt, polls every 10 ms)."""
 PHASE_TIMEOUT_S = 300.0
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
