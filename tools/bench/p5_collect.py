@@ -180,7 +180,7 @@ def run(quick: bool) -> list[Figure]:
     size = 32 * MIB if quick else 256 * MIB
     rounds = 1 if quick else 3
     daemon_s, baseline_s = [], []
-    with bench_host([SlotPlan("small", 64 * MIB)]) as host:
+    with bench_host([SlotPlan("small", size + 64 * MIB)]) as host:
         plan = _settled_attempt(host)
         path, digest = _write_output(host, plan, size)
         _baseline_round(path)  # warm the page cache for both sides
