@@ -96,6 +96,7 @@ SLOT_INODES = 4_000
 PROJECT = "3" * 32
 IMAGE = "sha256:" + "0" * 64
 PROVIDER_CALLS = "provider-calls.log"
+PROVIDER_BATCHES = "provider-batches.log"
 """The test provider appends `<method> <attempt_id>` here for every row of every call."""
 READY_TIMEOUT = 120.0
 WAIT_TIMEOUT = 60.0
@@ -355,6 +356,7 @@ class Layout:
                     "configuration": {
                         "runtime": "service",
                         "call_log": str(base / PROVIDER_CALLS),
+                        "batch_log": str(base / PROVIDER_BATCHES),
                     },
                 }
             ],
@@ -377,6 +379,14 @@ class Layout:
         except FileNotFoundError:
             return 0
         return lines.count(f"{method} {attempt_id}")
+
+    def provider_batches(self, method: str) -> list[int]:
+        """The row count of every driver call of `method`, in call order."""
+        try:
+            lines = (self.base / PROVIDER_BATCHES).read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        return [int(rows) for name, rows in (line.split() for line in lines) if name == method]
 
     @property
     def installation_id(self) -> str:

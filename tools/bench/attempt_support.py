@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import pathlib
 import secrets
 import subprocess
@@ -79,9 +80,10 @@ class Phases:
 
 
 @contextlib.contextmanager
-def podman_host() -> Iterator[ps.PodmanWorld]:
-    """A started daemon with the pinned Podman provider and one slot (a real slot
-    filesystem, as the end-to-end suite's); all removed after."""
+def podman_host(slots: int = 1, slot_bytes: int = ps.SLOT_BYTES) -> Iterator[ps.PodmanWorld]:
+    """A started daemon with the pinned Podman provider and `slots` slots of one class
+    (each a real slot filesystem, as the end-to-end suite's, and its own account); the
+    offer is scaled so that every slot can hold an attempt at once. All removed after."""
     tag = secrets.token_hex(3)
     base = h.private_directory("/run", f"ficc-bp6-{tag}-")
     accounts: list[h.Account] = []
@@ -89,20 +91,21 @@ def podman_host() -> Iterator[ps.PodmanWorld]:
     installation_id: str | None = None
     filesystems: list[h.SlotFilesystem] = []
     try:
-        for role in ("s0", "tr"):
+        for role in (*(f"s{i}" for i in range(slots)), "tr"):
             accounts.append(ps.create_account(f"ficc-bp6-{tag}-{role}"))
-        slot, transport = accounts
+        *slot_accounts, transport = accounts
         image = ps.build_image(base / "image")
         provider = ps.install_podman_provider(base)
-        filesystems = h.slot_filesystems(base, [ps.SLOT_BYTES], ps.SLOT_INODES)
+        filesystems = h.slot_filesystems(base, [slot_bytes] * slots, ps.SLOT_INODES)
         layout = ps.write_config(
-            base, [slot], transport, provider, image, "cgroupfs", filesystems, ps.SLOT_INODES
+            base, slot_accounts, transport, provider, image, "cgroupfs", filesystems, ps.SLOT_INODES
         )
+        _scale_offer(layout, slots)
         installation_id = layout.installation_id
         process = h.DaemonProcess(layout, provider)
         with _environment(unit_environment()):
             process.start()
-        yield ps.PodmanWorld(base, layout, provider, image, [slot], transport, process)
+        yield ps.PodmanWorld(base, layout, provider, image, slot_accounts, transport, process)
         status = process.stop()
         if status != 0:
             print(f"daemon exited {status}:\n{process.log()}", file=sys.stderr)
@@ -117,10 +120,24 @@ def podman_host() -> Iterator[ps.PodmanWorld]:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
 
 
-def true_plan(world: ps.PodmanWorld) -> Plan:
-    """A plan whose payload is `/bin/true` itself (no shell), tracked for teardown."""
+def _scale_offer(layout: h.Layout, slots: int) -> None:
+    """Ceiling and offer large enough for one attempt (of `true_plan`) in every slot."""
+    for section in ("ceiling", "initial_offer"):
+        resources = layout.document[section]
+        resources["cpu_millis"] = 2000 * slots
+        resources["memory_bytes"] = (2 << 30) * slots
+        resources["processes"] = 1024 * slots
+    layout.config_path.unlink()
+    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(layout.document, out, indent=2)
+
+
+def true_plan(world: ps.PodmanWorld, argv: tuple[str, ...] = ("/bin/true",)) -> Plan:
+    """A plan whose payload is `argv` itself (default `/bin/true`, no shell), tracked
+    for teardown."""
     plan = world.plan("true", processes=PROCESSES)
-    payload = Payload(argv=["/bin/true"], environment={})
+    payload = Payload(argv=list(argv), environment={})
     job = msgspec.structs.replace(plan.job, payload=payload)
     world.plans[-1] = plan = msgspec.structs.replace(plan, job=job)
     return plan
@@ -206,8 +223,21 @@ def bare_run_as(
     rootless pause process) are removed afterwards, untimed, so the next attempt's
     provider finds the account idle."""
     slot = SlotAccount(uid, gid, str(slot_path))
+    argv = bare_argv(slot, config, image, ("/bin/true",))
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=slot.home)
+    elapsed = time.perf_counter() - start
+    bare_cleanup(slot)
+    return elapsed
+
+
+def bare_argv(
+    slot: SlotAccount, config: Config, image: dict[str, str], payload: tuple[str, ...]
+) -> list[str]:
+    """`podman run --rm` of `payload` in the image, as the slot account, with the
+    provider's isolation flags and the plan's process limit."""
     nproc = min(PROCESSES, MAX_ULIMIT)
-    argv = [
+    return [
         "setpriv",
         f"--reuid={slot.uid}",
         f"--regid={slot.gid}",
@@ -219,15 +249,16 @@ def bare_run_as(
         "run",
         "--rm",
         "--name",
-        container_name("f" * 32),
+        container_name(f"{slot.uid:032x}"),
         *isolation_flags(config, nproc),
         image["image_id"].removeprefix("sha256:"),
-        "/bin/true",
+        *payload,
     ]
-    start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=slot.home)
-    elapsed = time.perf_counter() - start
+
+
+def bare_cleanup(slot: SlotAccount) -> None:
+    """After a bare run: the account's leftovers killed and Podman's runtime state
+    forgotten, as the provider does around its own commands."""
     kill_leftovers(slot.uid)
     reset_runtime_state(slot)
     forget_pause_process(slot)
-    return elapsed

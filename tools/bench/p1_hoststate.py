@@ -22,7 +22,7 @@ from ficc.hoststate import Operation, Status, acquire, snapshot
 from ficc.hoststate import marker as marker_codec
 
 HOST = "bench-host"
-TARGET = 1.5
+TARGET = 1.25
 
 
 def _hash(rng: random.Random) -> str:

@@ -10,9 +10,12 @@ The client's requests are encoded before the clock starts (the baseline encodes
 nothing either), so the figure is what the daemon and the socket cost.
 
 Baseline: the same base64 chunks, in one process: base64-decode, SHA-256 of the chunk,
-pwrite, fsync, into a file on the same filesystem (the slot's directory).
+pwrite, fsync, into a file on a slot filesystem of its own (a configured slot of a
+class no plan asks for): the same kind of loop-mounted filesystem, of the same size,
+on the same disk as the daemon's staging. (A daemon round leaves its 256 MiB staged in
+its slot, so the baseline cannot share that slot's filesystem.)
 
-Ratio = value rate / baseline rate (higher is better); the target is >= 0.5x.
+Ratio = value rate / baseline rate (higher is better); the target is >= 0.7x, in every run.
 Rounds alternate daemon and baseline; each daemon round streams a new attempt (a
 stream is written once), and the figure is the median round.
 """
@@ -120,11 +123,12 @@ def run(quick: bool) -> list[Figure]:
     chunks = _chunks(size)
     encoded = [base64.b64encode(c).decode("ascii") for c in chunks]
     slots = [SlotPlan("big", size + 64 * MIB) for _ in range(rounds)]
+    slots.append(SlotPlan("baseline", size + 64 * MIB))  # never admitted: the baseline's
     daemon_s, baseline_s = [], []
     with bench_host(slots) as host:
         for _ in range(rounds):
             daemon_s.append(_daemon_round(host, chunks, encoded))
-            baseline_s.append(_baseline_round(str(host.slot_paths[0]), encoded))
+            baseline_s.append(_baseline_round(str(host.slot_paths[-1]), encoded))
     mib = size / MIB
     rate = mib / statistics.median(daemon_s)
     base = mib / statistics.median(baseline_s)
@@ -136,7 +140,7 @@ def run(quick: bool) -> list[Figure]:
             "MiB/s",
             base,
             rate / base,
-            target=0.5,
+            target=0.7,
             higher_is_better=True,
         )
     ]

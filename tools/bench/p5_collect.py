@@ -21,7 +21,7 @@ then writes the file as root into the attempt's `storage/` directory. So P5 meas
 
 Baseline: read + base64-encode of the same file in 1 MiB blocks, in one process (the
 file is in the page cache for both sides). Ratio = value rate / baseline rate (higher
-is better); the target is >= 0.5x. Rounds alternate; figures are medians.
+is better); the target is >= 0.8x. Rounds alternate; figures are medians.
 
 Where a 1 MiB request's ~1.9 ms goes (daemon timestamps, quiet machine, 2026-11-29):
 base64 encoding 0.8 ms, the send 0.1-0.4 ms (the woken client often shares the
@@ -180,7 +180,7 @@ def run(quick: bool) -> list[Figure]:
     size = 32 * MIB if quick else 256 * MIB
     rounds = 1 if quick else 3
     daemon_s, baseline_s = [], []
-    with bench_host([SlotPlan("small", 64 * MIB)]) as host:
+    with bench_host([SlotPlan("small", size + 64 * MIB)]) as host:
         plan = _settled_attempt(host)
         path, digest = _write_output(host, plan, size)
         _baseline_round(path)  # warm the page cache for both sides
@@ -198,7 +198,7 @@ def run(quick: bool) -> list[Figure]:
             "MiB/s",
             base,
             rate / base,
-            target=0.5,
+            target=0.8,
             higher_is_better=True,
         )
     ]

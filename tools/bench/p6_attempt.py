@@ -23,15 +23,27 @@ separately (no target), and so is the earlier direct measurement of the provider
 cgroupfs service and the payload gate without the daemon (no target; its own world,
 its own baseline).
 
-Where the time goes (medians of 8 traced attempts, 2026-11-29, bare run ~185 ms,
-whole attempt ~340-355 ms): the provider's deliberate `podman image inspect` as the slot
-account at prepare ~75 ms (a whole rootless Podman start-up: kept, it is the image-ID
-check); the service ~20 ms (cgroups, limits read back, one RCU grace period for the
-first cgroup.procs write ~12 ms, overlapped with the shim's ~8 ms interpreter start);
-`podman run` up to the waiting barrier ~150 ms and from release to its exit ~60 ms
-(the bare run's own work, plus its extra mounts, the 10 ms barrier poll and the
-observe polling lag); gate, ledger commits and admission ~15 ms; this client's own
-10 ms observe polling ~5-10 ms. Before the shim change the service took ~36 ms.
+Where the time goes (medians of 6 traced attempts, 2026-12-01, bare run ~258 ms, whole
+attempt ~412 ms, 1.60x; timestamps at each step of the runner, not committed):
+prepare to ready ~32 ms: the slot filesystem check and the attempt layout ~13 ms, the
+provider's prepare ~15 ms (inputs, the environment and exit-status files, each
+synced; the image check is now a stat of the storage's image record, see
+docs/providers.md), ledger records and polling ~5 ms. Start to finished ~380 ms:
+ledger reads and the lease reaper's deadline file ~7 ms; the service ~28 ms
+(cgroups, limits read back, the start shim's interpreter); `podman run` up to the
+barrier's device report ~268 ms (the bare run's own start plus its extra mounts,
+seen by an observation every 10 ms); the payload gate ~9 ms; the release marker and
+`Started` ~4 ms; then the payload, Podman's exit and `--rm`, and the observation of
+the exit ~89 ms (the bare run's own ~60 ms plus the wake-up on the service's exit and
+one observe); this client's 10 ms polling ~10 ms. The direct measurement without
+the daemon (last figure) is about the same ratio: what is left is the service and
+Podman running inside it, not the daemon.
+
+Cut on 2026-12-01 (2.40x before, same machine and day): the per-prepare `podman
+image inspect` as the slot account (~75-95 ms, a whole rootless Podman start; now
+done only when the storage's image record file changed), the gate's interpretation
+of the same seccomp filter on every start (~50 ms of CPU; the judgement of a filter
+set is kept), the barrier's 10 ms poll for the marker (now 2 ms). Every check stays.
 
 Needs root, podman, runc and busybox-static; creates and removes its own accounts.
 """

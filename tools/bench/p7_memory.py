@@ -7,12 +7,12 @@ ready (provider prepare done), and one in the `big` slot class that declares one
 streamed input of 1 GiB (128 MiB with --quick).
 
 Figures (memory from /proc/PID/status of the daemon process):
-1. VmRSS with the records and the 64 active attempts. Target: at most 100 MiB.
-   Baseline = that budget, ratio = value / 100 MiB (<= 1 passes).
+1. VmRSS with the records and the 64 active attempts. Target: at most 64 MiB.
+   Baseline = that budget, ratio = value / 64 MiB (<= 1 passes).
 2. Growth while streaming the input in `input_chunk_bytes` (8 MiB) chunks over the
    socket: the peak is reset just before (`clear_refs` 5), so VmHWM after the stream
    minus VmRSS before it is the highest resident growth at any moment. Target: at
-   most 3 chunk sizes (24 MiB). Baseline = 24 MiB, ratio = value / 24 MiB.
+   most 2 chunk sizes (16 MiB). Baseline = 16 MiB, ratio = value / 16 MiB.
 3. Without a target, the VmRSS growth that remains after the stream.
 
 Where figure 2 comes from: per 8 MiB chunk the daemon holds the request frame (10.7 MiB
@@ -119,7 +119,7 @@ def run(quick: bool) -> list[Figure]:
         _stream(host, big, item, chunk)
         peak = host.memory_kib("VmHWM") / 1024
         after = host.memory_kib("VmRSS") / 1024
-    budget, growth_budget = 100.0, 3 * CHUNK / MIB
+    budget, growth_budget = 64.0, 2 * CHUNK / MIB
     return [
         Figure(
             "P7",

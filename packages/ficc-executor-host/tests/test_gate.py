@@ -477,6 +477,35 @@ def test_a_deny_by_argument_filter_is_checked_with_zero_and_full_arguments() -> 
     assert "bpf," in verdict.failures[0].message or "bpf " in verdict.failures[0].message
 
 
+def test_a_filter_set_judged_before_is_not_interpreted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every container of a runtime has the same filters: the second judgement of the
+    same programs is the first one's answer, without running the interpreter; other
+    programs are judged afresh."""
+    evaluated: list[int] = []
+    real = seccomp.evaluate
+
+    def counting(program: Any, data: bytes) -> int:
+        evaluated.append(1)
+        return real(program, data)
+
+    monkeypatch.setattr(seccomp, "evaluate", counting)
+    monkeypatch.setattr(seccomp, "_JUDGED", {})  # nothing judged by earlier tests
+    lists = must_deny()
+    arch = seccomp.AUDIT_ARCH_X86_64
+    lists[arch] = [n for n in lists[arch] if n != 321]
+    one_open = filters(deny_program(lists), ((0x06, 0, 0, ALLOW),))
+    first = seccomp.allowed_calls(one_open)
+    assert first == ["bpf"]
+    assert evaluated
+    evaluated.clear()
+    assert seccomp.allowed_calls(one_open) == first
+    assert evaluated == []
+    assert seccomp.allowed_calls(filters(deny_program(must_deny()))) == []
+    assert evaluated
+
+
 def _codes(verdict: gate.Verdict) -> set[str]:
     return {failure.code for failure in verdict.failures}
 

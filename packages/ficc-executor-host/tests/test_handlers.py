@@ -120,10 +120,9 @@ class FakeRunner:
     def stop_requested(self, attempt_ids: Sequence[str]) -> None:
         self.calls.append(("stop_requested", tuple(attempt_ids)))
 
-    async def release(self, attempt_id: str) -> None:
-        self.calls.append(("release", (attempt_id,)))
-        if self.release_error is not None:
-            raise self.release_error
+    async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
+        self.calls.append(("release", tuple(attempt_ids)))
+        return [self.release_error] * len(attempt_ids)
 
     async def recover(self) -> None:
         self.calls.append(("recover", ()))

@@ -974,6 +974,105 @@ def test_rows_of_one_loop_turn_go_out_as_batches_of_at_most_64() -> None:
     assert sorted(driver.batches) == [("observe", 6), ("observe", 64), ("probe", 3)]
 
 
+def test_a_cohort_sends_rows_of_different_loop_turns_as_one_call() -> None:
+    """Members reach their call after unequal work; one leaves without calling. The
+    rows still go out as one call, once the last member has called or left."""
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver)
+
+    async def member(cohort: Any, n: int) -> Any:
+        with cohort.ticket() as ticket:
+            for _ in range(n):  # unequal work: n loop turns before the call
+                await asyncio.sleep(0)
+            if n == 3:
+                return None  # drops out before its call
+            return (await ticket.call("fake", "start", {"n": n})).reply["n"]
+
+    async def scenario() -> list[Any]:
+        cohort = batcher.cohort(5)
+        return list(await asyncio.gather(*(member(cohort, n) for n in range(5))))
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        workers.shutdown()
+    assert results == [0, 1, 2, None, 4]
+    assert driver.batches == [("start", 4)]
+
+
+def test_without_a_cohort_rows_of_different_loop_turns_go_out_apart() -> None:
+    """The control for the test above: the plain batcher groups one loop turn only."""
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver)
+
+    async def member(n: int) -> Any:
+        for _ in range(n * 20):
+            await asyncio.sleep(0)
+        return await batcher.call("fake", "start", {"n": n})
+
+    async def scenario() -> None:
+        await asyncio.gather(*(member(n) for n in range(3)))
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        workers.shutdown()
+    assert len(driver.batches) > 1
+
+
+def test_starts_waiting_for_their_payload_observe_on_one_shared_beat() -> None:
+    """A start that begins waiting while another waits joins that one's beat, so both
+    wake in the same loop turn (and their observe rows go out together); a waiter that
+    is cancelled does not cancel the beat for the others."""
+    runner = Runner(SimpleNamespace(), settings=Settings(observe_interval=0.05))  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(runner._next_observation())
+        await asyncio.sleep(0)
+        beat = runner._beat
+        assert beat is not None
+        assert not beat.done()
+        second = asyncio.ensure_future(runner._next_observation())
+        third = asyncio.ensure_future(runner._next_observation())
+        await asyncio.sleep(0)
+        assert runner._beat is beat  # joined, not a beat of its own
+        third.cancel()
+        await asyncio.gather(first, second)
+        assert beat.done()
+        assert not beat.cancelled()
+        later = asyncio.ensure_future(runner._next_observation())
+        await asyncio.sleep(0)
+        assert runner._beat is not beat  # after a beat, the next waiter starts a new one
+        await later
+
+    asyncio.run(scenario())
+
+
+def test_the_shared_beat_slows_down_when_observing_gets_expensive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pause before the next shared observation is `observe_interval`, or four
+    times the last observe call's duration when that is longer."""
+    runner = Runner(SimpleNamespace(), settings=Settings(observe_interval=0.01))  # type: ignore[arg-type]
+    pauses: list[float] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.call_later
+
+        def recording(delay: float, *args: Any) -> Any:
+            pauses.append(delay)
+            return real(0, *args)
+
+        monkeypatch.setattr(loop, "call_later", recording)
+        await runner._next_observation()
+        runner._observe_cost = 0.05
+        await runner._next_observation()
+
+    asyncio.run(scenario())
+    assert pauses == [0.01, 0.2]
+
+
 def test_a_hung_provider_call_leaves_its_rows_timed_out() -> None:
     driver = RecordingDriver()
     batcher, workers = _batcher(driver, timeout=0.2)

@@ -49,7 +49,7 @@ enum {
 
 #define TOKEN_MAX 128
 #define DEVICES_MAX 64
-#define POLL_MS 10
+#define POLL_MS 2
 
 static void say(const char *msg) {
     ssize_t ignored = write(STDERR_FILENO, msg, strlen(msg));

@@ -24,7 +24,8 @@ import msgspec
 
 import harness as h
 from ficc.execution.host import sdk
-from ficc_provider_podman.account import processes_of
+from ficc_provider_podman import driver as podman_driver
+from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
 
 pytestmark = pytest.mark.podman("the driver runs real containers")
 
@@ -89,6 +90,52 @@ def test_a_real_job_passes_the_gate_runs_and_is_cleaned_up(w: h.World) -> None:
     finally:
         _finish(attempt)
     assert not os.path.exists(attempt.paths.root)
+
+
+def test_prepare_asks_podman_again_only_when_the_image_record_changed(
+    w: h.World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once Podman has confirmed the image in the slot's storage, a prepare that finds
+    the storage's image record file unchanged (and the account idle) runs no Podman
+    command; once the image is removed (the record changes) prepare goes back to
+    Podman, loads it again, and the job runs."""
+    commands: list[str] = []
+
+    def spy(account: SlotAccount, config: object, arguments: list[str], **kw: object) -> object:
+        commands.append(arguments[0])
+        return run_podman(account, config, arguments, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(podman_driver, "run_podman", spy)
+    plan = h.make_plan(w, ["/bin/true"], devices=())
+    first = h.new_attempt(w, plan)
+    try:
+        h.prepare(first)  # confirms (or loads) the image
+    finally:
+        _finish(first)
+    commands.clear()
+    second = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    try:
+        h.prepare(second)
+        assert commands == []
+    finally:
+        _finish(second)
+
+    slot = SlotAccount(w.slot.uid, w.slot.gid, w.slot.path)
+    image = w.image["image_id"].removeprefix("sha256:")
+    with slot_lock(slot.uid):
+        removed = run_podman(slot, w.driver.config, ["rmi", "--force", image])
+    assert removed.returncode == 0, removed.stderr
+    commands.clear()
+    third = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    try:
+        h.prepare(third)
+        assert commands == ["image", "load", "image"]
+        _, verdict = h.run_to_payload(third)
+        assert verdict.ok, verdict.failures
+        h.release_marker(third)
+        assert h.await_finished(third) == 0
+    finally:
+        _finish(third)
 
 
 def test_a_nonzero_exit_is_observed(w: h.World) -> None:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ficc_provider_podman import container
-from ficc_provider_podman.account import SlotAccount
+from ficc_provider_podman import driver as podman_driver
+from ficc_provider_podman.account import SlotAccount, processes_by_uid, processes_of
 from ficc_provider_podman.config import Config, load
 from ficc_provider_podman.errors import ProviderError
 from ficc_provider_podman.observe import parse_device_results
@@ -200,3 +202,39 @@ def test_device_nodes_are_expected_from_the_hosts_own_dev(mountinfo: str, expect
 def test_the_live_dev_type_is_read_from_this_process_mount_table() -> None:
     with open("/proc/self/mountinfo", encoding="utf-8") as table:
         assert container.host_dev_fs_type() == container.host_dev_fs_type(table.read())
+
+
+def test_rows_of_different_slots_run_at_the_same_time_and_keep_their_order(
+    tmp_path: Path,
+) -> None:
+    """Two slots' rows meet at a barrier: they can pass only if they run together. The
+    two rows of one slot run one after another, in order."""
+    driver = podman_driver.configure(_valid(tmp_path))
+    meeting = threading.Barrier(2, timeout=30)
+    order: list[int] = []
+
+    def row(context: dict[str, Any]) -> dict[str, Any]:
+        if context["n"] < 2:
+            meeting.wait()
+        order.append(context["n"])
+        return {"n": context["n"]}
+
+    contexts = [{"slot": {"uid": 1000 + n % 2}, "n": n} for n in range(4)]
+    replies = driver._per_slot(contexts, row)
+    assert [r["n"] for r in replies] == [0, 1, 2, 3]
+    assert order.index(0) < order.index(2)
+    assert order.index(1) < order.index(3)
+
+
+def test_a_row_without_a_usable_slot_fails_alone(tmp_path: Path) -> None:
+    driver = podman_driver.configure(_valid(tmp_path))
+    replies = driver.stop([{"slot": None}, {}])
+    assert [r["error"] for r in replies] == ["context_invalid", "context_invalid"]
+
+
+def test_one_walk_of_proc_finds_each_accounts_processes() -> None:
+    me = os.getuid()
+    found = processes_by_uid({me, 2**31})
+    assert os.getpid() in found[me]
+    assert 2**31 not in found
+    assert os.getpid() in processes_of(me)

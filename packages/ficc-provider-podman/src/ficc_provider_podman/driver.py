@@ -30,6 +30,7 @@ Methods:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -44,13 +45,15 @@ from ficc.execution import plan as planlib
 from ficc.execution.host import sdk
 from ficc_provider_podman import account as accounts
 from ficc_provider_podman import container, inputs, observe
-from ficc_provider_podman.account import SlotAccount, run_podman, slot_lock
+from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
 from ficc_provider_podman.barrier import barrier_path
 from ficc_provider_podman.config import Config, Image, check_files, load, sha256_of_fd
 from ficc_provider_podman.container import AttemptPaths
 from ficc_provider_podman.errors import ProviderError
 
 API_VERSION = 1
+MAX_PARALLEL_SLOTS = 8
+"""Slots of one batch whose rows run at the same time (prepare, stop, release)."""
 ISOLATION = "shared-kernel"
 NETWORK = "none"
 
@@ -91,6 +94,11 @@ def _row(fn: Callable[[_C], Reply], context: _C) -> Reply:
         return sdk.refusal("provider_failed", str(error)[:512])
 
 
+def _slot_key(context: Context) -> int:
+    """Rows of one slot account run one after another."""
+    return context.slot.uid
+
+
 def configure(configuration: Any) -> Driver:
     """Validate the administrator configuration; returns the driver (raises on refusal)."""
     return Driver(load(configuration))
@@ -104,9 +112,33 @@ class Driver:
         self._ready_reported: set[str] = set()
         self._payload_pid: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._images_seen: dict[tuple[int, str, str], _Fingerprint] = {}
+        """(slot uid, storage, image ID) -> the image record file as it was when
+        Podman last confirmed the image there (see `_image_unchanged`)."""
 
     def _each(self, contexts: Sequence[_C], fn: Callable[[_C], Reply]) -> list[Reply]:
         return [_row(fn, context) for context in contexts]
+
+    def _per_slot(self, contexts: Sequence[_C], fn: Callable[[_C], Reply]) -> list[Reply]:
+        """`_each`, with the rows of different slot accounts run at the same time (each
+        slot has its own account, storage and lock; its rows keep their order)."""
+        groups: dict[int, list[int]] = {}
+        for index, context in enumerate(contexts):
+            groups.setdefault(_slot_key(context), []).append(index)
+        if len(groups) < 2:
+            return self._each(contexts, fn)
+        unrun = sdk.refusal("provider_failed", "the row was not run")
+        replies: list[Reply] = [unrun] * len(contexts)
+
+        def run(indices: list[int]) -> None:
+            for index in indices:
+                replies[index] = _row(fn, contexts[index])
+
+        workers = min(len(groups), MAX_PARALLEL_SLOTS)
+        with concurrent.futures.ThreadPoolExecutor(workers, "ficc-podman-slot") as pool:
+            for done in [pool.submit(run, indices) for indices in groups.values()]:
+                done.result()
+        return replies
 
     # --- probe ---------------------------------------------------------------------
 
@@ -151,7 +183,7 @@ class Driver:
     # --- prepare -------------------------------------------------------------------
 
     def prepare(self, contexts: list[sdk.PrepareContext]) -> list[Reply]:
-        return self._each(contexts, self._prepare)
+        return self._per_slot(contexts, self._prepare)
 
     def _prepare(self, context: sdk.PrepareContext) -> Reply:
         check = context.check
@@ -270,7 +302,10 @@ class Driver:
 
     def _ensure_image(self, slot: SlotAccount, image: Image, check: Callable[[], Any]) -> None:
         """The pinned image in the slot's storage: verified by ID, loaded if missing."""
+        if self._image_unchanged(slot, image):
+            return
         if self._image_present(slot, image):
+            self._image_seen(slot, image)
             return
         fd = os.open(image.archive, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -298,6 +333,28 @@ class Driver:
                 "image_id_mismatch",
                 f"{image.archive} does not contain image {image.image_id}; re-pin the image",
             )
+        self._image_seen(slot, image)
+
+    def _image_seen(self, slot: SlotAccount, image: Image) -> None:
+        """Right after Podman confirmed the image (the account has no process left, so
+        nothing of it is writing the storage): remember its image record file."""
+        key = (slot.uid, slot.storage, image.image_id)
+        seen = _fingerprint(slot)
+        with self._lock:
+            if seen is None:
+                self._images_seen.pop(key, None)
+            else:
+                self._images_seen[key] = seen
+
+    def _image_unchanged(self, slot: SlotAccount, image: Image) -> bool:
+        """Whether Podman's answer for this image is still the one it gave: the storage's
+        image record file is the very file it was then (device, inode, size, mtime and
+        ctime, which no unprivileged process can set back), and the account has no
+        process that could be changing it. `podman image inspect` reads that same file,
+        so it could answer nothing else; any change sends prepare back to Podman."""
+        with self._lock:
+            seen = self._images_seen.get((slot.uid, slot.storage, image.image_id))
+        return seen is not None and seen == _fingerprint(slot) and not processes_of(slot.uid)
 
     def _image_present(self, slot: SlotAccount, image: Image) -> bool:
         found = run_podman(
@@ -329,9 +386,13 @@ class Driver:
     # --- observe -------------------------------------------------------------------
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._observe)
+        # One walk of /proc for the batch, before any exit status is read: an account
+        # with no process here and no exit status after has truly lost its runtime.
+        uids = {key for key in map(_slot_key, contexts) if isinstance(key, int)}
+        processes = accounts.processes_by_uid(uids)
+        return self._each(contexts, lambda context: self._observe(context, processes))
 
-    def _observe(self, context: Context) -> Reply:
+    def _observe(self, context: Context, processes: dict[int, list[int]]) -> Reply:
         slot = _account(context)
         paths = _paths(context)
         state = _read_state(paths)
@@ -340,7 +401,7 @@ class Driver:
             return _observed(sdk.Observation(phase="finished", exit_code=code))
         released = os.path.lexists(f"{paths.control}/{container.RELEASE_MARKER}")
         identity = (state.barrier_device, state.barrier_inode)
-        waiting = observe.barrier_processes(slot.uid, identity)
+        waiting = observe.barrier_processes(slot.uid, identity, processes.get(slot.uid, []))
         if len(waiting) > 1:
             raise ProviderError("runtime_report", f"several barrier processes: {waiting}")
         attempt = state.attempt_id
@@ -361,7 +422,7 @@ class Driver:
             known = self._payload_pid.get(attempt) or (waiting[0] if waiting else None)
         if released and known is not None:
             return _observed(sdk.Observation(phase="payload", pid=known))
-        if not accounts.processes_of(slot.uid):
+        if not processes.get(slot.uid):
             raise ProviderError(
                 "runtime_lost",
                 "no process of the attempt is left and no exit status was recorded",
@@ -371,7 +432,7 @@ class Driver:
     # --- stop, collect, release ----------------------------------------------------
 
     def stop(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._stop)
+        return self._per_slot(contexts, self._stop)
 
     def _stop(self, context: Context) -> Reply:
         accounts.kill_leftovers(_account(context).uid)
@@ -381,7 +442,7 @@ class Driver:
         return self._each(contexts, lambda _: sdk.reply(sdk.CollectReply(ok=True)))
 
     def release(self, contexts: list[Context]) -> list[Reply]:
-        return self._each(contexts, self._release)
+        return self._per_slot(contexts, self._release)
 
     def _release(self, context: Context) -> Reply:
         slot = _account(context)
@@ -421,6 +482,24 @@ def _remove_provider_files(paths: AttemptPaths) -> None:
     ):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name)
+
+
+# --- the slot's image record -----------------------------------------------------------
+
+_Fingerprint = tuple[int, int, int, int, int]
+IMAGE_RECORDS = "overlay-images/images.json"
+"""Where containers-storage (the overlay driver, storage.conf) lists its images."""
+
+
+def _fingerprint(slot: SlotAccount) -> _Fingerprint | None:
+    """Identity of the storage's image record file (no symlink followed at the end)."""
+    try:
+        st = os.stat(f"{slot.storage}/{IMAGE_RECORDS}", follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 # --- the provider's part of the attempt layout --------------------------------------

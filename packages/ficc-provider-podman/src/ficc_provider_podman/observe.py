@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 
 from ficc_provider_podman.account import processes_of
 from ficc_provider_podman.container import DEVICE_RESULTS
@@ -27,10 +28,13 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-def barrier_processes(uid: int, barrier: tuple[int, int]) -> list[int]:
-    """PIDs of the slot account that are executing the barrier right now."""
+def barrier_processes(
+    uid: int, barrier: tuple[int, int], pids: Sequence[int] | None = None
+) -> list[int]:
+    """PIDs of the slot account that are executing the barrier right now (among
+    `pids`, the account's processes if already read)."""
     found = []
-    for pid in processes_of(uid):
+    for pid in processes_of(uid) if pids is None else pids:
         try:
             st = os.stat(f"/proc/{pid}/exe")
         except OSError:

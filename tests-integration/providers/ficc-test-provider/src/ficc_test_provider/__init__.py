@@ -23,6 +23,8 @@ Two runtimes, chosen by the administrator configuration (`runtime`):
 
 If `call_log` names a file, every row of every driver call appends one line
 `<method> <attempt_id>` to it, so tests can count calls (e.g. "start never again").
+If `batch_log` names a file, every driver call appends one line `<method> <rows>`,
+so tests can see how the host grouped rows into calls.
 If `context_log` names a file, every row also appends one JSON line
 `{"method": ..., "context": ...}` with the context as received, as plain data (a
 callable, such as prepare's `check`, is written as the string "<callable>").
@@ -86,6 +88,9 @@ def configure(configuration: dict[str, Any]) -> Driver:
     context_log = configuration.get("context_log")
     if context_log is not None and not isinstance(context_log, str):
         raise ValueError("configuration 'context_log' must be a path")
+    batch_log = configuration.get("batch_log")
+    if batch_log is not None and not isinstance(batch_log, str):
+        raise ValueError("configuration 'batch_log' must be a path")
     if not isinstance(devices, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in devices.items()
     ):
@@ -110,6 +115,7 @@ def configure(configuration: dict[str, Any]) -> Driver:
     driver.context_log = context_log
     driver.offer = {k: frozenset(v) for k, v in offer.items() if v is not None}
     driver.defects = frozenset(defects)
+    driver.batch_log = batch_log
     return driver
 
 
@@ -157,12 +163,16 @@ class Driver:
         self.offer: dict[str, frozenset[str]] = {}
         self.defects: frozenset[str] = frozenset()
         self.released: set[str] = set()
+        self.batch_log: str | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def _each(self, contexts: Sequence[_C], row: Callable[[_C], Reply]) -> list[Reply]:
         return [row(context) for context in contexts]
 
     def _logged(self, method: str, contexts: Sequence[Context]) -> None:
+        if self.batch_log is not None:
+            with open(self.batch_log, "a", encoding="utf-8") as log:
+                log.write(f"{method} {len(contexts)}\n")
         if self.context_log is not None:
             with open(self.context_log, "a", encoding="utf-8") as log:
                 for context in contexts:

@@ -111,7 +111,7 @@ class RunnerPort(Protocol):
     def inputs_complete(self, attempt_id: str) -> None: ...
     def start_requested(self, attempt_ids: Sequence[str]) -> None: ...
     def stop_requested(self, attempt_ids: Sequence[str]) -> None: ...
-    async def release(self, attempt_id: str) -> None: ...
+    async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]: ...
 
 
 Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
@@ -535,7 +535,7 @@ async def release(
     A failed removal keeps that row's reservation and answers its error."""
     current = await ctx.workers.db(ctx.ledger.fenced, request.attempts)
     results: list[ledgerlib.AttemptRecord | HostError] = list(current)
-    to_apply: list[tuple[int, Fence]] = []
+    releasing: list[tuple[int, Fence, ledgerlib.AttemptRecord]] = []
     for index, (fence, record) in enumerate(zip(request.attempts, current, strict=True)):
         if isinstance(record, HostError):
             continue
@@ -544,14 +544,18 @@ async def release(
         except HostError as error:
             results[index] = error
             continue
-        if not step.changed:
-            continue  # already released: the record as it is
-        if record.slot_id is not None:
-            try:
-                await runner.release(record.attempt_id)
-            except HostError as error:
-                results[index] = error
-                continue
+        if step.changed:  # else already released: the record as it is
+            releasing.append((index, fence, record))
+    # The resources of every row go together, so the provider sees one batch.
+    holders = list(dict.fromkeys(r.attempt_id for _, _, r in releasing if r.slot_id is not None))
+    outcomes = await runner.release_batch(holders) if holders else []
+    removed = dict(zip(holders, outcomes, strict=True))
+    to_apply: list[tuple[int, Fence]] = []
+    for index, fence, record in releasing:
+        refusal = removed.get(record.attempt_id)
+        if refusal is not None:
+            results[index] = refusal
+            continue
         to_apply.append((index, fence))
     if to_apply:
         rows = [(fence, lifecycle.Release()) for _, fence in to_apply]

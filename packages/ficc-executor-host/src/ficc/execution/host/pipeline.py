@@ -20,9 +20,12 @@ blocks, and records every outcome in the ledger as a lifecycle event:
 
 Provider calls go through `_Batcher`: every row queued for the same (provider,
 method) in one turn of the event loop goes out as one driver call of at most 64 rows
-(providers.driver.call), bounded by a timeout. A timed-out call leaves its rows
-uncertain: `failed` for probe/prepare (no payload can have run), `unknown` for
-start/observe, never a replay.
+(providers.driver.call), bounded by a timeout. The rows of one request (prepare's
+probe and prepare, start, release) and of one monitor tick (observe) are a `Cohort`:
+held until each of its attempts has queued its row or dropped out, so they reach the
+provider as one call although the work before the call takes each a different time.
+A timed-out call leaves its rows uncertain: `failed` for probe/prepare (no payload can
+have run), `unknown` for start/observe, never a replay.
 
 Decisions (see also docs/operations.md):
 - `check()` (prepare) passes while the record is still `prepared`, its lease is
@@ -185,8 +188,17 @@ class _Batcher:
             loop.call_soon(self._flush, (provider, method))
         return await future
 
+    def cohort(self, size: int) -> Cohort:
+        """`size` rows that belong together (see `Cohort`)."""
+        return Cohort(self, size)
+
     def _flush(self, key: tuple[str, str]) -> None:
-        rows = self._pending.pop(key, [])
+        self.submit(key, self._pending.pop(key, []))
+
+    def submit(
+        self, key: tuple[str, str], rows: list[tuple[sdk.Context, asyncio.Future[Any]]]
+    ) -> None:
+        """Send `rows` now, in driver calls of at most 64 rows."""
         for start in range(0, len(rows), MAX_BATCH):
             task = asyncio.get_running_loop().create_task(
                 self._run(key, rows[start : start + MAX_BATCH])
@@ -217,6 +229,65 @@ class _Batcher:
         for (_, future), result in zip(rows, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+
+class Cohort:
+    """Rows of one request (or one monitor tick) that reach the provider as one call.
+
+    Each member does its own work first (ledger reads, staging, creating its service),
+    which takes each a different time, so their provider calls would otherwise land in
+    different loop turns and go out one row at a time. A cohort holds the rows of each
+    (provider, method) until every member has either queued its row or left, then
+    sends them together. Each member takes a `Ticket`, calls through it at most once,
+    and closes it when done (`with cohort.ticket() as ticket:`), so a member that
+    fails before its call never holds the others back.
+    """
+
+    def __init__(self, batcher: _Batcher, size: int) -> None:
+        self._batcher = batcher
+        self._outstanding = size
+        self._rows: dict[tuple[str, str], list[tuple[sdk.Context, asyncio.Future[Any]]]] = {}
+
+    def ticket(self) -> Ticket:
+        return Ticket(self)
+
+    def _queue(self, provider: str, method: str, context: sdk.Context) -> asyncio.Future[Any]:
+        future: asyncio.Future[RowResult] = asyncio.get_running_loop().create_future()
+        self._rows.setdefault((provider, method), []).append((context, future))
+        self._leave()
+        return future
+
+    def _leave(self) -> None:
+        self._outstanding -= 1
+        if self._outstanding <= 0:
+            rows, self._rows = self._rows, {}
+            for key, queued in rows.items():
+                self._batcher.submit(key, queued)
+
+
+class Ticket:
+    """One member's single use of a `Cohort` (a context manager that leaves on exit)."""
+
+    def __init__(self, cohort: Cohort) -> None:
+        self._cohort: Cohort | None = cohort
+
+    async def call(self, provider: str, method: str, context: sdk.Context) -> RowResult:
+        cohort, self._cohort = self._cohort, None
+        if cohort is None:
+            raise RuntimeError("a cohort ticket is used once")
+        result: RowResult = await cohort._queue(provider, method, context)
+        return result
+
+    def close(self) -> None:
+        cohort, self._cohort = self._cohort, None
+        if cohort is not None:
+            cohort._leave()
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
 
 # --- one attempt, as the runner sees it ---------------------------------------------
@@ -275,6 +346,10 @@ class Runner:
         self._reaper: reaper.Keeper | None = None
         self._deadlines: dict[str, tuple[str, int]] = {}
         """attempt ID -> (service, lease deadline) as last written for the reaper."""
+        self._beat: asyncio.Future[None] | None = None
+        """The next shared observation instant of starts (see `_next_observation`)."""
+        self._observe_cost = 0.0
+        """Seconds the last observe call of a waiting start took."""
 
     # --- the contract with the handlers -------------------------------------------
 
@@ -286,11 +361,12 @@ class Runner:
         self._spawn(self._prepare_all([attempt_id]))
 
     def start_requested(self, attempt_ids: Sequence[str]) -> None:
-        for attempt_id in attempt_ids:
-            self._watch.add(attempt_id)
-            if attempt_id in self._starting:
-                continue  # already in the pipeline: a second start never starts twice
-            task = self._spawn(self._start(attempt_id))
+        self._watch.update(attempt_ids)
+        # one already in the pipeline is left alone: a second start never starts twice
+        fresh = [a for a in dict.fromkeys(attempt_ids) if a not in self._starting]
+        cohort = self._batcher.cohort(len(fresh))
+        for attempt_id in fresh:
+            task = self._spawn(self._start(attempt_id, cohort.ticket()))
             self._starting[attempt_id] = task
             task.add_done_callback(functools.partial(self._start_done, attempt_id))
 
@@ -299,6 +375,28 @@ class Runner:
         self._monitor.wake()
 
     async def release(self, attempt_id: str) -> None:
+        (outcome,) = await self.release_batch([attempt_id])
+        if outcome is not None:
+            raise outcome
+
+    async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
+        """Release these attempts together (one provider call where they share a
+        provider); per attempt, None or the HostError that kept its resources."""
+        cohort = self._batcher.cohort(len(attempt_ids))
+        outcomes = await asyncio.gather(
+            *(self._release_one(a, cohort.ticket()) for a in attempt_ids),
+            return_exceptions=True,
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, HostError):
+                raise outcome
+        return [o if isinstance(o, HostError) else None for o in outcomes]
+
+    async def _release_one(self, attempt_id: str, ticket: Ticket) -> None:
+        with ticket:
+            await self._release_resources(attempt_id, ticket)
+
+    async def _release_resources(self, attempt_id: str, ticket: Ticket) -> None:
         record = await self._db(self._ctx.ledger.get, attempt_id)
         if record is None:
             raise HostError(ErrorCode.UNKNOWN_ATTEMPT, "no such attempt")
@@ -308,7 +406,7 @@ class Runner:
         context = await self._later_context(attempt)  # the binding, verified while it exists
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
-        result = await self._batcher.call(attempt.provider, "release", context)
+        result = await ticket.call(attempt.provider, "release", context)
         if not result.ok:
             raise _row_error(result, "release")
         _decoded(result, "release", sdk.ReleaseReply)
@@ -480,8 +578,11 @@ class Runner:
         self._again.update(a for a in wanted if a in self._preparing)
         fresh = [a for a in wanted if a not in self._preparing]
         self._preparing.update(fresh)
+        probes, prepares = self._batcher.cohort(len(fresh)), self._batcher.cohort(len(fresh))
         try:
-            await _gather_logged(self._prepare_one(a) for a in fresh)
+            await _gather_logged(
+                self._prepare_one(a, probes.ticket(), prepares.ticket()) for a in fresh
+            )
         finally:
             self._preparing.difference_update(fresh)
             again = [a for a in fresh if a in self._again]
@@ -489,7 +590,13 @@ class Runner:
             if again and not self._closing:
                 self._spawn(self._prepare_all(again))
 
-    async def _prepare_one(self, attempt_id: str) -> None:
+    async def _prepare_one(self, attempt_id: str, probe: Ticket, prepare: Ticket) -> None:
+        """One attempt of a batch; its tickets let its probe and prepare rows go out
+        with the batch's others."""
+        with probe, prepare:
+            await self._prepare_staged(attempt_id, probe, prepare)
+
+    async def _prepare_staged(self, attempt_id: str, probe: Ticket, prepare: Ticket) -> None:
         record = await self._db(self._ctx.ledger.get, attempt_id)
         status = record.status if record is not None else None
         if record is None or status is None or status.state != "prepared":
@@ -503,7 +610,7 @@ class Runner:
             await self._refused(record, lifecycle.PrepareFailed(reason=error.code), error)
             return
         if inputs_ready:
-            await self._provider_prepare(attempt)
+            await self._provider_prepare(attempt, probe, prepare)
 
     async def _restage(self, record: AttemptRecord) -> None:
         """After a restart: staging of a ready attempt, without calling its provider."""
@@ -537,7 +644,9 @@ class Runner:
                 return False
         return all(s.complete and s.failed is None for s in states)
 
-    async def _provider_prepare(self, attempt: _Attempt) -> None:
+    async def _provider_prepare(
+        self, attempt: _Attempt, probe_ticket: Ticket, prepare_ticket: Ticket
+    ) -> None:
         if not await self._apply(attempt.record, lifecycle.PrepareBegun()):
             return
         refusals: list[HostError] = []
@@ -545,20 +654,22 @@ class Runner:
             storage = await self._io(_verified_storage, attempt)
             inputs = await self._inputs(attempt)
             context = self._context(attempt, storage, inputs)
-            probe = await self._batcher.call(attempt.provider, "probe", context)
+            probe = await probe_ticket.call(attempt.provider, "probe", context)
             if not probe.ok or not _decoded(probe, "probe", sdk.ProbeReply).ok:
                 raise _row_error(probe, "probe")
             check = self._checker(attempt.id, refusals)
             prepare_context = sdk.PrepareContext(**msgspec.structs.asdict(context), check=check)
-            prepared = await self._batcher.call(attempt.provider, "prepare", prepare_context)
+            prepared = await prepare_ticket.call(attempt.provider, "prepare", prepare_context)
             if not prepared.ok:
                 raise refusals[0] if refusals else _row_error(prepared, "prepare")
             result = decode_prepare_result(prepared.reply)
             await self._io(check_prepare_result, result, attempt.plan)
         except HostError as error:
+            prepare_ticket.close()  # the batch's other rows need not wait for this record
             await self._refused(attempt.record, lifecycle.PrepareFailed(reason=error.code), error)
             return
         except Exception:
+            prepare_ticket.close()
             _log.exception("attempt %s: preparation failed unexpectedly", attempt.id)
             await self._apply(attempt.record, lifecycle.PrepareFailed(reason=INTERNAL_ERROR))
             return
@@ -600,7 +711,13 @@ class Runner:
 
     # --- start --------------------------------------------------------------------
 
-    async def _start(self, attempt_id: str) -> None:
+    async def _start(self, attempt_id: str, ticket: Ticket) -> None:
+        """One attempt of a start batch; its ticket lets its provider start go out
+        with the batch's others."""
+        with ticket:
+            await self._start_attempt(attempt_id, ticket)
+
+    async def _start_attempt(self, attempt_id: str, ticket: Ticket) -> None:
         record = await self._db(self._ctx.ledger.get, attempt_id)
         if record is None or record.status.state != "starting":
             return
@@ -608,7 +725,7 @@ class Runner:
             return  # the monitor stops it; nothing was created
         attempt = await self._attempt(record)
         try:
-            await self._start_pipeline(attempt)
+            await self._start_pipeline(attempt, ticket)
         except _Aborted:
             await self._stop_service(attempt)
         except _Uncertain as uncertain:
@@ -624,14 +741,18 @@ class Runner:
             await self._stop_service(attempt)
             await self._apply(record, lifecycle.StartFailed(reason=INTERNAL_ERROR))
 
-    async def _start_pipeline(self, attempt: _Attempt) -> None:
-        result = await self._prepared(attempt)
-        inputs = await self._inputs(attempt)
-        for capability in inputs:
-            await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
-        handle = await self._create_service(attempt, result)
-        context = await self._later_context(attempt, verify=True, inputs=inputs)
-        started = await self._batcher.call(attempt.provider, "start", context)
+    async def _start_pipeline(self, attempt: _Attempt, ticket: Ticket) -> None:
+        try:
+            result = await self._prepared(attempt)
+            inputs = await self._inputs(attempt)
+            for capability in inputs:
+                await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
+            handle = await self._create_service(attempt, result)
+            context = await self._later_context(attempt, verify=True, inputs=inputs)
+        except BaseException:
+            ticket.close()  # the batch's other rows need not wait for this one's stop
+            raise
+        started = await ticket.call(attempt.provider, "start", context)
         if started.code == PROVIDER_TIMEOUT:
             raise _Uncertain(PROVIDER_TIMEOUT)
         if not started.ok:
@@ -805,7 +926,9 @@ class Runner:
         furthest = "waiting"
         while True:
             self._check_abort(attempt)
+            began = time.monotonic()
             result = await self._batcher.call(attempt.provider, "observe", context)
+            self._observe_cost = time.monotonic() - began
             if result.code == PROVIDER_TIMEOUT:
                 raise _Uncertain(PROVIDER_TIMEOUT)
             seen = _observation(result)
@@ -827,7 +950,21 @@ class Runner:
             if seen.phase == "ready" and furthest == "waiting":
                 furthest = "ready"
             else:
-                await asyncio.sleep(self._settings.observe_interval)
+                await self._next_observation()
+
+    async def _next_observation(self) -> None:
+        """Wait `observe_interval`, on a beat shared by every start waiting for its
+        payload: they wake in the same loop turn, so their observe rows go out as one
+        provider call (one walk of the provider's process table instead of one each)."""
+        beat = self._beat
+        if beat is None or beat.done():
+            loop = asyncio.get_running_loop()
+            beat = self._beat = loop.create_future()
+            # Observing many attempts costs more per call: the pause grows with the last
+            # call's duration, so observation takes at most a fifth of a thread.
+            pause = max(self._settings.observe_interval, 4 * self._observe_cost)
+            loop.call_later(pause, _settle_beat, beat)
+        await asyncio.shield(beat)
 
     def _run_gate(
         self, attempt: _Attempt, result: PrepareResult, handle: ServiceHandle, pid: int
@@ -932,12 +1069,17 @@ class Runner:
             await self._apply(record, lifecycle.Stopped())
 
     async def observe(self, records: Sequence[AttemptRecord]) -> None:
-        await _gather_logged(self._observe_one(r) for r in records)
+        cohort = self._batcher.cohort(len(records))
+        await _gather_logged(self._observe_one(r, cohort.ticket()) for r in records)
 
-    async def _observe_one(self, record: AttemptRecord) -> None:
+    async def _observe_one(self, record: AttemptRecord, ticket: Ticket) -> None:
+        with ticket:
+            await self._observe_record(record, ticket)
+
+    async def _observe_record(self, record: AttemptRecord, ticket: Ticket) -> None:
         attempt = await self._attempt(record)
         context = await self._later_context(attempt)
-        result = await self._batcher.call(attempt.provider, "observe", context)
+        result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
             await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
             return
@@ -1070,6 +1212,11 @@ def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
         raise HostError(
             "service_limits", "the service does not enforce the plan: " + "; ".join(wrong)
         )
+
+
+def _settle_beat(beat: asyncio.Future[None]) -> None:
+    if not beat.done():
+        beat.set_result(None)
 
 
 async def _gather_logged(jobs: Any) -> None:

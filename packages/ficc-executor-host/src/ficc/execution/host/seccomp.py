@@ -33,6 +33,7 @@ import errno
 import os
 import platform
 import struct
+import threading
 import time
 from typing import Annotated
 
@@ -215,8 +216,31 @@ def action(filters: SeccompFilters, data: bytes) -> int:
     return min(results, key=signed) & _RET_ACTION_FULL
 
 
+_JUDGED: dict[SeccompFilters, tuple[str, ...]] = {}
+_JUDGED_MAX = 32
+_judged_lock = threading.Lock()
+
+
 def allowed_calls(filters: SeccompFilters) -> list[str]:
-    """The MUST_DENY calls (of the filters' machine) that the filters do not deny."""
+    """The MUST_DENY calls (of the filters' machine) that the filters do not deny.
+
+    The answer depends on the programs alone, and every container of one runtime gets
+    the same programs, so an answer is kept (for the last few distinct filter sets) and
+    not worked out again: interpreting a few hundred instructions for every call of the
+    list costs tens of milliseconds in this interpreter, on every start.
+    """
+    with _judged_lock:
+        known = _JUDGED.get(filters)
+    if known is None:
+        known = tuple(_judge(filters))
+        with _judged_lock:
+            while len(_JUDGED) >= _JUDGED_MAX:
+                del _JUDGED[next(iter(_JUDGED))]
+            _JUDGED[filters] = known
+    return list(known)
+
+
+def _judge(filters: SeccompFilters) -> list[str]:
     calls = MUST_DENY.get(filters.machine)
     if calls is None:
         raise BadProgram(f"no list of calls to deny for machine {filters.machine!r}")

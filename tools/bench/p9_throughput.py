@@ -1,0 +1,276 @@
+"""P9: many jobs at once, N short attempts in N slots of one class, N = 8 and 32.
+
+Value: through the real daemon with the real Podman provider (attempt_support.podman_host
+with 32 slots of one class, every slot a real slot filesystem and its own account), one
+forked client as the transport account does what a controller would, in batches: ONE
+`prepare` request of N rows, `observe` of the N fences (one request, every 50 ms) until
+all are ready, ONE `start` of N rows, `observe` until all are terminal with their
+cleanup confirmed, ONE `release` of N rows. Timed from sending prepare to the release
+reply. Payloads: `/bin/true`, and `/bin/sleep 2`.
+
+Baseline: N `podman run --rm` of the same image with the provider's isolation flags
+(attempt_support.bare_argv), one per slot account in its own storage, all started at
+once; timed from the first spawn until the last exits. Removing each account's pause
+process afterwards is not timed.
+
+Also reported: the daemon's CPU seconds per attempt over the timed round, from
+/proc/PID/stat: its own threads (utime + stime), and with what its reaped children
+used added (cutime + cstime: each service's main process, i.e. the `podman run` of
+the job itself, and the provider's own Podman commands). Their baseline is the CPU
+of one bare `podman run` (getrusage of this process's reaped children); conmon and
+the containers are re-parented and counted on neither side.
+
+Rounds: one untimed warm-up round of 32 (it loads the image into every slot's Podman
+storage), then for each payload and N: rounds alternating attempt and baseline, the
+median of 1 (quick) or 3. Target: attempt / baseline at most 1.5x at both N.
+
+Set FICC_BENCH_PYSPY=FILE to record the daemon with `py-spy record --format raw`
+(collapsed stacks, on-CPU samples only) during the timed rounds.
+
+Where the time went before the batching work (2026-12-01, one quick round per case:
+8 x `true` 3.9x, 32 x `true` 4.0x, 8 x `sleep 2` 2.1x, 32 x `sleep 2` 3.5x; the
+daemon's own threads 0.25-0.34 CPU s per attempt, about what a bare `podman run`
+costs): start to settled alone was 2.2-2.5x the whole baseline, release 0.8x (one
+`podman rm` after another), prepare to ready 0.7x (one `podman image inspect` after
+another). The rows of one request reached the provider one at a time: each
+attempt's work before its call takes a different time. py-spy on the daemon during
+all four cases (`FICC_BENCH_PYSPY`, 200 Hz), as shares of the samples where a daemon
+thread was busy: the provider's `observe`, every 10 ms for every starting attempt,
+each row walking all of /proc for its account 20%; the payload gate interpreting the
+same seccomp filter (a few hundred BPF instructions, ~115 evaluations) for every
+attempt 17%; the host's cleanup check reading the status of every task on the host
+per attempt 13%; ledger 8%; socket server 8%; the rest of the gate 6%; reading
+service members 5%; creating services 4%; the provider's Podman commands 4% (most
+of their cost is the Podman processes themselves, outside the daemon).
+
+Needs root, podman, runc and busybox-static; creates and removes its own accounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import attempt_support as p6
+from figures import Figure
+
+import harness as h
+import podman_support as ps
+from ficc.execution.client import Client
+from ficc.execution.protocol import (
+    Fence,
+    ObserveRequest,
+    PrepareAttempt,
+    PrepareRequest,
+    ReleaseRequest,
+    StartRequest,
+)
+from ficc.execution.wire import AttemptRow, ErrorReply, ErrorRow
+from ficc_provider_podman import config as podman_config
+from ficc_provider_podman.account import SlotAccount
+
+SIZES = (8, 32)
+PAYLOADS = {"true": ("/bin/true",), "sleep 2": ("/bin/sleep", "2")}
+SLOT_BYTES = 128 * 1024 * 1024
+POLL_S = 0.05
+"""A controller's pace for a batch (P6, one attempt, polls every 10 ms)."""
+PHASE_TIMEOUT_S = 300.0
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(own utime+stime, reaped children's cutime+cstime) of `pid`, in seconds."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
+
+
+def _batched_round(world: ps.PodmanWorld, count: int, payload: tuple[str, ...]) -> dict[str, float]:
+    """One timed round of `count` attempts through the daemon (see the docstring)."""
+    plans = [p6.true_plan(world, payload) for _ in range(count)]
+    expires = h.now_ms() + 300_000
+    request = PrepareRequest(
+        version=1,
+        id=h.new_id(),
+        **world.bindings(),
+        attempts=[PrepareAttempt(plan=p, lease=h.renewal(p, 1, expires)) for p in plans],
+    )
+    socket = world.socket
+    pid = world.process.process.pid  # type: ignore[union-attr]
+    own, children = _cpu_seconds(pid)
+    raw = h.run_as(
+        world.transport, lambda: json.dumps(asyncio.run(_round(socket, request))).encode()
+    )
+    own_after, children_after = _cpu_seconds(pid)
+    result = json.loads(raw)
+    world.plans.clear()
+    if result.pop("error"):
+        for plan in plans:
+            world.finish(plan)
+        raise RuntimeError(f"the benchmark round did not finish: {raw!r}")
+    result["cpu_own"] = own_after - own
+    result["cpu_children"] = children_after - children
+    return result
+
+
+async def _round(socket: str, prepare: PrepareRequest) -> dict[str, object]:
+    """Runs in the transport account's child: the timed round."""
+    client = Client(socket, read_timeout=PHASE_TIMEOUT_S)
+    fences = [h.fence(a.plan) for a in prepare.attempts]
+    began = time.perf_counter()
+    _rows(await client.request(prepare))
+    ready = await _poll(client, fences, lambda r: r.ready or r.state != "prepared")
+    readied = time.perf_counter()
+    _rows(await client.request(StartRequest(version=1, id=h.new_id(), attempts=fences)))
+    done = await _poll(client, fences, lambda r: r.state in ps.TERMINAL and r.cleanup_confirmed)
+    finished = time.perf_counter()
+    released = _rows(
+        await client.request(ReleaseRequest(version=1, id=h.new_id(), attempts=fences))
+    )
+    ended = time.perf_counter()
+    error = None
+    if any((r.state, r.ready) != ("prepared", True) for r in ready):
+        error = f"not ready: {[r for r in ready if not r.ready][:1]}"
+    elif any((r.state, r.exit_code) != ("succeeded", 0) for r in done):
+        error = f"not succeeded: {[r for r in done if r.exit_code != 0][:1]}"
+    elif any(r.state != "released" for r in released):
+        error = f"not released: {released[:1]}"
+    return {
+        "whole": ended - began,
+        "prepare_to_ready": readied - began,
+        "start_to_settled": finished - readied,
+        "release": ended - finished,
+        "error": error,
+    }
+
+
+async def _poll(
+    client: Client, fences: list[Fence], accept: Callable[[AttemptRow], bool]
+) -> list[AttemptRow]:
+    deadline = time.monotonic() + PHASE_TIMEOUT_S
+    while True:
+        request = ObserveRequest(version=1, id=h.new_id(), attempts=fences)
+        rows = _rows(await client.request(request))
+        if all(accept(r) for r in rows):
+            return rows
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no progress within {PHASE_TIMEOUT_S} s: {rows[:2]}")
+        await asyncio.sleep(POLL_S)
+
+
+def _rows(reply: object) -> list[AttemptRow]:
+    if isinstance(reply, ErrorReply):
+        raise RuntimeError(f"refused: {reply.error.code}: {reply.error.message}")
+    found = []
+    for row in reply.results:  # type: ignore[attr-defined]
+        if isinstance(row, ErrorRow):
+            raise RuntimeError(f"row refused: {row.error.code}: {row.error.message}")
+        assert isinstance(row, AttemptRow), row
+        found.append(row)
+    return found
+
+
+def _bare_round(world: ps.PodmanWorld, count: int, payload: tuple[str, ...]) -> tuple[float, float]:
+    """`count` bare `podman run --rm`, one per slot account, started at once: (seconds,
+    CPU seconds of the reaped `podman run` processes)."""
+    config = podman_config.load(world.layout.document["providers"][0]["configuration"])
+    slots = [
+        SlotAccount(account.uid, account.gid, str(path))
+        for account, path in zip(world.slots, world.layout.slot_paths, strict=True)
+    ][:count]
+    argvs = [p6.bare_argv(slot, config, world.image, payload) for slot in slots]
+    cpu = _children_cpu()
+    start = time.perf_counter()
+    children = [
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=slot.home)
+        for argv, slot in zip(argvs, slots, strict=True)
+    ]
+    statuses = [child.wait() for child in children]
+    elapsed = time.perf_counter() - start
+    cpu = _children_cpu() - cpu
+    for slot in slots:
+        p6.bare_cleanup(slot)
+    if any(statuses):
+        raise RuntimeError(f"a bare podman run failed: {statuses}")
+    return elapsed, cpu
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@contextlib.contextmanager
+def _profiled(pid: int) -> Iterator[None]:
+    """py-spy on the daemon while the block runs, when FICC_BENCH_PYSPY names a file."""
+    target = os.environ.get("FICC_BENCH_PYSPY")
+    if not target:
+        yield
+        return
+    argv = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200"]
+    spy = subprocess.Popen([*argv, "--threads", "--output", target], stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+
+
+def _figures(
+    label: str, count: int, rounds: Sequence[dict[str, float]], bares: Sequence[tuple[float, float]]
+) -> list[Figure]:
+    baseline = statistics.median(b[0] for b in bares)
+    bare_cpu = statistics.median(b[1] for b in bares) / count
+    whole = statistics.median(r["whole"] for r in rounds)
+    cpu = statistics.median(r["cpu_own"] for r in rounds) / count
+    cpu_children = statistics.median(r["cpu_children"] for r in rounds) / count
+    phases = {
+        k: statistics.median(r[k] for r in rounds)
+        for k in ("prepare_to_ready", "start_to_settled", "release")
+    }
+    name = f"{count} x `{label}` batched via daemon vs {count} podman run"
+    figures = [Figure("P9", name, whole * 1000, "ms", baseline * 1000, whole / baseline, 1.5)]
+    for phase, value in phases.items():
+        figures.append(
+            Figure("P9", f"  {phase}", value * 1000, "ms", baseline * 1000, value / baseline)
+        )
+    figures.append(
+        Figure("P9", "  daemon CPU s per attempt (own threads)", cpu, "s", bare_cpu, cpu / bare_cpu)
+    )
+    figures.append(
+        Figure(
+            "P9",
+            "  + its reaped children (shims, podman runs, provider's podman)",
+            cpu + cpu_children,
+            "s",
+            bare_cpu,
+            (cpu + cpu_children) / bare_cpu,
+        )
+    )
+    return figures
+
+
+def run(quick: bool) -> list[Figure]:
+    repeat = 1 if quick else 3
+    figures: list[Figure] = []
+    with p6.podman_host(slots=max(SIZES), slot_bytes=SLOT_BYTES) as world:
+        pid = world.process.process.pid  # type: ignore[union-attr]
+        _batched_round(world, max(SIZES), PAYLOADS["true"])  # loads the image: not timed
+        with _profiled(pid):
+            for label, payload in PAYLOADS.items():
+                for count in SIZES:
+                    rounds, bares = [], []
+                    for _ in range(repeat):
+                        rounds.append(_batched_round(world, count, payload))
+                        bares.append(_bare_round(world, count, payload))
+                    figures += _figures(label, count, rounds, bares)
+    return figures
