@@ -35,20 +35,27 @@ def write_root_file(path: Path, data: bytes) -> Path:
 
 
 def run_kit(
-    layout: Layout, provider_id: str, site: Path, plan: Plan, configuration: dict[str, Any]
+    layout: Layout,
+    provider_id: str,
+    site: Path,
+    plan: Plan,
+    configuration: dict[str, Any],
+    *extra: str,
+    pin: str | None = None,
 ) -> tuple[int, dict[str, dict[str, Any]], str]:
     """The kit's command on a copy of `layout`'s configuration whose provider has
-    `configuration`; (exit status, outcomes by rule, stderr)."""
+    `configuration` (and `pin`, if given); (exit status, outcomes by rule, stderr)."""
     document = dict(layout.document)
     (provider,) = [p for p in document["providers"] if p["id"] == provider_id]
-    document["providers"] = [{**provider, "configuration": configuration}]
+    pinned = {"package_digest": pin} if pin else {}
+    document["providers"] = [{**provider, **pinned, "configuration": configuration}]
     name = new_id()
     config = write_root_file(layout.base / f"kit-{name}.json", json.dumps(document).encode())
     plan_file = write_root_file(layout.base / f"plan-{name}.json", msgspec.json.encode(plan))
     command = [
         sys.executable, "-m", "ficc.execution.host.conformance", "--config", str(config),
         "--provider", provider_id, "--provider-path", str(site), "--plan", str(plan_file),
-        "--json", "--timeout", "60",
+        "--json", "--timeout", "60", *extra,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     outcomes = {o["rule"]: o for o in json.loads(done.stdout)} if done.stdout else {}
@@ -123,6 +130,26 @@ def test_a_broken_provider_fails_the_rule_it_breaks(
     failed = {r: o["message"] for r, o in outcomes.items() if not o["passed"]}
     assert set(failed) == {rule}, failed
     assert words in failed[rule]
+
+
+def test_a_wrong_pin_refuses_to_run_unless_the_run_is_unpinned(
+    layout: Layout, provider: InstalledProvider
+) -> None:
+    """The kit loads the provider exactly as the daemon does; `--unpinned` is the
+    development escape hatch, which still verifies the installed files."""
+    plan = kit_plan(layout, provider)
+    configuration = {"runtime": "service", **TEST_OFFER}
+    wrong = "sha256:" + "0" * 64
+    status, outcomes, stderr = run_kit(
+        layout, "test", provider.site, plan, configuration, pin=wrong
+    )
+    assert (status, outcomes) == (2, {})
+    assert "cannot run: provider_digest_mismatch" in stderr
+    status, outcomes, stderr = run_kit(
+        layout, "test", provider.site, plan, configuration, "--unpinned", pin=wrong
+    )
+    assert status == 0, stderr
+    assert all(o["passed"] for o in outcomes.values())
 
 
 def test_a_provider_that_refuses_nothing_fails_the_probe_rules(kit: Run) -> None:

@@ -49,3 +49,13 @@ def test_a_configuration_that_cannot_be_read_cannot_run(
     argv = ["--config", missing, "--provider", "test", "--plan", missing]
     assert conformance.main(argv) == 2
     assert capsys.readouterr().err.startswith("conformance: cannot run: ")
+
+
+def test_the_command_has_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--help", "--version"):
+        with pytest.raises(SystemExit) as exited:
+            conformance.main([flag])
+        assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "--unpinned" in out
+    assert out.rstrip().splitlines()[-1].startswith("ficc-executor ")

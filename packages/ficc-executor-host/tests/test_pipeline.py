@@ -73,6 +73,7 @@ BIG = 2**40
 SLOT_BYTES = 256 << 20
 SLOT_INODES = 10_000
 HOLD = {"FICC_TEST_PROVIDER_HOLD": "1"}
+MALFORMED = "FICC_TEST_PROVIDER_MALFORMED"
 FAST = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.02)
 
 
@@ -855,6 +856,46 @@ def test_an_unavailable_provider_fails_preparation(world: World) -> None:
     status = world.record(fence.attempt_id).status
     assert (status.state, status.reason) == ("failed", "provider_unavailable")
     assert world.installed.calls("probe", fence.attempt_id) == 0
+
+
+@pytest.mark.parametrize("method", ["probe", "start"])
+def test_a_reply_the_sdk_would_not_build_fails_the_attempt_as_malformed(
+    world: World, method: str
+) -> None:
+    """Probe and start replies are decoded with the SDK's Structs: `{"ok": "yes"}` is
+    not a probe failure and `{"started": "yes"}` never reaches the gate."""
+    fence = world.admit(world.plan(environment={MALFORMED: method}))
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            if method == "start":
+                await until(state_of(world, attempt_id), "ready")
+                world.start(fence)
+                runner.start_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "failed and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("failed", "provider_malformed")
+    assert world.installed.calls("observe", attempt_id) == 0
+
+
+def test_a_malformed_release_reply_keeps_the_attempt_unreleased(world: World) -> None:
+    fence = world.admit(world.plan(devices=("gpu",), environment={MALFORMED: "release"}))
+    attempt_id = fence.attempt_id
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "failed and cleaned")
+            with pytest.raises(HostError) as refused:
+                await runner.release(attempt_id)
+            assert refused.value.code == "provider_malformed"
+
+    asyncio.run(scenario())
+    assert world.attempt_dir(attempt_id).exists()  # nothing removed after the bad reply
 
 
 # --- no-resource records -------------------------------------------------------------------

@@ -40,6 +40,8 @@ failing): `prepare_ignores_check` (prepare goes on when check() refuses) and
 
 Failures a plan can ask for through its payload environment (TEST ONLY):
 `FICC_TEST_PROVIDER_PROBE=fail` makes probe answer `ok: false`;
+`FICC_TEST_PROVIDER_MALFORMED=<method>` (probe, start or release) makes that method
+answer a reply the SDK would not build (`{"<field>": "yes"}`);
 `FICC_TEST_PROVIDER_HANG=<method>:<seconds>` makes that method's row block for that
 long before answering, standing in for a hung provider.
 """
@@ -131,11 +133,20 @@ def _attempt(context: Context) -> str:
 
 DEFECTS = frozenset({"prepare_ignores_check", "release_not_idempotent"})
 PROBE_VARIABLE = "FICC_TEST_PROVIDER_PROBE"
+MALFORMED_VARIABLE = "FICC_TEST_PROVIDER_MALFORMED"
+_MALFORMED = {"probe": {"ok": "yes"}, "start": {"started": "yes"}, "release": {"released": "yes"}}
 HANG_VARIABLE = "FICC_TEST_PROVIDER_HANG"
 
 
 def _environment(context: Context) -> dict[str, str]:
     return dict(context.plan.job.payload.environment)
+
+
+def _malformed(method: str, context: Context) -> Reply | None:
+    """The malformed reply the plan asks `method` for, if it asks."""
+    if _environment(context).get(MALFORMED_VARIABLE) == method:
+        return dict(_MALFORMED[method])
+    return None
 
 
 def _hang(method: str, contexts: Sequence[Context]) -> None:
@@ -194,6 +205,9 @@ class Driver:
         return None
 
     def _release(self, context: Context) -> Reply:
+        malformed = _malformed("release", context)
+        if malformed is not None:
+            return malformed
         if "release_not_idempotent" in self.defects:
             if context.attempt_id in self.released:
                 return sdk.refusal("not_prepared", "this attempt was released already")
@@ -206,6 +220,9 @@ class Driver:
         def row(context: Context) -> Reply:
             if _environment(context).get(PROBE_VARIABLE) == "fail":
                 return sdk.reply(sdk.ProbeReply(ok=False))
+            malformed = _malformed("probe", context)
+            if malformed is not None:
+                return malformed
             runtime = context.plan.job.runtime
             for key, value, code in (
                 ("images", runtime.image_digest, "image_unknown"),
@@ -408,7 +425,9 @@ class ServiceDriver(Driver):
 
     def start(self, contexts: list[Context]) -> list[Reply]:
         self._logged("start", contexts)
-        return self._each(contexts, lambda _: sdk.reply(sdk.StartReply(started=True)))
+        return self._each(
+            contexts, lambda c: _malformed("start", c) or sdk.reply(sdk.StartReply(started=True))
+        )
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
         self._logged("observe", contexts)

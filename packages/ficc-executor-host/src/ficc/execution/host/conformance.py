@@ -41,6 +41,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import gate, layout, sdk, slotfs
+from ficc.execution.host.commands import version_line
 from ficc.execution.host.config import Config, Slot, load_config, open_image_parent
 from ficc.execution.host.daemon import service_backend
 from ficc.execution.host.errors import HostError
@@ -593,6 +594,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per wait")
     parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    parser.add_argument("--version", action="version", version=version_line())
     return parser
 
 
