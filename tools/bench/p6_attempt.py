@@ -36,8 +36,9 @@ seen by an observation every 10 ms); the payload gate ~9 ms; the release marker 
 `Started` ~4 ms; then the payload, Podman's exit and `--rm`, and the observation of
 the exit ~89 ms (the bare run's own ~60 ms plus the wake-up on the service's exit and
 one observe); this client's 10 ms polling ~10 ms. The direct measurement without
-the daemon (last figure) is about the same ratio: what is left is the service and
-Podman running inside it, not the daemon.
+the daemon (last figure) was 1.19-1.61x over the same day's runs, the whole attempt
+1.56-1.67x on a machine to itself: most of what is left is the service and Podman
+running inside it.
 
 Cut on 2026-12-01 (2.40x before, same machine and day): the per-prepare `podman
 image inspect` as the slot account (~75-95 ms, a whole rootless Podman start; now

@@ -43,6 +43,21 @@ per attempt 13%; ledger 8%; socket server 8%; the rest of the gate 6%; reading
 service members 5%; creating services 4%; the provider's Podman commands 4% (most
 of their cost is the Podman processes themselves, outside the daemon).
 
+After (same day, same kind of run; the daemon's own threads 0.14-0.21 CPU s per
+attempt): the busy samples for the same 80 attempts fell from 11,195 to 9,272 and
+spread out: ledger 10%, the provider's `observe` 9% (one walk of /proc per
+call, calls on a shared beat that backs off when a call is expensive), reading the
+service cgroup trees' members 9%, socket server 9%, gate 8% (no BPF interpretation
+left: the judgement of the one filter set is kept), creating services 7%, the cleanup
+idle check 6% (it still reads every task's status on the host, now two lines of
+each), handing work to and from the worker threads ~9%, directory fsyncs of the
+attempt layout and evidence 4%, decoding each attempt's plan again on every
+observation 3%. The wall time is CPU: N Podman starts fill both cores, and each
+attempt costs about three bare runs of CPU (see docs/benchmarks.md): the job's own
+`podman run`, the provider's `podman rm` at release (a second rootless Podman start;
+the release phase alone is about half the baseline), the start shim's interpreter,
+and the daemon's threads.
+
 Needs root, podman, runc and busybox-static; creates and removes its own accounts.
 """
 

@@ -234,3 +234,28 @@ def test_one_walk_of_proc_finds_each_accounts_processes() -> None:
     assert os.getpid() in found[me]
     assert 2**31 not in found
     assert os.getpid() in processes_of(me)
+
+
+def test_one_observe_call_walks_proc_once_for_all_its_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    driver = podman_driver.configure(_valid(tmp_path))
+    walks: list[set[int]] = []
+
+    def walk(uids: set[int]) -> dict[int, list[int]]:
+        walks.append(set(uids))
+        return {}
+
+    monkeypatch.setattr(podman_driver.accounts, "processes_by_uid", walk)
+    monkeypatch.setattr(podman_driver.accounts, "processes_of", lambda uid: walk({uid}))
+    # stand-ins for typed contexts: observe reads only the slot and the attempt directory
+    contexts = [
+        SimpleNamespace(
+            slot=SimpleNamespace(uid=1000 + n, gid=1000, path=str(tmp_path)),
+            attempt_directory="/x",
+        )
+        for n in range(3)
+    ]
+    replies = driver.observe(contexts)  # type: ignore[arg-type]
+    assert [r["error"] for r in replies] == ["not_prepared"] * 3  # no state: each row refused
+    assert walks == [{1000, 1001, 1002}]
