@@ -1335,3 +1335,18 @@ def test_every_context_holds_what_the_provider_contract_lists(world: World) -> N
     assert released["prepared"] == prepared
     assert released["storage"] == expected  # verified, just before the layout went
     assert released["service"] == world.service_name(attempt_id)
+
+
+@pytest.mark.parametrize(
+    ("interval", "cost", "pause"),
+    [
+        (0.01, 0.0, 0.01),  # cheap observations: the configured interval
+        (0.01, 0.02, 0.08),  # four times the last call
+        (0.01, 300.0, pipeline.MAX_OBSERVATION_PAUSE),  # a timed-out call: capped
+        (1.0, 300.0, 1.0),  # a configured interval above the cap stands
+    ],
+)
+def test_the_shared_observation_pause_grows_with_its_cost_and_is_capped(
+    interval: float, cost: float, pause: float
+) -> None:
+    assert pipeline.observation_pause(interval, cost) == pytest.approx(pause)

@@ -55,14 +55,11 @@ Decisions (see also docs/operations.md):
   are all complete but whose provider preparation never began are prepared again
   (nothing was called yet, so this is no replay). No payload is ever restarted.
 
-Edits outside the runner's files (made for it; say so when touching them):
-service/interface.py + service/cgroupfs.py gained `planned_supervisor_cgroup(name)`
-(the prepare context's cgroup, known before the service exists) and
-`account_idle(uid)` (cleanup of an attempt that never had a service); cgroupfs.py
-also always fills the base cgroup's empty cpuset (parallel creates raced on it).
-Both backends gained `planned_cgroups(name)`: the cgroups the lease reaper
-(service/reaper.py) kills at the deadline, handed to it before the service exists.
-No change to ledger.py or lifecycle.py was needed.
+What the runner needs of a service backend beyond starting and stopping a service:
+`planned_supervisor_cgroup(name)` (the prepare context's cgroup, known before the
+service exists), `planned_cgroups(name)` (what the lease reaper kills at the deadline,
+handed to it before the service exists) and `account_idle(uid)` (cleanup of an
+attempt that never had a service).
 """
 
 from __future__ import annotations
@@ -153,6 +150,21 @@ def _decoded(result: RowResult, method: str, kind: type[_R]) -> _R:
         return sdk.decode_reply(method, result.reply, kind)
     except (msgspec.ValidationError, ValueError) as error:
         raise HostError("provider_malformed", f"{method} returned {error}") from error
+
+
+MAX_OBSERVATION_PAUSE = 0.25
+"""The longest wait between observations of a start waiting for its payload."""
+
+
+def observation_pause(interval: float, last_cost: float) -> float:
+    """How long waiting starts pause before they observe again.
+
+    Observing many attempts costs more per call, so the pause grows with the last
+    call's duration (observation then takes at most a fifth of a thread); it never
+    exceeds MAX_OBSERVATION_PAUSE, so one slow provider call (a full worker pool, a
+    timeout) cannot push every waiting start towards its start deadline.
+    """
+    return min(max(interval, 4 * last_cost), max(interval, MAX_OBSERVATION_PAUSE))
 
 
 class _Uncertain(Exception):
@@ -960,9 +972,7 @@ class Runner:
         if beat is None or beat.done():
             loop = asyncio.get_running_loop()
             beat = self._beat = loop.create_future()
-            # Observing many attempts costs more per call: the pause grows with the last
-            # call's duration, so observation takes at most a fifth of a thread.
-            pause = max(self._settings.observe_interval, 4 * self._observe_cost)
+            pause = observation_pause(self._settings.observe_interval, self._observe_cost)
             loop.call_later(pause, _settle_beat, beat)
         await asyncio.shield(beat)
 
