@@ -205,6 +205,7 @@ def test_the_live_dev_type_is_read_from_this_process_mount_table() -> None:
         assert container.host_dev_fs_type() == container.host_dev_fs_type(table.read())
 
 
+@root_files
 def test_rows_of_different_slots_run_at_the_same_time_and_keep_their_order(
     tmp_path: Path,
 ) -> None:
@@ -236,6 +237,7 @@ def test_one_walk_of_proc_finds_each_accounts_processes() -> None:
     assert os.getpid() in processes_of(me)
 
 
+@root_files
 def test_one_observe_call_walks_proc_once_for_all_its_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
