@@ -462,28 +462,15 @@ class Kit:
             storage = sdk.StorageBinding(
                 paths.storage, st.st_dev, st.st_ino, limits.storage_bytes, limits.storage_inodes
             )
-        return sdk.Context(
-            attempt_id=plan.attempt_id,
+        return layout.provider_context(
             plan=plan,
             plan_digest=planlib.plan_digest(plan),
-            slot=sdk.Slot(
-                id=slot.id,
-                slot_class=slot.slot_class,
-                path=slot.path,
-                uid=slot.uid,
-                gid=slot.gid,
-                storage_bytes=slot.storage_bytes,
-                storage_inodes=slot.storage_inodes,
-            ),
-            storage=storage,
-            attempt_directory=paths.root,
-            provider_directory=paths.provider,
-            control_directory=paths.control,
-            release_marker=f"{paths.control}/release",
-            logs=sdk.Logs(stdout=paths.stdout, stderr=paths.stderr),
+            slot=slot,
+            paths=paths,
             service=attempt.service,
             cgroup=self.service.planned_supervisor_cgroup(attempt.service),
-            supervisor=sdk.Supervisor(backend=self.service.backend, service=attempt.service),
+            backend=self.service.backend,
+            storage=storage,
             prepared=attempt.prepared,
         )
 
@@ -518,7 +505,7 @@ class Kit:
     def _write_marker(self, attempt: _Attempt) -> None:
         control = self.place.open_part(attempt.plan.attempt_id, layout.CONTROL)
         try:
-            gate.write_release_marker(control, "release", group=self.slot.gid)
+            gate.write_release_marker(control, layout.RELEASE_MARKER, group=self.slot.gid)
         finally:
             os.close(control)
 

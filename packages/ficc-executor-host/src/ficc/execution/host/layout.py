@@ -40,9 +40,11 @@ import errno
 import os
 import re
 import stat
+from collections.abc import Sequence
 from typing import Final, Protocol
 
-from ficc.execution.host import fsutil
+from ficc.execution import plan as planlib
+from ficc.execution.host import fsutil, sdk
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.staging import STAGING_DIRECTORY
 
@@ -516,3 +518,70 @@ __all__ = [
     "check_attempt_id",
     "service_name",
 ]
+
+
+# --- the provider context of an attempt ------------------------------------------------
+
+RELEASE_MARKER: Final = "release"
+"""The file in `control/` whose appearance releases the barrier to run the payload."""
+
+
+class SlotFacts(Protocol):
+    """What the provider context says of a slot (a configured or a running slot)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def slot_class(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def uid(self) -> int: ...
+    @property
+    def gid(self) -> int: ...
+    @property
+    def storage_bytes(self) -> int: ...
+    @property
+    def storage_inodes(self) -> int: ...
+
+
+def provider_context(
+    *,
+    plan: planlib.Plan,
+    plan_digest: str,
+    slot: SlotFacts,
+    paths: AttemptPaths,
+    service: str,
+    cgroup: str,
+    backend: str,
+    storage: sdk.StorageBinding,
+    inputs: Sequence[sdk.InputCapability] = (),
+    prepared: sdk.PrepareResult | None = None,
+) -> sdk.Context:
+    """The context of one provider row, as the daemon (and the conformance kit) builds
+    it: every path is the attempt layout's, never anything a request named."""
+    return sdk.Context(
+        attempt_id=plan.attempt_id,
+        plan=plan,
+        plan_digest=plan_digest,
+        slot=sdk.Slot(
+            id=slot.id,
+            slot_class=slot.slot_class,
+            path=slot.path,
+            uid=slot.uid,
+            gid=slot.gid,
+            storage_bytes=slot.storage_bytes,
+            storage_inodes=slot.storage_inodes,
+        ),
+        storage=storage,
+        attempt_directory=paths.root,
+        provider_directory=paths.provider,
+        control_directory=paths.control,
+        release_marker=f"{paths.control}/{RELEASE_MARKER}",
+        logs=sdk.Logs(stdout=paths.stdout, stderr=paths.stderr),
+        service=service,
+        cgroup=cgroup,
+        supervisor=sdk.Supervisor(backend=backend, service=service),
+        inputs=tuple(inputs),
+        prepared=prepared,
+    )

@@ -92,7 +92,7 @@ from ficc.execution.host.expectation import (
     device_rules,
 )
 from ficc.execution.host.handlers import ceiling_limits
-from ficc.execution.host.layout import AttemptPaths, service_name
+from ficc.execution.host.layout import RELEASE_MARKER, AttemptPaths, provider_context, service_name
 from ficc.execution.host.ledger import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
@@ -105,7 +105,6 @@ __all__ = ["RELEASE_MARKER", "Runner", "Settings"]
 
 _log = logging.getLogger(__name__)
 
-RELEASE_MARKER: Final = "release"
 """Name of the release marker in the attempt's `control/` directory."""
 PROVIDER_TIMEOUT: Final = "provider_timeout"
 INTERNAL_ERROR: Final = "internal_error"
@@ -532,30 +531,16 @@ class Runner:
         prepared: sdk.PrepareResult | None = None,
     ) -> sdk.Context:
         """The provider context of the contract (prepare adds `check`; later ones `prepared`)."""
-        slot, paths = attempt.slot, attempt.paths
-        return sdk.Context(
-            attempt_id=attempt.id,
+        return provider_context(
             plan=attempt.plan,
             plan_digest=attempt.record.plan_digest,
-            slot=sdk.Slot(
-                id=slot.id,
-                slot_class=slot.slot_class,
-                path=slot.path,
-                uid=slot.uid,
-                gid=slot.gid,
-                storage_bytes=slot.storage_bytes,
-                storage_inodes=slot.storage_inodes,
-            ),
-            storage=storage,
-            attempt_directory=paths.root,
-            provider_directory=paths.provider,
-            control_directory=paths.control,
-            release_marker=f"{paths.control}/{RELEASE_MARKER}",
-            logs=sdk.Logs(stdout=paths.stdout, stderr=paths.stderr),
+            slot=attempt.slot,
+            paths=attempt.paths,
             service=attempt.service,
             cgroup=self._ctx.service.planned_supervisor_cgroup(attempt.service),
-            supervisor=sdk.Supervisor(backend=self._ctx.service.backend, service=attempt.service),
-            inputs=tuple(inputs),
+            backend=self._ctx.service.backend,
+            storage=storage,
+            inputs=inputs,
             prepared=prepared,
         )
 
