@@ -3,46 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-import secrets
 from collections.abc import Callable
 
 import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import sdk
+from ficc_testkit.plans import make_plan
 
 
 def sample_plan(argv: tuple[str, ...] = ("/bin/true",), provider: str = "test") -> planlib.Plan:
     """A valid plan with fresh job and attempt IDs."""
     digest = "sha256:" + hashlib.sha256(b"pkg").hexdigest()
-    return planlib.Plan(
-        version=1,
-        deployment_id="1" * 32,
-        node_id="2" * 32,
-        project_id="3" * 32,
-        job_id=secrets.token_hex(16),
-        attempt_id=secrets.token_hex(16),
-        generation=1,
-        offer_revision=1,
-        job=planlib.Job(
-            name="job",
-            slot_class="cpu",
-            runtime=planlib.Runtime(provider, digest, digest, "shared-kernel", "none"),
-            payload=planlib.Payload(argv=list(argv), environment={}),
-            limits=planlib.Limits(
-                cpu_millis=1000,
-                memory_bytes=64 << 20,
-                swap_bytes=0,
-                processes=64,
-                storage_bytes=1 << 20,
-                storage_inodes=100,
-                devices=[],
-            ),
-            inputs=[],
-            outputs=[],
-            sensitive=False,
-        ),
-    )
+    return make_plan(
+        argv=argv, provider=provider, package_digest=digest, image_digest=digest,
+        isolation="shared-kernel", memory_bytes=64 << 20, storage_bytes=1 << 20,
+        storage_inodes=100,
+    )  # fmt: skip
 
 
 def sample_context(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout
 from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read, validate_request
+from ficc_testkit import plans
 
 pytestmark = pytest.mark.root("the layout chowns to a slot account")
 
@@ -35,34 +35,10 @@ class Slot:
 
 
 def make_plan(outputs: dict[str, str]) -> planlib.Plan:
-    return planlib.Plan(
-        version=1,
-        deployment_id="1" * 32,
-        node_id="2" * 32,
-        project_id="3" * 32,
-        job_id=secrets.token_hex(16),
-        attempt_id=secrets.token_hex(16),
-        generation=1,
-        offer_revision=1,
-        job=planlib.Job(
-            name="job",
-            slot_class="cpu",
-            runtime=planlib.Runtime("test", SHA, SHA, "strict", "none"),
-            payload=planlib.Payload(argv=["/bin/true"], environment={}),
-            limits=planlib.Limits(
-                cpu_millis=100,
-                memory_bytes=1 << 30,
-                swap_bytes=0,
-                processes=8,
-                storage_bytes=1 << 30,
-                storage_inodes=100,
-                devices=[],
-            ),
-            inputs=[],
-            outputs=[planlib.Output(name, path) for name, path in outputs.items()],
-            sensitive=False,
-        ),
-    )
+    return plans.make_plan(
+        package_digest=SHA, image_digest=SHA, cpu_millis=100, memory_bytes=1 << 30,
+        processes=8, storage_bytes=1 << 30, storage_inodes=100, outputs=outputs,
+    )  # fmt: skip
 
 
 def record_of(

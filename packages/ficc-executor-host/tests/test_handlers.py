@@ -72,6 +72,7 @@ from ficc.execution.wire import (
     decode_reply,
     encode_reply,
 )
+from ficc_testkit import plans
 
 pytestmark = pytest.mark.root("the daemon needs root: root-owned state, slot accounts, cgroups")
 
@@ -272,34 +273,13 @@ def make_plan(
     job_id: str | None = None,
     generation: int = 1,
 ) -> planlib.Plan:
-    return planlib.Plan(
-        version=1,
+    return plans.make_plan(
+        inputs=inputs, provider=provider, package_digest=package_digest, image_digest=SHA,
+        cpu_millis=cpu_millis, job_id=job_id, generation=generation,
         deployment_id="1123456789abcdef0123456789abcdef",
-        node_id="2123456789abcdef0123456789abcdef",
-        project_id=PROJECT,
-        job_id=job_id or new_id(),
-        attempt_id=new_id(),
-        generation=generation,
-        offer_revision=1,
-        job=planlib.Job(
-            name="job",
-            slot_class="cpu",
-            runtime=planlib.Runtime(provider, package_digest, SHA, "strict", "none"),
-            payload=planlib.Payload(argv=["/bin/true"], environment={}),
-            limits=planlib.Limits(
-                cpu_millis=cpu_millis,
-                memory_bytes=GiB,
-                swap_bytes=0,
-                processes=64,
-                storage_bytes=GiB,
-                storage_inodes=1000,
-                devices=[],
-            ),
-            inputs=list(inputs),
-            outputs=list(outputs),
-            sensitive=False,
-        ),
-    )
+        node_id="2123456789abcdef0123456789abcdef", project_id=PROJECT, memory_bytes=GiB,
+        storage_bytes=GiB, outputs={o.name: o.path for o in outputs},
+    )  # fmt: skip
 
 
 def fence(plan: planlib.Plan) -> Fence:

@@ -42,6 +42,7 @@ from ficc.execution.host.ledger import (
     SlotSpec,
 )
 from ficc.execution.protocol import Fence, OfferLimits, Resources
+from ficc_testkit import plans
 
 pytestmark = pytest.mark.root("the ledger lives in a root-owned state directory")
 
@@ -82,34 +83,13 @@ def make_plan(
     provider: str = "podman",
     name: str = "job",
 ) -> planlib.Plan:
-    return planlib.Plan(
-        version=1,
-        deployment_id="3" * 32,
-        node_id="4" * 32,
-        project_id=project_id,
-        job_id=job_id or new_id(),
-        attempt_id=attempt_id or new_id(),
-        generation=generation,
-        offer_revision=offer_revision,
-        job=planlib.Job(
-            name=name,
-            slot_class=slot_class,
-            runtime=planlib.Runtime(provider, SHA, SHA, "strict", "none"),
-            payload=planlib.Payload(argv=["/bin/true"], environment={}),
-            limits=planlib.Limits(
-                cpu_millis=cpu_millis,
-                memory_bytes=1 << 30,
-                swap_bytes=0,
-                processes=64,
-                storage_bytes=1 << 30,
-                storage_inodes=1000,
-                devices=list(devices),
-            ),
-            inputs=list(inputs),
-            outputs=[],
-            sensitive=False,
-        ),
-    )
+    return plans.make_plan(
+        attempt_id=attempt_id, job_id=job_id, generation=generation, slot_class=slot_class,
+        cpu_millis=cpu_millis, devices=devices, inputs=inputs, offer_revision=offer_revision,
+        project_id=project_id, provider=provider, name=name, package_digest=SHA,
+        image_digest=SHA, deployment_id="3" * 32, node_id="4" * 32, memory_bytes=1 << 30,
+        storage_bytes=1 << 30,
+    )  # fmt: skip
 
 
 def stream(size: int = 10) -> planlib.InputObject:

@@ -59,6 +59,7 @@ from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Resources
+from ficc_testkit import plans
 
 pytestmark = pytest.mark.root(
     "the runner tests need root (cgroups, a slot account, root-owned installs)"
@@ -279,34 +280,11 @@ class World:
         argv: tuple[str, ...] = ("/bin/true",),
         slot_class: str = "cpu",
     ) -> planlib.Plan:
-        return planlib.Plan(
-            version=1,
-            deployment_id="3" * 32,
-            node_id="4" * 32,
-            project_id="2" * 32,
-            job_id=secrets.token_hex(16),
-            attempt_id=secrets.token_hex(16),
-            generation=1,
-            offer_revision=1,
-            job=planlib.Job(
-                name="job",
-                slot_class=slot_class,
-                runtime=planlib.Runtime("test", SHA, SHA, "strict", "none"),
-                payload=planlib.Payload(argv=list(argv), environment=environment or {}),
-                limits=planlib.Limits(
-                    cpu_millis=500,
-                    memory_bytes=256 << 20,
-                    swap_bytes=0,
-                    processes=64,
-                    storage_bytes=64 << 20,
-                    storage_inodes=1000,
-                    devices=list(devices),
-                ),
-                inputs=list(inputs),
-                outputs=[],
-                sensitive=False,
-            ),
-        )
+        return plans.make_plan(
+            argv=argv, environment=environment, slot_class=slot_class, devices=devices,
+            inputs=inputs, package_digest=SHA, image_digest=SHA, deployment_id="3" * 32,
+            node_id="4" * 32, project_id="2" * 32, cpu_millis=500,
+        )  # fmt: skip
 
     def admit(self, plan: planlib.Plan, lease_seconds: float = 600.0) -> Fence:
         """What the prepare handler does before it calls `runner.admitted`."""
