@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import service_support
+from ficc.execution.host import procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import (
     CgroupfsService,
@@ -325,18 +326,12 @@ def test_a_device_filter_that_cannot_be_read_back_is_a_refusal(tmp_path: Path) -
         cgroupfs._single_filter(str(tmp_path / "gone"))
 
 
-def test_the_idle_check_reads_state_and_uids_and_fails_closed(tmp_path: Path) -> None:
+def test_the_idle_check_reads_state_and_uids_and_fails_closed() -> None:
     """The idle check parses only State and Uid of each task's status; a status
     without them is not judged idle (it counts as a live task of every account)."""
-    sample = tmp_path / "status"
-    sample.write_bytes(
+    sample = (
         b"Name:\tsleep\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t7\n"
         b"Uid:\t1001\t1002\t1003\t1004\nGid:\t5\t5\t5\t5\n"
     )
-    assert cgroupfs._state_and_uids(str(sample)) == (
-        b"S (sleeping)",
-        [b"1001", b"1002", b"1003", b"1004"],
-    )
-    broken = tmp_path / "broken"
-    broken.write_bytes(b"Name:\tsleep\nGid:\t5\t5\t5\t5\n")
-    assert cgroupfs._state_and_uids(str(broken))[1] is None
+    assert procfs.state_and_uids(sample) == (b"S", (1001, 1002, 1003, 1004))
+    assert procfs.state_and_uids(b"Name:\tsleep\nGid:\t5\t5\t5\t5\n") is None
