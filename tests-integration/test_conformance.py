@@ -20,7 +20,8 @@ import msgspec
 import pytest
 
 from ficc.execution.host.conformance import RULES
-from ficc.execution.plan import Job, Limits, Payload, Plan, Runtime
+from ficc.execution.plan import Plan
+from ficc_testkit.plans import make_plan
 from harness import IMAGE, MIB, PROJECT, InstalledProvider, Layout, new_id
 from podman_support import ISOLATION, NEEDS_PODMAN, SLOT_CLASS, podman_layout
 
@@ -64,34 +65,12 @@ def run_kit(
 
 def kit_plan(layout: Layout, provider: InstalledProvider) -> Plan:
     doc = layout.document
-    return Plan(
-        version=1,
-        deployment_id=doc["deployment_id"],
-        node_id=doc["node_id"],
-        project_id=PROJECT,
-        job_id=new_id(),
-        attempt_id=new_id(),
-        generation=1,
-        offer_revision=1,
-        job=Job(
-            name="kit-job",
-            slot_class="small",
-            runtime=Runtime("test", provider.digest, IMAGE, "process", "none"),
-            payload=Payload(argv=["/bin/true"], environment={}),
-            limits=Limits(
-                cpu_millis=500,
-                memory_bytes=64 * MIB,
-                swap_bytes=0,
-                processes=32,
-                storage_bytes=32 * MIB,
-                storage_inodes=1000,
-                devices=[],
-            ),
-            inputs=[],
-            outputs=[],
-            sensitive=False,
-        ),
-    )
+    return make_plan(
+        deployment_id=doc["deployment_id"], node_id=doc["node_id"], project_id=PROJECT,
+        name="kit-job", slot_class="small", package_digest=provider.digest,
+        image_digest=IMAGE, isolation="process", cpu_millis=500, memory_bytes=64 * MIB,
+        processes=32, storage_bytes=32 * MIB,
+    )  # fmt: skip
 
 
 Run = Callable[[dict[str, Any]], tuple[int, dict[str, dict[str, Any]], str]]
@@ -169,36 +148,14 @@ def test_a_provider_that_refuses_nothing_fails_the_probe_rules(kit: Run) -> None
 def test_the_podman_provider_passes_every_rule() -> None:
     with podman_layout() as made:
         doc = made.layout.document
-        plan = Plan(
-            version=1,
-            deployment_id=doc["deployment_id"],
-            node_id=doc["node_id"],
-            project_id=PROJECT,
-            job_id=new_id(),
-            attempt_id=new_id(),
-            generation=1,
-            offer_revision=1,
-            job=Job(
-                name="kit-job",
-                slot_class=SLOT_CLASS,
-                runtime=Runtime(
-                    "podman", made.provider.digest, made.image["image_id"], ISOLATION, "none"
-                ),
-                payload=Payload(argv=["/bin/true"], environment={}),
-                limits=Limits(
-                    cpu_millis=1000,
-                    memory_bytes=256 * MIB,
-                    swap_bytes=0,
-                    processes=128,
-                    storage_bytes=doc["slots"][0]["storage_bytes"] // 2,
-                    storage_inodes=doc["slots"][0]["storage_inodes"] // 2,
-                    devices=[],
-                ),
-                inputs=[],
-                outputs=[],
-                sensitive=False,
-            ),
-        )
+        slot = doc["slots"][0]
+        plan = make_plan(
+            deployment_id=doc["deployment_id"], node_id=doc["node_id"], project_id=PROJECT,
+            name="kit-job", slot_class=SLOT_CLASS, provider="podman",
+            package_digest=made.provider.digest, image_digest=made.image["image_id"],
+            isolation=ISOLATION, processes=128, storage_bytes=slot["storage_bytes"] // 2,
+            storage_inodes=slot["storage_inodes"] // 2,
+        )  # fmt: skip
         (provider,) = doc["providers"]
         status, outcomes, stderr = run_kit(
             made.layout, "podman", made.provider.site, plan, provider["configuration"]

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Final, Protocol
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import fsutil, sdk
+from ficc.execution.host import fsutil, sdk, slotfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.staging import STAGING_DIRECTORY
 
@@ -526,23 +526,12 @@ RELEASE_MARKER: Final = "release"
 """The file in `control/` whose appearance releases the barrier to run the payload."""
 
 
-class SlotFacts(Protocol):
-    """What the provider context says of a slot (a configured or a running slot)."""
+class SlotFacts(slotfs.SlotSpec, Protocol):
+    """What the provider context says of a slot (a configured or a running slot): the
+    slot checks' fields and its class."""
 
     @property
-    def id(self) -> str: ...
-    @property
     def slot_class(self) -> str: ...
-    @property
-    def path(self) -> str: ...
-    @property
-    def uid(self) -> int: ...
-    @property
-    def gid(self) -> int: ...
-    @property
-    def storage_bytes(self) -> int: ...
-    @property
-    def storage_inodes(self) -> int: ...
 
 
 def provider_context(
