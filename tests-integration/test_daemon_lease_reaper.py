@@ -154,3 +154,27 @@ def test_a_renewal_moves_the_deadline_the_reaper_enforces(daemon: Daemon) -> Non
     daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
     assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
     assert attempt(daemon.release(plan)).state == "released"
+
+
+def test_a_renewal_reaches_the_reaper_before_it_is_answered(daemon: Daemon) -> None:
+    """A renewal that shortens the lease, followed at once by a hung daemon: the
+    reaper already holds the shorter deadline, so the payload is stopped then, well
+    before the first deadline."""
+    plan, first_deadline = start_held(daemon)
+    held = _reaper_deadline(daemon, plan)
+    shortened = now_ms() + LEASE_MS // 5
+    assert daemon.renew(plan, 2, shortened).state == "starting"
+    resume = _stopped(daemon)
+    try:
+        moved = _reaper_deadline(daemon, plan)
+        assert 0 < moved < held - (LEASE_MS // 2) * 1_000_000, (held, moved)
+        remaining = (shortened + GRACE_MS - now_ms()) / 1000
+        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+        assert now_ms() < first_deadline, "stopped at the first deadline, not the renewed one"
+    finally:
+        resume()
+    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
+    assert settled.state in SETTLED, settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+    assert attempt(daemon.release(plan)).state == "released"

@@ -33,6 +33,7 @@ from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, service_backend
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
+from ficc.execution.host.records import AttemptRecord
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.protocol import (
     CollectRequest,
@@ -124,6 +125,9 @@ class FakeRunner:
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
         self.calls.append(("release", tuple(attempt_ids)))
         return [self.release_error] * len(attempt_ids)
+
+    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> None:
+        self.calls.append(("leases_renewed", tuple(r.attempt_id for r in records)))
 
     async def recover(self) -> None:
         self.calls.append(("recover", ()))
@@ -473,6 +477,8 @@ def test_renew_sequences_and_duplicates(host: Host) -> None:
     two = first_lease(plan, 120_000, sequence=2)
     renewed = row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[two])))
     assert (renewed.lease_sequence, renewed.lease_expires_at_ms) == (2, two.expires_at_ms)
+    # The runner (and through it the lease reaper) hears of the renewal before the reply.
+    assert host.runner.named("leases_renewed") == [(plan.attempt_id,)]
     deadline = host.ctx.ledger.get(plan.attempt_id).lease  # type: ignore[union-attr]
     duplicate = row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[two])))
     assert duplicate.lease_sequence == 2

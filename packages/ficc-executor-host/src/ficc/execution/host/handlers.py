@@ -112,6 +112,7 @@ class RunnerPort(Protocol):
     def start_requested(self, attempt_ids: Sequence[str]) -> None: ...
     def stop_requested(self, attempt_ids: Sequence[str]) -> None: ...
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]: ...
+    async def leases_renewed(self, records: Sequence[ledgerlib.AttemptRecord]) -> None: ...
 
 
 Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
@@ -472,7 +473,8 @@ def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
 async def renew(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: RenewRequest
 ) -> AnyReply:
-    """Renew leases by `leases.renew`, in one transaction."""
+    """Renew leases by `leases.renew`, in one transaction; the lease reaper holds the
+    new deadlines before the reply says they hold."""
     now = ctx.clock.now()
     rows = [(r.fence, r) for r in request.leases]
 
@@ -481,6 +483,7 @@ async def renew(
         return _with_staged(ctx.ledger, _records_of(results))
 
     read = await ctx.workers.db(commit)
+    await runner.leases_renewed([r for r in read.results if isinstance(r, ledgerlib.AttemptRecord)])
     return _reply(request, await attempt_rows(ctx, read.results, read.staged))
 
 

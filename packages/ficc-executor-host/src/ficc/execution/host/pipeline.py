@@ -357,6 +357,7 @@ class Runner:
         self._reaper: reaper.Keeper | None = None
         self._deadlines: dict[str, tuple[str, int]] = {}
         """attempt ID -> (service, lease deadline) as last written for the reaper."""
+        self._deadline_lock = asyncio.Lock()
         self._beat: asyncio.Future[None] | None = None
         """The next shared observation instant of starts (see `_next_observation`)."""
         self._observe_cost = 0.0
@@ -843,60 +844,84 @@ class Runner:
     async def _set_deadline(self, attempt: _Attempt) -> None:
         """Hand the lease deadline to the reaper before the service exists, so the
         service is stopped at the deadline even if this daemon dies or hangs."""
-        record = await self._db(self._ctx.ledger.get, attempt.id)
-        lease = None if record is None else record.lease
-        if lease is None:
-            raise HostError(ErrorCode.LEASE_EXPIRED, "the attempt holds no lease")
-        cgroups = self._ctx.service.planned_cgroups(attempt.service)
-        try:
-            await self._io(
-                self._keeper().set,
-                attempt.service,
-                lease.boot_id,
-                lease.deadline_boottime_ns,
-                cgroups,
-            )
-        except OSError as error:
-            raise HostError(
-                "service_create",
-                f"the lease deadline could not be handed to the reaper ({error}); check "
-                "the state directory",
-            ) from error
-        self._deadlines[attempt.id] = (attempt.service, lease.deadline_boottime_ns)
-
-    async def _sync_deadlines(self, records: Sequence[AttemptRecord]) -> None:
-        """Follow renewals (once per tick) and keep a reaper running while any live
-        service has a deadline."""
-        if not self._deadlines:
-            return
-        moved = []
-        for record in records:
-            written = self._deadlines.get(record.attempt_id)
-            lease = record.lease
-            if written is None or lease is None or record.status.state not in LIVE_STATES:
-                continue
-            if lease.deadline_boottime_ns != written[1]:
-                moved.append((record.attempt_id, written[0], lease))
-        keeper = self._keeper()
-
-        def write() -> None:
-            for _attempt_id, service, lease in moved:
-                reaper.write_deadline(
-                    keeper.directory,
-                    service,
+        async with self._deadline_lock:
+            record = await self._db(self._ctx.ledger.get, attempt.id)
+            lease = None if record is None else record.lease
+            if lease is None:
+                raise HostError(ErrorCode.LEASE_EXPIRED, "the attempt holds no lease")
+            cgroups = self._ctx.service.planned_cgroups(attempt.service)
+            try:
+                await self._io(
+                    self._keeper().set,
+                    attempt.service,
                     lease.boot_id,
                     lease.deadline_boottime_ns,
-                    self._ctx.service.planned_cgroups(service),
+                    cgroups,
                 )
-            keeper.ensure()
+            except OSError as error:
+                raise HostError(
+                    "service_create",
+                    f"the lease deadline could not be handed to the reaper ({error}); "
+                    "check the state directory",
+                ) from error
+            self._deadlines[attempt.id] = (attempt.service, lease.deadline_boottime_ns)
 
-        try:
-            await self._io(write)
-        except OSError as error:
-            _log.error("the lease reaper's deadlines could not be updated: %s", error)
+    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> None:
+        """Give renewed deadlines to the reaper before the renewal is answered, so a
+        daemon that hangs right after answering still stops the payload at the deadline
+        the controller was told, also when the renewal shortened it."""
+        await self._sync_deadlines(records)
+
+    def _deadline_moved(self, record: AttemptRecord) -> bool:
+        written = self._deadlines.get(record.attempt_id)
+        lease = record.lease
+        if written is None or lease is None or record.status.state not in LIVE_STATES:
+            return False
+        return lease.deadline_boottime_ns != written[1]
+
+    async def _sync_deadlines(self, records: Sequence[AttemptRecord]) -> None:
+        """Follow renewals (answered ones at once, any other once per tick) and keep a
+        reaper running while any live service has a deadline.
+
+        One writer at a time, and each moved deadline is read again from the ledger
+        under the lock: `records` may be older than a renewal another writer has
+        already handed over, and the file must never go back to a stale deadline.
+        """
+        if not self._deadlines:
             return
-        for attempt_id, service, lease in moved:
-            self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
+        async with self._deadline_lock:
+            moved_ids = [r.attempt_id for r in records if self._deadline_moved(r)]
+            fresh = await self._db(self._records, moved_ids) if moved_ids else []
+            moved = [
+                (r.attempt_id, self._deadlines[r.attempt_id][0], r.lease)
+                for r in fresh
+                if r.lease is not None and self._deadline_moved(r)
+            ]
+            keeper = self._keeper()
+
+            def write() -> None:
+                for _attempt_id, service, lease in moved:
+                    reaper.write_deadline(
+                        keeper.directory,
+                        service,
+                        lease.boot_id,
+                        lease.deadline_boottime_ns,
+                        self._ctx.service.planned_cgroups(service),
+                    )
+                keeper.ensure()
+
+            try:
+                await self._io(write)
+            except OSError as error:
+                _log.error("the lease reaper's deadlines could not be updated: %s", error)
+                return
+            for attempt_id, service, lease in moved:
+                self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
+
+    def _records(self, attempt_ids: Sequence[str]) -> list[AttemptRecord]:
+        """The current records of `attempt_ids` (a ledger-thread call)."""
+        found = (self._ctx.ledger.get(a) for a in attempt_ids)
+        return [r for r in found if r is not None]
 
     async def _drop_deadline(self, attempt: _Attempt) -> None:
         self._deadlines.pop(attempt.id, None)

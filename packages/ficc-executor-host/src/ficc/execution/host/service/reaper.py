@@ -8,7 +8,7 @@ each attempt's deadline also lives outside the daemon:
 - the daemon writes one small file per service, `<directory>/<service>.deadline`
   (JSON: boot ID, the lease deadline on CLOCK_BOOTTIME, the service's cgroup
   directories), before it creates the service, and rewrites it when a renewal moves
-  the deadline (within one monitor tick);
+  the deadline (before the renewal is answered);
 - one reaper process per host (this file, run as a script by the daemon's own
   interpreter with `-I -S`: the standard library only, nothing of the daemon's
   imports, no socket, no D-Bus, no database) polls that directory every 0.25 s and,
