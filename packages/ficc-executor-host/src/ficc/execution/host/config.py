@@ -203,6 +203,10 @@ _PATTERN_NAMES = {
     _pattern_of(Digest): "a digest (sha256: and 64 lowercase hexadecimal digits)",
     _pattern_of(Name): "a name (a lowercase letter, then up to 79 of a-z, 0-9, '_', '.', '-')",
     _ABSOLUTE_PATH: "an absolute path (starting with /, no control characters)",
+    slotfs.UUID_PATTERN: (
+        "a filesystem UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, lowercase hexadecimal,"
+        " as `blkid` or `ficc-executor provision-slot` prints it)"
+    ),
 }
 
 
@@ -458,9 +462,22 @@ def _check_trusted_directory(st: os.stat_result, key: str, where: str, code: str
         mode = stat.S_IMODE(st.st_mode)
         problem = f"directory {where} has mode {mode:04o}, writable by others"
         if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):  # a shared directory such as /tmp
-            fix = "move it below a directory only root can write (for example /etc/ficc)"
-            raise _refuse(code, key, problem, fix)
+            raise _refuse(code, key, problem, _shared_directory_fix(key))
         raise _refuse(code, key, problem, f"chmod go-w {where}")
+
+
+_USUAL_HOMES = {
+    "state_dir": "/var/lib/ficc-executor",
+    "socket_dir": "/run/ficc-executor",
+    "metrics_textfile": "/var/lib/node_exporter/textfile_collector",
+}
+
+
+def _shared_directory_fix(key: str) -> str:
+    """Advice for a path below a shared directory such as /tmp: move the path, with the
+    usual home of what the key names, and never loosen the shared directory itself."""
+    home = "/srv/ficc/slots" if key.startswith("slots[") else _USUAL_HOMES.get(key, "/etc/ficc")
+    return f"move it below a directory only root can write (for example {home})"
 
 
 def _open_unchanged_child(parent_fd: int, name: str, key: str, where: str, code: str) -> int:
