@@ -437,6 +437,15 @@ def test_one_help_lists_every_subcommand() -> None:
     assert module.stdout.replace("python -m ficc.execution", "ficc-executor") == shown.stdout
 
 
+def test_provision_slot_help_says_what_the_filesystem_is_made_with() -> None:
+    """The description is the module's own: every line of it, not cut at its colon."""
+    shown = run_command("provision-slot", "--help")
+    assert shown.returncode == 0
+    for made_with in ("`-m 0`", "`-N storage_inodes`", "`nodev,nosuid`", "`nofail`"):
+        assert made_with in shown.stdout
+    assert "tests and tools" not in shown.stdout  # the part for developers stays out
+
+
 @pytest.mark.parametrize("argv", [[], *([name] for name in SUBCOMMANDS)])
 def test_version_everywhere(argv: list[str]) -> None:
     expected = (

@@ -374,7 +374,7 @@ def test_provision_slot_command_makes_a_slot_the_daemon_accepts(host: Host) -> N
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert again.returncode == 1
-    assert "provision_failed" in again.stderr
+    assert again.stderr.startswith("provision_failed: "), again.stderr  # code first
 
 
 def test_persistence_lines_name_the_image_or_the_uuid() -> None:

@@ -470,6 +470,7 @@ _USUAL_HOMES = {
     "state_dir": "/var/lib/ficc-executor",
     "socket_dir": "/run/ficc-executor",
     "metrics_textfile": "/var/lib/node_exporter/textfile_collector",
+    "--image": "/var/lib/ficc-slots",
 }
 
 
