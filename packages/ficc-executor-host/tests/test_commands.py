@@ -484,6 +484,43 @@ def test_status_explains_a_daemon_that_is_not_running(socket_dir: Path) -> None:
     assert "hint: no daemon is listening" in metrics.stderr
 
 
+NOBODY = 65534
+
+
+@pytest.mark.root("needs root: a real unprivileged user is refused by the socket's mode")
+def test_status_tells_a_user_who_may_not_use_the_socket_so(socket_dir: Path) -> None:
+    """A root-only socket that is listening: the kernel refuses a non-root connect
+    (EACCES); the hint says whose socket it is, not that no daemon is running."""
+    admin = socket_dir / "admin.sock"
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(admin))
+    os.chmod(admin, 0o600)
+    listening.listen()
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 99
+        try:
+            os.close(read_end)
+            sys.stderr = os.fdopen(write_end, "w")  # not pytest's capture of the parent
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            code = commands.main(["status", "--socket", str(admin)])
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as shown:
+        stderr = shown.read()
+    _, status = os.waitpid(child, 0)
+    listening.close()
+    assert os.waitstatus_to_exitcode(status) == 3, stderr
+    assert "Permission denied" in stderr
+    assert f"hint: {admin} is not yours to use: admin.sock is root's" in stderr
+    assert "no daemon is listening" not in stderr
+
+
 def test_status_json_carries_every_page(
     socket_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

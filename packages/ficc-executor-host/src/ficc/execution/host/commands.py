@@ -496,10 +496,17 @@ def _socket_of(args: argparse.Namespace) -> str:
 def transport_failure(exc: ClientError, path: str) -> str:
     """What went wrong talking to the daemon, and what to do when it is not running."""
     line = f"transport: {type(exc).__name__}: {exc}"
-    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else None
-    if isinstance(exc, ConnectFailed) and (
-        cause is None or cause.errno in (errno.ENOENT, errno.ECONNREFUSED)
-    ):
+    if not isinstance(exc, ConnectFailed):
+        return line
+    # the client raises ConnectFailed `from None`: the OSError stays in the context
+    found = exc.__cause__ or exc.__context__
+    cause = found.errno if isinstance(found, OSError) else None
+    if cause in (errno.EACCES, errno.EPERM):
+        line += (
+            f"\nhint: {path} is not yours to use: admin.sock is root's (run the command as"
+            " root), and owner-<uid>.sock belongs to that local owner"
+        )
+    elif cause is None or cause in (errno.ENOENT, errno.ECONNREFUSED):
         line += (
             f"\nhint: no daemon is listening on {path}. Is it running? "
             "`systemctl status ficc-executor-host` and "
