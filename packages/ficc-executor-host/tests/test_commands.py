@@ -487,15 +487,9 @@ def test_status_explains_a_daemon_that_is_not_running(socket_dir: Path) -> None:
 NOBODY = 65534
 
 
-@pytest.mark.root("needs root: a real unprivileged user is refused by the socket's mode")
-def test_status_tells_a_user_who_may_not_use_the_socket_so(socket_dir: Path) -> None:
-    """A root-only socket that is listening: the kernel refuses a non-root connect
-    (EACCES); the hint says whose socket it is, not that no daemon is running."""
-    admin = socket_dir / "admin.sock"
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listening.bind(str(admin))
-    os.chmod(admin, 0o600)
-    listening.listen()
+def _as_nobody(*argv: str) -> tuple[int, str]:
+    """`ficc-executor ARGV` run by a real unprivileged account in a forked child: its
+    exit status and stderr."""
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through its exit status
@@ -506,7 +500,7 @@ def test_status_tells_a_user_who_may_not_use_the_socket_so(socket_dir: Path) -> 
             os.setgroups([])
             os.setresgid(NOBODY, NOBODY, NOBODY)
             os.setresuid(NOBODY, NOBODY, NOBODY)
-            code = commands.main(["status", "--socket", str(admin)])
+            code = commands.main(list(argv))
             sys.stderr.flush()
         finally:
             os._exit(code)
@@ -514,11 +508,42 @@ def test_status_tells_a_user_who_may_not_use_the_socket_so(socket_dir: Path) -> 
     with os.fdopen(read_end) as shown:
         stderr = shown.read()
     _, status = os.waitpid(child, 0)
-    listening.close()
-    assert os.waitstatus_to_exitcode(status) == 3, stderr
+    return os.waitstatus_to_exitcode(status), stderr
+
+
+@pytest.mark.root("needs root: a real unprivileged user is refused by the socket's mode")
+def test_status_tells_a_user_who_may_not_use_the_socket_so(socket_dir: Path) -> None:
+    """A root-only socket that is listening: the kernel refuses a non-root connect
+    (EACCES); the hint says whose socket it is, not that no daemon is running."""
+    admin = socket_dir / "admin.sock"
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(admin))
+    os.chmod(admin, 0o600)
+    listening.listen()
+    try:
+        code, stderr = _as_nobody("status", "--socket", str(admin))
+    finally:
+        listening.close()
+    assert code == 3, stderr
     assert "Permission denied" in stderr
     assert f"hint: {admin} is not yours to use: admin.sock is root's" in stderr
     assert "no daemon is listening" not in stderr
+
+
+@pytest.mark.root("needs root: the configuration is root's, read by a real other user")
+def test_a_configuration_only_root_may_read_says_to_run_as_root(socket_dir: Path) -> None:
+    config = socket_dir / "host.json"
+    config.write_text("{}")
+    os.chmod(config, 0o600)
+    os.chmod(socket_dir, 0o755)  # like /etc/ficc: the file, not the directory, is private
+    code, stderr = _as_nobody("status", "--config", str(config))
+    assert code == 1, stderr
+    assert stderr.startswith(f"config_unreadable: {config}: Permission denied; run the command")
+    assert "as root" in stderr
+    os.chmod(socket_dir, 0o700)  # a directory the user cannot even open: the same advice
+    code, stderr = _as_nobody("status", "--config", str(config))
+    assert code == 1, stderr
+    assert f"cannot open {socket_dir}: Permission denied; run the command as root" in stderr
 
 
 def test_status_json_carries_every_page(

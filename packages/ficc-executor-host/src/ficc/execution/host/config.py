@@ -524,7 +524,10 @@ def open_trusted_directory(path: str, key: str, code: str, mode: int | None = No
             missing, key, f"{path} does not exist", "create it (owned by root) or fix the path"
         ) from None
     except OSError as error:
-        raise _refuse(code, key, f"cannot open {path}: {error.strerror}", "check it") from None
+        fix = (
+            "run the command as root" if error.errno in (errno.EACCES, errno.EPERM) else "check it"
+        )
+        raise _refuse(code, key, f"cannot open {path}: {error.strerror}", fix) from None
     actual = stat.S_IMODE(os.fstat(fd).st_mode)
     if mode is not None and actual != mode:
         os.close(fd)
@@ -558,7 +561,7 @@ def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes
             "config_missing", key, "does not exist", "create it or fix the path"
         ) from None
     except OSError as error:
-        raise _refuse("config_unreadable", key, str(error.strerror), "check it") from None
+        raise _unreadable(error, key) from None
     _check_config_stat(before, key, limit)  # refuse FIFOs and devices before opening them
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
@@ -566,7 +569,7 @@ def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise _refuse(code, key, "is a symbolic link", "use the real file") from None
-        raise _refuse("config_unreadable", key, str(error.strerror), "check it") from None
+        raise _unreadable(error, key) from None
     try:
         after = os.fstat(fd)
         if not os.path.samestat(before, after):
@@ -575,6 +578,16 @@ def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes
         return _read_bounded(fd, limit, key)
     finally:
         os.close(fd)
+
+
+def _unreadable(error: OSError, key: str) -> HostError:
+    """The file is root's and 0600: a refused read is most often a command run without
+    root, which the fix says."""
+    if error.errno in (errno.EACCES, errno.EPERM):
+        fix = "run the command as root (the configuration is root's alone, mode 0600)"
+    else:
+        fix = "check the file and the disk it is on"
+    return _refuse("config_unreadable", key, str(error.strerror), fix)
 
 
 def _check_config_stat(st: os.stat_result, key: str, limit: int) -> None:
