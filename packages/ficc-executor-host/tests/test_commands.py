@@ -437,6 +437,12 @@ def test_one_help_lists_every_subcommand() -> None:
     assert module.stdout.replace("python -m ficc.execution", "ficc-executor") == shown.stdout
 
 
+def test_request_help_is_under_the_console_command_name() -> None:
+    shown = run_command("request", "--help")
+    assert shown.returncode == 0
+    assert shown.stdout.startswith("usage: ficc-executor request ")
+
+
 def test_provision_slot_help_says_what_the_filesystem_is_made_with() -> None:
     """The description is the module's own: every line of it, not cut at its colon."""
     shown = run_command("provision-slot", "--help")

@@ -115,7 +115,7 @@ def _request(argv: list[str]) -> int:
         print(version_line())
         return EXIT_OK
     protocol_main = importlib.import_module(_PROTOCOL_MAIN)
-    return int(protocol_main.request_command(argv))
+    return int(protocol_main.request_command(argv, prog=f"{PROG} request"))
 
 
 def _command(commands: Any, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
