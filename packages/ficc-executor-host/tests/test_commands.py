@@ -339,7 +339,12 @@ def test_serve_refuses_an_unsafe_configuration_before_opening_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert commands.main(["serve", "--config", "/tmp/ficc-t-absent.json"]) == 1
-    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    # the versions first, even when serve never gets past its configuration
+    starting, line = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert (starting["event"], starting["version"]) == (
+        "starting",
+        metadata.version("ficc-executor-host"),
+    )
     assert (line["level"], line["event"], line["code"]) == (
         "error",
         "refused",
@@ -593,7 +598,8 @@ def test_an_unexpected_failure_of_serve_is_a_json_line_too(
 
     monkeypatch.setattr(commands, "checked_config", broken)
     assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
-    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    starting, line = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert starting["event"] == "starting"
     assert (line["level"], line["event"], line["error"]) == (
         "error",
         "failed",

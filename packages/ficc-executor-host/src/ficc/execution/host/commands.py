@@ -303,9 +303,24 @@ def checked_config(path: str) -> Config:
     return config
 
 
+def _log_starting() -> None:
+    found = versions()
+    stderr_log(
+        _line(
+            "info",
+            "starting",
+            pid=os.getpid(),
+            version=found["ficc-executor-host"],
+            protocol_version=found["ficc-protocol"],
+            python=platform.python_version(),
+        )
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     logs.set_level(args.log_level)
     _log_json_lines(args.log_level)
+    _log_starting()  # first, so even a refused configuration is logged with the versions
     config = checked_config(args.config)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_daemon(config, args.provider_path))
@@ -423,17 +438,6 @@ async def run_daemon(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    found = versions()
-    stderr_log(
-        _line(
-            "info",
-            "starting",
-            pid=os.getpid(),
-            version=found["ficc-executor-host"],
-            protocol_version=found["ficc-protocol"],
-            python=platform.python_version(),
-        )
-    )
     daemon = (open_daemon or _open_daemon)(config, provider_path)
     try:
         await daemon.start()
