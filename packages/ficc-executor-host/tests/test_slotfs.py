@@ -325,6 +325,9 @@ def test_a_slot_account_in_another_group_is_refused(host: Host) -> None:
     finally:
         _account("gpasswd", "--delete", name, host.accounts[1].pw_name)
     assert error.code == "slot_account"
+    other = host.accounts[1]
+    assert f"is also in groups {other.pw_name} (GID {other.pw_gid})" in error.message
+    assert error.message.endswith(f"gpasswd -d {name} {other.pw_name}")  # a runnable fix
 
 
 # --- provisioning -------------------------------------------------------------------------
