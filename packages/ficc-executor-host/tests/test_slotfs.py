@@ -297,6 +297,8 @@ def test_a_missing_slot_account_is_refused(host: Host) -> None:
     error = refusal(lambda: check_host(host.config(uid=3_999_977)))
     assert error.code == "slot_account"
     assert "no account has UID 3999977" in error.message
+    gid = host.config().slots[0].gid  # the fix makes exactly the configured account
+    assert f"useradd --system --uid 3999977 --gid {gid} --no-create-home" in error.message
 
 
 def test_a_slot_account_with_the_wrong_group_is_refused(host: Host) -> None:

@@ -381,8 +381,9 @@ def check_account(slot: SlotSpec, key: str) -> None:
             "slot_account",
             key,
             f"no account has UID {slot.uid}",
-            "create it: useradd --system --user-group --no-create-home "
-            "--shell /usr/sbin/nologin NAME",
+            f"create it with its own group: groupadd --system --gid {slot.gid} NAME &&"
+            f" useradd --system --uid {slot.uid} --gid {slot.gid} --no-create-home"
+            " --shell /usr/sbin/nologin NAME",
         ) from None
     name = account.pw_name
     if account.pw_gid != slot.gid:
