@@ -724,7 +724,7 @@ def test_transport_and_owner_accounts_must_exist() -> None:
     error = refusal(lambda: check_accounts(with_transport))
     assert error.code == "account_missing"
     assert error.message.startswith(f"local_owner_uids[0]: UID {missing} has no account")
-    assert "useradd" in error.message
+    assert f"useradd --system --uid {missing} " in error.message  # the account the key names
     real = msgspec.structs.replace(existing, transport_uid=0, local_owner_uids=(os.geteuid(),))
     check_accounts(real)
 

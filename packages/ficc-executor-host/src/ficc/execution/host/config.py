@@ -691,7 +691,8 @@ def check_accounts(config: Config) -> None:
                 "account_missing",
                 key,
                 f"UID {uid} has no account on this host",
-                "create it (useradd --system) or fix the UID",
+                f"create it (useradd --system --uid {uid} --no-create-home"
+                " --shell /usr/sbin/nologin NAME) or fix the UID",
             ) from None
 
 
