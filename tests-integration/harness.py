@@ -216,7 +216,15 @@ def build_provider_wheel(out: Path) -> Path:
 
 def install_provider(wheel: Path, prefix: Path) -> InstalledProvider:
     """pip install into a root-owned prefix, then ask the host for the digest to pin."""
-    pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
+    pip(
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--ignore-installed",
+        "--prefix",
+        str(prefix),
+        str(wheel),
+    )
     (site,) = prefix.glob("lib/python3*/site-packages")
     command = [sys.executable, "-m", "ficc.execution", "provider-digest", "test"]
     result = subprocess.run(

@@ -1071,6 +1071,21 @@ def test_every_code_the_host_raises_is_inventoried_or_host_only() -> None:
     assert not both, f"codes both host-only and sent: {sorted(both)}"
 
 
+def test_every_startup_and_command_refusal_is_in_the_configuration_reference() -> None:
+    """An operator reads a refusal of `serve`, `check-config`, `status` or
+    `provision-slot` in docs/configuration.md, "Refusal codes"."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("## Refusal codes", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z][a-z0-9_]*)` \|", section, re.MULTILINE))
+    startup = {
+        code
+        for code, why in error_codes.HOST_ONLY.items()
+        if why.startswith("startup or command refusal")
+    }
+    startup |= {"host_path_missing", "host_path_unsafe", "slot_filesystem", "slot_identity"}
+    assert sorted(startup - documented) == []
+
+
 def test_every_entry_names_its_proof() -> None:
     tests = globals()
     for entry in error_codes.ENTRIES:

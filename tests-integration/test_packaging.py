@@ -4,6 +4,7 @@ classifiers, consistent dependency bounds, the console commands, the Podman whee
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -54,6 +55,38 @@ def test_dependency_bounds_are_ranges_and_agree() -> None:
             dependency, spec = match.groups()
             bounds.setdefault(dependency, set()).add(spec)
     assert {d: len(s) for d, s in bounds.items() if len(s) > 1} == {}
+
+
+def _imported_distributions(name: str) -> set[str]:
+    """The distributions whose modules `name`'s own source imports, other than itself."""
+    owners = {
+        "ficc.hoststate": "ficc-hoststate",
+        "ficc.execution.host": "ficc-executor-host",
+        "ficc.execution": "ficc-protocol",
+    }
+    found: set[str] = set()
+    for source in (ROOT / "packages" / name / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if top in sys.stdlib_module_names or top == "ficc_provider_podman":
+                    continue
+                owned = [o for m, o in owners.items() if f"{module}.".startswith(f"{m}.")]
+                found.add(owned[0] if owned else top)
+    return found - {name}
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+def test_every_distribution_a_package_imports_is_a_declared_dependency(name: str) -> None:
+    """A wheel must not rely on another distribution pulling in what it imports itself."""
+    declared = {re.split(r"[<>=]", r)[0] for r in project(name)["dependencies"]}
+    assert _imported_distributions(name) - declared == set()
 
 
 def test_the_console_commands_are_declared() -> None:

@@ -339,7 +339,12 @@ def test_serve_refuses_an_unsafe_configuration_before_opening_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert commands.main(["serve", "--config", "/tmp/ficc-t-absent.json"]) == 1
-    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    # the versions first, even when serve never gets past its configuration
+    starting, line = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert (starting["event"], starting["version"]) == (
+        "starting",
+        metadata.version("ficc-executor-host"),
+    )
     assert (line["level"], line["event"], line["code"]) == (
         "error",
         "refused",
@@ -437,6 +442,21 @@ def test_one_help_lists_every_subcommand() -> None:
     assert module.stdout.replace("python -m ficc.execution", "ficc-executor") == shown.stdout
 
 
+def test_request_help_is_under_the_console_command_name() -> None:
+    shown = run_command("request", "--help")
+    assert shown.returncode == 0
+    assert shown.stdout.startswith("usage: ficc-executor request ")
+
+
+def test_provision_slot_help_says_what_the_filesystem_is_made_with() -> None:
+    """The description is the module's own: every line of it, not cut at its colon."""
+    shown = run_command("provision-slot", "--help")
+    assert shown.returncode == 0
+    for made_with in ("`-m 0`", "`-N storage_inodes`", "`nodev,nosuid`", "`nofail`"):
+        assert made_with in shown.stdout
+    assert "tests and tools" not in shown.stdout  # the part for developers stays out
+
+
 @pytest.mark.parametrize("argv", [[], *([name] for name in SUBCOMMANDS)])
 def test_version_everywhere(argv: list[str]) -> None:
     expected = (
@@ -473,6 +493,68 @@ def test_status_explains_a_daemon_that_is_not_running(socket_dir: Path) -> None:
     metrics = run_command("metrics", "--socket", str(socket_dir / "admin.sock"))
     assert metrics.returncode == 3
     assert "hint: no daemon is listening" in metrics.stderr
+
+
+NOBODY = 65534
+
+
+def _as_nobody(*argv: str) -> tuple[int, str]:
+    """`ficc-executor ARGV` run by a real unprivileged account in a forked child: its
+    exit status and stderr."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        code = 99
+        try:
+            os.close(read_end)
+            sys.stderr = os.fdopen(write_end, "w")  # not pytest's capture of the parent
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            code = commands.main(list(argv))
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as shown:
+        stderr = shown.read()
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status), stderr
+
+
+@pytest.mark.root("needs root: a real unprivileged user is refused by the socket's mode")
+def test_status_tells_a_user_who_may_not_use_the_socket_so(socket_dir: Path) -> None:
+    """A root-only socket that is listening: the kernel refuses a non-root connect
+    (EACCES); the hint says whose socket it is, not that no daemon is running."""
+    admin = socket_dir / "admin.sock"
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(admin))
+    os.chmod(admin, 0o600)
+    listening.listen()
+    try:
+        code, stderr = _as_nobody("status", "--socket", str(admin))
+    finally:
+        listening.close()
+    assert code == 3, stderr
+    assert "Permission denied" in stderr
+    assert f"hint: {admin} is not yours to use: admin.sock is root's" in stderr
+    assert "no daemon is listening" not in stderr
+
+
+@pytest.mark.root("needs root: the configuration is root's, read by a real other user")
+def test_a_configuration_only_root_may_read_says_to_run_as_root(socket_dir: Path) -> None:
+    config = socket_dir / "host.json"
+    config.write_text("{}")
+    os.chmod(config, 0o600)
+    os.chmod(socket_dir, 0o755)  # like /etc/ficc: the file, not the directory, is private
+    code, stderr = _as_nobody("status", "--config", str(config))
+    assert code == 1, stderr
+    assert stderr.startswith(f"config_unreadable: {config}: Permission denied; run the command")
+    assert "as root" in stderr
+    os.chmod(socket_dir, 0o700)  # a directory the user cannot even open: the same advice
+    code, stderr = _as_nobody("status", "--config", str(config))
+    assert code == 1, stderr
+    assert f"cannot open {socket_dir}: Permission denied; run the command as root" in stderr
 
 
 def test_status_json_carries_every_page(
@@ -516,7 +598,8 @@ def test_an_unexpected_failure_of_serve_is_a_json_line_too(
 
     monkeypatch.setattr(commands, "checked_config", broken)
     assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
-    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    starting, line = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert starting["event"] == "starting"
     assert (line["level"], line["event"], line["error"]) == (
         "error",
         "failed",

@@ -27,6 +27,7 @@ from ficc.execution.host.config import (
     check_host,
     check_metrics_textfile,
     load_config,
+    open_trusted_directory,
     parse_config,
 )
 from ficc.execution.host.errors import HostError
@@ -597,6 +598,37 @@ def test_check_host_requires_exact_modes_of_state_and_socket_dirs(
     assert "chmod 07" in error.message
 
 
+@needs_root
+@pytest.mark.parametrize(
+    ("shared", "key", "home"),
+    [
+        ("state", "state_dir", "/var/lib/ficc-executor"),
+        ("sockets", "socket_dir", "/run/ficc-executor"),
+        ("slots", "slots[0].path", "/srv/ficc/slots"),
+    ],
+)
+def test_a_path_below_a_shared_directory_is_moved_to_its_usual_home(
+    host_root: Path, shared: str, key: str, home: str
+) -> None:
+    """The advice for a path below a directory like /tmp names where that kind of
+    directory usually lives, and never suggests loosening or tightening /tmp itself."""
+    below = host_root / "shared"
+    below.mkdir()
+    os.chmod(below, 0o1777)
+    moved = below / shared
+    moved.mkdir(mode=0o700 if shared == "state" else 0o711 if shared == "sockets" else 0o755)
+    if key.startswith("slots["):  # check_slots opens each slot path this way first
+        error = refusal(lambda: open_trusted_directory(str(moved), key, "host_path_unsafe"))
+    else:
+        doc = document(str(host_root))
+        _set(key, str(moved))(doc)
+        error = refusal(lambda: check_directories(parse(doc)))
+    assert error.code == "host_path_unsafe"
+    assert error.message.startswith(f"{key}: ")
+    assert f"move it below a directory only root can write (for example {home})" in error.message
+    assert "chmod" not in error.message
+
+
 # --- property: the sorted nesting check agrees with the obvious pairwise one -----------
 
 _EXAMPLES = 3000 if os.environ.get("FICC_SOAK") == "1" else 200
@@ -654,6 +686,11 @@ def test_the_nesting_rule_matches_a_pairwise_check(paths: list[str]) -> None:
         (["state_dir"], "rel", "state_dir: expected an absolute path (starting with /"),
         (["slots", 0, "id"], "Bad!", "slots[0].id: expected a name (a lowercase letter"),
         (["providers", 0, "package_digest"], "md5:x", "package_digest: expected a digest (sha256:"),
+        (
+            ["slots", 0, "filesystem_uuid"],
+            "3F1D7C52-9A0E-4B8E-A1F4-0C2D5E6F7A80",
+            "slots[0].filesystem_uuid: expected a filesystem UUID (xxxxxxxx-xxxx-",
+        ),
     ],
 )
 def test_schema_messages_name_the_type_or_list_the_choices(
@@ -687,7 +724,7 @@ def test_transport_and_owner_accounts_must_exist() -> None:
     error = refusal(lambda: check_accounts(with_transport))
     assert error.code == "account_missing"
     assert error.message.startswith(f"local_owner_uids[0]: UID {missing} has no account")
-    assert "useradd" in error.message
+    assert f"useradd --system --uid {missing} " in error.message  # the account the key names
     real = msgspec.structs.replace(existing, transport_uid=0, local_owner_uids=(os.geteuid(),))
     check_accounts(real)
 

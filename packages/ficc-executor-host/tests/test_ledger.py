@@ -273,6 +273,8 @@ def test_open_refuses_a_hard_link_or_loose_mode(ledger: Ledger, state_dir: Path)
     with pytest.raises(HostError) as error:
         Ledger.open(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_unsafe"
+    assert error.value.message.endswith("remove the other links")  # one fix, the right one
+    assert "create" not in error.value.message
 
 
 def test_the_state_dir_magic_is_the_one_stat_reports(state_dir: Path) -> None:
@@ -365,6 +367,7 @@ def test_open_missing_and_half_created(state_dir: Path) -> None:
     with pytest.raises(HostError) as error:
         Ledger.open(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_missing"
+    assert "restore it from backup" in error.value.message
     fd = os.open(state_dir / LEDGER_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.close(fd)  # a crash between creating the file and committing its schema
     with pytest.raises(HostError) as error:

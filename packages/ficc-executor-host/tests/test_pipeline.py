@@ -143,7 +143,15 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     _pip("wheel", "--no-deps", *isolation, "-w", str(out), str(PROVIDER_SOURCE))
     (wheel,) = out.glob("ficc_test_provider-*.whl")
     prefix = out / "prefix"
-    _pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel))
+    _pip(
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--ignore-installed",
+        "--prefix",
+        str(prefix),
+        str(wheel),
+    )
     (site,) = prefix.glob("lib/python3*/site-packages")
     call_log, context_log = out / "calls.log", out / "contexts.log"
     configuration = {

@@ -77,7 +77,16 @@ def install(wheel: Path, prefix: Path, *extra: str) -> Path:
 
     (Not `--target`: pip then records console scripts at paths that do not exist.)
     """
-    _pip("install", "--no-deps", "--no-index", "--prefix", str(prefix), *extra, str(wheel))
+    _pip(
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--ignore-installed",
+        "--prefix",
+        str(prefix),
+        *extra,
+        str(wheel),
+    )
     (site,) = prefix.glob("lib/python3*/site-packages")
     return site
 
@@ -440,7 +449,16 @@ def test_editable_install_is_refused(tmp_path: Path) -> None:
     shutil.copytree(PROVIDER_SOURCE, source)
     prefix = tmp_path / "editable"
     isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
-    _pip("install", "--no-deps", *isolation, "--prefix", str(prefix), "-e", str(source))
+    _pip(
+        "install",
+        "--no-deps",
+        "--ignore-installed",
+        *isolation,
+        "--prefix",
+        str(prefix),
+        "-e",
+        str(source),
+    )
     (target,) = prefix.glob("lib/python3*/site-packages")
     with refused("provider_editable"):
         compute_digest("test", [str(target)])

@@ -297,6 +297,8 @@ def test_a_missing_slot_account_is_refused(host: Host) -> None:
     error = refusal(lambda: check_host(host.config(uid=3_999_977)))
     assert error.code == "slot_account"
     assert "no account has UID 3999977" in error.message
+    gid = host.config().slots[0].gid  # the fix makes exactly the configured account
+    assert f"useradd --system --uid 3999977 --gid {gid} --no-create-home" in error.message
 
 
 def test_a_slot_account_with_the_wrong_group_is_refused(host: Host) -> None:
@@ -325,6 +327,9 @@ def test_a_slot_account_in_another_group_is_refused(host: Host) -> None:
     finally:
         _account("gpasswd", "--delete", name, host.accounts[1].pw_name)
     assert error.code == "slot_account"
+    other = host.accounts[1]
+    assert f"is also in groups {other.pw_name} (GID {other.pw_gid})" in error.message
+    assert error.message.endswith(f"gpasswd -d {name} {other.pw_name}")  # a runnable fix
 
 
 # --- provisioning -------------------------------------------------------------------------
@@ -374,7 +379,7 @@ def test_provision_slot_command_makes_a_slot_the_daemon_accepts(host: Host) -> N
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert again.returncode == 1
-    assert "provision_failed" in again.stderr
+    assert again.stderr.startswith("provision_failed: "), again.stderr  # code first
 
 
 def test_persistence_lines_name_the_image_or_the_uuid() -> None:

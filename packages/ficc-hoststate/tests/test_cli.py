@@ -99,6 +99,7 @@ def test_inspect_missing_snapshot_after_marker(store: pathlib.Path) -> None:
     assert result.returncode == 1
     assert "[corrupt]" in result.stderr
     assert "missing" in result.stderr
+    assert "restore state.json from a backup" in result.stderr  # what to do, as acquire says
 
 
 def test_inspect_host_mismatch(store: pathlib.Path) -> None:
@@ -106,6 +107,7 @@ def test_inspect_host_mismatch(store: pathlib.Path) -> None:
     result = inspect(store, "host-b")
     assert result.returncode == 1
     assert "[host_mismatch]" in result.stderr
+    assert "use that host ID or the directory bootstrap made for this host" in result.stderr
 
 
 def test_inspect_unsafe_and_bad_arguments(store: pathlib.Path, tmp_path: pathlib.Path) -> None:

@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from . import marker
-from .errors import Corrupt, HostMismatch, HostStateError
+from .errors import HostStateError
 from .lock import check_platform
 from .model import Operation, check_host_id
 from .root import Root, read_all
-from .session import LOCK_FILE, STATE_FILE
+from .session import LOCK_FILE, STATE_FILE, marker_mismatch, snapshot_missing
 from .snapshot import MAX_BYTES, decode
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -76,13 +76,13 @@ def inspect_store(directory: str, host_id: str) -> tuple[str, list[Operation], s
     try:
         marked_for = _read_marker(root)
         if marked_for is not None and marked_for != host_id:
-            raise HostMismatch(f"{directory} was initialized for host {marked_for!r}")
+            raise marker_mismatch(directory, marked_for, host_id)
         data = root.read(STATE_FILE, MAX_BYTES)
     finally:
         root.close()
     if data is None:
         if marked_for is not None:
-            raise Corrupt(f"{directory}/state.json is missing but host.lock marks it initialized")
+            raise snapshot_missing(directory)
         return directory, [], "empty store: never initialized (no marker, no snapshot)"
     operations = decode(data, host_id)
     note = "initialized" if marked_for else "marker missing: the next acquire rewrites it"

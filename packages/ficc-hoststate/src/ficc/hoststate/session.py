@@ -64,22 +64,32 @@ def acquire(directory: str | os.PathLike[str], host_id: str) -> Session:
     )
 
 
+def marker_mismatch(directory: str, marked_for: str, host_id: str) -> HostMismatch:
+    """The refusal for a marker of another host (`acquire` and `inspect` alike)."""
+    return HostMismatch(
+        f"{directory} was initialized for host {marked_for!r}, not {host_id!r}; use that"
+        " host ID or the directory bootstrap made for this host"
+    )
+
+
+def snapshot_missing(directory: str) -> Corrupt:
+    """The refusal for a marker without its snapshot (`acquire` and `inspect` alike)."""
+    return Corrupt(
+        f"{directory}/state.json is missing but host.lock records that work was"
+        " persisted; restore state.json from a backup (and reconcile), never"
+        " start an empty store over it"
+    )
+
+
 def _load(root: Root, lock_fd: int, host_id: str) -> tuple[Image, list[Operation], bool]:
     """Verify marker and snapshot together; repair a marker lost to a crash."""
     marked_for = marker.decode(read_all(lock_fd, LOCK_FILE, marker.MAX_BYTES))
     if marked_for is not None and marked_for != host_id:
-        raise HostMismatch(
-            f"{root.path} was initialized for host {marked_for!r}, not {host_id!r}; use that"
-            " host ID or the directory bootstrap made for this host"
-        )
+        raise marker_mismatch(root.path, marked_for, host_id)
     data = root.read(STATE_FILE, MAX_BYTES)
     if data is None:
         if marked_for is not None:
-            raise Corrupt(
-                f"{root.path}/state.json is missing but host.lock records that work was"
-                " persisted; restore state.json from a backup (and reconcile), never"
-                " start an empty store over it"
-            )
+            raise snapshot_missing(root.path)
         return Image(host_id, []), [], False
     image, operations = Image.load(data, host_id)
     if marked_for is None:  # crashed between the first snapshot and the marker

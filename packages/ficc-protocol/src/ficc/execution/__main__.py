@@ -79,10 +79,13 @@ def _refusals(reply: AnyReply) -> list[str]:
     ]
 
 
-def request_command(argv: Sequence[str]) -> int:
-    """`python -m ficc.execution request`: send one JSON request read from stdin."""
+def request_command(argv: Sequence[str], prog: str = "python -m ficc.execution request") -> int:
+    """`python -m ficc.execution request`: send one JSON request read from stdin.
+
+    `prog` is the name the usage line shows (`ficc-executor request` when the host's
+    console command runs it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m ficc.execution request",
+        prog=prog,
         description="Send one JSON request from stdin to an executor socket.",
     )
     parser.add_argument("--version", action="version", version=_version())

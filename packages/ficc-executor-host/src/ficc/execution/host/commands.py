@@ -115,7 +115,7 @@ def _request(argv: list[str]) -> int:
         print(version_line())
         return EXIT_OK
     protocol_main = importlib.import_module(_PROTOCOL_MAIN)
-    return int(protocol_main.request_command(argv))
+    return int(protocol_main.request_command(argv, prog=f"{PROG} request"))
 
 
 def _command(commands: Any, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
@@ -303,9 +303,24 @@ def checked_config(path: str) -> Config:
     return config
 
 
+def _log_starting() -> None:
+    found = versions()
+    stderr_log(
+        _line(
+            "info",
+            "starting",
+            pid=os.getpid(),
+            version=found["ficc-executor-host"],
+            protocol_version=found["ficc-protocol"],
+            python=platform.python_version(),
+        )
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     logs.set_level(args.log_level)
     _log_json_lines(args.log_level)
+    _log_starting()  # first, so even a refused configuration is logged with the versions
     config = checked_config(args.config)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_daemon(config, args.provider_path))
@@ -423,17 +438,6 @@ async def run_daemon(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    found = versions()
-    stderr_log(
-        _line(
-            "info",
-            "starting",
-            pid=os.getpid(),
-            version=found["ficc-executor-host"],
-            protocol_version=found["ficc-protocol"],
-            python=platform.python_version(),
-        )
-    )
     daemon = (open_daemon or _open_daemon)(config, provider_path)
     try:
         await daemon.start()
@@ -496,10 +500,17 @@ def _socket_of(args: argparse.Namespace) -> str:
 def transport_failure(exc: ClientError, path: str) -> str:
     """What went wrong talking to the daemon, and what to do when it is not running."""
     line = f"transport: {type(exc).__name__}: {exc}"
-    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else None
-    if isinstance(exc, ConnectFailed) and (
-        cause is None or cause.errno in (errno.ENOENT, errno.ECONNREFUSED)
-    ):
+    if not isinstance(exc, ConnectFailed):
+        return line
+    # the client raises ConnectFailed `from None`: the OSError stays in the context
+    found = exc.__cause__ or exc.__context__
+    cause = found.errno if isinstance(found, OSError) else None
+    if cause in (errno.EACCES, errno.EPERM):
+        line += (
+            f"\nhint: {path} is not yours to use: admin.sock is root's (run the command as"
+            " root), and owner-<uid>.sock belongs to that local owner"
+        )
+    elif cause is None or cause in (errno.ENOENT, errno.ECONNREFUSED):
         line += (
             f"\nhint: no daemon is listening on {path}. Is it running? "
             "`systemctl status ficc-executor-host` and "

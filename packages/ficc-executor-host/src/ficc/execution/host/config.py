@@ -203,6 +203,10 @@ _PATTERN_NAMES = {
     _pattern_of(Digest): "a digest (sha256: and 64 lowercase hexadecimal digits)",
     _pattern_of(Name): "a name (a lowercase letter, then up to 79 of a-z, 0-9, '_', '.', '-')",
     _ABSOLUTE_PATH: "an absolute path (starting with /, no control characters)",
+    slotfs.UUID_PATTERN: (
+        "a filesystem UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, lowercase hexadecimal,"
+        " as `blkid` or `ficc-executor provision-slot` prints it)"
+    ),
 }
 
 
@@ -458,9 +462,23 @@ def _check_trusted_directory(st: os.stat_result, key: str, where: str, code: str
         mode = stat.S_IMODE(st.st_mode)
         problem = f"directory {where} has mode {mode:04o}, writable by others"
         if st.st_mode & (stat.S_ISVTX | stat.S_IWOTH):  # a shared directory such as /tmp
-            fix = "move it below a directory only root can write (for example /etc/ficc)"
-            raise _refuse(code, key, problem, fix)
+            raise _refuse(code, key, problem, _shared_directory_fix(key))
         raise _refuse(code, key, problem, f"chmod go-w {where}")
+
+
+_USUAL_HOMES = {
+    "state_dir": "/var/lib/ficc-executor",
+    "socket_dir": "/run/ficc-executor",
+    "metrics_textfile": "/var/lib/node_exporter/textfile_collector",
+    "--image": "/var/lib/ficc-slots",
+}
+
+
+def _shared_directory_fix(key: str) -> str:
+    """Advice for a path below a shared directory such as /tmp: move the path, with the
+    usual home of what the key names, and never loosen the shared directory itself."""
+    home = "/srv/ficc/slots" if key.startswith("slots[") else _USUAL_HOMES.get(key, "/etc/ficc")
+    return f"move it below a directory only root can write (for example {home})"
 
 
 def _open_unchanged_child(parent_fd: int, name: str, key: str, where: str, code: str) -> int:
@@ -506,7 +524,10 @@ def open_trusted_directory(path: str, key: str, code: str, mode: int | None = No
             missing, key, f"{path} does not exist", "create it (owned by root) or fix the path"
         ) from None
     except OSError as error:
-        raise _refuse(code, key, f"cannot open {path}: {error.strerror}", "check it") from None
+        fix = (
+            "run the command as root" if error.errno in (errno.EACCES, errno.EPERM) else "check it"
+        )
+        raise _refuse(code, key, f"cannot open {path}: {error.strerror}", fix) from None
     actual = stat.S_IMODE(os.fstat(fd).st_mode)
     if mode is not None and actual != mode:
         os.close(fd)
@@ -540,7 +561,7 @@ def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes
             "config_missing", key, "does not exist", "create it or fix the path"
         ) from None
     except OSError as error:
-        raise _refuse("config_unreadable", key, str(error.strerror), "check it") from None
+        raise _unreadable(error, key) from None
     _check_config_stat(before, key, limit)  # refuse FIFOs and devices before opening them
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
@@ -548,7 +569,7 @@ def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise _refuse(code, key, "is a symbolic link", "use the real file") from None
-        raise _refuse("config_unreadable", key, str(error.strerror), "check it") from None
+        raise _unreadable(error, key) from None
     try:
         after = os.fstat(fd)
         if not os.path.samestat(before, after):
@@ -557,6 +578,16 @@ def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes
         return _read_bounded(fd, limit, key)
     finally:
         os.close(fd)
+
+
+def _unreadable(error: OSError, key: str) -> HostError:
+    """The file is root's and 0600: a refused read is most often a command run without
+    root, which the fix says."""
+    if error.errno in (errno.EACCES, errno.EPERM):
+        fix = "run the command as root (the configuration is root's alone, mode 0600)"
+    else:
+        fix = "check the file and the disk it is on"
+    return _refuse("config_unreadable", key, str(error.strerror), fix)
 
 
 def _check_config_stat(st: os.stat_result, key: str, limit: int) -> None:
@@ -660,7 +691,8 @@ def check_accounts(config: Config) -> None:
                 "account_missing",
                 key,
                 f"UID {uid} has no account on this host",
-                "create it (useradd --system) or fix the UID",
+                f"create it (useradd --system --uid {uid} --no-create-home"
+                " --shell /usr/sbin/nologin NAME) or fix the UID",
             ) from None
 
 

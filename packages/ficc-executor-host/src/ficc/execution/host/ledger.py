@@ -371,10 +371,14 @@ class Ledger:
             try:
                 fd = fsutil.open_regular_at(dir_fd, LEDGER_FILE, os.O_RDONLY, owner_uid=0)
             except HostError as error:
+                if error.code != "not_found":  # its message already says what to fix
+                    raise HostError(
+                        "ledger_unsafe", f"{state_dir}/{LEDGER_FILE}: {error.message}"
+                    ) from error
                 raise HostError(
-                    "ledger_missing" if error.code == "not_found" else "ledger_unsafe",
-                    f"{state_dir}/{LEDGER_FILE}: {error.message}; create the ledger with the"
-                    " daemon's initialization command, or restore it from backup",
+                    "ledger_missing",
+                    f"{state_dir}/{LEDGER_FILE}: {error.message}; restore it from backup"
+                    " (serve creates a ledger only in a state_dir that never held one)",
                 ) from error
             db = _connect(state_dir, dir_fd, _checked_and_closed(fd))
             return cls._checked(db, dir_fd, state_dir, installation_id)

@@ -294,7 +294,8 @@ def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # t
     parser = commands.add_parser(
         "provision-slot",
         help="make and mount a slot filesystem (an image file or a block device)",
-        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        description="\n\n".join(__doc__.split("\n\n")[1:3]) if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--image", help="image file to create (a host without a spare disk)")
@@ -319,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
             slot = create_device_slot(args.device, args.mount, args.bytes, args.inodes)
         persisted = _persist(slot, args.persist)
     except HostError as error:
-        print(f"ficc-executor provision-slot: {error.code}: {error.message}", file=sys.stderr)
+        print(f"{error.code}: {error.message}", file=sys.stderr)
         return 1
     entry = {
         "path": slot.mount,

@@ -364,6 +364,14 @@ def _superblock_uuid(mount: procfs.Mount) -> str | None:
 # --- the slot account -----------------------------------------------------------------
 
 
+def _group_name(gid: int) -> str:
+    """A group's name for a refusal (its GID when it has no entry)."""
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 def check_account(slot: SlotSpec, key: str) -> None:
     """The slot account exists as configured and can do nothing but run slot work."""
     try:
@@ -373,8 +381,9 @@ def check_account(slot: SlotSpec, key: str) -> None:
             "slot_account",
             key,
             f"no account has UID {slot.uid}",
-            "create it: useradd --system --user-group --no-create-home "
-            "--shell /usr/sbin/nologin NAME",
+            f"create it with its own group: groupadd --system --gid {slot.gid} NAME &&"
+            f" useradd --system --uid {slot.uid} --gid {slot.gid} --no-create-home"
+            " --shell /usr/sbin/nologin NAME",
         ) from None
     name = account.pw_name
     if account.pw_gid != slot.gid:
@@ -412,9 +421,11 @@ def _check_own_group(slot: SlotSpec, key: str, name: str) -> None:
         )
     extra = sorted(set(os.getgrouplist(name, slot.gid)) - {slot.gid})
     if extra:
+        names = [_group_name(gid) for gid in extra]
+        shown = ", ".join(f"{n} (GID {gid})" for n, gid in zip(names, extra, strict=True))
         raise _refuse(
             "slot_account",
             key,
-            f"account {name} is also in groups {', '.join(map(str, extra))}",
-            f"remove it from them (gpasswd -d {name} GROUP)",
+            f"account {name} is also in groups {shown}",
+            f"remove it from each: gpasswd -d {name} {names[0]}",
         )
