@@ -495,6 +495,15 @@ def test_status_explains_a_daemon_that_is_not_running(socket_dir: Path) -> None:
     assert "hint: no daemon is listening" in metrics.stderr
 
 
+def test_status_json_reports_an_absent_daemon_as_json(socket_dir: Path) -> None:
+    shown = run_command("status", "--socket", str(socket_dir / "admin.sock"), "--json")
+    assert shown.returncode == 3
+    error = json.loads(shown.stdout)["error"]
+    assert error["code"] == "transport"
+    assert "hint: no daemon is listening" in error["message"]
+    assert "hint: no daemon is listening" in shown.stderr
+
+
 NOBODY = 65534
 
 

@@ -237,6 +237,18 @@ def test_provider_digest_json(site: Path, capsys: pytest.CaptureFixture[str]) ->
     }
 
 
+def test_provider_digest_json_reports_a_refusal_as_json(
+    site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["provider-digest", "absent", "--path", str(site), "--json"]
+    assert commands.main(argv) == 1
+    shown = capsys.readouterr()
+    error = json.loads(shown.out)["error"]
+    assert error["code"] == "provider_missing"
+    assert "install the provider" in error["message"]
+    assert shown.err.startswith("provider_missing: ")
+
+
 def test_python_m_ficc_execution_reaches_provider_digest(site: Path) -> None:
     shown = subprocess.run(
         [

@@ -123,6 +123,20 @@ def test_inspect_unsafe_and_bad_arguments(store: pathlib.Path, tmp_path: pathlib
     assert usage.returncode == 2
 
 
+def test_inspect_json_reports_a_refusal_as_json_too(store: pathlib.Path) -> None:
+    populated(store)
+    result = subprocess.run(
+        [sys.executable, "-m", "ficc.hoststate", "inspect", str(store), "--host-id", "host-b",
+         "--json"],
+        check=False, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "host_mismatch"
+    assert "use that host ID" in error["message"]
+    assert "[host_mismatch]" in result.stderr
+
+
 def test_inspect_json_carries_the_same_facts_as_the_table(store: pathlib.Path) -> None:
     populated(store)
     result = subprocess.run(

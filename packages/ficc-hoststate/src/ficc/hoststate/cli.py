@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except HostStateError as exc:
         print(f"inspect failed: {exc}", file=sys.stderr)
+        if args.json:  # a script reading stdout gets the refusal as JSON too
+            error = {"code": exc.code, "message": str(exc)}
+            print(json.dumps({"error": error}, sort_keys=True), flush=True)
         return EXIT_USAGE if exc.code == "invalid_argument" else EXIT_FAILED
     return EXIT_OK
 

@@ -98,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stderr_log(_line("error", "refused", code=error.code, message=error.message))
         else:
             print(f"{error.code}: {error.message}", file=sys.stderr)
+            _json_refusal(args, error.code, error.message)
         return EXIT_REFUSED
     except Exception as error:
         if args.command != "serve":
@@ -384,6 +385,17 @@ def _error_json(error: HostError) -> dict[str, str]:
     return {"code": error.code, "message": error.message}
 
 
+TRANSPORT = "transport"
+"""The code of a `--json` refusal when the daemon could not be reached at all."""
+
+
+def _json_refusal(args: argparse.Namespace, code: str, message: str) -> None:
+    """With `--json`, a refusal is also one JSON object on stdout, so a script that
+    parses stdout never meets an empty or a text answer (`check-config` has its own)."""
+    if getattr(args, "json", False) and args.command != "check-config":
+        print(json.dumps({"error": {"code": code, "message": message}}, sort_keys=True))
+
+
 class _JsonLines(logging.Handler):
     """The daemon's `logging` records as JSON lines, like the server's own events."""
 
@@ -530,9 +542,11 @@ def _status(args: argparse.Namespace) -> int:
             daemon_version = asyncio.run(fetch_version(client))
     except ClientError as exc:
         print(transport_failure(exc, path), file=sys.stderr)
+        _json_refusal(args, TRANSPORT, transport_failure(exc, path))
         return EXIT_TRANSPORT
     if isinstance(pages, ErrorReply):
         print(f"{pages.error.code}: {pages.error.message}", file=sys.stderr)
+        _json_refusal(args, pages.error.code, pages.error.message)
         return EXIT_REFUSED
     if args.json:
         document = {
