@@ -1530,3 +1530,20 @@ def test_a_ledger_written_by_a_newer_release_is_refused_as_such(
         Ledger.open(str(state_dir), INSTALLATION)
     assert refused.value.code == "ledger_schema"
     assert "newer release" in refused.value.message
+
+
+def test_a_ledger_of_another_admission_version_is_refused_and_kept(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    ledger.close()
+    db = raw_path(state_dir)
+    db.execute("DROP TRIGGER identity_fixed")  # as a foreign release might have it
+    db.execute("UPDATE meta SET admission_version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(HostError) as refused:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert refused.value.code == "ledger_schema"
+    assert "admission version 99" in refused.value.message
+    assert "Do not delete it" in refused.value.message
+    assert (state_dir / LEDGER_FILE).exists()

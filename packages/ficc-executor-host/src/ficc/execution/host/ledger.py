@@ -46,7 +46,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Concatenate, Final, NamedTuple, ParamSpec, TypeVar
+from typing import Any, Concatenate, Final, NamedTuple, ParamSpec, TypeVar
 
 import msgspec
 
@@ -276,6 +276,22 @@ def _migrate(db: sqlite3.Connection) -> None:
             raise
 
 
+def _unreadable_schema(path: str, row: tuple[Any, ...] | None) -> str:
+    """Why this release cannot open the ledger, and what to do: never to delete it, since
+    it holds every attempt ID this host admitted."""
+    if row is None:
+        found = "holds no ledger identity (it is not a ficc ledger, or it is damaged)"
+        fix = "restore it from a backup"
+    else:
+        found = f"has schema version {row[0]}, admission version {row[3]}"
+        fix = "a newer release wrote it: install that release again, or restore it from a backup"
+    return (
+        f"{path} {found}; this release reads schema version {SCHEMA_VERSION}, admission "
+        f"version {ADMISSION_VERSION}. {fix}. Do not delete it: it holds every attempt ID "
+        "this host admitted"
+    )
+
+
 class Ledger:
     """The open ledger. Create it once with `create`, then `open` it on every start."""
 
@@ -297,11 +313,7 @@ class Ledger:
                 "SELECT schema_version, installation_id, ledger_id, admission_version FROM meta"
             ).fetchone()
         if row is None or row[0] != SCHEMA_VERSION or row[3] != ADMISSION_VERSION:
-            raise HostError(
-                "ledger_schema",
-                f"{path} has no schema version {SCHEMA_VERSION} identity; restore it from"
-                " backup or move it aside and create a new ledger",
-            )
+            raise HostError("ledger_schema", _unreadable_schema(path, row))
         self._bindings = Bindings(row[1], row[2], ADMISSION_VERSION)
 
     # -- opening --------------------------------------------------------------------

@@ -119,7 +119,9 @@ def _import_pinned(verified: DistributionDigest, module_name: str) -> ModuleType
     except Exception as error:
         raise HostError(
             "provider_import_failed",
-            f"importing provider module {module_name!r} failed: {bounded(error)}",
+            f"importing provider module {module_name!r} failed: {bounded(error)}; install "
+            "what it needs into the daemon's environment or reinstall the provider, then pin "
+            "the digest `ficc-executor provider-digest` prints",
         ) from error
 
 
