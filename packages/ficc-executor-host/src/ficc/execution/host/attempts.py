@@ -1,16 +1,18 @@
 """One attempt as the runner sees it, and the steps every part of the runner shares.
 
 `_Attempt` gathers what the runner needs of an attempt: its record, plan, slot,
-layout and service name. `AttemptWork` is the ground both pipelines stand on (the
-coordinator `pipeline.Runner` and the start pipeline `starting.Starter`): blocking
-calls go through the daemon's threads (`HostWork`: the ledger thread, the file I/O
-pool) so the event loop never blocks; an attempt is loaded from the ledger; its
-provider context is built; and every outcome is recorded in the ledger as a
+layout and service name. `AttemptWork` is the ground the runner's parts stand on (the
+coordinator `pipeline.Runner`, the prepare pipeline `preparing.Preparer` and the
+start pipeline `starting.Starter`), built from the parts they share (`Shared`):
+blocking calls go through the daemon's threads (`HostWork`: the ledger thread, the
+file I/O pool) so the event loop never blocks; an attempt is loaded from the ledger;
+its provider context is built; and every outcome is recorded in the ledger as a
 lifecycle event, waking the monitor when the attempt ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -33,7 +35,7 @@ from ficc.execution.host.providers.driver import RowResult
 from ficc.execution.host.sdk import Observation
 from ficc.execution.host.service.interface import ServiceHandle
 
-__all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings"]
+__all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings", "Shared"]
 
 _log = logging.getLogger(__name__)
 
@@ -116,26 +118,28 @@ class HostWork:
         return await self._ctx.workers.io(fn, *args)
 
 
-class AttemptWork(HostWork):
-    """What the runner and its start pipeline share: the settings, the batcher, the
-    monitor to wake, the service handles of this daemon's attempts, and the steps
-    both take on an attempt (see the module docstring)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shared:
+    """The parts every part of the runner works with; one of each per runner."""
 
-    def __init__(
-        self,
-        ctx: HostContext,
-        settings: Settings,
-        *,
-        batcher: Batcher,
-        monitor: Monitor,
-        handles: dict[str, ServiceHandle],
-    ) -> None:
-        super().__init__(ctx)
-        self._settings = settings
-        self._batcher = batcher
-        self._monitor = monitor
-        self._handles = handles
-        """attempt ID -> the service this daemon created for it (until its release)."""
+    ctx: HostContext
+    settings: Settings
+    batcher: Batcher
+    monitor: Monitor
+    handles: dict[str, ServiceHandle]
+    """attempt ID -> the service this daemon created for it (until its release)."""
+
+
+class AttemptWork(HostWork):
+    """A part of the runner: the shared parts, and the steps every part takes on an
+    attempt (see the module docstring)."""
+
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(shared.ctx)
+        self._settings = shared.settings
+        self._batcher = shared.batcher
+        self._monitor = shared.monitor
+        self._handles = shared.handles
 
     async def _apply(self, record: AttemptRecord, event: lifecycle.AnyEvent) -> bool:
         """Record an event; False (logged) when the lifecycle refuses it."""
@@ -246,3 +250,11 @@ def _verified_storage(attempt: _Attempt) -> sdk.StorageBinding:
         bytes=limits.storage_bytes,
         inodes=limits.storage_inodes,
     )
+
+
+async def _gather_logged(jobs: Any) -> None:
+    for result in await asyncio.gather(*jobs, return_exceptions=True):
+        if isinstance(result, Exception):
+            _log.error("runner job failed: %r", result)
+        elif isinstance(result, BaseException):
+            raise result

@@ -43,6 +43,7 @@ from ficc.execution.host import gate, layout, lifecycle, procfs, sdk
 from ficc.execution.host.attempts import (
     INTERNAL_ERROR,
     AttemptWork,
+    Shared,
     _Attempt,
     _decoded,
     _observation,
@@ -98,23 +99,16 @@ class _Aborted(Exception):
 
 
 class Starter(AttemptWork):
-    """The start pipeline of the runner's attempts (see the module docstring); it
-    shares the runner's context, settings, batcher, monitor and service handles."""
+    """The start pipeline of the runner's attempts (see the module docstring)."""
 
     def __init__(
         self,
-        runner: AttemptWork,
+        shared: Shared,
         *,
         deadlines: Deadlines,
         spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
     ) -> None:
-        super().__init__(
-            runner._ctx,
-            runner._settings,
-            batcher=runner._batcher,
-            monitor=runner._monitor,
-            handles=runner._handles,
-        )
+        super().__init__(shared)
         self._deadlines = deadlines
         self._spawn = spawn
         """Starts a task the runner keeps (and cancels when it closes)."""
