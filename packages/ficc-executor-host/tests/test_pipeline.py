@@ -35,7 +35,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, lifecycle, pipeline, provision
+from ficc.execution.host import batching, gate, lifecycle, provision, starting
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -981,7 +981,7 @@ def _batcher(driver: Any, timeout: float = 30.0) -> tuple[Any, Workers]:
     ctx = SimpleNamespace(
         providers={"fake": ProviderRuntime("fake", SHA, loaded, None)}, workers=workers
     )
-    return pipeline._Batcher(ctx, timeout), workers  # type: ignore[arg-type]
+    return batching.Batcher(ctx, timeout), workers  # type: ignore[arg-type]
 
 
 def test_rows_of_one_loop_turn_go_out_as_batches_of_at_most_64() -> None:
@@ -1054,22 +1054,22 @@ def test_starts_waiting_for_their_payload_observe_on_one_shared_beat() -> None:
     runner = Runner(SimpleNamespace(), settings=Settings(observe_interval=0.05))  # type: ignore[arg-type]
 
     async def scenario() -> None:
-        first = asyncio.ensure_future(runner._next_observation())
+        first = asyncio.ensure_future(runner._starter._next_observation())
         await asyncio.sleep(0)
-        beat = runner._beat
+        beat = runner._starter._beat
         assert beat is not None
         assert not beat.done()
-        second = asyncio.ensure_future(runner._next_observation())
-        third = asyncio.ensure_future(runner._next_observation())
+        second = asyncio.ensure_future(runner._starter._next_observation())
+        third = asyncio.ensure_future(runner._starter._next_observation())
         await asyncio.sleep(0)
-        assert runner._beat is beat  # joined, not a beat of its own
+        assert runner._starter._beat is beat  # joined, not a beat of its own
         third.cancel()
         await asyncio.gather(first, second)
         assert beat.done()
         assert not beat.cancelled()
-        later = asyncio.ensure_future(runner._next_observation())
+        later = asyncio.ensure_future(runner._starter._next_observation())
         await asyncio.sleep(0)
-        assert runner._beat is not beat  # after a beat, the next waiter starts a new one
+        assert runner._starter._beat is not beat  # after a beat, the next waiter starts a new one
         await later
 
     asyncio.run(scenario())
@@ -1092,9 +1092,9 @@ def test_the_shared_beat_slows_down_when_observing_gets_expensive(
             return real(0, *args)
 
         monkeypatch.setattr(loop, "call_later", recording)
-        await runner._next_observation()
-        runner._observe_cost = 0.05
-        await runner._next_observation()
+        await runner._starter._next_observation()
+        runner._starter._observe_cost = 0.05
+        await runner._starter._next_observation()
 
     asyncio.run(scenario())
     assert pauses == [0.01, 0.2]
@@ -1137,12 +1137,12 @@ def test_the_monitor_is_woken_when_a_released_service_main_process_exits(world: 
         runner = Runner(world.ctx, settings=FAST)
         woken = asyncio.Event()
         runner.monitor.wake = woken.set  # type: ignore[method-assign]
-        runner._wake_on_exit(child.pid)
+        runner._starter._wake_on_exit(child.pid)
         await asyncio.sleep(0)
         assert not woken.is_set()  # the process still runs
         os.close(write_end)  # now it exits
         await asyncio.wait_for(woken.wait(), timeout=30)
-        assert runner._exit_watches == set()  # the pidfd is closed again
+        assert runner._starter._exit_watches == set()  # the pidfd is closed again
         await runner.close()
 
     try:
@@ -1159,21 +1159,22 @@ def test_the_monitor_is_woken_when_a_released_service_main_process_exits(world: 
 # runs while the gate would, i.e. after the start was accepted and before the marker.
 
 
-class _PassingGate(Runner):
-    def __init__(self, ctx: HostContext, during: Callable[[], None]) -> None:
-        super().__init__(ctx, settings=FAST)
-        self._during = during
+def _passing_gate(ctx: HostContext, during: Callable[[], None]) -> Runner:
+    runner = Runner(ctx, settings=FAST)
 
-    def _run_gate(self, *args: Any) -> gate.Verdict:
-        self._during()
+    def run_gate(*args: Any) -> gate.Verdict:
+        during()
         return gate.Verdict(ok=True, failures=())
+
+    runner._starter._run_gate = run_gate  # type: ignore[method-assign, assignment]
+    return runner
 
 
 def _start_with_passing_gate(world: World, fence: Fence, during: Callable[[], None]) -> None:
     attempt_id = fence.attempt_id
 
     async def scenario() -> None:
-        async with running(_PassingGate(world.ctx, during)) as runner:
+        async with running(_passing_gate(world.ctx, during)) as runner:
             runner.admitted([attempt_id])
             await until(state_of(world, attempt_id), "ready")
             world.start(fence)
@@ -1328,11 +1329,11 @@ def test_every_context_holds_what_the_provider_contract_lists(world: World) -> N
     [
         (0.01, 0.0, 0.01),  # cheap observations: the configured interval
         (0.01, 0.02, 0.08),  # four times the last call
-        (0.01, 300.0, pipeline.MAX_OBSERVATION_PAUSE),  # a timed-out call: capped
+        (0.01, 300.0, starting.MAX_OBSERVATION_PAUSE),  # a timed-out call: capped
         (1.0, 300.0, 1.0),  # a configured interval above the cap stands
     ],
 )
 def test_the_shared_observation_pause_grows_with_its_cost_and_is_capped(
     interval: float, cost: float, pause: float
 ) -> None:
-    assert pipeline.observation_pause(interval, cost) == pytest.approx(pause)
+    assert starting.observation_pause(interval, cost) == pytest.approx(pause)

@@ -1,0 +1,260 @@
+"""One attempt as the runner sees it, and the steps every part of the runner shares.
+
+`_Attempt` gathers what the runner needs of an attempt: its record, plan, slot,
+layout and service name. `AttemptWork` is the ground the runner's parts stand on (the
+coordinator `pipeline.Runner`, the prepare pipeline `preparing.Preparer` and the
+start pipeline `starting.Starter`), built from the parts they share (`Shared`):
+blocking calls go through the daemon's threads (`HostWork`: the ledger thread, the
+file I/O pool) so the event loop never blocks; an attempt is loaded from the ledger;
+its provider context is built; and every outcome is recorded in the ledger as a
+lifecycle event, waking the monitor when the attempt ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from ficc.execution import plan as planlib
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host import layout, leases, lifecycle, sdk
+from ficc.execution.host.batching import PROVIDER_TIMEOUT, Batcher
+from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.expectation import DEFAULT_NOFILE
+from ficc.execution.host.layout import AttemptPaths, provider_context, service_name
+from ficc.execution.host.ledger import AttemptRecord
+from ficc.execution.host.monitor import TICK_SECONDS, Monitor
+from ficc.execution.host.providers.driver import RowResult
+from ficc.execution.host.sdk import Observation
+from ficc.execution.host.service.interface import ServiceHandle
+
+__all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings", "Shared"]
+
+_log = logging.getLogger(__name__)
+
+INTERNAL_ERROR: Final = "internal_error"
+"""A bug in the host, not a refusal: the attempt fails closed and is cleaned up."""
+_R = TypeVar("_R", bound=msgspec.Struct)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Timing and host policy of the runner (the daemon may take them from config)."""
+
+    tick: float = TICK_SECONDS
+    provider_timeout: float = PROVIDER_CALL_TIMEOUT_S
+    start_timeout: float = 120.0
+    """How long start waits for the barrier's PID."""
+    observe_interval: float = 0.01
+    rescan_ticks: int = 25
+    """Every this many ticks the monitor reads every record, not just the watched ones."""
+    nofile: int = DEFAULT_NOFILE
+    user_namespace: bool = True
+    cgroup_namespace: bool = True
+
+
+# --- provider replies ---------------------------------------------------------------
+
+
+def _observation(result: RowResult) -> Observation:
+    if result.reply is None:
+        raise HostError(result.code or ErrorCode.PROVIDER_FAILED, result.message or "")
+    return _decoded(result, "observe", Observation)
+
+
+def _decoded(result: RowResult, method: str, kind: type[_R]) -> _R:
+    """A row's reply as its SDK Struct, or `provider_malformed`."""
+    try:
+        return sdk.decode_reply(method, result.reply, kind)
+    except (msgspec.ValidationError, ValueError) as error:
+        raise HostError("provider_malformed", f"{method} returned {error}") from error
+
+
+def _row_error(result: RowResult, method: str) -> HostError:
+    code = result.code or ErrorCode.PROVIDER_FAILED
+    if code not in (PROVIDER_TIMEOUT, ErrorCode.PROVIDER_UNAVAILABLE):
+        code = "probe_failed" if method == "probe" else ErrorCode.PROVIDER_FAILED
+    return HostError(code, f"provider {method}: {result.message or 'no reply'}")
+
+
+# --- one attempt, as the runner sees it ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attempt:
+    record: AttemptRecord
+    plan: planlib.Plan
+    slot: SlotRuntime
+    layout: layout.Layout
+    paths: AttemptPaths
+    service: str
+
+    @property
+    def id(self) -> str:
+        return self.record.attempt_id
+
+    @property
+    def provider(self) -> str:
+        return self.plan.job.runtime.provider
+
+
+class HostWork:
+    """Work on the host context whose blocking calls run in the daemon's threads."""
+
+    def __init__(self, ctx: HostContext) -> None:
+        self._ctx = ctx
+
+    async def _db(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._ctx.workers.db(fn, *args)
+
+    async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self._ctx.workers.io(fn, *args)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shared:
+    """The parts every part of the runner works with; one of each per runner."""
+
+    ctx: HostContext
+    settings: Settings
+    batcher: Batcher
+    monitor: Monitor
+    handles: dict[str, ServiceHandle]
+    """attempt ID -> the service this daemon created for it (until its release)."""
+
+
+class AttemptWork(HostWork):
+    """A part of the runner: the shared parts, and the steps every part takes on an
+    attempt (see the module docstring)."""
+
+    def __init__(self, shared: Shared) -> None:
+        super().__init__(shared.ctx)
+        self._settings = shared.settings
+        self._batcher = shared.batcher
+        self._monitor = shared.monitor
+        self._handles = shared.handles
+
+    async def _apply(self, record: AttemptRecord, event: lifecycle.AnyEvent) -> bool:
+        """Record an event; False (logged) when the lifecycle refuses it."""
+        try:
+            await self._db(self._ctx.ledger.apply, record.fence, event)
+        except HostError as error:
+            _log.info("attempt %s: %s not recorded (%s)", record.attempt_id, event.name, error)
+            return False
+        if event.name in ("prepare_failed", "start_failed", "outcome_lost", "finished"):
+            self._monitor.wake()
+        return True
+
+    async def _refused(
+        self, record: AttemptRecord, event: lifecycle.AnyEvent, error: HostError
+    ) -> None:
+        """Record a failure; the ledger keeps only its code, so the operator's log gets
+        the message that says what went wrong (a provider's refusal text, say)."""
+        _log.warning("attempt %s: %s: %s", record.attempt_id, event.name, error)
+        await self._apply(record, event)
+
+    def lease_current(self, record: AttemptRecord) -> bool:
+        lease = record.lease
+        return lease is not None and leases.is_current(lease, self._ctx.clock.now())
+
+    async def _attempt(self, record: AttemptRecord) -> _Attempt:
+        data = await self._db(self._ctx.ledger.plan_bytes, record.attempt_id)
+        plan = planlib.decode_plan(data)
+        if record.slot_id is None or record.slot_id not in self._ctx.slots:
+            raise HostError("slot_unknown", f"attempt {record.attempt_id} holds no configured slot")
+        slot = self._ctx.slots[record.slot_id]
+        place = layout.Layout(slot)
+        name = service_name(self._ctx.config.installation_id, record.attempt_id)
+        return _Attempt(record, plan, slot, place, place.paths(record.attempt_id), name)
+
+    def _context(
+        self,
+        attempt: _Attempt,
+        storage: sdk.StorageBinding,
+        inputs: Sequence[sdk.InputCapability] = (),
+        prepared: sdk.PrepareResult | None = None,
+    ) -> sdk.Context:
+        """The provider context of the contract (prepare adds `check`; later ones `prepared`)."""
+        return provider_context(
+            plan=attempt.plan,
+            plan_digest=attempt.record.plan_digest,
+            slot=attempt.slot,
+            paths=attempt.paths,
+            service=attempt.service,
+            cgroup=self._ctx.service.planned_supervisor_cgroup(attempt.service),
+            backend=self._ctx.service.backend,
+            storage=storage,
+            inputs=inputs,
+            prepared=prepared,
+        )
+
+    async def _later_context(
+        self,
+        attempt: _Attempt,
+        *,
+        verify: bool = False,
+        inputs: Sequence[sdk.InputCapability] = (),
+    ) -> sdk.Context:
+        """Context for start/observe/stop/release: with the persisted prepared result and
+        the verified storage binding. With `verify` (start) a binding that cannot be
+        verified refuses; otherwise (stopping, cleaning up) the context falls back to
+        the storage path alone, so cleanup never waits on a damaged layout."""
+        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+        prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
+        try:
+            storage = await self._io(_verified_storage, attempt)
+        except (HostError, OSError) as error:
+            if verify:
+                raise
+            _log.warning("attempt %s: storage binding not verified: %s", attempt.id, error)
+            storage = sdk.StorageBinding(path=attempt.paths.storage)
+        return self._context(attempt, storage, inputs, prepared)
+
+    async def _inputs(self, attempt: _Attempt) -> list[sdk.InputCapability]:
+        if not attempt.plan.streamed_inputs:
+            return []
+        caps: list[sdk.InputCapability] = await self._io(
+            attempt.slot.stager.capabilities, attempt.id
+        )
+        return caps
+
+
+# --- blocking helpers (run in worker threads) ---------------------------------------
+
+
+def _verified_storage(attempt: _Attempt) -> sdk.StorageBinding:
+    """The storage binding: the slot-owned storage directory on the slot's filesystem."""
+    fd = attempt.layout.open_part(attempt.id, layout.STORAGE)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    slot = os.stat(attempt.slot.path, follow_symlinks=False)
+    if st.st_dev != slot.st_dev:
+        raise HostError(
+            "storage_unverified",
+            f"{attempt.paths.storage} is not on the slot's reserved filesystem; check the slot",
+        )
+    limits = attempt.plan.job.limits
+    return sdk.StorageBinding(
+        path=attempt.paths.storage,
+        device=st.st_dev,
+        inode=st.st_ino,
+        bytes=limits.storage_bytes,
+        inodes=limits.storage_inodes,
+    )
+
+
+async def _gather_logged(jobs: Any) -> None:
+    for result in await asyncio.gather(*jobs, return_exceptions=True):
+        if isinstance(result, Exception):
+            _log.error("runner job failed: %r", result)
+        elif isinstance(result, BaseException):
+            raise result

@@ -1,0 +1,131 @@
+"""Lease deadlines handed to the lease reaper (service/reaper.py).
+
+The start pipeline hands an attempt's lease deadline to the reaper before its service
+exists (`set`), so the service is stopped at the deadline even when this daemon is
+dead or hung; a renewal hands on the deadline it moved before it is answered, and each
+monitor tick any other that moved (`sync`),
+and keeps a reaper running while any live service has one; cleanup takes a settled
+attempt's deadline back (`drop`). What the reaper kills is the service backend's
+`planned_cgroups(name)`, known before the service exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from typing import Final
+
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host.attempts import HostWork, _Attempt
+from ficc.execution.host.context import HostContext
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.ledger import AttemptRecord
+from ficc.execution.host.service import reaper
+
+__all__ = ["Deadlines"]
+
+_log = logging.getLogger(__name__)
+
+LIVE_STATES: Final = frozenset({"starting", "running"})
+
+
+class Deadlines(HostWork):
+    """The deadline files of this daemon's live services, and the reaper that reads them."""
+
+    def __init__(self, ctx: HostContext) -> None:
+        super().__init__(ctx)
+        self._reaper: reaper.Keeper | None = None
+        self._deadlines: dict[str, tuple[str, int]] = {}
+        """attempt ID -> (service, lease deadline) as last written for the reaper."""
+        self._lock = asyncio.Lock()
+
+    def _keeper(self) -> reaper.Keeper:
+        if self._reaper is None:
+            directory = os.path.join(self._ctx.config.state_dir, "deadlines")
+            self._reaper = reaper.Keeper(directory)
+        return self._reaper
+
+    async def set(self, attempt: _Attempt) -> None:
+        """Hand the lease deadline to the reaper before the service exists, so the
+        service is stopped at the deadline even if this daemon dies or hangs."""
+        async with self._lock:
+            record = await self._db(self._ctx.ledger.get, attempt.id)
+            lease = None if record is None else record.lease
+            if lease is None:
+                raise HostError(ErrorCode.LEASE_EXPIRED, "the attempt holds no lease")
+            cgroups = self._ctx.service.planned_cgroups(attempt.service)
+            try:
+                await self._io(
+                    self._keeper().set,
+                    attempt.service,
+                    lease.boot_id,
+                    lease.deadline_boottime_ns,
+                    cgroups,
+                )
+            except OSError as error:
+                raise HostError(
+                    "service_create",
+                    f"the lease deadline could not be handed to the reaper ({error}); "
+                    "check the state directory",
+                ) from error
+            self._deadlines[attempt.id] = (attempt.service, lease.deadline_boottime_ns)
+
+    def _moved(self, record: AttemptRecord) -> bool:
+        written = self._deadlines.get(record.attempt_id)
+        lease = record.lease
+        if written is None or lease is None or record.status.state not in LIVE_STATES:
+            return False
+        return lease.deadline_boottime_ns != written[1]
+
+    async def sync(self, records: Sequence[AttemptRecord]) -> None:
+        """Follow renewals (an answered renewal at once, anything else once per tick)
+        and keep a reaper running while any live service has a deadline.
+
+        One writer at a time, and each moved deadline is read again from the ledger
+        under the lock: `records` may be older than a renewal another writer has
+        already handed over, and the file must never go back to a stale deadline.
+        """
+        if not self._deadlines:
+            return
+        async with self._lock:
+            moved_ids = [r.attempt_id for r in records if self._moved(r)]
+            fresh = await self._db(self._records, moved_ids) if moved_ids else []
+            moved = [
+                (r.attempt_id, self._deadlines[r.attempt_id][0], r.lease)
+                for r in fresh
+                if r.lease is not None and self._moved(r)
+            ]
+            keeper = self._keeper()
+
+            def write() -> None:
+                for _attempt_id, service, lease in moved:
+                    reaper.write_deadline(
+                        keeper.directory,
+                        service,
+                        lease.boot_id,
+                        lease.deadline_boottime_ns,
+                        self._ctx.service.planned_cgroups(service),
+                    )
+                keeper.ensure()
+
+            try:
+                await self._io(write)
+            except OSError as error:
+                _log.error("the lease reaper's deadlines could not be updated: %s", error)
+                return
+            for attempt_id, service, lease in moved:
+                self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
+
+    def _records(self, attempt_ids: Sequence[str]) -> list[AttemptRecord]:
+        """The current records of `attempt_ids` (a ledger-thread call)."""
+        found = (self._ctx.ledger.get(a) for a in attempt_ids)
+        return [r for r in found if r is not None]
+
+    async def drop(self, attempt: _Attempt) -> None:
+        self._deadlines.pop(attempt.id, None)
+        try:
+            await self._io(self._keeper().drop, attempt.service)
+        except OSError as error:
+            _log.warning("attempt %s: deadline file not removed: %s", attempt.id, error)

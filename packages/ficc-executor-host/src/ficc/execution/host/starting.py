@@ -1,0 +1,425 @@
+"""The start pipeline: from an accepted start to the released payload.
+
+`Starter` takes each attempt of a start request through, in this order: staged inputs
+re-verified, the lease deadline handed to the lease reaper (deadlines.py), the system
+service created with the provider's argv as the slot account and the plan's limits,
+controls read back, provider `start`, `observe` until the barrier's PID, the
+device-open results checked, the payload gate run, and only on a pass the release
+marker written (`Started`). The runner (pipeline.py) owns the starter: it hands it
+start requests and the monitor's aborts, and uses `stop_service` for its own stops.
+
+Decisions:
+- A stop or expiry arriving while the start pipeline runs is handed to it: it stops
+  the service and returns; the monitor then records `Stopped` (cancelled/expired).
+  The release marker is never written once a stop is pending or the lease is gone.
+- A start that fails once its lease has run out is left to the monitor, which records
+  the expiry (the reaper may have ended the service).
+- Start authority is checked again in the ledger right before the marker is written
+  (`Ledger.authorize_release`): an offer paused, stopped or drained since the start
+  was accepted, or one that no longer covers the attempt, ends it `cancelled`
+  (reason `offer_closed` / `offer_changed`) and the payload is never released.
+- The barrier exiting before release is `failed` (`barrier_exited`): the payload
+  cannot have run.
+- Device-open results are taken from the latest `ready` or `payload` observation.
+- A provider start or observe that timed out leaves the outcome `unknown`
+  (`provider_timeout`), never a replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import posixpath
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Final
+
+import msgspec
+
+from ficc.execution import plan as planlib
+from ficc.execution.host import gate, layout, lifecycle, procfs, sdk
+from ficc.execution.host.attempts import (
+    INTERNAL_ERROR,
+    AttemptWork,
+    Shared,
+    _Attempt,
+    _decoded,
+    _observation,
+    _row_error,
+)
+from ficc.execution.host.batching import PROVIDER_TIMEOUT, Ticket
+from ficc.execution.host.deadlines import Deadlines
+from ficc.execution.host.errors import HostError
+from ficc.execution.host.expectation import (
+    PrepareResult,
+    build_expectation,
+    check_device_opens,
+    decode_prepare_result,
+    device_rules,
+)
+from ficc.execution.host.handlers import ceiling_limits
+from ficc.execution.host.layout import RELEASE_MARKER
+from ficc.execution.host.sdk import DeviceOpen
+from ficc.execution.host.service.interface import Controls, ServiceHandle, ServiceSpec
+
+__all__ = ["MAX_OBSERVATION_PAUSE", "SERVICE_ENVIRONMENT", "Starter", "observation_pause"]
+
+_log = logging.getLogger(__name__)
+
+SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+"""The complete environment of the provider argv: nothing is inherited."""
+
+MAX_OBSERVATION_PAUSE = 0.25
+"""The longest wait between observations of a start waiting for its payload."""
+
+
+def observation_pause(interval: float, last_cost: float) -> float:
+    """How long waiting starts pause before they observe again.
+
+    Observing many attempts costs more per call, so the pause grows with the last
+    call's duration (observation then takes at most a fifth of a thread); it never
+    exceeds MAX_OBSERVATION_PAUSE, so one slow provider call (a full worker pool, a
+    timeout) cannot push every waiting start towards its start deadline.
+    """
+    return min(max(interval, 4 * last_cost), max(interval, MAX_OBSERVATION_PAUSE))
+
+
+class _Uncertain(Exception):
+    """The outcome of a possibly started attempt cannot be known (OutcomeLost)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Aborted(Exception):
+    """A stop became pending during start: the monitor records it."""
+
+
+class Starter(AttemptWork):
+    """The start pipeline of the runner's attempts (see the module docstring)."""
+
+    def __init__(
+        self,
+        shared: Shared,
+        *,
+        deadlines: Deadlines,
+        spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]],
+    ) -> None:
+        super().__init__(shared)
+        self._deadlines = deadlines
+        self._spawn = spawn
+        """Starts a task the runner keeps (and cancels when it closes)."""
+        self._starting: dict[str, asyncio.Task[None]] = {}
+        self._abort: set[str] = set()
+        self._exit_watches: set[int] = set()
+        """pidfds of released services' main processes (see `_wake_on_exit`)."""
+        self._beat: asyncio.Future[None] | None = None
+        """The next shared observation instant of starts (see `_next_observation`)."""
+        self._observe_cost = 0.0
+        """Seconds the last observe call of a waiting start took."""
+
+    def request(self, attempt_ids: Sequence[str]) -> None:
+        """Start these attempts; their provider start rows go out together."""
+        # one already in the pipeline is left alone: a second start never starts twice
+        fresh = [a for a in dict.fromkeys(attempt_ids) if a not in self._starting]
+        cohort = self._batcher.cohort(len(fresh))
+        for attempt_id in fresh:
+            task = self._spawn(self._start(attempt_id, cohort.ticket()))
+            self._starting[attempt_id] = task
+            task.add_done_callback(functools.partial(self._start_done, attempt_id))
+
+    def running(self, attempt_id: str) -> bool:
+        """Whether this attempt's start pipeline still runs (it owns the service)."""
+        return attempt_id in self._starting
+
+    def abort(self, attempt_id: str) -> None:
+        """Hand a stop to a running start pipeline: it stops the service and returns."""
+        self._abort.add(attempt_id)
+
+    def close(self) -> None:
+        """Stop watching released services' main processes."""
+        for fd in list(self._exit_watches):
+            self._unwatch(fd)
+
+    def _start_done(self, attempt_id: str, _: object) -> None:
+        self._starting.pop(attempt_id, None)
+        self._abort.discard(attempt_id)
+        self._monitor.wake()
+
+    async def _start(self, attempt_id: str, ticket: Ticket) -> None:
+        """One attempt of a start batch; its ticket lets its provider start go out
+        with the batch's others."""
+        with ticket:
+            await self._start_attempt(attempt_id, ticket)
+
+    async def _start_attempt(self, attempt_id: str, ticket: Ticket) -> None:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        if record is None or record.status.state != "starting":
+            return
+        if record.status.stop_pending is not None:
+            return  # the monitor stops it; nothing was created
+        attempt = await self._attempt(record)
+        try:
+            await self._start_pipeline(attempt, ticket)
+        except _Aborted:
+            await self.stop_service(attempt)
+        except _Uncertain as uncertain:
+            await self.stop_service(attempt)
+            await self._apply(record, lifecycle.OutcomeLost(reason=uncertain.reason))
+        except HostError as error:
+            await self.stop_service(attempt)
+            if not await self._lease_still_current(attempt.id):
+                return  # the reaper may have ended the service at the deadline: expiry
+            await self._refused(record, lifecycle.StartFailed(reason=error.code), error)
+        except Exception:
+            _log.exception("attempt %s: start failed unexpectedly", attempt.id)
+            await self.stop_service(attempt)
+            await self._apply(record, lifecycle.StartFailed(reason=INTERNAL_ERROR))
+
+    async def _start_pipeline(self, attempt: _Attempt, ticket: Ticket) -> None:
+        try:
+            result = await self._prepared(attempt)
+            inputs = await self._inputs(attempt)
+            for capability in inputs:
+                await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
+            handle = await self._create_service(attempt, result)
+            context = await self._later_context(attempt, verify=True, inputs=inputs)
+        except BaseException:
+            ticket.close()  # the batch's other rows need not wait for this one's stop
+            raise
+        started = await ticket.call(attempt.provider, "start", context)
+        if started.code == PROVIDER_TIMEOUT:
+            raise _Uncertain(PROVIDER_TIMEOUT)
+        if not started.ok:
+            raise _row_error(started, "start")
+        _decoded(started, "start", sdk.StartReply)
+        pid, devices = await self._await_payload(attempt, context, handle)
+        check_device_opens(result, None if devices is None else {d.path: d.opened for d in devices})
+        verdict = await self._io(self._run_gate, attempt, result, handle, pid)
+        if not verdict.ok:
+            raise HostError(verdict.failures[0].code, verdict.failures[0].message)
+        await self._release_payload(attempt)
+        self._wake_on_exit(handle.main_pid)
+
+    def _wake_on_exit(self, pid: int | None) -> None:
+        """Wake the monitor the moment the service's main process exits.
+
+        The monitor otherwise notices the end of a payload only at its next tick; a
+        pidfd becomes readable when the process exits, so the outcome is observed at
+        once. A PID that is already gone (or reused) only costs an early tick.
+        """
+        if pid is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            self._monitor.wake()
+            return
+        loop = asyncio.get_running_loop()
+        self._exit_watches.add(fd)
+
+        def exited() -> None:
+            self._unwatch(fd)
+            self._monitor.wake()
+
+        loop.add_reader(fd, exited)
+
+    def _unwatch(self, fd: int) -> None:
+        if fd in self._exit_watches:
+            self._exit_watches.discard(fd)
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+
+    async def _prepared(self, attempt: _Attempt) -> PrepareResult:
+        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+        if data is None:
+            raise HostError("prepare_result_missing", "no persisted prepare result")
+        return decode_prepare_result(msgspec.json.decode(data))
+
+    async def _create_service(self, attempt: _Attempt, result: PrepareResult) -> ServiceHandle:
+        limits = attempt.plan.job.limits
+        try:
+            spec = msgspec.convert(
+                {
+                    "name": attempt.service,
+                    "argv": result.argv,
+                    "uid": attempt.slot.uid,
+                    "gid": attempt.slot.gid,
+                    "cwd": attempt.paths.storage,
+                    "environment": SERVICE_ENVIRONMENT,
+                    "limits": {
+                        "cpu_millis": limits.cpu_millis,
+                        "memory_bytes": limits.memory_bytes,
+                        "swap_bytes": limits.swap_bytes,
+                        "processes": limits.processes,
+                        "nofile": self._settings.nofile,
+                    },
+                    "devices": msgspec.to_builtins(device_rules(result)),
+                    "stdout": attempt.paths.stdout,
+                    "stderr": attempt.paths.stderr,
+                },
+                ServiceSpec,
+            )
+        except msgspec.ValidationError as error:
+            raise HostError("service_spec", f"the service cannot be built: {error}") from error
+        self._check_abort(attempt)
+        await self._deadlines.set(attempt)
+        handle: ServiceHandle = await self._io(self._ctx.service.create, spec)
+        self._handles[attempt.id] = handle
+        controls: Controls = await self._io(self._ctx.service.controls, handle)
+        _check_controls(controls, attempt.plan.job.limits)
+        return handle
+
+    async def _lease_still_current(self, attempt_id: str) -> bool:
+        record = await self._db(self._ctx.ledger.get, attempt_id)
+        return record is not None and self.lease_current(record)
+
+    async def _await_payload(
+        self, attempt: _Attempt, context: sdk.Context, handle: ServiceHandle
+    ) -> tuple[int, list[DeviceOpen] | None]:
+        """Observe until the barrier's host PID is reported (or the deadline).
+
+        A provider reports `ready` (the device opens) before `payload` (the PID), often
+        on consecutive calls, so the first `ready` is followed by the next observation
+        at once; every other observation waits `observe_interval` first.
+        """
+        deadline = time.monotonic() + self._settings.start_timeout
+        devices: list[DeviceOpen] | None = None
+        furthest = "waiting"
+        while True:
+            self._check_abort(attempt)
+            began = time.monotonic()
+            result = await self._batcher.call(attempt.provider, "observe", context)
+            self._observe_cost = time.monotonic() - began
+            if result.code == PROVIDER_TIMEOUT:
+                raise _Uncertain(PROVIDER_TIMEOUT)
+            seen = _observation(result)
+            if seen.devices is not None:
+                devices = seen.devices
+            if seen.phase == "payload" and seen.pid is not None:
+                return seen.pid, devices
+            exited = await self._io(self._ctx.service.exit_status, handle)
+            if seen.phase == "finished" or exited is not None:
+                raise HostError(
+                    "barrier_exited", "the barrier exited before release; the payload never ran"
+                )
+            if time.monotonic() >= deadline:
+                raise HostError(
+                    "start_timeout",
+                    f"no payload PID within {self._settings.start_timeout}s; the payload never"
+                    " ran: check the provider",
+                )
+            if seen.phase == "ready" and furthest == "waiting":
+                furthest = "ready"
+            else:
+                await self._next_observation()
+
+    async def _next_observation(self) -> None:
+        """Wait `observe_interval`, on a beat shared by every start waiting for its
+        payload: they wake in the same loop turn, so their observe rows go out as one
+        provider call (one walk of the provider's process table instead of one each)."""
+        beat = self._beat
+        if beat is None or beat.done():
+            loop = asyncio.get_running_loop()
+            beat = self._beat = loop.create_future()
+            pause = observation_pause(self._settings.observe_interval, self._observe_cost)
+            loop.call_later(pause, _settle_beat, beat)
+        await asyncio.shield(beat)
+
+    def _run_gate(
+        self, attempt: _Attempt, result: PrepareResult, handle: ServiceHandle, pid: int
+    ) -> gate.Verdict:
+        """Blocking: build the Expectation and judge the live barrier (evidence first)."""
+        logs = tuple(
+            procfs.FileIdentity(st.st_dev, st.st_ino)
+            for st in (os.stat(p) for p in (attempt.paths.stdout, attempt.paths.stderr))
+        )
+        expectation = build_expectation(
+            uid=attempt.slot.uid,
+            gid=attempt.slot.gid,
+            result=result,
+            handle=handle,
+            service_cgroup=posixpath.dirname(self._ctx.service.supervisor_cgroup(handle)),
+            processes=attempt.plan.job.limits.processes,
+            log_files=logs,
+            nofile=self._settings.nofile,
+            user_namespace=self._settings.user_namespace,
+            cgroup_namespace=self._settings.cgroup_namespace,
+        )
+        evidence = attempt.layout.open_part(attempt.id, layout.EVIDENCE)
+        try:
+            return gate.inspect_and_check(pid, expectation, evidence)
+        finally:
+            os.close(evidence)
+
+    async def _release_payload(self, attempt: _Attempt) -> None:
+        """The last checks, then the marker, then `Started` (in that order only)."""
+        self._check_abort(attempt)
+        record = await self._db(self._ctx.ledger.get, attempt.id)
+        if record is None or record.status.stop_pending is not None:
+            raise _Aborted()
+        if not self.lease_current(record):
+            raise _Aborted()  # the monitor records the expiry and stops
+        ceiling = ceiling_limits(self._ctx.config)
+        lost = await self._db(self._ctx.ledger.authorize_release, record.fence, ceiling)
+        if lost is not None:
+            _log.warning("attempt %s: start authority lost before release (%s)", attempt.id, lost)
+            raise _Aborted()  # recorded as cancelled; the service is stopped, then cleaned
+        await self._io(_write_marker, attempt)
+        await self._apply(record, lifecycle.Started())
+
+    def _check_abort(self, attempt: _Attempt) -> None:
+        if attempt.id in self._abort:
+            raise _Aborted()
+
+    async def stop_service(self, attempt: _Attempt) -> None:
+        """Kill the service tree (provider stop first, best effort); never raises."""
+        try:
+            context = await self._later_context(attempt)
+            stopped = await self._batcher.call(attempt.provider, "stop", context)
+            if not stopped.ok:
+                _log.warning("attempt %s: provider stop: %s", attempt.id, stopped.message)
+            handle = self._handles.get(attempt.id) or await self._io(
+                self._ctx.service.adopt, attempt.service
+            )
+            if handle is not None:
+                await self._io(self._ctx.service.stop, handle)
+        except HostError as error:
+            _log.warning("attempt %s: stop not confirmed yet: %s", attempt.id, error)
+
+
+# --- blocking helpers (run in worker threads) ---------------------------------------
+
+
+def _write_marker(attempt: _Attempt) -> None:
+    control = attempt.layout.open_part(attempt.id, layout.CONTROL)
+    try:
+        gate.write_release_marker(control, RELEASE_MARKER, group=attempt.slot.gid)
+    finally:
+        os.close(control)
+
+
+def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
+    """The limits the kernel reports must be the plan's (memory in whole pages)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    wrong = []
+    if controls.processes != limits.processes:
+        wrong.append(f"processes {controls.processes} != {limits.processes}")
+    if controls.cpu_millis != limits.cpu_millis:
+        wrong.append(f"cpu_millis {controls.cpu_millis} != {limits.cpu_millis}")
+    if controls.memory_bytes != limits.memory_bytes // page * page:
+        wrong.append(f"memory_bytes {controls.memory_bytes} != {limits.memory_bytes}")
+    if controls.swap_bytes is not None and controls.swap_bytes > limits.swap_bytes:
+        wrong.append(f"swap_bytes {controls.swap_bytes} > {limits.swap_bytes}")
+    if wrong:
+        raise HostError(
+            "service_limits", "the service does not enforce the plan: " + "; ".join(wrong)
+        )
+
+
+def _settle_beat(beat: asyncio.Future[None]) -> None:
+    if not beat.done():
+        beat.set_result(None)
