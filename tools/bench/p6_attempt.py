@@ -40,6 +40,32 @@ the daemon (last figure) was 1.19-1.61x over the same day's runs, the whole atte
 1.56-1.67x on a machine to itself: most of what is left is the service and Podman
 running inside it.
 
+Traced again later the same day (timestamps per runner step, py-spy of the daemon,
+strace of the service's processes; medians of 6 to 9, bare run ~290 ms, whole attempt
+~426-450 ms): start to the service ~8 ms (ledger reads, the deadline file, and a fork
+of the daemon to start a lease reaper); the service ~25-32 ms, of which ~18-30 ms is
+spawning the shim and joining it to the attempt's cgroups: on this kernel the first
+cgroup migration after a quiet spell waits for an RCU grace period (a cold write to
+cgroup.procs took 17-21 ms, the next one 0.1 ms). The shim's interpreter (`-I -S`,
+importing `os`, `sys` and `resource` only) is up before that join completes, so it
+is not on the critical path. Starting a no-op migration of the daemon before the
+nodes are made, to overlap that wait, measured slower (A/B over 24 creates: 28 ms
+against 23 ms) and was not kept. The provider's argv run directly as the slot
+account, without the service, took what the bare run takes (313 ms against 320 ms
+with `--rm` and 310 ms without, medians of 9): its extra mounts, `--env-file`,
+`--device`s and the exit-status wrapper cost nothing measurable; inside the service
++~60 ms (the service's creation and exit). The plan's CPU limit (1000 millis) never
+throttled Podman (cpu.stat: nr_throttled 0). The daemon itself is idle most of the
+attempt (py-spy): its CPU is not what delays Podman. The gate ~10 ms; the release
+marker and `Started` ~7 ms; the exit's observation ~10 ms plus this client's poll.
+
+Cut after that trace: a lease reaper no longer starts per attempt (a Python
+interpreter, ~40 ms of CPU during Podman's own start, and a second one whenever a
+monitor tick found the first still coming up): it stays 5 s after its last deadline
+and the daemon does not start another while its last one comes up; the release
+marker is linked without two syncs of the slot filesystem between the gate and the
+barrier's release.
+
 Cut on 2026-12-01 (2.40x before, same machine and day): the per-prepare `podman
 image inspect` as the slot account (~75-95 ms, a whole rootless Podman start; now
 done only when the storage's image record file changed), the gate's interpretation

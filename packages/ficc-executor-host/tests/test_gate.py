@@ -1317,6 +1317,35 @@ def test_release_marker_refuses_a_symlink_and_a_bad_name(world: World) -> None:
 
 
 @requires_root
+def test_evidence_is_synced_and_the_release_marker_is_not(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The evidence must outlive a crash of the machine; the marker only has to be
+    visible to the barrier, and syncing it would delay every payload."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(gate.os, "fsync", fsync)
+    dir_fd = world.evidence_fd()
+    try:
+        gate.write_release_marker(dir_fd, "release", group=world.gid)
+        assert synced == []
+        gate.publish_file(dir_fd, "evidence-copy", b"{}", mode=0o600, gid=0)
+        assert len(synced) == 2
+        assert synced[-1] == dir_fd
+    finally:
+        os.close(dir_fd)
+    marker = world.evidence_dir / "release"
+    assert marker.read_bytes() == gate.RELEASE_CONTENT
+    info = os.lstat(marker)
+    assert (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) == (0, world.gid, 0o640)
+
+
+@requires_root
 def test_reader_refuses_a_pid_that_does_not_exist(world: World) -> None:
     payload = world.command(["sleep", "1000"], exe="/bin/sleep")
     payload.kill()

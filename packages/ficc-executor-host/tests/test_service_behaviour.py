@@ -326,6 +326,54 @@ def test_a_spawned_reaper_outlives_its_parent_and_exits_when_nothing_is_left(
     service.remove(handle)
 
 
+def test_a_reaper_with_nothing_left_lingers_and_guards_the_next_deadline(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """A reaper that starts (or is left) with no deadline does not exit at once: a
+    deadline written while it lingers is enforced by it, so attempts that follow each
+    other do not each start a reaper. It exits when its directory goes."""
+    name = f"{prefix}-lingered"
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    wait_for(member_count_is(service, handle, 3))
+    directory = tmp_path / "deadlines"
+    reaper.prepare_directory(str(directory))
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(reaper.run, str(directory), 60.0)
+        wait_for(lambda: reaper.reaper_running(str(directory)))
+        boot_id, now = _boot()
+        reaper.write_deadline(str(directory), name, boot_id, now, service.planned_cgroups(name))
+        wait_for(lambda: not service.members(handle))
+        wait_for(lambda: not list(directory.glob("*.deadline")))
+        assert not running.done()
+        subprocess.run(["rm", "-rf", str(directory)], check=True)
+        assert running.result(timeout=20) == 0
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_the_keeper_does_not_start_a_second_reaper_while_its_first_comes_up(
+    tmp_path: Path,
+) -> None:
+    """Until a new reaper has taken the lock the lock looks free; the keeper must not
+    start another one each time it looks (an interpreter start per look)."""
+    slow = tmp_path / "slow-interpreter"
+    slow.write_text("#!/bin/sh\nexec sleep 60\n")
+    slow.chmod(0o755)
+    keeper = reaper.Keeper(str(tmp_path / "deadlines"), interpreter=str(slow))
+    boot_id, now = _boot()
+    keeper.set("never-locking", boot_id, now + 10**12, [])
+    first = keeper._child
+    assert first is not None
+    try:
+        keeper.ensure()
+        keeper.ensure()
+        assert keeper._child is first
+        assert not reaper.reaper_running(keeper.directory)
+    finally:
+        first.kill()
+        first.wait()
+
+
 def test_a_deadline_of_another_boot_or_unreadable_is_due_at_once(tmp_path: Path) -> None:
     boot_id, now = _boot()
     assert reaper.due("0" * 8 + boot_id[8:], now + 10**12, boot_id, now) is (boot_id[:8] != "0" * 8)

@@ -529,14 +529,17 @@ def _single_name(name: str) -> None:
         raise HostError("gate_evidence", f"{name!r} is not a plain file name")
 
 
-def publish_file(dir_fd: int, name: str, data: bytes, *, mode: int, gid: int) -> None:
-    """Create `name` in `dir_fd` complete, durably, never replacing or following anything.
+def publish_file(
+    dir_fd: int, name: str, data: bytes, *, mode: int, gid: int, durable: bool = True
+) -> None:
+    """Create `name` in `dir_fd` complete, never replacing or following anything;
+    `durable`: also synced (the file, then the directory) before returning.
 
-    The file is written as an unnamed O_TMPFILE (owner, mode and bytes final, fsynced)
-    and only then linked under `name`. A reader polling for it (the barrier waiting
-    for its release marker) therefore never sees a half-written file or a transient
-    owner or mode, and never a link count above one. linkat(2) refuses an existing
-    name, a planted symlink included, and never follows it: the same guarantee as
+    The file is written as an unnamed O_TMPFILE (owner, mode and bytes final) and only
+    then linked under `name`. A reader polling for it (the barrier waiting for its
+    release marker) therefore never sees a half-written file or a transient owner or
+    mode, and never a link count above one. linkat(2) refuses an existing name, a
+    planted symlink included, and never follows it: the same guarantee as
     O_CREAT|O_EXCL|O_NOFOLLOW.
     """
     _single_name(name)
@@ -547,12 +550,14 @@ def publish_file(dir_fd: int, name: str, data: bytes, *, mode: int, gid: int) ->
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
         # /proc/self/fd/N is the kernel's documented way to name an O_TMPFILE file.
         os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
     finally:
         os.close(fd)
-    os.fsync(dir_fd)
+    if durable:
+        os.fsync(dir_fd)
 
 
 def write_evidence(dir_fd: int, name: str, evidence: Evidence) -> None:
@@ -564,10 +569,13 @@ def write_release_marker(dir_fd: int, name: str, *, group: int) -> None:
     """The host's release marker: root-owned, readable by the slot group (0640).
 
     Call only after a passing verdict. The barrier waits for this file and then
-    executes the payload; it must never be writable by the slot account.
+    executes the payload; it must never be writable by the slot account. Not synced:
+    the barrier sees the file once it is linked, and it has nothing to say after a
+    crash of the machine (the container is gone; the attempt is never started again).
+    Two syncs of the slot filesystem would only delay the payload.
     """
     try:
-        publish_file(dir_fd, name, RELEASE_CONTENT, mode=0o640, gid=group)
+        publish_file(dir_fd, name, RELEASE_CONTENT, mode=0o640, gid=group, durable=False)
     except OSError as exc:
         raise HostError(
             "release_marker_failed",

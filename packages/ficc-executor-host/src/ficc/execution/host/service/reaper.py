@@ -16,8 +16,10 @@ each attempt's deadline also lives outside the daemon:
   cgroups (`cgroup.kill` where the kernel has it, else freeze, SIGKILL each member
   through a pidfd, thaw), then deletes the file once those cgroups are empty;
 - the reaper holds an exclusive flock on `<directory>/reaper.lock` for its life. The
-  daemon starts one whenever that lock is free (a new deadline, every monitor tick),
-  and the reaper exits once no deadline file is left.
+  daemon starts one whenever that lock is free (a new deadline, every monitor tick)
+  and the reaper it started last is not still coming up, and the reaper exits once no
+  deadline file has been left for `LINGER_SECONDS`: attempts that follow each other
+  share one reaper instead of paying an interpreter start each, on the start path.
 
 Why a reaper and not systemd's `RuntimeMaxSec=`: systemd 252 cannot change
 `RuntimeMaxSec=` of a running unit (`set-property` accepts resource-control settings
@@ -46,6 +48,10 @@ import time
 SUFFIX = ".deadline"
 LOCK = "reaper.lock"
 POLL_SECONDS = 0.25
+LINGER_SECONDS = 5.0
+"""How long a reaper with nothing to guard waits for a new deadline before it exits.
+The daemon does not start a second reaper within this time of starting one that is
+still running (it holds the lock, is about to take it, or found another holding it)."""
 CGROUP_ROOT = "/sys/fs/cgroup/"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -134,6 +140,7 @@ class Keeper:
         self.directory = directory
         self._interpreter = interpreter
         self._child: subprocess.Popen[bytes] | None = None
+        self._spawned = 0.0
         self._prepared = False
 
     def set(self, name: str, boot_id: str, deadline_ns: int, cgroups: list[str]) -> None:
@@ -147,10 +154,20 @@ class Keeper:
         drop_deadline(self.directory, name)
 
     def ensure(self) -> None:
-        """Start a reaper unless one holds the lock (the last one may have exited)."""
+        """Start a reaper unless one holds the lock (the last one may have exited).
+
+        A reaper started less than LINGER_SECONDS ago that still runs is not replaced
+        even while the lock looks free: it is still coming up and takes the lock (or
+        exits because another reaper holds it, which then sees the deadline), and it
+        cannot have given up for want of deadlines yet.
+        """
         if self._child is not None and self._child.poll() is not None:
             self._child = None  # reaped: no zombie stays behind
+        young = time.monotonic() - self._spawned < LINGER_SECONDS
+        if self._child is not None and young:
+            return
         if not reaper_running(self.directory):
+            self._spawned = time.monotonic()  # before the child's own clock starts
             self._child = spawn(self.directory, self._interpreter)
 
 
@@ -294,20 +311,24 @@ def reap_once(directory: str, boot_id: str, now_ns: int) -> tuple[int, float]:
     return left, max(0.0, wait)
 
 
-def run(directory: str) -> int:
-    """The reaper's loop; returns when no deadline is left or the directory is gone."""
+def run(directory: str, linger: float = LINGER_SECONDS) -> int:
+    """The reaper's loop; returns when no deadline has been left for `linger` seconds
+    or the directory is gone."""
     boot_id = _read(_BOOT_ID).strip()
     try:
         lock = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return 0  # another reaper runs (or the directory is gone)
+    idle_since = time.monotonic()
     while True:
         try:
             left, wait = reap_once(directory, boot_id, time.clock_gettime_ns(time.CLOCK_BOOTTIME))
         except FileNotFoundError:
             return 0
-        if left == 0:
+        if left:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since >= linger:
             # Release, then look once more: a deadline written meanwhile either saw the
             # lock held (and is seen now) or found it free and started a new reaper.
             fcntl.flock(lock, fcntl.LOCK_UN)
