@@ -19,7 +19,7 @@ import pytest
 
 from ficc.execution.host.config import Config, parse_config
 from ficc.execution.host.errors import HostError
-from ficc.execution.plan import Plan, decode_plan, encode_plan, plan_digest
+from ficc.execution.plan import Plan, decode_plan, digest_of, encode_plan, plan_digest
 from ficc.execution.protocol import (
     INPUT_CHUNK_MAX_BYTES,
     InputWrite,
@@ -30,6 +30,7 @@ from ficc.execution.protocol import (
     validate_request,
 )
 from ficc_provider_podman.config import Config as PodmanConfig
+from ficc_testkit.driver import chunks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
@@ -165,10 +166,10 @@ def test_the_prepare_and_input_requests_validate() -> None:
     )
     validate_request(prepare)
     (declared,) = plan.job.inputs
-    pieces = list(job.chunks(job.INPUT_TEXT, job.CHUNK_BYTES))
+    pieces = list(chunks(job.INPUT_TEXT, job.CHUNK_BYTES))
     assert len(pieces) > 1, "the demo should show a stream in several chunks"
     assert b"".join(chunk for _, chunk in pieces) == job.INPUT_TEXT
-    assert (declared.bytes, declared.digest) == (len(job.INPUT_TEXT), job.sha256(job.INPUT_TEXT))
+    assert (declared.bytes, declared.digest) == (len(job.INPUT_TEXT), digest_of(job.INPUT_TEXT))
     for offset, chunk in pieces:
         assert len(chunk) <= INPUT_CHUNK_MAX_BYTES
         write = InputWrite(
@@ -176,7 +177,7 @@ def test_the_prepare_and_input_requests_validate() -> None:
             object=declared.id,
             offset=offset,
             data=base64.b64encode(chunk).decode(),
-            digest=job.sha256(chunk),
+            digest=digest_of(chunk),
         )
         validate_request(InputWriteRequest(version=1, id="6" * 32, writes=[write]))
 

@@ -19,7 +19,6 @@ import base64
 import contextlib
 import json
 import os
-import secrets
 import signal
 import sys
 import time
@@ -32,10 +31,9 @@ from typing import Any
 import msgspec
 
 from demo import job, report
-from demo.config import Account
 from demo.layout import PROVIDER, SLOT_CLASS, SLOT_ID
 from ficc.execution.client import Client, ClientError
-from ficc.execution.plan import Plan, encode_plan, plan_digest
+from ficc.execution.plan import Plan, digest_of, encode_plan, plan_digest
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,
@@ -66,6 +64,10 @@ from ficc.execution.wire import (
     ReadRow,
     SnapshotReply,
 )
+from ficc_testkit.accounts import Account
+from ficc_testkit.driver import chunks
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import now_ms
 
 LEASE_SECONDS = 600
 READY_TIMEOUT = 300.0
@@ -80,14 +82,6 @@ MEANING = {
 }
 """What a state seen while waiting means, for the step line."""
 READ_BYTES = 256 * 1024
-
-
-def new_id() -> str:
-    return secrets.token_hex(16)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class JobFailed(Exception):
@@ -324,7 +318,7 @@ class Controller:
             started,
         )
         data, offset = job.INPUT_TEXT, status.offset
-        pieces = list(job.chunks(data, self.chunk_bytes))
+        pieces = list(chunks(data, self.chunk_bytes))
         for number, (start, chunk) in enumerate(pieces, 1):
             if start + len(chunk) <= offset:
                 continue  # already durable (a resumed stream)
@@ -337,7 +331,7 @@ class Controller:
                 object=self.target.ids.input_id,
                 offset=start,
                 data=base64.b64encode(chunk).decode(),
-                digest=job.sha256(chunk),
+                digest=digest_of(chunk),
             )
             row: InputRow = await self.one_row(
                 "input_write", InputWriteRequest(version=1, id=new_id(), writes=[write])
