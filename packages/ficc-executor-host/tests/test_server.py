@@ -67,10 +67,10 @@ from ficc.execution.wire import (
     error_reply,
     error_row,
 )
+from ficc_testkit.units import MIB
 
 pytestmark = pytest.mark.root("needs root: sockets are owned per role under /run")
 
-MIB = 1024 * 1024
 FOREIGN_UID = 3_999_998  # nobody on this machine: root is the wrong peer for it
 RESOURCES = Resources(
     attempts=2,

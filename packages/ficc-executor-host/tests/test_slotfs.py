@@ -33,11 +33,11 @@ from ficc.execution.host.config import (
     parse_config,
 )
 from ficc.execution.host.errors import HostError
+from ficc_testkit.units import MIB
 from service_support import _account
 
 pytestmark = pytest.mark.root("slot filesystems need root: they are loop-mounted ext4 images")
 
-MIB = 1 << 20
 BYTES = 24 * MIB
 INODES = 2_000
 
