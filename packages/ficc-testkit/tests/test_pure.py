@@ -8,8 +8,10 @@ import itertools
 import pytest
 
 from ficc.execution.plan import digest_of, encode_plan, plan_digest
+from ficc.execution.wire import AttemptsReply, Error, ErrorReply, InputsReply, ReadsReply
 from ficc_testkit import digests, plans, waits
-from ficc_testkit.driver import chunks, fence, fence_fields, frame
+from ficc_testkit.driver import chunks, fence, fence_fields, frame, rows
+from ficc_testkit.plans import new_id
 
 
 def test_digest_of_is_the_protocols_own() -> None:
@@ -73,3 +75,11 @@ def test_chunks_cover_the_data_in_order() -> None:
 
 def test_a_frame_is_its_length_then_its_payload() -> None:
     assert frame(b"{}") == (2).to_bytes(4, "big") + b"{}"
+
+
+def test_rows_are_those_of_every_batch_reply_and_a_refusal_fails() -> None:
+    for kind in (AttemptsReply, InputsReply, ReadsReply):
+        assert rows(kind(version=1, id=new_id(), results=[])) == []
+    refused = ErrorReply(version=1, id=new_id(), error=Error(code="busy", message="later"))
+    with pytest.raises(AssertionError, match="refused: busy"):
+        rows(refused)

@@ -67,6 +67,7 @@ from ficc.execution.wire import (
     InputRow,
     InputsReply,
     ReadRow,
+    ReadsReply,
     SnapshotReply,
     decode_reply,
 )
@@ -476,7 +477,7 @@ def error_code(reply: AnyReply) -> str | None:
 def rows(reply: AnyReply) -> list[Any]:
     """The rows of an accepted batch reply (a whole-request refusal fails the test)."""
     assert not isinstance(reply, ErrorReply), f"refused: {reply.error.code}: {reply.error.message}"
-    assert isinstance(reply, AttemptsReply | InputsReply), reply
+    assert isinstance(reply, AttemptsReply | InputsReply | ReadsReply), reply
     return list(reply.results)
 
 
