@@ -21,6 +21,7 @@ import pytest
 
 from ficc.execution.host.conformance import RULES
 from ficc.execution.plan import Plan
+from ficc_testkit.digests import fake
 from ficc_testkit.host import IMAGE, PROJECT, Layout
 from ficc_testkit.plans import make_plan, new_id
 from ficc_testkit.podman import ISOLATION, SLOT_CLASS
@@ -121,7 +122,7 @@ def test_a_wrong_pin_refuses_to_run_unless_the_run_is_unpinned(
     development escape hatch, which still verifies the installed files."""
     plan = kit_plan(layout, provider)
     configuration = {"runtime": "service", **TEST_OFFER}
-    wrong = "sha256:" + "0" * 64
+    wrong = fake("0")
     status, outcomes, stderr = run_kit(
         layout, "test", provider.site, plan, configuration, pin=wrong
     )

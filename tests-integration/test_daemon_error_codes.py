@@ -62,7 +62,7 @@ from ficc.execution.protocol import (
 )
 from ficc.execution.wire import AttemptRow, ErrorRow, ReadsReply
 from ficc_testkit.accounts import Accounts
-from ficc_testkit.digests import digest_of
+from ficc_testkit.digests import digest_of, fake
 from ficc_testkit.driver import (
     DaemonProcess,
     StreamedInput,
@@ -462,7 +462,7 @@ def test_admission_detail_slot_capacity(d: Daemon) -> None:
 
 def test_admission_detail_provider_unavailable(d: Daemon) -> None:
     plan = plan_of(d)
-    runtime = msgspec.structs.replace(plan.job.runtime, package_digest="sha256:" + "1" * 64)
+    runtime = msgspec.structs.replace(plan.job.runtime, package_digest=fake("1"))
     plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, runtime=runtime))
     assert admission_detail(d, plan) == "provider_unavailable"
 

@@ -37,16 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from demo import config as democonfig
 from demo import job
 from demo.layout import DEFAULT_BASE, DISK_BASE, PROVIDER, SLOT_CLASS, RunLayout
+from ficc_testkit.digests import fake
 
 LAYOUT = RunLayout(DEFAULT_BASE / "run-20260101-000000")
 FILESYSTEM_UUID = "6d1f0c2e-3b4a-4c5d-8e9f-0a1b2c3d4e5f"
 TRANSPORT = democonfig.Account("ficc-demo-transport", 990, 990)
 SLOT = democonfig.Account("ficc-demo-slot", 989, 989)
-DIGEST = "sha256:" + "ab" * 32
+DIGEST = fake("ab")
 IMAGE = democonfig.Image(
     archive=str(LAYOUT.image_dir / "ficc-test.oci.tar"),
-    archive_sha256="sha256:" + "cd" * 32,
-    image_id="sha256:" + "ef" * 32,
+    archive_sha256=fake("cd"),
+    image_id=fake("ef"),
 )
 IDS = democonfig.Identities()
 JOB_IDS = job.JobIds("1" * 32, "2" * 32, "3" * 32)

@@ -48,6 +48,7 @@ from ficc.execution.protocol import (
     SnapshotRequest,
     encode_request,
 )
+from ficc_testkit.digests import fake
 from ficc_testkit.driver import StreamedInput, fence, renewal, row_code, rows
 from ficc_testkit.host import Daemon
 from ficc_testkit.plans import new_id
@@ -161,7 +162,7 @@ class Client:
                             plan_digest=f.plan_digest, object=self.item)  # fmt: skip
             request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
         else:
-            read = Read(attempt_id=new_id(), generation=1, plan_digest="sha256:" + "e" * 64,
+            read = Read(attempt_id=new_id(), generation=1, plan_digest=fake("e"),
                         object="stdout", offset=0, length=4096)  # fmt: skip
             request = CollectRequest(version=1, id=new_id(), reads=[read])
         return _frame(encode_request(request)), None, request
