@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import signal
 import subprocess
 import sys
 import time
@@ -133,10 +134,14 @@ def run_as(account: Account | None, function: Callable[[], bytes]) -> bytes:
     """Run `function` as `account` (UID, GID, no groups) in a forked child; its bytes.
 
     None runs it here, as the caller. The child inherits every imported module, so the
-    unprivileged account never needs to read the interpreter or the source tree.
+    unprivileged account never needs to read the interpreter or the source tree. A
+    child that raises fails the caller with its traceback; an interrupt of the caller
+    (Ctrl-C) kills the child first.
     """
     if account is None:
         return function()
+    sys.stdout.flush()  # what is buffered now is printed once, not once more by the child
+    sys.stderr.flush()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -153,11 +158,17 @@ def run_as(account: Account | None, function: Callable[[], bytes]) -> bytes:
         try:
             with os.fdopen(write_end, "wb") as out:
                 out.write(result)
+            sys.stdout.flush()
         finally:
             os._exit(status)
     os.close(write_end)
-    with os.fdopen(read_end, "rb") as source:
-        data = source.read()
+    try:
+        with os.fdopen(read_end, "rb") as source:
+            data = source.read()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     os.waitpid(pid, 0)
     if not data.startswith(b"R"):
         raise AssertionError(f"the child as {account.name} failed:\n{data[1:].decode()}")
