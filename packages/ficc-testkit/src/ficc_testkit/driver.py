@@ -33,44 +33,10 @@ from typing import Any
 
 import msgspec
 
+from ficc.execution import protocol, wire
 from ficc.execution.client import Client, ClientError
 from ficc.execution.frames import HEADER, REPLY_MAX
 from ficc.execution.plan import InputObject, Plan, digest_of, plan_digest
-from ficc.execution.protocol import (
-    CollectRequest,
-    Fence,
-    InputStatusRequest,
-    InputWrite,
-    InputWriteRequest,
-    ObjectRef,
-    ObserveRequest,
-    PrepareAttempt,
-    PrepareRequest,
-    Read,
-    ReconcileAbsentRequest,
-    RejectAbsentRequest,
-    ReleaseRequest,
-    Renewal,
-    RenewRequest,
-    Request,
-    SetOfferRequest,
-    SnapshotRequest,
-    StartRequest,
-    StopRequest,
-)
-from ficc.execution.wire import (
-    AnyReply,
-    AttemptRow,
-    AttemptsReply,
-    ErrorReply,
-    ErrorRow,
-    InputRow,
-    InputsReply,
-    ReadRow,
-    ReadsReply,
-    SnapshotReply,
-    decode_reply,
-)
 from ficc_testkit.accounts import Account, run_as
 from ficc_testkit.configs import Layout
 from ficc_testkit.plans import make_plan, new_id
@@ -385,7 +351,7 @@ class ClientFailed(AssertionError):
         self.message = message
 
 
-def _request_bytes(path: str, request: Request) -> bytes:
+def _request_bytes(path: str, request: protocol.Request) -> bytes:
     try:
         reply = asyncio.run(Client(path, read_timeout=120).request(request))
     except ClientError as exc:
@@ -393,13 +359,13 @@ def _request_bytes(path: str, request: Request) -> bytes:
     return b"R" + msgspec.json.encode(reply)
 
 
-def send(path: str, request: Request, account: Account | None = None) -> AnyReply:
+def send(path: str, request: protocol.Request, account: Account | None = None) -> wire.AnyReply:
     """Send one request as `account` (None: root) and return the decoded reply."""
     data = run_as(account, lambda: _request_bytes(path, request))
     if data.startswith(b"E"):
         kind, message = json.loads(data[1:])
         raise ClientFailed(kind, message)
-    return decode_reply(data[1:], request.action, rows=request.row_count or None)
+    return wire.decode_reply(data[1:], request.action, rows=request.row_count or None)
 
 
 def raw_exchange(
@@ -469,34 +435,36 @@ def frame(payload: bytes) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def error_code(reply: AnyReply) -> str | None:
+def error_code(reply: wire.AnyReply) -> str | None:
     """The whole-request error code, or None if the request was accepted."""
-    return reply.error.code if isinstance(reply, ErrorReply) else None
+    return reply.error.code if isinstance(reply, wire.ErrorReply) else None
 
 
-def rows(reply: AnyReply) -> list[Any]:
+def rows(reply: wire.AnyReply) -> list[Any]:
     """The rows of an accepted batch reply (a whole-request refusal fails the test)."""
-    assert not isinstance(reply, ErrorReply), f"refused: {reply.error.code}: {reply.error.message}"
-    assert isinstance(reply, AttemptsReply | InputsReply | ReadsReply), reply
+    assert not isinstance(reply, wire.ErrorReply), (
+        f"refused: {reply.error.code}: {reply.error.message}"
+    )
+    assert isinstance(reply, wire.AttemptsReply | wire.InputsReply | wire.ReadsReply), reply
     return list(reply.results)
 
 
 def row_code(row: Any) -> str | None:
     """The row's error code, or None if the row was accepted."""
-    return row.error.code if isinstance(row, ErrorRow) else None
+    return row.error.code if isinstance(row, wire.ErrorRow) else None
 
 
-def attempt(row: Any) -> AttemptRow:
+def attempt(row: Any) -> wire.AttemptRow:
     """`row` as an AttemptRow; a refused row fails the test with its code."""
-    if isinstance(row, ErrorRow):
+    if isinstance(row, wire.ErrorRow):
         raise AssertionError(f"row refused: {row.error.code}: {row.error.message}")
-    assert isinstance(row, AttemptRow), f"row refused: {row}"
+    assert isinstance(row, wire.AttemptRow), f"row refused: {row}"
     return row
 
 
-def input_row(row: Any) -> InputRow:
+def input_row(row: Any) -> wire.InputRow:
     """`row` as an InputRow; a refused row fails the test."""
-    assert isinstance(row, InputRow), f"row refused: {row}"
+    assert isinstance(row, wire.InputRow), f"row refused: {row}"
     return row
 
 
@@ -509,14 +477,14 @@ def fence_fields(plan: Plan) -> dict[str, Any]:
     }
 
 
-def fence(plan: Plan) -> Fence:
+def fence(plan: Plan) -> protocol.Fence:
     """The fence of `plan`'s attempt."""
-    return Fence(**fence_fields(plan))
+    return protocol.Fence(**fence_fields(plan))
 
 
-def renewal(plan: Plan, sequence: int, expires_at_ms: int) -> Renewal:
+def renewal(plan: Plan, sequence: int, expires_at_ms: int) -> protocol.Renewal:
     """A lease renewal of `plan`'s attempt."""
-    return Renewal(**fence_fields(plan), sequence=sequence, expires_at_ms=expires_at_ms)
+    return protocol.Renewal(**fence_fields(plan), sequence=sequence, expires_at_ms=expires_at_ms)
 
 
 def chunks(data: bytes, size: int) -> Iterator[tuple[int, bytes]]:
@@ -550,7 +518,7 @@ class Collected:
     """Every collect row of one object, read to its end."""
 
     data: bytes
-    reads: list[ReadRow]
+    reads: list[wire.ReadRow]
 
 
 # --- the driver --------------------------------------------------------------------------
@@ -583,15 +551,15 @@ class Driver:
         """The path of the owner socket."""
         return self.layout.socket("owner")
 
-    def as_admin(self, request: Request) -> AnyReply:
+    def as_admin(self, request: protocol.Request) -> wire.AnyReply:
         """Send `request` as root on the admin socket."""
         return send(self.admin, request)
 
-    def as_transport(self, request: Request) -> AnyReply:
+    def as_transport(self, request: protocol.Request) -> wire.AnyReply:
         """Send `request` as the transport account on the transport socket."""
         return send(self.transport, request, self.transport_account)
 
-    def as_owner(self, request: Request) -> AnyReply:
+    def as_owner(self, request: protocol.Request) -> wire.AnyReply:
         """Send `request` as the local owner on its socket."""
         return send(self.owner, request, self.owner_account)
 
@@ -611,10 +579,10 @@ class Driver:
 
     # requests
 
-    def snapshot(self, after: str | None = None) -> SnapshotReply:
+    def snapshot(self, after: str | None = None) -> wire.SnapshotReply:
         """The admin snapshot (one page, after `after`)."""
-        reply = self.as_admin(SnapshotRequest(version=1, id=new_id(), after=after))
-        assert isinstance(reply, SnapshotReply), reply
+        reply = self.as_admin(protocol.SnapshotRequest(version=1, id=new_id(), after=after))
+        assert isinstance(reply, wire.SnapshotReply), reply
         return reply
 
     def bindings(self) -> dict[str, Any]:
@@ -627,70 +595,70 @@ class Driver:
         *,
         expires_in_ms: int = 300_000,
         bindings: dict[str, Any] | None = None,
-        sender: Callable[[Request], AnyReply] | None = None,
-    ) -> AnyReply:
+        sender: Callable[[protocol.Request], wire.AnyReply] | None = None,
+    ) -> wire.AnyReply:
         """Admit `plans` in one request, each with a first lease of `expires_in_ms`."""
         expires = now_ms() + expires_in_ms
-        request = PrepareRequest(
+        request = protocol.PrepareRequest(
             version=1,
             id=new_id(),
             **(bindings or self.bindings()),
-            attempts=[PrepareAttempt(plan=p, lease=renewal(p, 1, expires)) for p in plans],
+            attempts=[protocol.PrepareAttempt(plan=p, lease=renewal(p, 1, expires)) for p in plans],
         )
         return (sender or self.as_transport)(request)
 
     def renew(self, plan: Plan, sequence: int, expires_at_ms: int) -> Any:
         """Renew `plan`'s lease; its row."""
-        request = RenewRequest(
+        request = protocol.RenewRequest(
             version=1, id=new_id(), leases=[renewal(plan, sequence, expires_at_ms)]
         )
         (row,) = rows(self.as_transport(request))
         return row
 
-    def fenced(self, kind: type[Request], plans: Sequence[Plan]) -> list[Any]:
+    def fenced(self, kind: type[protocol.Request], plans: Sequence[Plan]) -> list[Any]:
         """A fenced request (observe, start, stop, release) for `plans`; its rows."""
         request = kind(version=1, id=new_id(), attempts=[fence(p) for p in plans])  # type: ignore[call-arg]
         return rows(self.as_transport(request))
 
     def observe(self, plan: Plan) -> Any:
         """Observe `plan`'s attempt; its row."""
-        (row,) = self.fenced(ObserveRequest, [plan])
+        (row,) = self.fenced(protocol.ObserveRequest, [plan])
         return row
 
     def start_attempt(self, plan: Plan) -> Any:
         """Start `plan`'s attempt; its row."""
-        (row,) = self.fenced(StartRequest, [plan])
+        (row,) = self.fenced(protocol.StartRequest, [plan])
         return row
 
     def stop_attempt(self, plan: Plan) -> Any:
         """Stop `plan`'s attempt; its row."""
-        (row,) = self.fenced(StopRequest, [plan])
+        (row,) = self.fenced(protocol.StopRequest, [plan])
         return row
 
     def release(self, plan: Plan) -> Any:
         """Release `plan`'s attempt; its row."""
-        (row,) = self.fenced(ReleaseRequest, [plan])
+        (row,) = self.fenced(protocol.ReleaseRequest, [plan])
         return row
 
     def wait_state(
         self,
         plan: Plan,
-        accept: Callable[[AttemptRow], bool],
+        accept: Callable[[wire.AttemptRow], bool],
         what: str,
         timeout: float = WAIT_TIMEOUT,
         *,
         refused_fails: bool = False,
-    ) -> AttemptRow:
+    ) -> wire.AttemptRow:
         """Observe until the row is an AttemptRow that `accept`s; the failure shows the
         last row seen. A refused row is polled past, or (`refused_fails`) fails at once."""
         seen: list[Any] = []
 
-        def check() -> AttemptRow | None:
+        def check() -> wire.AttemptRow | None:
             row = self.observe(plan)
             if refused_fails:
                 row = attempt(row)
             seen.append(row)
-            return row if isinstance(row, AttemptRow) and accept(row) else None
+            return row if isinstance(row, wire.AttemptRow) and accept(row) else None
 
         try:
             return wait_for(check, what, timeout)
@@ -699,39 +667,45 @@ class Driver:
 
     def input_status(self, plan: Plan, item: StreamedInput | InputObject) -> Any:
         """The upload status of one streamed input object; its row."""
-        ref = ObjectRef(**fence_fields(plan), object=item.id)
-        (row,) = rows(self.as_transport(InputStatusRequest(version=1, id=new_id(), objects=[ref])))
+        ref = protocol.ObjectRef(**fence_fields(plan), object=item.id)
+        (row,) = rows(
+            self.as_transport(protocol.InputStatusRequest(version=1, id=new_id(), objects=[ref]))
+        )
         return row
 
     def input_write(
         self, plan: Plan, item: StreamedInput | InputObject, offset: int, data: bytes
     ) -> Any:
         """One chunk of a streamed input object at `offset`; its row."""
-        write = InputWrite(
+        write = protocol.InputWrite(
             **fence_fields(plan),
             object=item.id,
             offset=offset,
             data=base64.b64encode(data).decode(),
             digest=digest_of(data),
         )
-        (row,) = rows(self.as_transport(InputWriteRequest(version=1, id=new_id(), writes=[write])))
+        (row,) = rows(
+            self.as_transport(protocol.InputWriteRequest(version=1, id=new_id(), writes=[write]))
+        )
         return row
 
     def read(self, plan: Plan, object_id: str, offset: int, length: int = COLLECT_CHUNK) -> Any:
         """One collect row (ReadRow, or the ErrorRow of a refusal)."""
-        read = Read(**fence_fields(plan), object=object_id, offset=offset, length=length)
-        (row,) = rows(self.as_transport(CollectRequest(version=1, id=new_id(), reads=[read])))
+        read = protocol.Read(**fence_fields(plan), object=object_id, offset=offset, length=length)
+        (row,) = rows(
+            self.as_transport(protocol.CollectRequest(version=1, id=new_id(), reads=[read]))
+        )
         return row
 
     def collect(self, plan: Plan, object_id: str) -> Collected:
         """Read an output in COLLECT_CHUNK requests, each at the returned next offset,
         to its end."""
         data = b""
-        reads: list[ReadRow] = []
+        reads: list[wire.ReadRow] = []
         offset = 0
         while True:
             row = self.read(plan, object_id, offset)
-            assert isinstance(row, ReadRow), f"collect {object_id} refused: {row}"
+            assert isinstance(row, wire.ReadRow), f"collect {object_id} refused: {row}"
             assert row.offset == offset
             assert row.next_offset == offset + len(row.data)
             data += row.data
@@ -744,19 +718,19 @@ class Driver:
         self,
         plans: Sequence[Plan],
         bindings: dict[str, Any] | None = None,
-        sender: Callable[[Request], AnyReply] | None = None,
-    ) -> AnyReply:
+        sender: Callable[[protocol.Request], wire.AnyReply] | None = None,
+    ) -> wire.AnyReply:
         """Record `plans` as rejected without running them."""
-        request = RejectAbsentRequest(
+        request = protocol.RejectAbsentRequest(
             version=1, id=new_id(), **(bindings or self.bindings()), plans=list(plans)
         )
         return (sender or self.as_transport)(request)
 
     def reconcile_request(
         self, plans: Sequence[Plan], bindings: dict[str, Any] | None = None
-    ) -> ReconcileAbsentRequest:
+    ) -> protocol.ReconcileAbsentRequest:
         """An administrator's reconcile_absent of `plans` (built, not sent)."""
-        return ReconcileAbsentRequest(
+        return protocol.ReconcileAbsentRequest(
             version=1,
             id=new_id(),
             **(bindings or self.bindings()),
@@ -764,10 +738,10 @@ class Driver:
             acknowledge_unknown=True,
         )
 
-    def set_offer(self, control: str, *, sender: str = "owner") -> AnyReply:
+    def set_offer(self, control: str, *, sender: str = "owner") -> wire.AnyReply:
         """Set the offer's control, as the owner (or `sender="admin"`)."""
         revision = self.snapshot().offer.revision
-        request = SetOfferRequest(
+        request = protocol.SetOfferRequest(
             version=1,
             id=new_id(),
             expected_revision=revision,
