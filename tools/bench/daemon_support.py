@@ -163,6 +163,7 @@ class BenchHost:
         return self.driver.make_plan(
             name="bench-job",
             slot_class=slot_class,
+            package_digest=self.provider.digest,
             image_digest=IMAGE,
             isolation="process",
             cpu_millis=10,

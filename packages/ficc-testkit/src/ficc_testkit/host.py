@@ -156,9 +156,11 @@ class Daemon(Driver):
         memory_bytes: int = 64 * MIB,
         slot_class: str = SLOT_CLASS,
     ) -> Plan:
-        """A plan of `/bin/true` with the test provider that fits one slot."""
+        """A plan of `/bin/true` with the test provider (pinned as `provider` says: a
+        test that re-pins it replaces `provider`) that fits one slot."""
         return self.make_plan(
             name="it-job",
+            package_digest=self.provider.digest,
             job_id=job_id,
             attempt_id=attempt_id,
             generation=generation,

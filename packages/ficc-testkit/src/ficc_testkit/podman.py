@@ -284,6 +284,7 @@ class PodmanWorld:
         plan = self.driver.make_plan(
             name="podman-e2e",
             slot_class=SLOT_CLASS,
+            package_digest=self.provider.digest,
             image_digest=self.image["image_id"],
             isolation=ISOLATION,
             argv=["/bin/sh", "-c", script],
