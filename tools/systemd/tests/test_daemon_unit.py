@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -488,6 +489,7 @@ def test_sigkill_at_random_points_under_systemd_loses_nothing_and_replays_nothin
     assert spec is not None
     assert spec.loader is not None
     test_crash_daemon = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = test_crash_daemon  # its dataclasses look their module up there
     spec.loader.exec_module(test_crash_daemon)
 
     installed = slow_watchdog
