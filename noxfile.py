@@ -195,9 +195,11 @@ def _check_wheel_alone(session: nox.Session, dist: pathlib.Path, name: str) -> N
 
 
 def _unit_tests(session: nox.Session) -> None:
-    """Each package's tests that carry none of the `root`, `podman`, `slow` and `soak` markers."""
+    """Each package's tests that carry none of the `root`, `podman`, `slow` and `soak` markers,
+    and the test kit's own (all pure)."""
     for name in _present():
         _pytest(session, PACKAGES / name / "tests", "-m", f"not ({OUTSIDE_THE_FAST_LANE})")
+    _pytest(session, TESTKIT / "tests")
 
 
 @nox.session

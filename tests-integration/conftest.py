@@ -1,4 +1,4 @@
-"""Fixtures of the integration suite; the machinery lives in harness.py.
+"""Fixtures of the integration suite; the machinery is the test kit's (ficc_testkit).
 
 Session: the five `ficc-it-*` accounts (created if missing, removed at the end if this
 session made them), and the test provider built once and installed into a root-owned
@@ -19,15 +19,12 @@ from typing import Any
 import psutil
 import pytest
 
-from harness import (
-    Accounts,
-    Daemon,
-    InstalledProvider,
-    Layout,
-    build_provider_wheel,
-    install_provider,
-    private_directory,
-)
+from ficc_testkit.accounts import Accounts
+from ficc_testkit.host import Daemon, Layout, ensure_accounts
+from ficc_testkit.slots import private_directory
+from ficc_testkit.wheels import InstalledProvider, build_wheel, install_provider
+
+PROVIDER_SOURCE = Path(__file__).resolve().parent / "providers" / "ficc-test-provider"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,7 +44,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
 
 @pytest.fixture(scope="session")
 def accounts() -> Iterator[Accounts]:
-    made = Accounts.ensure()
+    made = ensure_accounts()
     try:
         yield made
     finally:
@@ -65,9 +62,8 @@ def session_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def provider(session_dir: Path) -> InstalledProvider:
-    wheel_dir = session_dir / "wheel"
-    wheel_dir.mkdir()
-    return install_provider(build_provider_wheel(wheel_dir), session_dir / "prefix")
+    wheel = build_wheel(PROVIDER_SOURCE, session_dir / "wheel")
+    return install_provider(wheel, session_dir / "prefix")
 
 
 @pytest.fixture

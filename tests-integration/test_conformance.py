@@ -21,9 +21,13 @@ import pytest
 
 from ficc.execution.host.conformance import RULES
 from ficc.execution.plan import Plan
-from ficc_testkit.plans import make_plan
-from harness import IMAGE, MIB, PROJECT, InstalledProvider, Layout, new_id
-from podman_support import ISOLATION, NEEDS_PODMAN, SLOT_CLASS, podman_layout
+from ficc_testkit.digests import fake
+from ficc_testkit.host import IMAGE, PROJECT, Layout
+from ficc_testkit.plans import make_plan, new_id
+from ficc_testkit.podman import ISOLATION, SLOT_CLASS
+from ficc_testkit.units import MIB
+from ficc_testkit.wheels import InstalledProvider
+from podman_support import NEEDS_PODMAN, podman_layout
 
 TEST_OFFER = {"images": [IMAGE], "isolations": ["process"], "networks": ["none"]}
 
@@ -118,7 +122,7 @@ def test_a_wrong_pin_refuses_to_run_unless_the_run_is_unpinned(
     development escape hatch, which still verifies the installed files."""
     plan = kit_plan(layout, provider)
     configuration = {"runtime": "service", **TEST_OFFER}
-    wrong = "sha256:" + "0" * 64
+    wrong = fake("0")
     status, outcomes, stderr = run_kit(
         layout, "test", provider.site, plan, configuration, pin=wrong
     )

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import os
-import pwd
 import random
 import select
 import shutil
@@ -71,26 +70,14 @@ from ficc.execution.wire import (
     SnapshotReply,
     decode_reply,
 )
-from harness import (
-    ACCOUNTS,
-    PROVIDER_CALLS,
-    Account,
-    Accounts,
-    Daemon,
-    DaemonProcess,
-    InstalledProvider,
-    Layout,
-    StreamedInput,
-    account_command,
-    chunk_digest,
-    fence,
-    new_id,
-    now_ms,
-    private_directory,
-    renewal,
-    send,
-    wait_until,
-)
+from ficc_testkit.accounts import Accounts
+from ficc_testkit.digests import digest_of
+from ficc_testkit.driver import DaemonProcess, StreamedInput, fence, fence_fields, renewal, send
+from ficc_testkit.host import PROVIDER_CALLS, Daemon, Layout, ensure_accounts
+from ficc_testkit.plans import new_id
+from ficc_testkit.slots import private_directory
+from ficc_testkit.waits import now_ms, wait_for
+from ficc_testkit.wheels import InstalledProvider
 
 SOAK = os.environ.get("FICC_SOAK") == "1"
 KILLS = int(os.environ.get("FICC_CRASH_KILLS", "1000" if SOAK else "50"))
@@ -182,7 +169,7 @@ class Crasher:
         self.logs.append(self.daemon.process.log(tail=100_000))
 
     def restart(self) -> None:
-        self.daemon.process = DaemonProcess(self.daemon.layout, self.daemon.provider)
+        self.daemon.process = DaemonProcess.of(self.daemon.layout, self.daemon.provider)
         self.daemon.process.start()
 
     def note(self, request: Request, reply: Any) -> None:
@@ -258,7 +245,7 @@ class Crasher:
         self.finish(admitted)
 
     def stage(self, plan: Plan, item: StreamedInput) -> None:
-        ref = ObjectRef(**_fence_fields(plan), object=item.id)
+        ref = ObjectRef(**fence_fields(plan), object=item.id)
 
         def status() -> Any:
             request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
@@ -269,13 +256,13 @@ class Crasher:
                 else None
             )
 
-        row = wait_until(status, "staging to be initialised")
+        row = wait_for(status, "staging to be initialised")
         assert isinstance(row, InputRow), row
         offset = row.offset
         while offset < len(item.data):
             data = item.data[offset : offset + CHUNK]
-            write = InputWrite(**_fence_fields(plan), object=item.id, offset=offset,
-                               data=_b64(data), digest=chunk_digest(data))  # fmt: skip
+            write = InputWrite(**fence_fields(plan), object=item.id, offset=offset,
+                               data=_b64(data), digest=digest_of(data))  # fmt: skip
             (row,) = self.request(
                 "staging", InputWriteRequest(version=1, id=new_id(), writes=[write])
             ).results
@@ -295,7 +282,7 @@ class Crasher:
                 raise AssertionError(f"the held attempt ended before its barrier ran: {row}\n{log}")
             return False
 
-        wait_until(barrier_running, "the held barrier to run")
+        wait_for(barrier_running, "the held barrier to run")
         for _ in range(2):
             self.observe("running", plan)
         self.request("release", _fenced(StopRequest, [plan]))
@@ -321,7 +308,7 @@ class Crasher:
             row = self.observe(phase, plan)
             return row if accept(row) else None
 
-        return wait_until(check, f"attempt {plan.attempt_id} in phase {phase}")  # type: ignore[no-any-return]
+        return wait_for(check, f"attempt {plan.attempt_id} in phase {phase}")  # type: ignore[no-any-return]
 
     # --- after a restart: the invariants, then a clean host ------------------------------
 
@@ -377,7 +364,7 @@ class Crasher:
             if record.state != "prepared":
                 continue
             plan = self.known.plans[attempt_id]
-            ref = ObjectRef(**_fence_fields(plan), object=object_id)
+            ref = ObjectRef(**fence_fields(plan), object=object_id)
 
             def status(ref: ObjectRef = ref) -> Any:
                 request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
@@ -386,7 +373,7 @@ class Crasher:
                 return None if preparing else row
 
             try:
-                row = wait_until(status, "input_status after a restart")
+                row = wait_for(status, "input_status after a restart")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}: {record}\n{self.daemon.process.log()}") from None
             assert isinstance(row, InputRow), row
@@ -400,7 +387,7 @@ class Crasher:
                 if r.state in SETTLED and r.slot is not None
             )
 
-        wait_until(confirmed, "cleanup of every settled attempt to be confirmed")
+        wait_for(confirmed, "cleanup of every settled attempt to be confirmed")
 
     def clean_host(self) -> None:
         """Stop and release every attempt left over, so both slots are free again."""
@@ -451,11 +438,6 @@ def _read_all(sock: socket.socket) -> bytes:
     return data
 
 
-def _fence_fields(plan: Plan) -> dict[str, Any]:
-    f = fence(plan)
-    return {"attempt_id": f.attempt_id, "generation": f.generation, "plan_digest": f.plan_digest}
-
-
 def _fenced(kind: type[Request], plans: list[Plan]) -> Request:
     return kind(version=1, id=new_id(), attempts=[fence(p) for p in plans])  # type: ignore[call-arg]
 
@@ -473,18 +455,7 @@ processes other test sessions run as the shared `ficc-it-*` accounts."""
 
 @pytest.fixture(scope="module")
 def crash_accounts() -> Iterator[Accounts]:
-    made = Accounts()
-    for role in ACCOUNTS:
-        name = CRASH_PREFIX + role
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            account_command(
-                "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name
-            )
-            made.created.append(name)
-        entry = pwd.getpwnam(name)
-        made.by_role[role] = Account(name, entry.pw_uid, entry.pw_gid)
+    made = ensure_accounts(CRASH_PREFIX)
     try:
         yield made
     finally:
@@ -539,7 +510,7 @@ def test_a_ready_attempt_keeps_its_staged_inputs_across_a_restart(crash_daemon: 
     item = StreamedInput(os.urandom(2 * CHUNK))
     plan = daemon.plan(inputs=[item])
     daemon.prepare([plan])
-    ref = ObjectRef(**_fence_fields(plan), object=item.id)
+    ref = ObjectRef(**fence_fields(plan), object=item.id)
 
     def status() -> Any:
         request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
@@ -547,21 +518,21 @@ def test_a_ready_attempt_keeps_its_staged_inputs_across_a_restart(crash_daemon: 
         preparing = isinstance(row, ErrorRow) and row.error.code == "inputs_preparing"
         return None if preparing else row
 
-    wait_until(status, "staging to be initialised")
+    wait_for(status, "staging to be initialised")
     for offset in range(0, len(item.data), CHUNK):
         data = item.data[offset : offset + CHUNK]
-        write = InputWrite(**_fence_fields(plan), object=item.id, offset=offset,
-                           data=_b64(data), digest=chunk_digest(data))  # fmt: skip
+        write = InputWrite(**fence_fields(plan), object=item.id, offset=offset,
+                           data=_b64(data), digest=digest_of(data))  # fmt: skip
         (row,) = send(
             daemon.admin, InputWriteRequest(version=1, id=new_id(), writes=[write])
         ).results
         assert isinstance(row, InputRow), row
     daemon.wait_state(plan, lambda r: r.ready, "readiness")
     daemon.process.kill()
-    daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
     daemon.process.start()
 
-    row = wait_until(status, "input_status after the restart", timeout=10)
+    row = wait_for(status, "input_status after the restart", timeout=10)
     assert isinstance(row, InputRow), row
     assert (row.offset, row.complete) == (len(item.data), True)
     send(daemon.admin, _fenced(StartRequest, [plan]))
@@ -583,7 +554,7 @@ def test_a_half_created_attempt_directory_does_not_wedge_release(crash_daemon: D
     attempt_dir = slot / "ficc" / plan.attempt_id
     shutil.rmtree(attempt_dir)
     os.mkdir(attempt_dir, 0o700)
-    daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
     daemon.process.start()
 
     send(daemon.admin, _fenced(StopRequest, [plan]))

@@ -12,15 +12,9 @@ import pytest
 from ficc.execution.plan import plan_digest
 from ficc.execution.protocol import ObserveRequest, SetOfferRequest
 from ficc.execution.wire import OfferReply
-from harness import (
-    Daemon,
-    attempt,
-    error_code,
-    now_ms,
-    row_code,
-    rows,
-    wait_until,
-)
+from ficc_testkit.driver import attempt, error_code, row_code, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.waits import now_ms, wait_for
 
 CONVERSION_SLACK_MS = 250
 """Tolerance for a deadline the daemon reports back in wall-clock milliseconds."""
@@ -187,7 +181,7 @@ def test_an_identical_duplicate_renewal_keeps_the_original_deadline(daemon: Daem
             assert row_code(row) in {"lease_expired", "invalid_state"}, row
         return bool(attempt(daemon.observe(plan)).state == "expired")
 
-    wait_until(duplicate_until_expired, "expiry despite identical duplicate renewals")
+    wait_for(duplicate_until_expired, "expiry despite identical duplicate renewals")
 
 
 def test_a_lease_that_runs_out_expires_the_attempt(daemon: Daemon) -> None:

@@ -41,18 +41,10 @@ from ficc.execution.protocol import (
     encode_request,
 )
 from ficc.execution.wire import ErrorReply, decode_reply
-from harness import (
-    Account,
-    ClientFailed,
-    Daemon,
-    error_code,
-    fence,
-    frame,
-    new_id,
-    raw_exchange,
-    renewal,
-    send,
-)
+from ficc_testkit.accounts import Account
+from ficc_testkit.driver import ClientFailed, error_code, fence, frame, raw_exchange, renewal, send
+from ficc_testkit.host import Daemon
+from ficc_testkit.plans import new_id
 
 FORBIDDEN = {
     "transport": {"reconcile_absent", "set_offer", "metrics"},

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from ficc.execution.protocol import ReleaseRequest, StartRequest
 from ficc.execution.wire import TERMINAL
-from harness import Daemon, attempt, rows
+from ficc_testkit.driver import attempt, rows
+from ficc_testkit.host import Daemon
 
 
 def test_the_rows_of_one_request_reach_the_provider_as_one_call(daemon: Daemon) -> None:

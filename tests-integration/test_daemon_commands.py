@@ -8,20 +8,22 @@ dependency), so what node_exporter or Prometheus would read is what is checked.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ficc.execution.protocol import MetricsRequest
-from harness import Accounts, Daemon, InstalledProvider, Layout, attempt, rows, wait_until
+from ficc_testkit.accounts import Accounts
+from ficc_testkit.driver import attempt, rows
+from ficc_testkit.host import Daemon, Layout
+from ficc_testkit.waits import wait_for
+from ficc_testkit.wheels import InstalledProvider
 
 COMMAND = Path(sys.executable).parent / "ficc-executor"
 VERSION = metadata.version("ficc-executor-host")
@@ -120,13 +122,6 @@ def test_log_lines_are_json_with_rfc3339_times_and_the_version(daemon: Daemon) -
     assert all(line.startswith("{") for line in daemon.process.log_path.read_text().splitlines())
 
 
-def _rewritten(layout: Layout, document: dict[str, Any]) -> None:
-    layout.config_path.unlink()
-    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(document, out)
-
-
 def _started(layout: Layout, provider: InstalledProvider, accounts: Accounts) -> Daemon:
     running = Daemon(layout, provider, accounts)
     running.start()
@@ -140,7 +135,7 @@ def broken_daemon(
     """A daemon whose one provider refuses its configuration (configure() raises)."""
     document = dict(layout.document)
     document["providers"] = [{**document["providers"][0], "configuration": {"argv": "x"}}]
-    _rewritten(layout, document)
+    layout.rewrite(document)
     running = _started(layout, provider, accounts)
     try:
         yield running
@@ -155,7 +150,7 @@ def textfile_daemon(
     """A daemon configured with `metrics_textfile` in a root-owned directory."""
     directory = layout.base / "textfile"
     directory.mkdir(mode=0o755)
-    _rewritten(layout, {**layout.document, "metrics_textfile": str(directory / "ficc.prom")})
+    layout.rewrite({**layout.document, "metrics_textfile": str(directory / "ficc.prom")})
     running = _started(layout, provider, accounts)
     try:
         yield running
@@ -165,7 +160,7 @@ def textfile_daemon(
 
 def test_metrics_textfile_is_written_atomically_for_node_exporter(textfile_daemon: Daemon) -> None:
     path = textfile_daemon.layout.base / "textfile" / "ficc.prom"
-    text = wait_until(lambda: path.exists() and path.read_text(), "the metrics textfile")
+    text = wait_for(lambda: path.exists() and path.read_text(), "the metrics textfile")
     assert path.stat().st_mode & 0o777 == 0o644
     found = samples(text)
     assert found[("ficc_build_info", (("version", VERSION),))] == 1

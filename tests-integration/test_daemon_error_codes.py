@@ -61,30 +61,27 @@ from ficc.execution.protocol import (
     encode_request,
 )
 from ficc.execution.wire import AttemptRow, ErrorRow, ReadsReply
-from harness import (
-    MIB,
-    PROVIDER_CALLS,
-    Accounts,
-    Daemon,
+from ficc_testkit.accounts import Accounts
+from ficc_testkit.digests import digest_of, fake
+from ficc_testkit.driver import (
     DaemonProcess,
-    InstalledProvider,
-    Layout,
     StreamedInput,
     attempt,
-    chunk_digest,
     error_code,
     fence,
     frame,
     input_row,
-    new_id,
-    now_ms,
-    private_directory,
     raw_exchange,
     row_code,
     rows,
     send,
-    wait_until,
 )
+from ficc_testkit.host import PROVIDER_CALLS, Daemon, Layout
+from ficc_testkit.plans import new_id
+from ficc_testkit.slots import private_directory
+from ficc_testkit.units import MIB
+from ficc_testkit.waits import now_ms, wait_for
+from ficc_testkit.wheels import InstalledProvider
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST_SRC = ROOT / "packages" / "ficc-executor-host" / "src" / "ficc" / "execution" / "host"
@@ -164,7 +161,7 @@ def release_everything(d: Daemon) -> None:
             d.as_admin(ReleaseRequest(version=1, id=new_id(), attempts=clean[:64]))
         return not pending
 
-    wait_until(released, "every attempt of the test to be released")
+    wait_for(released, "every attempt of the test to be released")
 
 
 # --- helpers ------------------------------------------------------------------------
@@ -245,7 +242,7 @@ def staged(d: Daemon, plan: Plan, item: StreamedInput) -> Any:
         row = d.input_status(plan, item)
         return None if row_code(row) == "inputs_preparing" else row
 
-    return wait_until(status, "staging to be initialised")
+    return wait_for(status, "staging to be initialised")
 
 
 def write(d: Daemon, plan: Plan, item: StreamedInput, offset: int, data: bytes) -> Any:
@@ -257,7 +254,7 @@ def write(d: Daemon, plan: Plan, item: StreamedInput, offset: int, data: bytes) 
         object=item.id,
         offset=offset,
         data=base64.b64encode(data).decode(),
-        digest=chunk_digest(data),
+        digest=digest_of(data),
     )
     (result,) = rows(d.as_admin(InputWriteRequest(version=1, id=new_id(), writes=[row])))
     return result
@@ -465,7 +462,7 @@ def test_admission_detail_slot_capacity(d: Daemon) -> None:
 
 def test_admission_detail_provider_unavailable(d: Daemon) -> None:
     plan = plan_of(d)
-    runtime = msgspec.structs.replace(plan.job.runtime, package_digest="sha256:" + "1" * 64)
+    runtime = msgspec.structs.replace(plan.job.runtime, package_digest=fake("1"))
     plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, runtime=runtime))
     assert admission_detail(d, plan) == "provider_unavailable"
 
@@ -585,7 +582,7 @@ def test_runtime_preparing(d: Daemon) -> None:
             code = error_of(one_row(d, StartRequest, plan))[0]
             return None if code == "not_ready" else code  # before preparation begins
 
-        assert wait_until(refusal, "preparation to begin") == "runtime_preparing"
+        assert wait_for(refusal, "preparation to begin") == "runtime_preparing"
     d.wait_state(plan, lambda r: r.ready, "preparation to finish once released")
 
 
@@ -617,7 +614,7 @@ def test_cleanup_unconfirmed(d: Daemon) -> None:
         ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "sleep", "600"]
     )
     try:
-        wait_until(lambda: _runs_as(stray.pid, uid), "the stray process to run as the slot")
+        wait_for(lambda: _runs_as(stray.pid, uid), "the stray process to run as the slot")
         d.stop_attempt(plan)
         assert error_of(d.release(plan))[0] == "cleanup_unconfirmed"
         assert not attempt(d.observe(plan)).cleanup_confirmed
@@ -743,7 +740,7 @@ def test_input_offset_changed(d: Daemon) -> None:
 
 
 def test_input_digest_mismatch(d: Daemon) -> None:
-    plan, item = streamed(d, declared_digest=chunk_digest(b"other bytes"))
+    plan, item = streamed(d, declared_digest=digest_of(b"other bytes"))
     assert error_of(write(d, plan, item, 0, item.data))[0] == "input_digest_mismatch"
 
 
@@ -759,7 +756,7 @@ def test_input_complete(d: Daemon) -> None:
 
 
 def test_input_failed(d: Daemon) -> None:
-    plan, item = streamed(d, declared_digest=chunk_digest(b"other bytes"))
+    plan, item = streamed(d, declared_digest=digest_of(b"other bytes"))
     assert error_of(write(d, plan, item, 0, item.data))[0] == "input_digest_mismatch"
     assert error_of(status_row(d, plan, item))[0] == "input_failed"
 
@@ -977,10 +974,8 @@ def test_slot_unknown(daemon: Daemon) -> None:
     for limits in ("ceiling", "initial_offer"):
         document[limits] = {**document[limits], "slots": 1}
     daemon.stop()
-    fd = os.open(daemon.layout.config_path, os.O_WRONLY | os.O_TRUNC)
-    with os.fdopen(fd, "w") as out:
-        json.dump(document, out, indent=2)
-    daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+    daemon.layout.rewrite(document)
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
     daemon.start()
     assert error_of(daemon.release(plan))[0] == "slot_unknown"
 

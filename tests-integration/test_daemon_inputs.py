@@ -9,17 +9,10 @@ from __future__ import annotations
 
 import os
 
-from harness import (
-    Daemon,
-    StreamedInput,
-    attempt,
-    chunk_digest,
-    chunks,
-    input_row,
-    row_code,
-    rows,
-    wait_until,
-)
+from ficc_testkit.digests import digest_of
+from ficc_testkit.driver import StreamedInput, attempt, chunks, input_row, row_code, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.waits import wait_for
 
 CHUNK = 256 * 1024
 
@@ -31,7 +24,7 @@ def staged(daemon: Daemon, plan: object, item: StreamedInput) -> object:
         row = daemon.input_status(plan, item)  # type: ignore[arg-type]
         return None if row_code(row) == "inputs_preparing" else row
 
-    return wait_until(status, "staging to be initialised")
+    return wait_for(status, "staging to be initialised")
 
 
 def test_a_stream_resumes_at_the_durable_offset_after_a_lost_reply(daemon: Daemon) -> None:
@@ -41,7 +34,7 @@ def test_a_stream_resumes_at_the_durable_offset_after_a_lost_reply(daemon: Daemo
     assert attempt(row).ready is False
     first = input_row(staged(daemon, plan, item))
     assert (first.offset, first.bytes, first.complete) == (0, len(item.data), False)
-    assert first.digest == chunk_digest(item.data)
+    assert first.digest == digest_of(item.data)
 
     parts = list(chunks(item.data, CHUNK))
     written = input_row(daemon.input_write(plan, item, *parts[0]))
@@ -78,7 +71,7 @@ def test_start_is_refused_while_inputs_are_incomplete(daemon: Daemon) -> None:
 
 def test_bytes_that_do_not_match_the_declared_digest_fail_the_input(daemon: Daemon) -> None:
     good = os.urandom(2 * CHUNK)
-    item = StreamedInput(good, declared_digest=chunk_digest(b"another object" + good[14:]))
+    item = StreamedInput(good, declared_digest=digest_of(b"another object" + good[14:]))
     plan = daemon.plan(inputs=[item])
     rows(daemon.prepare([plan]))
     staged(daemon, plan, item)

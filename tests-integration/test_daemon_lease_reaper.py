@@ -24,7 +24,9 @@ import psutil
 import pytest
 
 from ficc.execution.plan import Payload, Plan
-from harness import Daemon, DaemonProcess, attempt, now_ms, rows, wait_until
+from ficc_testkit.driver import DaemonProcess, attempt, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.waits import now_ms, wait_for
 
 LEASE_MS = 10_000
 GRACE_MS = 5_000
@@ -60,10 +62,8 @@ def start_held(daemon: Daemon) -> tuple[Plan, int]:
     assert (ready.state, ready.ready) == ("prepared", True), ready
     attempt(daemon.start_attempt(plan))
     # The service (and its slot process) exists before the provider's start is called.
-    wait_until(
-        lambda: daemon.layout.provider_calls("start", plan.attempt_id) == 1, "provider start"
-    )
-    wait_until(lambda: slot_processes(daemon), "the held barrier of the slot account")
+    wait_for(lambda: daemon.layout.provider_calls("start", plan.attempt_id) == 1, "provider start")
+    wait_for(lambda: slot_processes(daemon), "the held barrier of the slot account")
     assert daemon.observe(plan).state == "starting"
     return plan, deadline
 
@@ -72,7 +72,7 @@ def _killed(daemon: Daemon) -> Callable[[], None]:
     daemon.process.kill()
 
     def restart() -> None:
-        daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+        daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
         daemon.start()
 
     return restart
@@ -83,7 +83,7 @@ def _terminated(daemon: Daemon) -> Callable[[], None]:
     assert daemon.process.stop() == 0
 
     def restart() -> None:
-        daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+        daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
         daemon.start()
 
     return restart
@@ -109,7 +109,7 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
         assert now_ms() < deadline - LEASE_MS // 2, "the start took too long for this test"
         assert slot_processes(daemon), "the service died with the daemon, not at its deadline"
         remaining = (deadline + GRACE_MS - now_ms()) / 1000
-        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+        wait_for(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
     finally:
         resume()
     settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
@@ -139,12 +139,12 @@ def test_a_renewal_moves_the_deadline_the_reaper_enforces(daemon: Daemon) -> Non
     assert held > 0
     renewed = now_ms() + 2 * LEASE_MS
     assert daemon.renew(plan, 2, renewed).state == "starting"
-    wait_until(lambda: _reaper_deadline(daemon, plan) > held, "the reaper's deadline to move")
+    wait_for(lambda: _reaper_deadline(daemon, plan) > held, "the reaper's deadline to move")
     assert (_reaper_deadline(daemon, plan) - held) // 1_000_000 >= LEASE_MS // 2
     resume = _stopped(daemon)
     try:
         remaining = (renewed + GRACE_MS - now_ms()) / 1000
-        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+        wait_for(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
         # Stopped at the renewed deadline: well after the first one had passed.
         assert now_ms() > first_deadline + LEASE_MS // 2
     finally:
@@ -169,7 +169,7 @@ def test_a_renewal_reaches_the_reaper_before_it_is_answered(daemon: Daemon) -> N
         moved = _reaper_deadline(daemon, plan)
         assert 0 < moved < held - (LEASE_MS // 2) * 1_000_000, (held, moved)
         remaining = (shortened + GRACE_MS - now_ms()) / 1000
-        wait_until(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+        wait_for(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
         assert now_ms() < first_deadline, "stopped at the first deadline, not the renewed one"
     finally:
         resume()

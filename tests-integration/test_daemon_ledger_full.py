@@ -28,21 +28,14 @@ import pytest
 from ficc.execution.plan import Plan, plan_digest
 from ficc.execution.protocol import CollectRequest, Read
 from ficc.execution.wire import TERMINAL, AttemptRow, ReadRow, ReadsReply
-from harness import (
-    MIB,
-    Accounts,
-    Daemon,
-    DaemonProcess,
-    InstalledProvider,
-    Layout,
-    attempt,
-    error_code,
-    new_id,
-    now_ms,
-    private_directory,
-    row_code,
-    rows,
-)
+from ficc_testkit.accounts import Accounts
+from ficc_testkit.driver import DaemonProcess, attempt, error_code, row_code, rows
+from ficc_testkit.host import Daemon, Layout
+from ficc_testkit.plans import new_id
+from ficc_testkit.slots import private_directory
+from ficc_testkit.units import MIB
+from ficc_testkit.waits import now_ms
+from ficc_testkit.wheels import InstalledProvider
 
 IMAGE_BYTES = 64 * MIB
 MIN_FREE = 4 * MIB
@@ -189,7 +182,7 @@ def test_a_full_state_dir_refuses_admission_and_the_rest_goes_on(daemon: Daemon)
     # a restart on the still full filesystem: the ledger opens cleanly, records unchanged
     assert daemon.stop() == 0
     assert quick_check(ledger_dir / LEDGER_FILE) == "ok"
-    daemon.process = DaemonProcess(daemon.layout, daemon.provider)
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
     daemon.start()
     assert daemon.snapshot().attempts == settled_rows
     assert error_code(daemon.prepare([refused])) == "ledger_full"

@@ -17,13 +17,8 @@ import psutil
 
 from ficc.execution.protocol import encode_request
 from ficc.execution.wire import TERMINAL
-from harness import (
-    Daemon,
-    attempt,
-    error_code,
-    row_code,
-    rows,
-)
+from ficc_testkit.driver import attempt, error_code, row_code, rows
+from ficc_testkit.host import Daemon
 
 
 def slot_uid(daemon: Daemon, slot: str) -> int:

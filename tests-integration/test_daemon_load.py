@@ -28,7 +28,10 @@ from ficc.execution.protocol import (
     SnapshotRequest,
 )
 from ficc.execution.wire import AttemptRow, ErrorReply
-from harness import Daemon, fence, new_id, now_ms, renewal, rows
+from ficc_testkit.driver import fence, renewal, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import now_ms
 
 CLIENTS = 64
 SOAK = os.environ.get("FICC_SOAK") == "1"

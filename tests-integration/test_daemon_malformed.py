@@ -30,7 +30,10 @@ from ficc.execution.protocol import (
     encode_request,
 )
 from ficc.execution.wire import read_envelope
-from harness import Daemon, chunk_digest, fence, frame, new_id, raw_exchange, renewal
+from ficc_testkit.digests import digest_of
+from ficc_testkit.driver import fence, frame, raw_exchange, renewal
+from ficc_testkit.host import Daemon
+from ficc_testkit.plans import new_id
 
 CASES = 10_000 if os.environ.get("FICC_SOAK") == "1" else 500
 SEED = int(os.environ.get("FICC_SEED", "20261129"))
@@ -44,7 +47,7 @@ def valid_requests(daemon: Daemon) -> list[bytes]:
         object=new_id(),
         offset=0,
         data=base64.b64encode(data).decode(),
-        digest=chunk_digest(data),
+        digest=digest_of(data),
     )
     bindings = daemon.bindings()
     return [

@@ -16,7 +16,9 @@ import psutil
 import pytest
 
 from ficc.execution.plan import Plan
-from harness import Daemon, attempt, rows, wait_until
+from ficc_testkit.driver import attempt, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.waits import wait_for
 
 TIMEOUT_S = 2
 HANG_S = 3 * TIMEOUT_S
@@ -99,7 +101,7 @@ def test_a_provider_hung_in_start_or_observe_ends_stopped_and_unknown(
     ended = settled_clean(daemon, plan)
     assert (ended.state, ended.outcome, ended.reason) == ("unknown", "unknown", "provider_timeout")
     calls = daemon.layout.provider_calls
-    wait_until(lambda: calls("stop", plan.attempt_id) >= 1, "the provider's stop call")
+    wait_for(lambda: calls("stop", plan.attempt_id) >= 1, "the provider's stop call")
     assert ended.slot is not None
     assert slot_processes(daemon, ended.slot) == []  # the service was stopped
     # a repeated start is an idempotent reply: the provider never starts it again

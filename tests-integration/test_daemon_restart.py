@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ficc.execution.protocol import SnapshotRequest
-from harness import Daemon, DaemonFailed, DaemonProcess, attempt, error_code, rows
+from ficc_testkit.driver import DaemonFailed, DaemonProcess, attempt, error_code, rows
+from ficc_testkit.host import Daemon
 
 
 def test_sigterm_then_start_keeps_the_ledger_and_its_attempts(daemon: Daemon) -> None:
@@ -39,7 +40,7 @@ def test_sigterm_then_start_keeps_the_ledger_and_its_attempts(daemon: Daemon) ->
 
 def test_a_second_daemon_on_the_same_sockets_is_refused(daemon: Daemon) -> None:
     """Two daemons must never share a ledger or a socket: the second refuses to start."""
-    second = DaemonProcess(daemon.layout, daemon.provider)
+    second = DaemonProcess.of(daemon.layout, daemon.provider)
     second.notify_path = daemon.layout.base / "notify-second.sock"
     with pytest.raises(DaemonFailed) as failed:
         second.start()

@@ -9,7 +9,9 @@ from importlib import metadata
 
 from ficc.execution.protocol import SnapshotRequest
 from ficc.execution.wire import AttemptStatus, SnapshotReply
-from harness import MIB, Daemon, attempt, rows
+from ficc_testkit.driver import attempt, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.units import MIB
 
 
 def test_a_new_ledger_reports_its_bindings_and_bounds(daemon: Daemon) -> None:

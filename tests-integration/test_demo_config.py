@@ -19,7 +19,7 @@ import pytest
 
 from ficc.execution.host.config import Config, parse_config
 from ficc.execution.host.errors import HostError
-from ficc.execution.plan import Plan, decode_plan, encode_plan, plan_digest
+from ficc.execution.plan import Plan, decode_plan, digest_of, encode_plan, plan_digest
 from ficc.execution.protocol import (
     INPUT_CHUNK_MAX_BYTES,
     InputWrite,
@@ -30,22 +30,24 @@ from ficc.execution.protocol import (
     validate_request,
 )
 from ficc_provider_podman.config import Config as PodmanConfig
+from ficc_testkit.driver import chunks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from demo import config as democonfig
 from demo import job
 from demo.layout import DEFAULT_BASE, DISK_BASE, PROVIDER, SLOT_CLASS, RunLayout
+from ficc_testkit.digests import fake
 
 LAYOUT = RunLayout(DEFAULT_BASE / "run-20260101-000000")
 FILESYSTEM_UUID = "6d1f0c2e-3b4a-4c5d-8e9f-0a1b2c3d4e5f"
 TRANSPORT = democonfig.Account("ficc-demo-transport", 990, 990)
 SLOT = democonfig.Account("ficc-demo-slot", 989, 989)
-DIGEST = "sha256:" + "ab" * 32
+DIGEST = fake("ab")
 IMAGE = democonfig.Image(
     archive=str(LAYOUT.image_dir / "ficc-test.oci.tar"),
-    archive_sha256="sha256:" + "cd" * 32,
-    image_id="sha256:" + "ef" * 32,
+    archive_sha256=fake("cd"),
+    image_id=fake("ef"),
 )
 IDS = democonfig.Identities()
 JOB_IDS = job.JobIds("1" * 32, "2" * 32, "3" * 32)
@@ -165,10 +167,10 @@ def test_the_prepare_and_input_requests_validate() -> None:
     )
     validate_request(prepare)
     (declared,) = plan.job.inputs
-    pieces = list(job.chunks(job.INPUT_TEXT, job.CHUNK_BYTES))
+    pieces = list(chunks(job.INPUT_TEXT, job.CHUNK_BYTES))
     assert len(pieces) > 1, "the demo should show a stream in several chunks"
     assert b"".join(chunk for _, chunk in pieces) == job.INPUT_TEXT
-    assert (declared.bytes, declared.digest) == (len(job.INPUT_TEXT), job.sha256(job.INPUT_TEXT))
+    assert (declared.bytes, declared.digest) == (len(job.INPUT_TEXT), digest_of(job.INPUT_TEXT))
     for offset, chunk in pieces:
         assert len(chunk) <= INPUT_CHUNK_MAX_BYTES
         write = InputWrite(
@@ -176,7 +178,7 @@ def test_the_prepare_and_input_requests_validate() -> None:
             object=declared.id,
             offset=offset,
             data=base64.b64encode(chunk).decode(),
-            digest=job.sha256(chunk),
+            digest=digest_of(chunk),
         )
         validate_request(InputWriteRequest(version=1, id="6" * 32, writes=[write]))
 

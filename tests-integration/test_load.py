@@ -48,17 +48,11 @@ from ficc.execution.protocol import (
     SnapshotRequest,
     encode_request,
 )
-from harness import (
-    Daemon,
-    StreamedInput,
-    fence,
-    new_id,
-    now_ms,
-    renewal,
-    row_code,
-    rows,
-    wait_until,
-)
+from ficc_testkit.digests import fake
+from ficc_testkit.driver import StreamedInput, fence, renewal, row_code, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import now_ms, wait_for
 
 CLIENTS = 64
 SOAK = os.environ.get("FICC_SOAK") == "1"
@@ -90,7 +84,7 @@ def world(daemon: Daemon) -> tuple[Daemon, list[Plan], Plan, StreamedInput]:
     plans = [daemon.plan()]
     admitted = rows(daemon.prepare([*plans, streamed], expires_in_ms=590_000))
     assert all(row_code(r) is None for r in admitted), admitted
-    wait_until(
+    wait_for(
         lambda: row_code(daemon.input_status(streamed, item)) != "inputs_preparing",
         "staging to be initialised",
     )
@@ -168,7 +162,7 @@ class Client:
                             plan_digest=f.plan_digest, object=self.item)  # fmt: skip
             request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
         else:
-            read = Read(attempt_id=new_id(), generation=1, plan_digest="sha256:" + "e" * 64,
+            read = Read(attempt_id=new_id(), generation=1, plan_digest=fake("e"),
                         object="stdout", offset=0, length=4096)  # fmt: skip
             request = CollectRequest(version=1, id=new_id(), reads=[read])
         return _frame(encode_request(request)), None, request
@@ -277,7 +271,7 @@ def test_64_clients_of_mixed_and_malformed_requests_get_documented_replies(world
     assert daemon.snapshot().attempts  # still serving
     internal = [e for e in daemon.process.events() if e.get("code") == "internal"]
     assert internal == [], internal[:3]
-    fds_after = wait_until(
+    fds_after = wait_for(
         lambda: _fds(pid) if _fds(pid) <= fds_before else None,
         "the daemon's descriptors to return to their count",
         timeout=10,

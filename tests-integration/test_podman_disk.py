@@ -19,7 +19,9 @@ from collections.abc import Iterator
 import pytest
 
 from ficc.execution.wire import AttemptRow
-from podman_support import BACKENDS, MIB, NEEDS_PODMAN, PodmanWorld, each_test, podman_world
+from ficc_testkit.podman import PodmanWorld
+from ficc_testkit.units import MIB
+from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
 
 pytestmark = NEEDS_PODMAN
 

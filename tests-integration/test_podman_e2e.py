@@ -33,20 +33,12 @@ import pytest
 
 from ficc.execution.plan import InputObject
 from ficc.execution.wire import ReadRow
-from harness import now_ms
-from podman_support import (
-    BACKENDS,
-    DEVICE,
-    MIB,
-    NEEDS_PODMAN,
-    PodmanWorld,
-    barrier_of,
-    each_test,
-    podman_world,
-    processes_of,
-    sha256,
-    wait_for,
-)
+from ficc_testkit.accounts import processes_of
+from ficc_testkit.digests import digest_of
+from ficc_testkit.podman import DEVICE, WAIT_TIMEOUT, PodmanWorld, barrier_of
+from ficc_testkit.units import MIB
+from ficc_testkit.waits import now_ms, wait_for
+from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
 
 pytestmark = NEEDS_PODMAN
 
@@ -65,7 +57,11 @@ def e2e(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWo
 
 def _streamed(data: bytes, name: str) -> InputObject:
     return InputObject(
-        id=os.urandom(16).hex(), name=name, bytes=len(data), digest=sha256(data), delivery="stream"
+        id=os.urandom(16).hex(),
+        name=name,
+        bytes=len(data),
+        digest=digest_of(data),
+        delivery="stream",
     )
 
 
@@ -102,7 +98,7 @@ def test_a_streamed_job_runs_and_its_output_is_collected_in_1_mib_chunks(e2e: Po
     assert stdout.data == data
     assert [len(r.data) for r in stdout.reads] == [MIB, MIB // 2]
     stderr = e2e.collect(plan, "stderr").data
-    assert stderr.decode() == f"{sha256(data).removeprefix('sha256:')}  /inputs/input.bin\n"
+    assert stderr.decode() == f"{digest_of(data).removeprefix('sha256:')}  /inputs/input.bin\n"
 
     released = e2e.release(plan)
     assert (released.state, released.outcome) == ("released", "succeeded")
@@ -135,7 +131,9 @@ def test_the_memory_limit_is_enforced(e2e: PodmanWorld) -> None:
     )
     plan = e2e.plan(hog, memory_bytes=128 * MIB)
     running = e2e.run_to_running(plan)
-    wait_for(lambda: b"subshell" in e2e.collect(plan, "stdout").data, "the subshell's end")
+    wait_for(
+        lambda: b"subshell" in e2e.collect(plan, "stdout").data, "the subshell's end", WAIT_TIMEOUT
+    )
     assert e2e.collect(plan, "stdout").data == b"hogging\nsubshell 137\n"
     kills = [
         int(f.read_text().split("oom_kill ")[1].split()[0])
@@ -174,7 +172,11 @@ def test_stop_kills_the_whole_running_tree(e2e: PodmanWorld) -> None:
     plan = e2e.plan("sleep 1000 & sleep 1000 & echo started; wait")
     running = e2e.run_to_running(plan)
     slot_uid = e2e.slot_account(running.slot).uid
-    wait_for(lambda: e2e.collect(plan, "stdout").data == b"started\n", "the payload's output")
+    wait_for(
+        lambda: e2e.collect(plan, "stdout").data == b"started\n",
+        "the payload's output",
+        WAIT_TIMEOUT,
+    )
     assert len(processes_of(slot_uid)) >= 3  # the shell and its two sleeps, at least
     e2e.stop(plan)
     done = e2e.wait_settled(plan)
@@ -332,7 +334,11 @@ def test_a_daemon_crash_or_restart_during_a_job_gives_unknown_and_no_second_run(
     running = e2e.run_to_running(plan)
     slot_uid = e2e.slot_account(running.slot).uid
     runs = e2e.attempt_dir(running) / "storage" / "runs.txt"
-    wait_for(lambda: runs.exists() and runs.read_bytes() == b"run\n", "the payload's first run")
+    wait_for(
+        lambda: runs.exists() and runs.read_bytes() == b"run\n",
+        "the payload's first run",
+        WAIT_TIMEOUT,
+    )
 
     containers = e2e.slot_path(running.slot) / "ficc-podman/storage/overlay-containers"
     assert f"ficc-{plan.attempt_id}" in (containers / "containers.json").read_text()
@@ -342,7 +348,9 @@ def test_a_daemon_crash_or_restart_during_a_job_gives_unknown_and_no_second_run(
         if e2e.backend == "cgroupfs":
             assert processes_of(slot_uid) != [], "the job should outlive the daemon"
         else:
-            wait_for(lambda: processes_of(slot_uid) == [], "systemd to stop the bound work")
+            wait_for(
+                lambda: processes_of(slot_uid) == [], "systemd to stop the bound work", WAIT_TIMEOUT
+            )
         e2e.restart()
     else:
         e2e.restart_cleanly()

@@ -9,15 +9,10 @@ import sys
 from pathlib import Path
 
 from ficc.execution.plan import encode_plan
-from harness import (
-    MIB,
-    Daemon,
-    StreamedInput,
-    input_row,
-    row_code,
-    rows,
-    wait_until,
-)
+from ficc_testkit.driver import StreamedInput, input_row, row_code, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.units import MIB
+from ficc_testkit.waits import wait_for
 
 UPLOAD = [sys.executable, "-m", "ficc.execution", "upload"]
 
@@ -27,7 +22,7 @@ def _staged(daemon: Daemon, plan: object, item: StreamedInput) -> object:
         row = daemon.input_status(plan, item)  # type: ignore[arg-type]
         return None if row_code(row) == "inputs_preparing" else row
 
-    return wait_until(status, "staging to be initialised")
+    return wait_for(status, "staging to be initialised")
 
 
 def test_upload_resumes_from_the_durable_offset_and_completes(

@@ -1,11 +1,11 @@
 """The real daemon with the real Podman provider, for P6 (a whole attempt of `true`).
 
-`podman_host()` builds what tests-integration/podman_support.py builds for the Podman
-end-to-end tests, from its own building blocks (imported read-only): the busybox test
-image as a pinned OCI archive, ficc-provider-podman built into a wheel, installed into
-a root-owned prefix and pinned by its digest, a root 0600 configuration naming the
-Podman provider, and `python -m ficc.execution serve` started with NOTIFY_SOCKET and
-waited for READY=1. Differences, so the figure measures one thing:
+`podman_host()` builds the test kit's Podman world (ficc_testkit.podman), as the Podman
+end-to-end tests do: the busybox test image as a pinned OCI archive,
+ficc-provider-podman built into a wheel, installed into a root-owned prefix and pinned
+by its digest, a root 0600 configuration naming the Podman provider, and `python -m
+ficc.execution serve` started with NOTIFY_SOCKET and waited for READY=1. Differences,
+so the figure measures one thing:
 - ONE slot (one slot account, `ficc-bp6-*`), so every attempt and every baseline run
   uses the same rootless Podman storage, which holds the image after the first
   (untimed) attempt;
@@ -22,43 +22,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import pathlib
-import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
+from daemon_support import unit_environment
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1] / "tests-integration"))
-
-from daemon_support import _environment, unit_environment  # noqa: E402
-
-import harness as h  # noqa: E402
-import podman_support as ps  # noqa: E402
-from ficc.execution.client import Client  # noqa: E402
-from ficc.execution.plan import Payload, Plan  # noqa: E402
-from ficc.execution.protocol import (  # noqa: E402
+from ficc.execution.client import Client
+from ficc.execution.plan import Payload, Plan
+from ficc.execution.protocol import (
     Fence,
     ObserveRequest,
     PrepareAttempt,
     PrepareRequest,
     StartRequest,
 )
-from ficc.execution.wire import AttemptRow, ErrorReply, ErrorRow  # noqa: E402
-from ficc_provider_podman import config as podman_config  # noqa: E402
-from ficc_provider_podman.account import (  # noqa: E402
+from ficc.execution.wire import AttemptRow, ErrorReply, ErrorRow
+from ficc_provider_podman import config as podman_config
+from ficc_provider_podman.account import (
     SlotAccount,
     forget_pause_process,
     kill_leftovers,
     reset_runtime_state,
 )
-from ficc_provider_podman.config import MAX_ULIMIT, Config  # noqa: E402
-from ficc_provider_podman.container import container_name, isolation_flags  # noqa: E402
+from ficc_provider_podman.config import MAX_ULIMIT, Config
+from ficc_provider_podman.container import container_name, isolation_flags
+from ficc_testkit import podman
+from ficc_testkit.accounts import run_as
+from ficc_testkit.driver import TERMINAL, fence, renewal
+from ficc_testkit.plans import new_id
+from ficc_testkit.podman import PodmanWorld
+from ficc_testkit.waits import now_ms
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 POLL_S = 0.010
 """Pause between one observe reply and the next observe request."""
@@ -80,60 +79,18 @@ class Phases:
 
 
 @contextlib.contextmanager
-def podman_host(slots: int = 1, slot_bytes: int = ps.SLOT_BYTES) -> Iterator[ps.PodmanWorld]:
+def podman_host(slots: int = 1, slot_bytes: int = podman.SLOT_BYTES) -> Iterator[PodmanWorld]:
     """A started daemon with the pinned Podman provider and `slots` slots of one class
     (each a real slot filesystem, as the end-to-end suite's, and its own account); the
     offer is scaled so that every slot can hold an attempt at once. All removed after."""
-    tag = secrets.token_hex(3)
-    base = h.private_directory("/run", f"ficc-bp6-{tag}-")
-    accounts: list[h.Account] = []
-    process: h.DaemonProcess | None = None
-    installation_id: str | None = None
-    filesystems: list[h.SlotFilesystem] = []
-    try:
-        for role in (*(f"s{i}" for i in range(slots)), "tr"):
-            accounts.append(ps.create_account(f"ficc-bp6-{tag}-{role}"))
-        *slot_accounts, transport = accounts
-        image = ps.build_image(base / "image")
-        provider = ps.install_podman_provider(base)
-        filesystems = h.slot_filesystems(base, [slot_bytes] * slots, ps.SLOT_INODES)
-        layout = ps.write_config(
-            base, slot_accounts, transport, provider, image, "cgroupfs", filesystems, ps.SLOT_INODES
-        )
-        _scale_offer(layout, slots)
-        installation_id = layout.installation_id
-        process = h.DaemonProcess(layout, provider)
-        with _environment(unit_environment()):
-            process.start()
-        yield ps.PodmanWorld(base, layout, provider, image, slot_accounts, transport, process)
-        status = process.stop()
-        if status != 0:
-            print(f"daemon exited {status}:\n{process.log()}", file=sys.stderr)
-    finally:
-        if process is not None:
-            process.kill()
-        if installation_id is not None:
-            ps._purge_services("cgroupfs", installation_id)
-        for account in accounts:
-            ps._remove_account(account)
-        h.remove_slots(filesystems)
-        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+    with podman.podman_world(
+        podman.Sources(ROOT), "cgroupfs", slot_bytes, slots=slots, name="ficc-bp6",
+        offer_per_slot=True, environment=unit_environment(),
+    ) as world:  # fmt: skip
+        yield world
 
 
-def _scale_offer(layout: h.Layout, slots: int) -> None:
-    """Ceiling and offer large enough for one attempt (of `true_plan`) in every slot."""
-    for section in ("ceiling", "initial_offer"):
-        resources = layout.document[section]
-        resources["cpu_millis"] = 2000 * slots
-        resources["memory_bytes"] = (2 << 30) * slots
-        resources["processes"] = 1024 * slots
-    layout.config_path.unlink()
-    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(layout.document, out, indent=2)
-
-
-def true_plan(world: ps.PodmanWorld, argv: tuple[str, ...] = ("/bin/true",)) -> Plan:
+def true_plan(world: PodmanWorld, argv: tuple[str, ...] = ("/bin/true",)) -> Plan:
     """A plan whose payload is `argv` itself (default `/bin/true`, no shell), tracked
     for teardown."""
     plan = world.plan("true", processes=PROCESSES)
@@ -143,17 +100,17 @@ def true_plan(world: ps.PodmanWorld, argv: tuple[str, ...] = ("/bin/true",)) -> 
     return plan
 
 
-def timed_attempt(world: ps.PodmanWorld) -> Phases:
+def timed_attempt(world: PodmanWorld) -> Phases:
     """One attempt of `true`, timed in the client; then stopped/released (untimed)."""
     plan = true_plan(world)
     request = PrepareRequest(
         version=1,
-        id=h.new_id(),
+        id=new_id(),
         **world.bindings(),
-        attempts=[PrepareAttempt(plan=plan, lease=h.renewal(plan, 1, h.now_ms() + 300_000))],
+        attempts=[PrepareAttempt(plan=plan, lease=renewal(plan, 1, now_ms() + 300_000))],
     )
     socket = world.socket
-    raw = h.run_as(
+    raw = run_as(
         world.transport, lambda: json.dumps(asyncio.run(_phases(socket, request))).encode()
     )
     result = json.loads(raw)
@@ -166,13 +123,13 @@ def timed_attempt(world: ps.PodmanWorld) -> Phases:
 async def _phases(socket: str, prepare: PrepareRequest) -> dict[str, object]:
     """Runs in the transport account's child: the timed part of one attempt."""
     client = Client(socket, read_timeout=PHASE_TIMEOUT_S)
-    fence = h.fence(prepare.attempts[0].plan)
+    fenced = fence(prepare.attempts[0].plan)
     began = time.perf_counter()
     _row(await client.request(prepare))
-    ready = await _poll(client, fence, lambda r: r.ready or r.state != "prepared")
+    ready = await _poll(client, fenced, lambda r: r.ready or r.state != "prepared")
     readied = time.perf_counter()
-    _row(await client.request(StartRequest(version=1, id=h.new_id(), attempts=[fence])))
-    done = await _poll(client, fence, lambda r: r.state in ps.TERMINAL)
+    _row(await client.request(StartRequest(version=1, id=new_id(), attempts=[fenced])))
+    done = await _poll(client, fenced, lambda r: r.state in TERMINAL)
     finished = time.perf_counter()
     error = None
     if (ready.state, ready.ready) != ("prepared", True):
@@ -189,7 +146,7 @@ async def _phases(socket: str, prepare: PrepareRequest) -> dict[str, object]:
 async def _poll(client: Client, fence: Fence, accept: Callable[[AttemptRow], bool]) -> AttemptRow:
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     while True:
-        row = _row(await client.request(ObserveRequest(version=1, id=h.new_id(), attempts=[fence])))
+        row = _row(await client.request(ObserveRequest(version=1, id=new_id(), attempts=[fence])))
         if accept(row):
             return row
         if time.monotonic() > deadline:
@@ -207,10 +164,10 @@ def _row(reply: object) -> AttemptRow:
     return row
 
 
-def bare_run(world: ps.PodmanWorld) -> float:
+def bare_run(world: PodmanWorld) -> float:
     """The baseline in the daemon's world: its one slot, storage and configuration."""
     (account,) = world.slots
-    config = podman_config.load(world.layout.document["providers"][0]["configuration"])
+    config = podman_config.load(world.layout.config.providers[0].configuration)
     slot_path = world.layout.slot_paths[0]
     return bare_run_as(account.uid, account.gid, slot_path, config, world.image)
 

@@ -1,9 +1,9 @@
 """A real executor host daemon for the daemon benchmarks (P4, P5, P7, P8).
 
 `bench_host(...)` starts `python -m ficc.execution serve` as a separate process, the
-way the integration suite does (tests-integration/harness.py is reused read-only: its
-`Layout`, `DaemonProcess` with READY=1 over NOTIFY_SOCKET, the provider wheel build and
-the `provider-digest` pin), with a configuration generated for the benchmark:
+way the integration suite does (the test kit's `DaemonProcess` with READY=1 over
+NOTIFY_SOCKET, the provider wheel build and the `provider-digest` pin), with a
+configuration built from the daemon's `Config` for the benchmark:
 
 - its own directory under /run (the daemon refuses group/other-writable ancestors),
   removed at the end;
@@ -11,7 +11,7 @@ the `provider-digest` pin), with a configuration generated for the benchmark:
   and removed again if this process made them, so a benchmark never disturbs the
   integration suite's `ficc-it-*` accounts;
 - every slot a real filesystem of its own, as the daemon requires: an ext4 image
-  loop-mounted by the shipped provisioning code (`harness.slot_filesystems`), removed
+  loop-mounted by the shipped provisioning code (`ficc_testkit.slots`), removed
   at the end;
 - the test provider built into a wheel, installed into a root-owned prefix and pinned
   by its real digest;
@@ -26,74 +26,57 @@ the socket, not the client library's validation.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import os
 import pathlib
-import pwd
 import shlex
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-sys.path.insert(0, str(ROOT / "tests-integration"))
+import msgspec
 
-import msgspec  # noqa: E402
-
-import harness as h  # noqa: E402
-from ficc.execution.frames import HEADER, REPLY_MAX  # noqa: E402
-from ficc.execution.plan import (  # noqa: E402
-    InputObject,
-    Job,
-    Limits,
-    Output,
-    Payload,
-    Plan,
-    Runtime,
-)
-from ficc.execution.protocol import (  # noqa: E402
+from ficc.execution.frames import HEADER, REPLY_MAX
+from ficc.execution.plan import InputObject, Output, Plan
+from ficc.execution.protocol import (
     Fence,
-    PrepareAttempt,
-    PrepareRequest,
+    ObserveRequest,
     RejectAbsentRequest,
     Request,
-    SnapshotRequest,
     encode_request,
 )
-from ficc.execution.wire import AttemptsReply, SnapshotReply, decode_reply  # noqa: E402
+from ficc.execution.wire import AttemptsReply, decode_reply
+from ficc_testkit import configs
+from ficc_testkit.accounts import Account, Accounts, run_as
+from ficc_testkit.driver import DaemonProcess, Driver, attempt, fence, rows
+from ficc_testkit.host import IMAGE, PROJECT
+from ficc_testkit.plans import new_id
+from ficc_testkit.slots import (
+    SlotFilesystem,
+    private_directory,
+    remove_slots,
+    remove_tree,
+    slot_filesystems,
+)
+from ficc_testkit.units import MIB
+from ficc_testkit.waits import wait_for
+from ficc_testkit.wheels import InstalledProvider, build_wheel, install_provider
 
-MIB = 1024 * 1024
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
 PREFIX = "ficc-bn-"
-_provider_cache: dict[str, h.InstalledProvider] = {}
+_provider_cache: dict[str, InstalledProvider] = {}
 ROLES = ("transport", "owner")
 SLOT_INODES = 2_000
 
 
-# --- accounts ------------------------------------------------------------------------
-
-
-def ensure_accounts(slots: int) -> h.Accounts:
+def ensure_accounts(slots: int) -> Accounts:
     """The benchmark's own real accounts (see the module docstring): one per role and
     one per slot (`slot0`, `slot1`, ...)."""
-    made = h.Accounts()
-    for role in (*ROLES, *(f"slot{i}" for i in range(slots))):
-        name = PREFIX + role
-        try:
-            pwd.getpwnam(name)
-        except KeyError:
-            h.account_command(
-                "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name
-            )
-            made.created.append(name)
-        entry = pwd.getpwnam(name)
-        made.by_role[role] = h.Account(name, entry.pw_uid, entry.pw_gid)
-    return made
+    return Accounts.ensure(PREFIX, (*ROLES, *(f"slot{i}" for i in range(slots))))
 
 
 # --- the host --------------------------------------------------------------------------
@@ -112,11 +95,16 @@ class BenchHost:
     """A running daemon plus what a benchmark needs to drive and measure it."""
 
     base: pathlib.Path
-    layout: h.Layout
-    provider: h.InstalledProvider
-    accounts: h.Accounts
-    process: h.DaemonProcess
+    layout: configs.Layout
+    provider: InstalledProvider
+    accounts: Accounts
+    process: DaemonProcess
     slot_paths: list[pathlib.Path] = field(default_factory=list)
+
+    @property
+    def driver(self) -> Driver:
+        """The kit's driver of this daemon, as the transport account."""
+        return Driver(self.layout, self.transport_account)
 
     # -- sockets and senders
 
@@ -129,25 +117,22 @@ class BenchHost:
         return self.layout.socket("admin")
 
     @property
-    def transport_account(self) -> h.Account:
+    def transport_account(self) -> Account:
         return self.accounts["transport"]
 
     def as_transport(self, function: Callable[[], bytes]) -> bytes:
         """Run `function` in a forked child as the transport account; its bytes."""
-        return h.run_as(self.transport_account, function)
+        return run_as(self.transport_account, function)
 
     def send(self, request: Request, *, admin: bool = False) -> Any:
         """One request through the real Client (setup, not timed)."""
-        if admin:
-            return h.send(self.admin, request)
-        return h.send(self.transport, request, self.transport_account)
+        return self.driver.as_admin(request) if admin else self.driver.as_transport(request)
 
     # -- the process
 
     @property
     def pid(self) -> int:
-        assert self.process.process is not None
-        return self.process.process.pid
+        return self.process.pid
 
     def memory_kib(self, field_name: str) -> int:
         """`VmRSS`, `VmHWM`, ... of the daemon, in KiB, from /proc/PID/status."""
@@ -175,59 +160,29 @@ class BenchHost:
         outputs: Sequence[Output] = (),
         storage_bytes: int = 16 * MIB,
     ) -> Plan:
-        doc = self.layout.document
-        return Plan(
-            version=1,
-            deployment_id=doc["deployment_id"],
-            node_id=doc["node_id"],
-            project_id=h.PROJECT,
-            job_id=h.new_id(),
-            attempt_id=h.new_id(),
-            generation=1,
-            offer_revision=1,
-            job=Job(
-                name="bench-job",
-                slot_class=slot_class,
-                runtime=Runtime(
-                    provider="test",
-                    package_digest=self.provider.digest,
-                    image_digest=h.IMAGE,
-                    isolation="process",
-                    network="none",
-                ),
-                payload=Payload(argv=["/bin/true"], environment={}),
-                limits=Limits(
-                    cpu_millis=10,
-                    memory_bytes=16 * MIB,
-                    swap_bytes=0,
-                    processes=4,
-                    storage_bytes=storage_bytes,
-                    storage_inodes=100,
-                    devices=[],
-                ),
-                inputs=list(inputs),
-                outputs=list(outputs),
-                sensitive=False,
-            ),
+        return self.driver.make_plan(
+            name="bench-job",
+            slot_class=slot_class,
+            package_digest=self.provider.digest,
+            image_digest=IMAGE,
+            isolation="process",
+            cpu_millis=10,
+            memory_bytes=16 * MIB,
+            processes=4,
+            storage_bytes=storage_bytes,
+            storage_inodes=100,
+            inputs=inputs,
+            outputs={o.name: o.path for o in outputs},
         )
 
     def bindings(self) -> dict[str, Any]:
-        reply = self.send(SnapshotRequest(version=1, id=h.new_id()), admin=True)
-        assert isinstance(reply, SnapshotReply), reply
-        return reply.bindings()
+        return self.driver.bindings()
 
     def prepare(self, plans: Sequence[Plan], *, lease_ms: int = 550_000) -> list[Any]:
         """Admit `plans` in one request; every row must be admitted."""
-        expires = h.now_ms() + lease_ms
-        request = PrepareRequest(
-            version=1,
-            id=h.new_id(),
-            **self.bindings(),
-            attempts=[PrepareAttempt(plan=p, lease=h.renewal(p, 1, expires)) for p in plans],
-        )
-        results = h.rows(self.send(request))
+        results = rows(self.driver.prepare(plans, expires_in_ms=lease_ms))
         for row in results:
-            h.attempt(row)
+            attempt(row)
         return results
 
     def reject_absent(self, count: int, batch: int = 64) -> None:
@@ -236,7 +191,7 @@ class BenchHost:
         frames: list[bytes] = []
         for start in range(0, count, batch):
             plans = [self.plan() for _ in range(min(batch, count - start))]
-            request = RejectAbsentRequest(version=1, id=h.new_id(), **bindings, plans=plans)
+            request = RejectAbsentRequest(version=1, id=new_id(), **bindings, plans=plans)
             frames.append(encode_request(request))
         path = self.transport
 
@@ -250,103 +205,71 @@ class BenchHost:
 
     def observe_rows(self, fences: Sequence[Fence]) -> list[Any]:
         """Observe in batches of 64 (setup and checks, not timed)."""
-        from ficc.execution.protocol import ObserveRequest  # noqa: PLC0415
-
         found: list[Any] = []
         for start in range(0, len(fences), 64):
             batch = list(fences[start : start + 64])
-            found += h.rows(self.send(ObserveRequest(version=1, id=h.new_id(), attempts=batch)))
+            found += rows(self.send(ObserveRequest(version=1, id=new_id(), attempts=batch)))
         return found
 
     def wait_ready(self, plans: Sequence[Plan], timeout: float = 300.0) -> None:
         """Until every plan's attempt is prepared and ready (its provider prepare done)."""
-        fences = [h.fence(p) for p in plans]
+        fences = [fence(p) for p in plans]
 
         def all_ready() -> bool:
-            rows = self.observe_rows(fences)
-            bad = [r for r in rows if r.state != "prepared"]
+            found = self.observe_rows(fences)
+            bad = [r for r in found if r.state != "prepared"]
             assert not bad, f"an attempt left prepared while waiting: {bad[0]}"
-            return all(r.ready for r in rows)
+            return all(r.ready for r in found)
 
-        h.wait_until(all_ready, f"{len(plans)} attempts to become ready", timeout)
+        wait_for(all_ready, f"{len(plans)} attempts to become ready", timeout)
 
     def slot_dir(self, slot_id: str) -> pathlib.Path:
-        for slot in self.layout.document["slots"]:
-            if slot["id"] == slot_id:
-                return pathlib.Path(slot["path"])
+        for slot in self.layout.config.slots:
+            if slot.id == slot_id:
+                return pathlib.Path(slot.path)
         raise KeyError(slot_id)
 
 
-def _provider(session: pathlib.Path) -> h.InstalledProvider:
+def _provider(session: pathlib.Path) -> InstalledProvider:
     key = str(session)
     if key not in _provider_cache:
-        wheel_dir = session / "wheel"
-        wheel_dir.mkdir()
-        wheel = h.build_provider_wheel(wheel_dir)
-        _provider_cache[key] = h.install_provider(wheel, session / "prefix")
+        wheel = build_wheel(PROVIDER_SOURCE, session / "wheel")
+        _provider_cache[key] = install_provider(wheel, session / "prefix")
     return _provider_cache[key]
 
 
-def _document(
+def _config(
     base: pathlib.Path,
-    accounts: h.Accounts,
-    provider: h.InstalledProvider,
+    accounts: Accounts,
+    provider: InstalledProvider,
     slots: Sequence[SlotPlan],
-    filesystems: Sequence[h.SlotFilesystem],
-) -> tuple[dict[str, Any], list[pathlib.Path]]:
-    state_dir, socket_dir = base / "state", base / "sockets"
-    state_dir.mkdir(mode=0o700)
-    socket_dir.mkdir()
-    os.chmod(socket_dir, 0o711)
-    entries, paths = [], []
-    for i, (spec, filesystem) in enumerate(zip(slots, filesystems, strict=True)):
-        paths.append(filesystem.path)
-        entries.append(
-            {
-                "id": f"s{i}",
-                "class": spec.slot_class,
-                "generation": 1,
-                "path": str(filesystem.path),
-                "uid": accounts[f"slot{i}"].uid,
-                "gid": accounts[f"slot{i}"].gid,
-                "storage_bytes": spec.storage_bytes,
-                "storage_inodes": SLOT_INODES,
-                "filesystem_uuid": filesystem.filesystem_uuid,
-            }
+    filesystems: Sequence[SlotFilesystem],
+) -> configs.Config:
+    """Every slot its own class and storage; the offer is what one bench plan needs, once
+    per slot."""
+    entries = [
+        configs.slot(
+            i, filesystem, accounts[f"slot{i}"], slot_class=spec.slot_class,
+            storage_inodes=SLOT_INODES, storage_bytes=spec.storage_bytes,
         )
-    resources = {
-        "cpu_millis": 10 * len(slots),
-        "memory_bytes": 16 * MIB * len(slots),
-        "swap_bytes": 0,
-        "processes": 4 * len(slots),
-        "slots": len(slots),
-        "devices": [],
-        "projects": [h.PROJECT],
-        "runtimes": ["test"],
-    }
-    document = {
-        "installation_id": h.new_id(),
-        "deployment_id": h.new_id(),
-        "node_id": h.new_id(),
-        "mode": "voluntary",
-        "transport_uid": accounts["transport"].uid,
-        "local_owner_uids": [accounts["owner"].uid],
-        "maximum_lease_seconds": 600,
-        "state_dir": str(state_dir),
-        "socket_dir": str(socket_dir),
-        "supervisor": "cgroupfs",
-        "slots": entries,
-        "ceiling": resources,
-        "initial_offer": {"control": "active", **resources},
-        "providers": [
-            {
-                "id": "test",
-                "package_digest": provider.digest,
-                "configuration": {"runtime": "service"},
-            }
-        ],
-    }
-    return document, paths
+        for i, (spec, filesystem) in enumerate(zip(slots, filesystems, strict=True))
+    ]  # fmt: skip
+    resources = configs.allowance(
+        cpu_millis=10 * len(slots),
+        memory_bytes=16 * MIB * len(slots),
+        processes=4 * len(slots),
+        slots=len(slots),
+        projects=[PROJECT],
+        runtimes=["test"],
+    )
+    return configs.host_config(
+        base,
+        transport=accounts["transport"],
+        owners=[accounts["owner"]],
+        slots=entries,
+        resources=resources,
+        providers=[configs.provider("test", provider.digest, {"runtime": "service"})],
+    )
 
 
 UNIT = ROOT / "packages/ficc-executor-host/packaging/ficc-executor-host.service"
@@ -364,58 +287,30 @@ def unit_environment() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set `values` in os.environ for a child started inside (harness copies os.environ)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, old in saved.items():
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
-
-
-@contextlib.contextmanager
 def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
     """A started daemon with these slots; stopped (SIGTERM) and removed afterwards."""
     accounts = ensure_accounts(len(slots))
-    session = h.private_directory("/run", f"ficc-bench-{os.getpid()}-")
-    filesystems: list[h.SlotFilesystem] = []
+    session = private_directory("/run", f"ficc-bench-{os.getpid()}-")
+    filesystems: list[SlotFilesystem] = []
     try:
         provider = _provider(session)
-        base = h.private_directory(str(session), "host-")
+        base = private_directory(str(session), "host-")
         sizes = [spec.storage_bytes for spec in slots]
-        filesystems = h.slot_filesystems(base, sizes, SLOT_INODES)
-        document, paths = _document(base, accounts, provider, slots, filesystems)
-        config_path = base / "executor-host.json"
-        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(document, out)
-        layout = h.Layout(
-            base,
-            config_path,
-            base / "state",
-            base / "sockets",
-            paths,
-            document,
-            filesystems,
-        )
-        process = h.DaemonProcess(layout, provider)
-        with _environment(unit_environment()):
-            process.start()
+        filesystems = slot_filesystems(base, sizes, SLOT_INODES)
+        config = _config(base, accounts, provider, slots, filesystems)
+        layout = configs.Layout.write(base, config, filesystems)
+        process = DaemonProcess.of(layout, provider, environment=unit_environment())
+        process.start()
         try:
-            yield BenchHost(base, layout, provider, accounts, process, paths)
+            yield BenchHost(base, layout, provider, accounts, process, layout.slot_paths)
         finally:
             status = process.stop()
             if status != 0:
                 print(f"daemon exited {status}:\n{process.log()}", file=sys.stderr)
     finally:
         _provider_cache.pop(str(session), None)
-        h.remove_slots(filesystems)
-        subprocess.run(["rm", "-rf", "--one-file-system", str(session)], check=False)
+        remove_slots(filesystems)
+        remove_tree(session)
         accounts.remove()
 
 
@@ -457,10 +352,6 @@ def timed_exchanges(path: str, frames: Sequence[bytes]) -> tuple[float, list[flo
     return time.perf_counter() - start, latencies, replies
 
 
-def sha256_digest(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 def encode(value: Any) -> bytes:
     return msgspec.json.encode(value)
 
@@ -477,6 +368,5 @@ __all__ = [
     "decode",
     "encode",
     "exchange",
-    "sha256_digest",
     "timed_exchanges",
 ]

@@ -41,11 +41,12 @@ from figures import Figure
 from ficc.execution import plan as planlib
 from ficc.execution.host.ledger import HostFacts, Lease, Ledger, Now, PrepareRow, SlotSpec
 from ficc.execution.protocol import OfferLimits, Resources
+from ficc_testkit.digests import fake
 
 ROWS = 64
 INSTALLATION = "1" * 32
 BOOT = "p3-bench-boot"
-SHA = "sha256:" + "a" * 64
+SHA = fake("a")
 
 
 def _plan() -> planlib.Plan:

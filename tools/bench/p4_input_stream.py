@@ -33,6 +33,10 @@ from figures import Figure
 
 from ficc.execution.plan import InputObject
 from ficc.execution.protocol import InputWrite, InputWriteRequest, encode_request
+from ficc_testkit.digests import digest_of, of_hasher
+from ficc_testkit.driver import fence_fields, row_code, rows
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import wait_for
 
 CHUNK = 8 * MIB
 
@@ -43,38 +47,36 @@ def _chunks(size: int) -> list[bytes]:
 
 def _wait_staged(host: BenchHost, plan: object, object_id: str) -> None:
     """Until staging is initialised (input_status stops answering inputs_preparing)."""
-    import harness as h  # noqa: PLC0415
     from ficc.execution.protocol import InputStatusRequest, ObjectRef  # noqa: PLC0415
 
-    ref = ObjectRef(**h._fence_fields(plan), object=object_id)  # type: ignore[arg-type]
+    ref = ObjectRef(**fence_fields(plan), object=object_id)  # type: ignore[arg-type]
 
     def staged() -> bool:
-        request = InputStatusRequest(version=1, id=h.new_id(), objects=[ref])
-        (row,) = h.rows(host.send(request))
-        return h.row_code(row) != "inputs_preparing"
+        request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
+        (row,) = rows(host.send(request))
+        return row_code(row) != "inputs_preparing"
 
-    h.wait_until(staged, "staging to be initialised")
+    wait_for(staged, "staging to be initialised")
 
 
 def _daemon_round(host: BenchHost, chunks: list[bytes], encoded: list[str]) -> float:
     """Seconds to stream every chunk of a fresh attempt through the daemon."""
-    import harness as h  # noqa: PLC0415
 
     size = sum(len(c) for c in chunks)
     whole = hashlib.sha256()
     for chunk in chunks:
         whole.update(chunk)
     item = InputObject(
-        id=h.new_id(),
+        id=new_id(),
         name="input.bin",
         bytes=size,
-        digest="sha256:" + whole.hexdigest(),
+        digest=of_hasher(whole),
         delivery="stream",
     )
     plan = host.plan(slot_class="big", inputs=[item], storage_bytes=size + 16 * MIB)
     host.prepare([plan])
     _wait_staged(host, plan, item.id)
-    fence = h._fence_fields(plan)
+    fence = fence_fields(plan)
     frames = []
     offset = 0
     for chunk, data in zip(chunks, encoded, strict=True):
@@ -83,9 +85,9 @@ def _daemon_round(host: BenchHost, chunks: list[bytes], encoded: list[str]) -> f
             object=item.id,
             offset=offset,
             data=data,
-            digest="sha256:" + hashlib.sha256(chunk).hexdigest(),
+            digest=digest_of(chunk),
         )
-        frames.append(encode_request(InputWriteRequest(version=1, id=h.new_id(), writes=[write])))
+        frames.append(encode_request(InputWriteRequest(version=1, id=new_id(), writes=[write])))
         offset += len(chunk)
     path = host.transport
 

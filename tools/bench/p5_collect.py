@@ -47,6 +47,10 @@ from figures import Figure
 from ficc.execution.frames import HEADER, REPLY_MAX
 from ficc.execution.plan import Output, Plan
 from ficc.execution.protocol import CollectRequest, Read, StopRequest, encode_request
+from ficc_testkit.digests import of_hasher
+from ficc_testkit.driver import fence, fence_fields, rows
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import wait_for
 
 BLOCK = 1 * MIB
 OUTPUT = Output(name="result", path="result.bin")
@@ -56,26 +60,24 @@ FRAME_ROOM = HEADER.size + 4 * -(-BLOCK // 3) + 4096
 
 def _settled_attempt(host: BenchHost) -> Plan:
     """A cancelled attempt with confirmed cleanup whose layout (and storage) remains."""
-    import harness as h  # noqa: PLC0415
 
     plan = host.plan(outputs=[OUTPUT])
     host.prepare([plan])
     host.wait_ready([plan])
-    h.rows(host.send(StopRequest(version=1, id=h.new_id(), attempts=[h.fence(plan)])))
+    rows(host.send(StopRequest(version=1, id=new_id(), attempts=[fence(plan)])))
 
     def settled() -> bool:
-        (row,) = host.observe_rows([h.fence(plan)])
+        (row,) = host.observe_rows([fence(plan)])
         return bool(row.state == "cancelled" and row.cleanup_confirmed)
 
-    h.wait_until(settled, "the attempt to be cancelled with cleanup confirmed")
+    wait_for(settled, "the attempt to be cancelled with cleanup confirmed")
     return plan
 
 
 def _write_output(host: BenchHost, plan: Plan, size: int) -> tuple[str, str]:
     """The output file (as root, in the attempt's storage); returns (path, digest)."""
-    import harness as h  # noqa: PLC0415
 
-    (row,) = host.observe_rows([h.fence(plan)])
+    (row,) = host.observe_rows([fence(plan)])
     storage = host.slot_dir(row.slot) / "ficc" / plan.attempt_id / "storage"
     path = storage / OUTPUT.path
     digest = hashlib.sha256()
@@ -86,7 +88,7 @@ def _write_output(host: BenchHost, plan: Plan, size: int) -> tuple[str, str]:
             out.write(block)
         out.flush()
         os.fsync(out.fileno())
-    return str(path), "sha256:" + digest.hexdigest()
+    return str(path), of_hasher(digest)
 
 
 def _arena(frames: int) -> bytearray:
@@ -132,14 +134,13 @@ def _exchanges_into(path: str, frames: Sequence[bytes], arena: bytearray) -> lis
 
 
 def _daemon_round(host: BenchHost, plan: Plan, size: int, digest: str) -> float:
-    import harness as h  # noqa: PLC0415
 
-    fence = h._fence_fields(plan)
+    fence = fence_fields(plan)
     frames = [
         encode_request(
             CollectRequest(
                 version=1,
-                id=h.new_id(),
+                id=new_id(),
                 reads=[Read(**fence, object="output:result", offset=offset, length=BLOCK)],
             )
         )
@@ -159,7 +160,7 @@ def _daemon_round(host: BenchHost, plan: Plan, size: int, digest: str) -> float:
         last = decode(replies[-1])["results"][0]
         assert last["eof"], last
         assert last["complete"], last
-        assert "sha256:" + whole.hexdigest() == digest, "collected bytes differ from the file"
+        assert of_hasher(whole) == digest, "collected bytes differ from the file"
         return repr(elapsed).encode()
 
     return float(host.as_transport(client))

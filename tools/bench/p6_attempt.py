@@ -119,8 +119,7 @@ def _daemon_figures(rounds: int) -> list[Figure]:
 
 
 def _direct_harness() -> ModuleType:
-    """The provider tests' harness, loaded under its own name (tests-integration has a
-    `harness` module too)."""
+    """The provider tests' harness, loaded from its file under a name of its own."""
     name = "ficc_podman_direct_harness"
     spec = importlib.util.spec_from_file_location(name, DIRECT_HARNESS)
     assert spec is not None

@@ -42,6 +42,10 @@ from ficc.execution.protocol import (
     ObjectRef,
     encode_request,
 )
+from ficc_testkit.digests import digest_of, of_hasher
+from ficc_testkit.driver import fence_fields, row_code, rows
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import wait_for
 
 CHUNK = 8 * MIB
 ACTIVE = 64
@@ -49,16 +53,15 @@ ACTIVE = 64
 
 def _streamed_plan(host: BenchHost, size: int, chunk: bytes) -> tuple[Plan, InputObject]:
     """The big attempt's plan: its input is `chunk` repeated up to `size` bytes."""
-    import harness as h  # noqa: PLC0415
 
     whole = hashlib.sha256()
     for _ in range(size // len(chunk)):
         whole.update(chunk)
     item = InputObject(
-        id=h.new_id(),
+        id=new_id(),
         name="input.bin",
         bytes=size,
-        digest="sha256:" + whole.hexdigest(),
+        digest=of_hasher(whole),
         delivery="stream",
     )
     return host.plan(slot_class="big", inputs=[item], storage_bytes=size + 16 * MIB), item
@@ -66,11 +69,10 @@ def _streamed_plan(host: BenchHost, size: int, chunk: bytes) -> tuple[Plan, Inpu
 
 def _stream(host: BenchHost, plan: Plan, item: InputObject, chunk: bytes) -> None:
     """Stream the input from a client forked as the transport account."""
-    import harness as h  # noqa: PLC0415
 
-    fence = h._fence_fields(plan)
+    fence = fence_fields(plan)
     data = base64.b64encode(chunk).decode("ascii")
-    digest = "sha256:" + hashlib.sha256(chunk).hexdigest()
+    digest = digest_of(chunk)
     path = host.transport
     count = item.bytes // len(chunk)
 
@@ -79,7 +81,7 @@ def _stream(host: BenchHost, plan: Plan, item: InputObject, chunk: bytes) -> Non
             write = InputWrite(
                 **fence, object=item.id, offset=n * len(chunk), data=data, digest=digest
             )
-            payload = encode_request(InputWriteRequest(version=1, id=h.new_id(), writes=[write]))
+            payload = encode_request(InputWriteRequest(version=1, id=new_id(), writes=[write]))
             (row,) = decode(exchange(path, payload))["results"]
             assert "error" not in row, row
         assert row["complete"] is True, row
@@ -89,16 +91,15 @@ def _stream(host: BenchHost, plan: Plan, item: InputObject, chunk: bytes) -> Non
 
 
 def _wait_staged(host: BenchHost, plan: Plan, item: InputObject) -> None:
-    import harness as h  # noqa: PLC0415
 
-    ref = ObjectRef(**h._fence_fields(plan), object=item.id)
+    ref = ObjectRef(**fence_fields(plan), object=item.id)
 
     def staged() -> bool:
-        request = InputStatusRequest(version=1, id=h.new_id(), objects=[ref])
-        (row,) = h.rows(host.send(request))
-        return h.row_code(row) != "inputs_preparing"
+        request = InputStatusRequest(version=1, id=new_id(), objects=[ref])
+        (row,) = rows(host.send(request))
+        return row_code(row) != "inputs_preparing"
 
-    h.wait_until(staged, "staging to be initialised")
+    wait_for(staged, "staging to be initialised")
 
 
 def run(quick: bool) -> list[Figure]:

@@ -36,6 +36,9 @@ from figures import Figure
 from ficc.execution.frames import HEADER
 from ficc.execution.plan import Plan
 from ficc.execution.protocol import ObserveRequest, RenewRequest, encode_request
+from ficc_testkit.driver import fence, renewal
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import now_ms
 
 CLIENTS = 8
 ROWS = 64
@@ -43,15 +46,14 @@ ROWS = 64
 
 def _frames(host: BenchHost, plans: Sequence[Plan], pairs: int) -> list[bytes]:
     """`pairs` x (renew, observe) of these plans, renew sequences 2, 3, ..."""
-    import harness as h  # noqa: PLC0415
 
-    fences = [h.fence(p) for p in plans]
+    fences = [fence(p) for p in plans]
     frames = []
-    expires = h.now_ms() + 500_000
+    expires = now_ms() + 500_000
     for n in range(pairs):
-        leases = [h.renewal(p, 2 + n, expires + n) for p in plans]
-        frames.append(encode_request(RenewRequest(version=1, id=h.new_id(), leases=leases)))
-        frames.append(encode_request(ObserveRequest(version=1, id=h.new_id(), attempts=fences)))
+        leases = [renewal(p, 2 + n, expires + n) for p in plans]
+        frames.append(encode_request(RenewRequest(version=1, id=new_id(), leases=leases)))
+        frames.append(encode_request(ObserveRequest(version=1, id=new_id(), attempts=fences)))
     return frames
 
 

@@ -88,8 +88,6 @@ from collections.abc import Callable, Iterator, Sequence
 import attempt_support as p6
 from figures import Figure
 
-import harness as h
-import podman_support as ps
 from ficc.execution.client import Client
 from ficc.execution.protocol import (
     Fence,
@@ -102,6 +100,11 @@ from ficc.execution.protocol import (
 from ficc.execution.wire import AttemptRow, ErrorReply, ErrorRow
 from ficc_provider_podman import config as podman_config
 from ficc_provider_podman.account import SlotAccount
+from ficc_testkit.accounts import run_as
+from ficc_testkit.driver import TERMINAL, fence, renewal
+from ficc_testkit.plans import new_id
+from ficc_testkit.podman import PodmanWorld
+from ficc_testkit.waits import now_ms
 
 SIZES = (8, 32)
 PAYLOADS = {"true": ("/bin/true",), "sleep 2": ("/bin/sleep", "2")}
@@ -120,22 +123,20 @@ def _cpu_seconds(pid: int) -> tuple[float, float]:
     return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
 
 
-def _batched_round(world: ps.PodmanWorld, count: int, payload: tuple[str, ...]) -> dict[str, float]:
+def _batched_round(world: PodmanWorld, count: int, payload: tuple[str, ...]) -> dict[str, float]:
     """One timed round of `count` attempts through the daemon (see the docstring)."""
     plans = [p6.true_plan(world, payload) for _ in range(count)]
-    expires = h.now_ms() + 300_000
+    expires = now_ms() + 300_000
     request = PrepareRequest(
         version=1,
-        id=h.new_id(),
+        id=new_id(),
         **world.bindings(),
-        attempts=[PrepareAttempt(plan=p, lease=h.renewal(p, 1, expires)) for p in plans],
+        attempts=[PrepareAttempt(plan=p, lease=renewal(p, 1, expires)) for p in plans],
     )
     socket = world.socket
     pid = world.process.process.pid  # type: ignore[union-attr]
     own, children = _cpu_seconds(pid)
-    raw = h.run_as(
-        world.transport, lambda: json.dumps(asyncio.run(_round(socket, request))).encode()
-    )
+    raw = run_as(world.transport, lambda: json.dumps(asyncio.run(_round(socket, request))).encode())
     own_after, children_after = _cpu_seconds(pid)
     result = json.loads(raw)
     world.plans.clear()
@@ -151,17 +152,15 @@ def _batched_round(world: ps.PodmanWorld, count: int, payload: tuple[str, ...]) 
 async def _round(socket: str, prepare: PrepareRequest) -> dict[str, object]:
     """Runs in the transport account's child: the timed round."""
     client = Client(socket, read_timeout=PHASE_TIMEOUT_S)
-    fences = [h.fence(a.plan) for a in prepare.attempts]
+    fences = [fence(a.plan) for a in prepare.attempts]
     began = time.perf_counter()
     _rows(await client.request(prepare))
     ready = await _poll(client, fences, lambda r: r.ready or r.state != "prepared")
     readied = time.perf_counter()
-    _rows(await client.request(StartRequest(version=1, id=h.new_id(), attempts=fences)))
-    done = await _poll(client, fences, lambda r: r.state in ps.TERMINAL and r.cleanup_confirmed)
+    _rows(await client.request(StartRequest(version=1, id=new_id(), attempts=fences)))
+    done = await _poll(client, fences, lambda r: r.state in TERMINAL and r.cleanup_confirmed)
     finished = time.perf_counter()
-    released = _rows(
-        await client.request(ReleaseRequest(version=1, id=h.new_id(), attempts=fences))
-    )
+    released = _rows(await client.request(ReleaseRequest(version=1, id=new_id(), attempts=fences)))
     ended = time.perf_counter()
     error = None
     if any((r.state, r.ready) != ("prepared", True) for r in ready):
@@ -184,7 +183,7 @@ async def _poll(
 ) -> list[AttemptRow]:
     deadline = time.monotonic() + PHASE_TIMEOUT_S
     while True:
-        request = ObserveRequest(version=1, id=h.new_id(), attempts=fences)
+        request = ObserveRequest(version=1, id=new_id(), attempts=fences)
         rows = _rows(await client.request(request))
         if all(accept(r) for r in rows):
             return rows
@@ -205,10 +204,10 @@ def _rows(reply: object) -> list[AttemptRow]:
     return found
 
 
-def _bare_round(world: ps.PodmanWorld, count: int, payload: tuple[str, ...]) -> tuple[float, float]:
+def _bare_round(world: PodmanWorld, count: int, payload: tuple[str, ...]) -> tuple[float, float]:
     """`count` bare `podman run --rm`, one per slot account, started at once: (seconds,
     CPU seconds of the reaped `podman run` processes)."""
-    config = podman_config.load(world.layout.document["providers"][0]["configuration"])
+    config = podman_config.load(world.layout.config.providers[0].configuration)
     slots = [
         SlotAccount(account.uid, account.gid, str(path))
         for account, path in zip(world.slots, world.layout.slot_paths, strict=True)

@@ -4,20 +4,22 @@ One slot (class `demo`) whose job runs as the slot account with rootless Podman,
 transport account for the controller, no local owner, an offer that is `active` from
 the start, and the Podman provider pinned by the digest `provider-digest` printed for
 the wheel installed in the run's prefix, configured with the registry-free test image.
-The keys are described in docs/configuration.md; the provider's own `configuration`
-in docs/providers.md.
+The document is the daemon's own `Config` built by the test kit and encoded; the keys
+are described in docs/configuration.md, the provider's own `configuration` in
+docs/providers.md.
 """
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from demo.layout import PROVIDER, SLOT_CLASS, SLOT_ID, RunLayout
-
-MIB = 1024 * 1024
-GIB = 1024 * MIB
+from ficc_testkit import configs
+from ficc_testkit.accounts import Account
+from ficc_testkit.plans import new_id
+from ficc_testkit.slots import SlotFilesystem
+from ficc_testkit.units import GIB
 
 PROJECT = "de" * 16
 """The demo's project: the only project the offer admits."""
@@ -37,10 +39,6 @@ SLOT_STORAGE_INODES = 100_000
 LEASE_CEILING_SECONDS = 600
 
 
-def new_id() -> str:
-    return secrets.token_hex(16)
-
-
 @dataclass(frozen=True)
 class Identities:
     """The host's identities; fresh for every run (every run starts a new ledger)."""
@@ -48,13 +46,6 @@ class Identities:
     installation_id: str = field(default_factory=new_id)
     deployment_id: str = field(default_factory=new_id)
     node_id: str = field(default_factory=new_id)
-
-
-@dataclass(frozen=True)
-class Account:
-    name: str
-    uid: int
-    gid: int
 
 
 @dataclass(frozen=True)
@@ -91,38 +82,27 @@ def admin_config(
     filesystem_uuid: str,
 ) -> dict[str, Any]:
     """The whole configuration document, as the daemon reads it (JSON)."""
-    allowance = {**OFFER, "devices": [], "projects": [PROJECT], "runtimes": [PROVIDER]}
-    return {
-        "installation_id": ids.installation_id,
-        "deployment_id": ids.deployment_id,
-        "node_id": ids.node_id,
-        "mode": "managed",
-        "transport_uid": transport.uid,
-        "local_owner_uids": [],
-        "maximum_lease_seconds": LEASE_CEILING_SECONDS,
-        "state_dir": str(layout.state_dir),
-        "socket_dir": str(layout.socket_dir),
-        "supervisor": "cgroupfs",
-        "slots": [
-            {
-                "id": SLOT_ID,
-                "class": SLOT_CLASS,
-                "generation": 1,
-                "path": str(layout.slot_dir),
-                "uid": slot.uid,
-                "gid": slot.gid,
-                "storage_bytes": SLOT_STORAGE_BYTES,
-                "storage_inodes": SLOT_STORAGE_INODES,
-                "filesystem_uuid": filesystem_uuid,
-            }
+    allowance = configs.allowance(**OFFER, projects=[PROJECT], runtimes=[PROVIDER])
+    filesystem = SlotFilesystem(
+        layout.slot_dir, layout.slot_image, filesystem_uuid, SLOT_STORAGE_BYTES
+    )
+    config = configs.host_config(
+        layout.root,
+        transport=transport,
+        slots=[
+            configs.slot(
+                int(SLOT_ID.removeprefix("s")), filesystem, slot,
+                slot_class=SLOT_CLASS, storage_inodes=SLOT_STORAGE_INODES,
+            )
         ],
-        "ceiling": allowance,
-        "initial_offer": {"control": "active", **allowance},
-        "providers": [
-            {
-                "id": PROVIDER,
-                "package_digest": provider_digest,
-                "configuration": provider_configuration(image),
-            }
+        resources=allowance,
+        providers=[
+            configs.provider(PROVIDER, provider_digest, provider_configuration(image))
         ],
-    }
+        mode="managed",
+        maximum_lease_seconds=LEASE_CEILING_SECONDS,
+        installation_id=ids.installation_id,
+        deployment_id=ids.deployment_id,
+        node_id=ids.node_id,
+    )  # fmt: skip
+    return configs.encode_config(config)

@@ -18,12 +18,7 @@ import asyncio
 import base64
 import contextlib
 import json
-import os
-import secrets
-import signal
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,10 +27,9 @@ from typing import Any
 import msgspec
 
 from demo import job, report
-from demo.config import Account
 from demo.layout import PROVIDER, SLOT_CLASS, SLOT_ID
 from ficc.execution.client import Client, ClientError
-from ficc.execution.plan import Plan, encode_plan, plan_digest
+from ficc.execution.plan import Plan, digest_of, encode_plan, plan_digest
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,
@@ -66,6 +60,10 @@ from ficc.execution.wire import (
     ReadRow,
     SnapshotReply,
 )
+from ficc_testkit.accounts import Account, run_as
+from ficc_testkit.driver import chunks
+from ficc_testkit.plans import new_id
+from ficc_testkit.waits import now_ms
 
 LEASE_SECONDS = 600
 READY_TIMEOUT = 300.0
@@ -80,14 +78,6 @@ MEANING = {
 }
 """What a state seen while waiting means, for the step line."""
 READ_BYTES = 256 * 1024
-
-
-def new_id() -> str:
-    return secrets.token_hex(16)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class JobFailed(Exception):
@@ -324,7 +314,7 @@ class Controller:
             started,
         )
         data, offset = job.INPUT_TEXT, status.offset
-        pieces = list(job.chunks(data, self.chunk_bytes))
+        pieces = list(chunks(data, self.chunk_bytes))
         for number, (start, chunk) in enumerate(pieces, 1):
             if start + len(chunk) <= offset:
                 continue  # already durable (a resumed stream)
@@ -337,7 +327,7 @@ class Controller:
                 object=self.target.ids.input_id,
                 offset=start,
                 data=base64.b64encode(chunk).decode(),
-                digest=job.sha256(chunk),
+                digest=digest_of(chunk),
             )
             row: InputRow = await self.one_row(
                 "input_write", InputWriteRequest(version=1, id=new_id(), writes=[write])
@@ -491,39 +481,20 @@ async def run_controller(target: Target, emit: Callable[[str], None]) -> Result:
 
 
 def as_account(account: Account, target: Target) -> Result:
-    """Run the controller in a forked child with the account's UID and GID and no groups.
+    """Run the controller in a forked child with the account's UID and GID and no groups
+    (the test kit's `run_as`).
 
     The child inherits every imported module, so the account never has to read the
     source tree. It prints its step lines itself and sends the Result back as JSON.
     """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        status = 0
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setresgid(account.gid, account.gid, account.gid)
-            os.setresuid(account.uid, account.uid, account.uid)
-            result = asyncio.run(run_controller(target, _print))
-        except BaseException:
-            result = Result(error="the controller crashed:\n" + traceback.format_exc())
-            status = 1
-        with os.fdopen(write_end, "wb") as out:
-            out.write(json.dumps(asdict(result)).encode())
-        sys.stdout.flush()
-        os._exit(status)
-    os.close(write_end)
+
+    def controller() -> bytes:
+        return json.dumps(asdict(asyncio.run(run_controller(target, _print)))).encode()
+
     try:
-        with os.fdopen(read_end, "rb") as source:
-            raw = source.read()
-    except BaseException:  # Ctrl-C: the controller goes too, before the daemon stops
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    os.waitpid(pid, 0)
+        raw = run_as(account, controller)
+    except AssertionError as crashed:  # its message carries the child's traceback
+        return Result(error=f"the controller crashed:\n{crashed}")
     try:
         return Result(**json.loads(raw))
     except (ValueError, TypeError):

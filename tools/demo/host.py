@@ -12,22 +12,21 @@ import contextlib
 import importlib.util
 import json
 import os
-import pwd
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from demo.config import SLOT_STORAGE_BYTES, SLOT_STORAGE_INODES, Account, Image
+from demo.config import SLOT_STORAGE_BYTES, SLOT_STORAGE_INODES, Image
 from demo.layout import DISK_BASE, IMAGE_TAG, PROVIDER, RunLayout
 from ficc.execution.host import provision
 from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc_testkit.accounts import Account, create_account, lookup
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ["ficc-protocol", "ficc-executor-host", "ficc-provider-podman"]
@@ -78,24 +77,15 @@ def check_machine() -> list[str]:
 
 def ensure_account(name: str) -> tuple[Account, bool]:
     """The system account `name`, created (no home, no login shell) if missing."""
-    created = False
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        deadline = time.monotonic() + 30
-        command = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin"]
-        while True:  # another process may hold the passwd lock for a moment
-            result = subprocess.run([*command, name], check=False, capture_output=True, text=True)
-            if result.returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise SetupFailed(f"useradd {name} failed: {result.stderr.strip()}") from None
-            time.sleep(0.2)
-        entry = pwd.getpwnam(name)
-        created = True
-    if entry.pw_uid == 0 or entry.pw_gid == 0:
+    account, created = lookup(name), False
+    if account is None:
+        try:
+            account, created = create_account(name), True
+        except AssertionError as exc:  # useradd failed for 30 s (the passwd lock is held)
+            raise SetupFailed(f"useradd {name} failed: {exc}") from None
+    if account.uid == 0 or account.gid == 0:
         raise SetupFailed(f"account {name} has UID or GID 0; remove it and run again")
-    return Account(name, entry.pw_uid, entry.pw_gid), created
+    return account, created
 
 
 # --- a previous run ---------------------------------------------------------------------------

@@ -8,13 +8,13 @@ output `shout`. The controller collects both afterwards.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from demo.config import MIB, PROJECT
+from demo.config import PROJECT
 from demo.layout import PROVIDER, SLOT_CLASS
-from ficc.execution.plan import InputObject, Job, Limits, Output, Payload, Plan, Runtime
+from ficc.execution.plan import InputObject, Limits, Plan, digest_of
+from ficc_testkit.plans import make_plan
+from ficc_testkit.units import MIB
 
 INPUT_NAME = "poem.txt"
 INPUT_TEXT = b"""\
@@ -57,10 +57,6 @@ LIMITS = Limits(
 )
 
 
-def sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
 @dataclass(frozen=True)
 class JobIds:
     """The controller's names for this job and its first attempt."""
@@ -72,7 +68,7 @@ class JobIds:
 
 def input_object(ids: JobIds, data: bytes = INPUT_TEXT) -> InputObject:
     return InputObject(
-        id=ids.input_id, name=INPUT_NAME, bytes=len(data), digest=sha256(data), delivery="stream"
+        id=ids.input_id, name=INPUT_NAME, bytes=len(data), digest=digest_of(data), delivery="stream"
     )
 
 
@@ -87,35 +83,28 @@ def build_plan(
     data: bytes = INPUT_TEXT,
 ) -> Plan:
     """The immutable plan of the attempt, bound later by its digest in every fence."""
-    return Plan(
-        version=1,
+    return make_plan(
         deployment_id=deployment_id,
         node_id=node_id,
         project_id=PROJECT,
         job_id=ids.job_id,
         attempt_id=ids.attempt_id,
-        generation=1,
         offer_revision=offer_revision,
-        job=Job(
-            name="demo-shout",
-            slot_class=SLOT_CLASS,
-            runtime=Runtime(
-                provider=PROVIDER,
-                package_digest=provider_digest,
-                image_digest=image_id,
-                isolation="shared-kernel",
-                network="none",
-            ),
-            payload=Payload(argv=["/bin/sh", "-c", SCRIPT], environment={"LANG": "C"}),
-            limits=LIMITS,
-            inputs=[input_object(ids, data)],
-            outputs=[Output(name=OUTPUT_NAME, path=OUTPUT_PATH)],
-            sensitive=False,
-        ),
+        name="demo-shout",
+        slot_class=SLOT_CLASS,
+        provider=PROVIDER,
+        package_digest=provider_digest,
+        image_digest=image_id,
+        isolation="shared-kernel",
+        argv=["/bin/sh", "-c", SCRIPT],
+        environment={"LANG": "C"},
+        cpu_millis=LIMITS.cpu_millis,
+        memory_bytes=LIMITS.memory_bytes,
+        swap_bytes=LIMITS.swap_bytes,
+        processes=LIMITS.processes,
+        storage_bytes=LIMITS.storage_bytes,
+        storage_inodes=LIMITS.storage_inodes,
+        devices=LIMITS.devices,
+        inputs=[input_object(ids, data)],
+        outputs={OUTPUT_NAME: OUTPUT_PATH},
     )
-
-
-def chunks(data: bytes, size: int) -> Iterator[tuple[int, bytes]]:
-    """(offset, bytes) pieces of `data`, each at most `size` bytes."""
-    for offset in range(0, len(data), size):
-        yield offset, data[offset : offset + size]

@@ -36,6 +36,8 @@ from demo.layout import DEFAULT_BASE, SLOT_ACCOUNT, TRANSPORT_ACCOUNT, RunLayout
 from ficc.execution.host import provision
 from ficc.execution.host.config import parse_config
 from ficc.execution.host.errors import HostError
+from ficc_testkit.accounts import Account
+from ficc_testkit.plans import new_id
 
 PHASES = 10
 
@@ -129,14 +131,14 @@ class Demo:
             self.status()
             self.stop()
 
-    def account(self, name: str, role: str) -> config.Account:
+    def account(self, name: str, role: str) -> Account:
         account, created = host.ensure_account(name)
         verb = "created" if created else "exists"
         self.say(f"{name:<20} uid {account.uid:<6} {verb:<8} {role}")
         return account
 
     def job(self) -> Result:
-        ids = job.JobIds(config.new_id(), config.new_id(), config.new_id())
+        ids = job.JobIds(new_id(), new_id(), new_id())
         target = Target(
             socket=str(self.layout.transport_socket),
             out_dir=str(self.layout.controller_dir),

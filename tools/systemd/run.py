@@ -9,7 +9,8 @@ systemd backend's behaviour tests run in a container that boots Debian's systemd
 2. the project's wheels (and the integration suite's test provider) are built here
    with hatchling, and their dependencies plus pytest are downloaded here as wheels:
    the container has no network (`--network=none`), so it installs them offline
-   into a venv; the integration harness and the shipped unit file are copied too;
+   into a venv (the test kit, ficc-testkit, among them); the integration suite's crash
+   loop is copied too;
 3. the container boots (`--privileged --cgroupns=private --systemd=always`) and we
    wait for `systemctl is-system-running --wait`: `running`, or `degraded` (some unit
    that needs real hardware failed; the failed units are printed) is accepted;
@@ -44,7 +45,7 @@ import rootfs  # a sibling script, not a package
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INSIDE = "/opt/ficc"
-# ficc-testkit: the markers the tests carry (root, podman); never released.
+# ficc-testkit: the markers, driver and host the tests use; never released.
 PACKAGES = ["ficc-protocol", "ficc-executor-host", "ficc-testkit"]
 TEST_FILES = [
     "packages/ficc-executor-host/tests/test_service_behaviour.py",
@@ -52,12 +53,11 @@ TEST_FILES = [
     "tools/systemd/tests/test_daemon_unit.py",
 ]
 # Copied next to the tests: (source in the repository, directory inside the container).
+# The unit file comes with the ficc-executor-host wheel (share/ficc-executor-host/).
 SUPPORT_FILES = [
     ("packages/ficc-executor-host/tests/service_support.py", "tests"),
-    ("tests-integration/harness.py", "tests-integration"),
     # The crash loop that test_daemon_unit.py runs with supervisor=systemd.
     ("tests-integration/test_crash_daemon.py", "tests-integration"),
-    ("packages/ficc-executor-host/packaging/ficc-executor-host.service", "."),
 ]
 # The Podman end-to-end suite, run there with supervisor=systemd (the daemon as the
 # shipped unit): copied with the integration suite's layout, so its paths hold inside.

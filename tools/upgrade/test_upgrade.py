@@ -27,18 +27,20 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests-integration"))
+from ficc.execution.plan import encode_plan
+from ficc_testkit.driver import DaemonProcess, attempt, rows
+from ficc_testkit.host import Daemon, Layout, ensure_accounts
+from ficc_testkit.slots import private_directory
+from ficc_testkit.wheels import InstalledProvider, build_wheel, install_provider
 
-import harness  # noqa: E402  (the integration harness: accounts, layout, requests)
-from ficc.execution.plan import encode_plan  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
 
 HOST_PYTHON = os.environ.get("FICC_UPGRADE_HOST_PYTHON", "")
 NEW_WHEELS = Path(os.environ.get("FICC_UPGRADE_NEW_WHEELS", "/nonexistent"))
@@ -85,12 +87,12 @@ def upgrade_in_place() -> None:
 def upgrade_provider(base: Path) -> None:
     """The provider's upgrade: this build's test provider replaces the previous one in
     the same prefix (a new pin follows)."""
-    wheel = harness.build_provider_wheel(base / "new-wheel")
+    wheel = build_wheel(PROVIDER_SOURCE, base / "new-wheel")
     shutil.rmtree(base / "provider")
-    harness.install_provider(wheel, base / "provider")
+    install_provider(wheel, base / "provider")
 
 
-def write_config(layout: harness.Layout, digest: str, *, previous: bool = False) -> None:
+def write_config(layout: Layout, digest: str, *, previous: bool = False) -> None:
     """The configuration with this pin; `previous`: as the previous release reads it,
     without the keys it does not know (it refuses unknown keys)."""
     document = dict(layout.document)
@@ -99,35 +101,29 @@ def write_config(layout: harness.Layout, digest: str, *, previous: bool = False)
         document["slots"] = [
             {k: v for k, v in slot.items() if k not in NEW_SLOT_KEYS} for slot in document["slots"]
         ]
-    layout.config_path.unlink()
-    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(document, out)
+    layout.rewrite(document)
 
 
-def start(daemon: harness.Daemon) -> None:
-    daemon.process = harness.DaemonProcess(daemon.layout, daemon.provider, python=HOST_PYTHON)
+def start(daemon: Daemon) -> None:
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider, python=HOST_PYTHON)
     daemon.start()
 
 
 @pytest.fixture
-def world() -> Iterator[tuple[harness.Daemon, Path]]:
-    accounts = harness.Accounts.ensure()
-    base = harness.private_directory("/run", "ficc-upgrade-")
-    daemon: harness.Daemon | None = None
-    layout: harness.Layout | None = None
+def world() -> Iterator[tuple[Daemon, Path]]:
+    accounts = ensure_accounts()
+    base = private_directory("/run", "ficc-upgrade-")
+    daemon: Daemon | None = None
+    layout: Layout | None = None
     try:
-        old_wheels = base / "wheel"
-        harness.pip("wheel", "--no-deps", "--no-build-isolation", "-w", str(old_wheels),
-                    OLD_PROVIDER)  # fmt: skip
-        (wheel,) = old_wheels.glob("ficc_test_provider-*.whl")
-        current = harness.install_provider(wheel, base / "provider")
+        wheel = build_wheel(Path(OLD_PROVIDER), base / "wheel")
+        current = install_provider(wheel, base / "provider")
         old_pin = host("provider-digest", "test", "--path", str(current.site), "--quiet").strip()
-        provider = harness.InstalledProvider(current.site, old_pin)
+        provider = InstalledProvider(current.site, old_pin)
         (base / "host").mkdir(mode=0o755)
-        layout = harness.Layout.create(base / "host", accounts, provider)
+        layout = Layout.create(base / "host", accounts, provider)
         write_config(layout, old_pin, previous=True)
-        daemon = harness.Daemon(layout, provider, accounts)
+        daemon = Daemon(layout, provider, accounts)
         start(daemon)
         yield daemon, base
     finally:
@@ -139,26 +135,26 @@ def world() -> Iterator[tuple[harness.Daemon, Path]]:
         accounts.remove()
 
 
-def statuses(daemon: harness.Daemon) -> dict[str, Any]:
+def statuses(daemon: Daemon) -> dict[str, Any]:
     return {a.attempt_id: a for a in daemon.snapshot().attempts}
 
 
 def test_upgrade_in_place_keeps_the_ledger_and_serves_an_old_controller(
-    world: tuple[harness.Daemon, Path],
+    world: tuple[Daemon, Path],
 ) -> None:
     daemon, base = world
 
     # --- the old release: finished and active attempts -------------------------------
     rejected = [daemon.plan() for _ in range(2)]
-    harness.rows(daemon.reject_absent(rejected))
+    rows(daemon.reject_absent(rejected))
     ran = daemon.plan()
-    harness.rows(daemon.prepare([ran]))
+    rows(daemon.prepare([ran]))
     daemon.wait_state(ran, lambda r: r.ready or r.state != "prepared", "readiness")
     daemon.start_attempt(ran)
     daemon.wait_state(ran, lambda r: r.outcome is not None and r.cleanup_confirmed, "the end")
-    assert harness.attempt(daemon.release(ran)).state == "released"
+    assert attempt(daemon.release(ran)).state == "released"
     active = daemon.plan()
-    harness.rows(daemon.prepare([active], expires_in_ms=3_600_000))
+    rows(daemon.prepare([active], expires_in_ms=3_600_000))
     daemon.wait_state(active, lambda r: r.ready or r.state != "prepared", "readiness")
     before_snapshot = daemon.snapshot()
     before = statuses(daemon)
@@ -197,7 +193,7 @@ def test_upgrade_in_place_keeps_the_ledger_and_serves_an_old_controller(
         assert refusals, daemon.process.log()
         assert daemon.stop() == 0
         write_config(daemon.layout, new_pin)  # the administrator re-pins (upgrade step 4)
-        daemon.provider = harness.InstalledProvider(daemon.provider.site, new_pin)
+        daemon.provider = InstalledProvider(daemon.provider.site, new_pin)
         start(daemon)
         (provider,) = daemon.snapshot().capacity.providers
         assert provider.available

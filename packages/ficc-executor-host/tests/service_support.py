@@ -19,7 +19,6 @@ import os
 import pwd
 import secrets
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from ficc.execution.host.service import (
     ServiceSpec,
 )
 from ficc.execution.host.service.systemd import SystemdService, parse_show
+from ficc_testkit.accounts import account_command
 
 PYTHON = "/usr/bin/python3"
 SYSTEMCTL = "/usr/bin/systemctl"
@@ -71,22 +71,12 @@ needs_systemd = pytest.mark.skipif(not UNDER_SYSTEMD, reason=SYSTEMD_REASON)
 def slot() -> Iterator[tuple[int, int]]:
     """A real system account of our own, so parallel runs never see each other's tasks."""
     name = f"ficc-t-{secrets.token_hex(4)}"
-    _account("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
+    account_command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
     entry = pwd.getpwnam(name)
     try:
         yield entry.pw_uid, entry.pw_gid
     finally:
-        _account("userdel", name)
-
-
-def _account(*command: str) -> None:
-    """Run useradd/userdel, retrying while another process holds /etc/passwd's lock."""
-    deadline = time.monotonic() + 30
-    while (
-        result := subprocess.run(command, check=False, capture_output=True, text=True)
-    ).returncode:
-        assert time.monotonic() < deadline, f"{command}: {result.stderr}"
-        time.sleep(0.1)
+        account_command("userdel", name)
 
 
 @pytest.fixture
@@ -216,14 +206,6 @@ def make_spec(
         stdout=str(tmp_path / f"{name}.out"),
         stderr=str(tmp_path / f"{name}.err"),
     )
-
-
-def wait_for(condition: Callable[[], object], timeout: float = 20.0) -> None:
-    """Poll a condition with a deadline (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.01)
 
 
 def member_count_is(service: Backend, handle: ServiceHandle, count: int) -> Callable[[], bool]:

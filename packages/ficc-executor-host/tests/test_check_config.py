@@ -26,7 +26,7 @@ from ficc.execution.host import provision, slotfs
 from ficc.execution.host.config import parse_config
 from ficc.execution.host.daemon import open_ledger
 from ficc.execution.host.providers import compute_digest
-from service_support import _account
+from ficc_testkit.accounts import account_command
 
 ROOT = Path(__file__).resolve().parents[3]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
@@ -70,12 +70,12 @@ def provider_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def slot_account() -> Iterator[pwd.struct_passwd]:
     """The slot's real account (its own group, no login)."""
-    _account("useradd", "--system", "--user-group", "--no-create-home",
+    account_command("useradd", "--system", "--user-group", "--no-create-home",
              "--shell", "/usr/sbin/nologin", SLOT_ACCOUNT)  # fmt: skip
     try:
         yield pwd.getpwnam(SLOT_ACCOUNT)
     finally:
-        _account("userdel", SLOT_ACCOUNT)
+        account_command("userdel", SLOT_ACCOUNT)
 
 
 @pytest.fixture

@@ -43,8 +43,8 @@ from ficc.execution.wire import (
     SnapshotReply,
     error_reply,
 )
+from ficc_testkit.units import MIB
 
-MIB = 1024 * 1024
 RFC3339 = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z\Z")
 NOW_MS = 1_800_000_000_000
 RESOURCES = Resources(

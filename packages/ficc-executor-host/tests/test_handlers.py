@@ -74,6 +74,7 @@ from ficc.execution.wire import (
     encode_reply,
 )
 from ficc_testkit import plans
+from ficc_testkit.plans import new_id
 
 pytestmark = pytest.mark.root("the daemon needs root: root-owned state, slot accounts, cgroups")
 
@@ -89,10 +90,6 @@ GiB = 1 << 30
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coro)
-
-
-def new_id() -> str:
-    return secrets.token_hex(16)
 
 
 def sha(data: bytes) -> str:

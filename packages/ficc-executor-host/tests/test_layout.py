@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import stat
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from ficc.execution.host.layout import (
     STORAGE,
     Layout,
 )
+from ficc_testkit.plans import new_id
 
 pytestmark = pytest.mark.root("the layout chowns to a slot account")
 
@@ -40,10 +40,6 @@ def layout(tmp_path: Path) -> Layout:
     slot = tmp_path / "slot"
     slot.mkdir(mode=0o755)
     return Layout(Slot(str(slot)))
-
-
-def new_id() -> str:
-    return secrets.token_hex(16)
 
 
 def test_create_makes_every_part_with_exact_owner_and_mode(layout: Layout) -> None:

@@ -43,6 +43,7 @@ from ficc.execution.host.ledger import (
 )
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc_testkit import plans
+from ficc_testkit.plans import new_id
 
 pytestmark = pytest.mark.root("the ledger lives in a root-owned state directory")
 
@@ -63,10 +64,6 @@ def limits(**resources: int) -> OfferLimits:
 
 
 CEILING = limits()
-
-
-def new_id() -> str:
-    return os.urandom(16).hex()
 
 
 def make_plan(

@@ -23,7 +23,6 @@ import socket
 import tempfile
 import termios
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,10 +66,11 @@ from ficc.execution.wire import (
     error_reply,
     error_row,
 )
+from ficc_testkit.units import MIB
+from ficc_testkit.waits import wait_for
 
 pytestmark = pytest.mark.root("needs root: sockets are owned per role under /run")
 
-MIB = 1024 * 1024
 FOREIGN_UID = 3_999_998  # nobody on this machine: root is the wrong peer for it
 RESOURCES = Resources(
     attempts=2,
@@ -302,13 +302,6 @@ def reset_unread(sock: socket.socket) -> bool:
     except ConnectionResetError:
         return True
     return False
-
-
-def wait_for(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 # --- the happy path --------------------------------------------------------------------

@@ -41,6 +41,7 @@ from ficc.execution.host.service import (
     cgroups,
     reaper,
 )
+from ficc_testkit.waits import wait_for
 from service_support import (
     DAEMONIZER,
     FORKER,
@@ -65,7 +66,6 @@ from service_support import (
     slot_tasks,
     status,
     systemd_backend,
-    wait_for,
 )
 
 pytestmark = pytest.mark.root("the behaviour tests need real cgroups and a real slot account")

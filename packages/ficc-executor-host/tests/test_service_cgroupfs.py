@@ -32,6 +32,7 @@ from ficc.execution.host.service import (
     cgroups,
 )
 from ficc.execution.host.service.cgroups import Hierarchy, Layout
+from ficc_testkit.waits import wait_for
 from service_support import (
     NULL,
     OPENER,
@@ -41,7 +42,6 @@ from service_support import (
     make_spec,
     node,
     py,
-    wait_for,
 )
 
 # The shared fixtures, defined once in service_support.

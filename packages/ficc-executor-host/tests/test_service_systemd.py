@@ -26,6 +26,7 @@ import service_support
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import DeviceRule, systemd
 from ficc.execution.host.service.systemd import SystemdService
+from ficc_testkit.waits import wait_for
 from service_support import (
     NULL,
     SLEEPERS,
@@ -36,7 +37,6 @@ from service_support import (
     purge_units,
     show,
     status,
-    wait_for,
 )
 
 pytestmark = pytest.mark.root("the systemd backend runs real units")

@@ -33,11 +33,11 @@ from ficc.execution.host.config import (
     parse_config,
 )
 from ficc.execution.host.errors import HostError
-from service_support import _account
+from ficc_testkit.accounts import account_command
+from ficc_testkit.units import MIB
 
 pytestmark = pytest.mark.root("slot filesystems need root: they are loop-mounted ext4 images")
 
-MIB = 1 << 20
 BYTES = 24 * MIB
 INODES = 2_000
 
@@ -95,7 +95,7 @@ def _config(root: Path, slots: list[Slot]) -> Config:
 
 
 def _new_account(name: str, *extra: str) -> pwd.struct_passwd:
-    _account("useradd", "--system", "--user-group", "--no-create-home", *extra, name)
+    account_command("useradd", "--system", "--user-group", "--no-create-home", *extra, name)
     return pwd.getpwnam(name)
 
 
@@ -107,7 +107,7 @@ def accounts() -> Iterator[list[pwd.struct_passwd]]:
         yield made
     finally:
         for name in names:
-            _account("userdel", name)
+            account_command("userdel", name)
 
 
 @pytest.fixture
@@ -310,22 +310,22 @@ def test_a_slot_account_with_the_wrong_group_is_refused(host: Host) -> None:
 
 def test_a_slot_account_that_can_log_in_is_refused(host: Host) -> None:
     name = host.accounts[0].pw_name
-    _account("usermod", "--shell", "/bin/bash", name)
+    account_command("usermod", "--shell", "/bin/bash", name)
     try:
         error = refusal(lambda: check_host(host.config()))
     finally:
-        _account("usermod", "--shell", "/usr/sbin/nologin", name)
+        account_command("usermod", "--shell", "/usr/sbin/nologin", name)
     assert error.code == "slot_account"
     assert "login shell /bin/bash" in error.message
 
 
 def test_a_slot_account_in_another_group_is_refused(host: Host) -> None:
     name = host.accounts[0].pw_name
-    _account("usermod", "--append", "--groups", host.accounts[1].pw_name, name)
+    account_command("usermod", "--append", "--groups", host.accounts[1].pw_name, name)
     try:
         error = refusal(lambda: check_host(host.config()))
     finally:
-        _account("gpasswd", "--delete", name, host.accounts[1].pw_name)
+        account_command("gpasswd", "--delete", name, host.accounts[1].pw_name)
     assert error.code == "slot_account"
     other = host.accounts[1]
     assert f"is also in groups {other.pw_name} (GID {other.pw_gid})" in error.message

@@ -6,7 +6,6 @@ import errno
 import grp
 import hashlib
 import os
-import secrets
 import shutil
 import stat
 import subprocess
@@ -32,6 +31,7 @@ from ficc.execution.host.staging import (
     streams_of,
 )
 from ficc.execution.plan import InputObject
+from ficc_testkit.plans import new_id
 
 GROUP = "ficc-t-stage"
 EMPTY = "sha256:" + hashlib.sha256(b"").hexdigest()
@@ -41,10 +41,6 @@ pytestmark = pytest.mark.root("staging creates root-owned files and chowns to a 
 
 def sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def new_id() -> str:
-    return secrets.token_hex(16)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ prepare -> service -> start -> observe to `payload` -> gate -> marker -> finishe
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import os
 import posixpath
 import secrets
@@ -39,36 +37,14 @@ from ficc.execution.host.service.interface import ServiceHandle, ServiceSpec
 from ficc.execution.host.staging import Stager, streams_of
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import kill_leftovers
+from ficc_testkit import podman
+from ficc_testkit.accounts import account_command
+from ficc_testkit.digests import digest_of
 
 REPO = Path(__file__).resolve().parents[3]
 ISOLATION = "shared-kernel"
 SERVICE_ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 NOFILE = 1024
-
-
-def sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    """Poll a condition with a deadline (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-    return value
-
-
-def _account(*command: str) -> None:
-    """useradd/userdel, retrying while another process holds /etc/passwd's lock."""
-    deadline = time.monotonic() + 30
-    while (
-        result := subprocess.run(command, check=False, capture_output=True, text=True)
-    ).returncode:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{command}: {result.stderr}")
-        time.sleep(0.1)
 
 
 @dataclass(frozen=True)
@@ -80,18 +56,8 @@ class Slot:
 
 
 def build_image(out: Path) -> dict[str, str]:
-    spec = importlib.util.spec_from_file_location(
-        "ficc_testimage", REPO / "tools/testimage/build.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    tag = f"localhost/ficc-pp-test-{secrets.token_hex(4)}:1"
-    built: dict[str, str] = module.build(out, tag)
-    # The root account's copy is not needed: the provider loads the archive rootless.
-    subprocess.run(["podman", "rmi", "-f", tag], check=False, capture_output=True)
-    return built
+    """The busybox test image as an OCI archive (the test kit's, from this checkout)."""
+    return podman.build_image(podman.Sources(REPO), out)
 
 
 @dataclass
@@ -119,7 +85,7 @@ def world() -> Iterator[World]:
     base = Path(f"/tmp/{name}")
     base.mkdir(mode=0o755)
     os.chmod(base, 0o755)
-    _account("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
+    account_command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
     service_base = f"ficc-pp-svc-{secrets.token_hex(3)}"
     service = CgroupfsService(service_base, stop_timeout=15.0)
     uid = int(subprocess.run(["id", "-u", name], capture_output=True, check=True).stdout)
@@ -155,7 +121,7 @@ def world() -> Iterator[World]:
                     "id": w.local_id,
                     "path": str(local),
                     "bytes": len(local_data),
-                    "digest": sha256(local_data),
+                    "digest": digest_of(local_data),
                 }
             ],
             "devices": [
@@ -174,7 +140,7 @@ def world() -> Iterator[World]:
         shutil.rmtree(f"/run/user/{uid}", ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/libpod_rootless_lock_{uid}")
-        _account("userdel", name)
+        account_command("userdel", name)
         _remove_tree(base)
 
 
@@ -215,12 +181,12 @@ def make_plan(
     if streamed is not None:
         inputs.append(
             planlib.InputObject(
-                secrets.token_hex(16), "data.txt", len(streamed), sha256(streamed), "stream"
+                secrets.token_hex(16), "data.txt", len(streamed), digest_of(streamed), "stream"
             )
         )
     if local:
         inputs.append(
-            planlib.InputObject(w.local_id, "local.txt", len(w.local_data), sha256(w.local_data))
+            planlib.InputObject(w.local_id, "local.txt", len(w.local_data), digest_of(w.local_data))
         )
     return planlib.Plan(
         version=1,
@@ -235,7 +201,7 @@ def make_plan(
             name="job",
             slot_class="cpu",
             runtime=planlib.Runtime(
-                "podman", sha256(b"pkg"), w.image["image_id"], ISOLATION, "none"
+                "podman", digest_of(b"pkg"), w.image["image_id"], ISOLATION, "none"
             ),
             payload=planlib.Payload(argv=argv, environment=environment or {"GREETING": "hello"}),
             limits=planlib.Limits(
@@ -323,7 +289,7 @@ def new_attempt(w: World, plan: planlib.Plan, streamed: bytes | None = None) -> 
         stager.register_attempt(plan.attempt_id, streams_of(plan.job.inputs))
         stager.prepare_attempt(plan.attempt_id)
         (obj,) = plan.streamed_inputs
-        stager.write(plan.attempt_id, obj.id, 0, streamed, sha256(streamed))
+        stager.write(plan.attempt_id, obj.id, 0, streamed, digest_of(streamed))
         attempt.capabilities = stager.capabilities(plan.attempt_id)
         attempt.stager = stager  # type: ignore[attr-defined]
     return attempt

@@ -26,6 +26,8 @@ import harness as h
 from ficc.execution.host import sdk
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
+from ficc_testkit.digests import digest_of
+from ficc_testkit.waits import wait_for
 
 pytestmark = pytest.mark.podman("the driver runs real containers")
 
@@ -180,7 +182,7 @@ def test_the_service_pids_limit_blocks_forks(w: h.World) -> None:
         h.release_marker(attempt)
         assert attempt.handle is not None
         pids = Path(attempt.handle.cgroups["pids"])
-        h.wait_for(lambda: "can't fork" in Path(attempt.paths.stderr).read_text(), "a refused fork")
+        wait_for(lambda: "can't fork" in Path(attempt.paths.stderr).read_text(), "a refused fork")
         assert int((pids / "pids.current").read_text()) <= 64
         # The refusal is counted in the forking task's cgroup, inside the service.
         events = [int(f.read_text().split()[1]) for f in pids.rglob("pids.events")]
@@ -196,7 +198,7 @@ def test_stop_kills_the_whole_running_tree(w: h.World) -> None:
         _, verdict = h.run_to_payload(attempt)
         assert verdict.ok, verdict.failures
         h.release_marker(attempt)
-        h.wait_for(lambda: "started" in Path(attempt.paths.stdout).read_text(), "the payload")
+        wait_for(lambda: "started" in Path(attempt.paths.stdout).read_text(), "the payload")
         assert attempt.call("observe")["phase"] == "payload"
         assert len(processes_of(w.slot.uid)) >= 4
         assert attempt.call("stop") == {"stopped": True}
@@ -215,7 +217,7 @@ def test_a_replaced_barrier_is_refused_by_the_gate(w: h.World) -> None:
     try:
         h.create_service(attempt, argv)
         assert attempt.call("start") == {"started": True}
-        pid = h.wait_for(lambda: _entrypoint(w.slot.uid, copy), "the copied barrier")
+        pid = wait_for(lambda: _entrypoint(w.slot.uid, copy), "the copied barrier")
         verdict = h.run_gate(attempt, pid)
         assert not verdict.ok
         assert "gate_exe" in {f.code for f in verdict.failures}
@@ -270,7 +272,7 @@ def test_a_check_refusal_stops_prepare_before_anything_is_loaded(w: h.World) -> 
     [
         ({"isolation": "vm"}, "isolation_unsupported"),
         ({"network": "host"}, "network_unsupported"),
-        ({"image_digest": h.sha256(b"other image")}, "image_unknown"),
+        ({"image_digest": digest_of(b"other image")}, "image_unknown"),
     ],
 )
 def test_probe_refuses_what_the_provider_does_not_offer(
@@ -301,7 +303,7 @@ def test_a_payload_started_outside_the_barrier_is_never_reported_and_is_refused(
     argv[argv.index("--entrypoint") + 1] = "/bin/sleep"
     try:
         h.create_service(attempt, [*argv, image, "1000"])
-        pid = h.wait_for(lambda: _running(w.slot.uid, "sleep"), "the unbarriered payload")
+        pid = wait_for(lambda: _running(w.slot.uid, "sleep"), "the unbarriered payload")
         # The provider reports only the barrier: never this process.
         assert attempt.call("observe") == {"phase": "waiting"}
         verdict = h.run_gate(attempt, pid)

@@ -4,8 +4,8 @@ Runs inside the container of `tools/systemd/run.py` (it skips elsewhere, saying 
 the shipped unit file (packages/ficc-executor-host/packaging) is installed as is, with
 a drop-in that only points it at this test's configuration and provider and shortens
 the watchdog and restart timings. The configuration, accounts and pinned test provider
-come from the integration harness (tests-integration/harness.py), so the daemon is the
-real one: `systemctl start` returns only after its READY=1, it pings the watchdog, a
+come from the test kit (ficc_testkit.host, as the integration suite's), so the daemon is
+the real one: `systemctl start` returns only after its READY=1, it pings the watchdog, a
 hung daemon is killed by the watchdog and restarted, and `systemctl stop` stops it
 cleanly.
 """
@@ -13,13 +13,13 @@ cleanly.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +27,11 @@ from typing import Any
 
 import pytest
 
-HARNESS = Path(os.environ.get("FICC_HARNESS_DIR", "/opt/ficc/tests-integration"))
 PROVIDER_WHEELS = Path(os.environ.get("FICC_WHEELS", "/opt/ficc/wheels"))
+CRASH_TESTS = Path(
+    os.environ.get("FICC_CRASH_TESTS", "/opt/ficc/tests-integration/test_crash_daemon.py")
+)
+"""The integration suite's crash loop (run.py copies it in), reused under systemd."""
 
 
 def _pid1_is_systemd() -> bool:
@@ -38,29 +41,30 @@ def _pid1_is_systemd() -> bool:
         return False
 
 
-if not (os.geteuid() == 0 and _pid1_is_systemd() and (HARNESS / "harness.py").exists()):
+if not (os.geteuid() == 0 and _pid1_is_systemd() and PROVIDER_WHEELS.is_dir()):
     pytest.skip(
-        "needs root, systemd as PID 1 and the integration harness; run "
+        "needs root, systemd as PID 1 and the test provider's wheel; run "
         "`python tools/systemd/run.py`, which runs this inside a systemd container",
         allow_module_level=True,
     )
 
-sys.path.insert(0, str(HARNESS))
 import msgspec  # noqa: E402
 
-import harness  # noqa: E402  (found through FICC_HARNESS_DIR, not an installed package)
 from ficc.execution.host import daemon  # noqa: E402
 from ficc.execution.host.errors import HostError  # noqa: E402
 from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # noqa: E402
 from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
 from ficc.execution.plan import Payload  # noqa: E402
-
-UNIT = harness.UNIT
-SYSTEMCTL = harness.SYSTEMCTL
+from ficc_testkit.accounts import Accounts  # noqa: E402
+from ficc_testkit.driver import SYSTEMCTL, UNIT, UnitDaemon, attempt, rows, show_unit  # noqa: E402
+from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
+from ficc_testkit.slots import private_directory  # noqa: E402
+from ficc_testkit.waits import now_ms, wait_for  # noqa: E402
+from ficc_testkit.wheels import InstalledProvider, install_provider  # noqa: E402
 
 
 def show(*keys: str) -> dict[str, str]:
-    return harness.show_unit(UNIT, *keys)
+    return show_unit(UNIT, *keys)
 
 
 def journal() -> str:
@@ -68,20 +72,12 @@ def journal() -> str:
     return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        time.sleep(0.05)
-    return value
-
-
 @dataclass
 class Installed:
-    layout: harness.Layout
-    provider: harness.InstalledProvider
-    accounts: harness.Accounts
-    unit: harness.UnitDaemon
+    layout: Layout
+    provider: InstalledProvider
+    accounts: Accounts
+    unit: UnitDaemon
 
 
 def _systemd_backend_wired() -> bool:
@@ -95,14 +91,14 @@ def _systemd_backend_wired() -> bool:
 
 @contextlib.contextmanager
 def _install(supervisor: str, dropin: str) -> Iterator[Installed]:
-    accounts = harness.Accounts.ensure()
-    base = harness.private_directory("/run", "ficc-it-unit-")
-    unit: harness.UnitDaemon | None = None
+    accounts = ensure_accounts()
+    base = private_directory("/run", "ficc-it-unit-")
+    unit: UnitDaemon | None = None
     try:
         (wheel,) = PROVIDER_WHEELS.glob("ficc_test_provider-*.whl")
-        provider = harness.install_provider(wheel, base / "provider")
-        layout = harness.Layout.create(base, accounts, provider, supervisor=supervisor)
-        unit = harness.UnitDaemon(layout, provider, dropin=dropin)
+        provider = install_provider(wheel, base / "provider")
+        layout = Layout.create(base, accounts, provider, supervisor=supervisor)
+        unit = UnitDaemon(layout, provider, dropin=dropin)
         yield Installed(layout, provider, accounts, unit)
     finally:
         if unit is not None:
@@ -114,7 +110,7 @@ def _install(supervisor: str, dropin: str) -> Iterator[Installed]:
 @pytest.fixture(params=["cgroupfs", "systemd"])
 def installed(request: pytest.FixtureRequest) -> Iterator[Installed]:
     """The shipped unit plus a drop-in for this test's configuration and provider
-    (harness.UnitDaemon), with each supervisor (the daemon's system-service backend)."""
+    (UnitDaemon), with each supervisor (the daemon's system-service backend)."""
     if request.param == "systemd" and not _systemd_backend_wired():
         pytest.skip("daemon.service_backend does not offer supervisor=systemd yet")
     with _install(request.param, "WatchdogSec=3s\nTimeoutStopSec=10s\n") as done:
@@ -178,9 +174,9 @@ def test_an_attempt_runs_in_a_transient_unit_of_the_daemon(installed: Installed)
     if installed.layout.document["supervisor"] != "systemd":
         pytest.skip("this test is about the systemd supervisor")
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
-    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
     plan = daemon.plan()
-    harness.rows(daemon.prepare([plan]))
+    rows(daemon.prepare([plan]))
     ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
     assert (ready.state, ready.ready) == ("prepared", True), ready
     daemon.start_attempt(plan)
@@ -200,16 +196,16 @@ def test_an_attempt_runs_in_a_transient_unit_of_the_daemon(installed: Installed)
     assert "Started" in log, log
     daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
     # Stopped and empty, kept (failed: it was killed) until release removes it.
-    kept = harness.show_unit(work, "BindsTo", "Slice", "ActiveState", "ControlGroup", "User")
+    kept = show_unit(work, "BindsTo", "Slice", "ActiveState", "ControlGroup", "User")
     assert kept["BindsTo"] == UNIT
     assert kept["Slice"] == "ficc.slice"
     assert kept["ActiveState"] in {"failed", "inactive"}
     assert kept["User"] == str(installed.accounts["slot0"].uid) or kept["User"] == str(
         installed.accounts["slot1"].uid
     )
-    released = harness.attempt(daemon.release(plan))
+    released = attempt(daemon.release(plan))
     assert released.state == "released", released
-    wait_for(lambda: harness.show_unit(work, "LoadState")["LoadState"] == "not-found")
+    wait_for(lambda: show_unit(work, "LoadState")["LoadState"] == "not-found")
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
 
 
@@ -254,7 +250,7 @@ def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
         )
         wait_for(lambda old=daemon_pid: show("MainPID")["MainPID"] not in {old, "0"})
         # stopped with the daemon, and not started again with the new one
-        assert harness.show_unit(f"{name}.service", "ActiveState")["ActiveState"] != "active"
+        assert show_unit(f"{name}.service", "ActiveState")["ActiveState"] != "active"
         assert backend.members(handle) == set()
         backend.stop(handle)
         backend.remove(handle)
@@ -262,7 +258,7 @@ def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
 
 
-def slot_processes(accounts: harness.Accounts) -> list[str]:
+def slot_processes(accounts: Accounts) -> list[str]:
     """Every live process of a slot account, as `pid uid name` (empty: none left)."""
     uids = {str(accounts["slot0"].uid), str(accounts["slot1"].uid)}
     found = []
@@ -290,26 +286,24 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
     if installed.layout.document["supervisor"] != "systemd":
         pytest.skip("this test is about the systemd supervisor's attempt units")
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
-    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
     held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
     plans = [
         msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
         for plan in (daemon.plan(), daemon.plan())
     ]
-    harness.rows(daemon.prepare(plans))
+    rows(daemon.prepare(plans))
     works = []
     for plan in plans:
         ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
         assert (ready.state, ready.ready) == ("prepared", True), ready
-        harness.attempt(daemon.start_attempt(plan))
+        attempt(daemon.start_attempt(plan))
         works.append(f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}.service")
     # Each barrier is held before it reports its PID: the attempts stay `starting` with
     # their units active and a process of each slot account alive inside them.
     for work in works:
-        wait_for(
-            lambda work=work: harness.show_unit(work, "ActiveState")["ActiveState"] == "active"
-        )
-        assert harness.show_unit(work, "BindsTo")["BindsTo"] == UNIT
+        wait_for(lambda work=work: show_unit(work, "ActiveState")["ActiveState"] == "active")
+        assert show_unit(work, "BindsTo")["BindsTo"] == UNIT
     # A unit (and its slot process) exists before the provider's start is called.
     for plan in plans:
         wait_for(lambda plan=plan: installed.layout.provider_calls("start", plan.attempt_id) == 1)
@@ -319,10 +313,8 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
     assert show("ActiveState")["ActiveState"] == "inactive"
     for work in works:
-        wait_for(
-            lambda work=work: harness.show_unit(work, "ActiveState")["ActiveState"] != "active"
-        )
-        assert harness.show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
+        wait_for(lambda work=work: show_unit(work, "ActiveState")["ActiveState"] != "active")
+        assert show_unit(work, "ActiveState")["ActiveState"] in {"inactive", "failed"}
     wait_for(lambda: not slot_processes(installed.accounts))
 
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
@@ -332,11 +324,11 @@ def test_stopping_the_daemon_unit_stops_attempt_units_and_they_come_back_unknown
         )
         assert (settled.state, settled.reason) == ("unknown", "executor_restarted"), settled
         daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
-        assert harness.show_unit(work, "ActiveState")["ActiveState"] != "active"
+        assert show_unit(work, "ActiveState")["ActiveState"] != "active"
     assert not slot_processes(installed.accounts)
     for plan in plans:
         assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # never replayed
-        released = harness.attempt(daemon.release(plan))
+        released = attempt(daemon.release(plan))
         assert released.state == "released", released
         assert installed.layout.provider_calls("start", plan.attempt_id) == 1
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
@@ -365,14 +357,6 @@ def daemon_lines(since_us: int, *extra: str) -> list[tuple[int, dict[str, Any]]]
     return found
 
 
-def rewrite_config(layout: harness.Layout, document: dict[str, Any], mode: int = 0o600) -> None:
-    layout.config_path.unlink()
-    fd = os.open(layout.config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(document, out)
-    os.chmod(layout.config_path, mode)
-
-
 @pytest.fixture
 def since_us() -> int:
     """The journal's newest entry time, so a test reads only the entries it caused."""
@@ -390,7 +374,7 @@ def test_journal_priorities_follow_the_log_levels(installed: Installed, since_us
         pytest.skip("independent of the daemon's supervisor; runs once")
     document = dict(installed.layout.document)
     document["providers"] = [{**document["providers"][0], "configuration": {"argv": "x"}}]
-    rewrite_config(installed.layout, document)
+    installed.layout.rewrite(document)
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)  # an unavailable provider: starts
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
     lines = daemon_lines(since_us)
@@ -413,7 +397,7 @@ def test_check_config_refuses_the_start_before_serve_runs(
 ) -> None:
     if installed.layout.document["supervisor"] != "cgroupfs":
         pytest.skip("independent of the daemon's supervisor; runs once")
-    rewrite_config(installed.layout, installed.layout.document, mode=0o644)
+    installed.layout.rewrite(installed.layout.document, mode=0o644)
     started = subprocess.run([SYSTEMCTL, "start", UNIT], capture_output=True, check=False)
     assert started.returncode != 0
     # failed, or waiting to try again (Restart=on-failure): either way serve never ran
@@ -461,15 +445,15 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     `unknown`, and the provider's `start` ran once."""
     installed = slow_watchdog
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
-    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
     plan = daemon.plan()
     held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
     plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
-    harness.rows(daemon.prepare([plan], expires_in_ms=LEASE_MS))
-    deadline = harness.now_ms() + LEASE_MS
+    rows(daemon.prepare([plan], expires_in_ms=LEASE_MS))
+    deadline = now_ms() + LEASE_MS
     ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
     assert (ready.state, ready.ready) == ("prepared", True), ready
-    harness.attempt(daemon.start_attempt(plan))
+    attempt(daemon.start_attempt(plan))
     # The service (and its slot process) exists before the provider's start is called.
     wait_for(lambda: installed.layout.provider_calls("start", plan.attempt_id) == 1)
     wait_for(lambda: slot_processes(installed.accounts))
@@ -477,8 +461,8 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
 
     resume = disrupt()
     try:
-        assert harness.now_ms() < deadline - LEASE_MS // 2, "the start took too long"
-        remaining = (deadline + GRACE_MS - harness.now_ms()) / 1000
+        assert now_ms() < deadline - LEASE_MS // 2, "the start took too long"
+        remaining = (deadline + GRACE_MS - now_ms()) / 1000
         wait_for(lambda: not slot_processes(installed.accounts), timeout=remaining)
     finally:
         resume()
@@ -486,7 +470,7 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     assert settled.state in {"expired", "unknown"}, settled
     daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
     assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # ran once
-    assert harness.attempt(daemon.release(plan)).state == "released"
+    assert attempt(daemon.release(plan)).state == "released"
     assert installed.layout.provider_calls("start", plan.attempt_id) == 1
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
 
@@ -501,7 +485,12 @@ def test_sigkill_at_random_points_under_systemd_loses_nothing_and_replays_nothin
     daemon as its shipped unit and supervisor=systemd: each kill is a SIGKILL of the
     main process and the restart is systemd's (Restart=on-failure). FICC_CRASH_KILLS
     sets the count (CI: 50)."""
-    import test_crash_daemon  # noqa: PLC0415  (copied next to the harness by run.py)
+    spec = importlib.util.spec_from_file_location("test_crash_daemon", CRASH_TESTS)
+    assert spec is not None
+    assert spec.loader is not None
+    test_crash_daemon = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = test_crash_daemon  # its dataclasses look their module up there
+    spec.loader.exec_module(test_crash_daemon)
 
     installed = slow_watchdog
     unit = installed.unit
@@ -517,7 +506,7 @@ def test_sigkill_at_random_points_under_systemd_loses_nothing_and_replays_nothin
             unit.wait_restarted()
 
     unit.start()
-    daemon = harness.Daemon(installed.layout, installed.provider, installed.accounts)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
     daemon.process = unit  # type: ignore[assignment]  (the same interface)
     kills = int(os.environ.get("FICC_CRASH_KILLS", "50"))
     crasher = UnitCrasher(daemon, test_crash_daemon.random.Random(test_crash_daemon.SEED))

@@ -10,13 +10,14 @@ import secrets
 from collections.abc import Iterable, Mapping
 
 from ficc.execution import plan as planlib
+from ficc_testkit.digests import fake
 
-DIGEST = "sha256:" + "ab" * 32
+DIGEST = fake("ab")
 """A well-formed package or image digest for plans whose runtime is never pinned."""
 
 
 def new_id() -> str:
-    """A fresh 32-hex identity (job, attempt, object)."""
+    """A fresh 32-hex identity (installation, deployment, node, job, attempt, object)."""
     return secrets.token_hex(16)
 
 

@@ -1,0 +1,750 @@
+"""The one synchronous driver of a real executor host daemon.
+
+`DaemonProcess` starts `python -m ficc.execution serve` as a child process with
+NOTIFY_SOCKET pointing at a datagram socket and returns once the daemon says READY=1
+there (the way it tells systemd); it stops it with SIGTERM, kills it with SIGKILL,
+freezes it with SIGSTOP, and reads its log. `UnitDaemon` is the same daemon as the
+systemd service it ships as. `Driver` sends requests over the daemon's real sockets
+with the real `ficc.execution.client.Client`, as root (administrator) or, in a forked
+child that drops to the account's UID and GID, as the transport or a local owner.
+
+Nothing here sleeps to win a race: waiting is for an event (a datagram, a process
+exit) or for a condition polled with a bound (`ficc_testkit.waits.wait_for`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from ficc.execution import protocol, wire
+from ficc.execution.client import Client, ClientError
+from ficc.execution.frames import HEADER, REPLY_MAX
+from ficc.execution.plan import InputObject, Plan, digest_of, plan_digest
+from ficc_testkit.accounts import Account, run_as
+from ficc_testkit.configs import Layout
+from ficc_testkit.plans import make_plan, new_id
+from ficc_testkit.waits import WAIT_TIMEOUT, now_ms, wait_for
+from ficc_testkit.wheels import InstalledProvider
+
+READY_TIMEOUT = 120.0
+STOP_TIMEOUT = 60.0
+COLLECT_CHUNK = 1024 * 1024
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired", "unknown"})
+"""The attempt states after which nothing more runs."""
+
+
+class DaemonFailed(AssertionError):
+    """The daemon exited, never became ready or did not stop; the message says which."""
+
+
+# --- the daemon process -----------------------------------------------------------------
+
+
+class DaemonProcess:
+    """`python -m ficc.execution serve` as a child process, ready when it says READY=1.
+
+    `run_dir` holds the notify socket (and the log, unless `log_path` is given);
+    `python` is the interpreter whose installed ficc-executor-host runs; `environment`
+    is added to this process's environment; `new_session` puts the daemon in a session
+    of its own (a terminal's Ctrl-C then reaches only the caller, which stops it).
+    """
+
+    def __init__(
+        self,
+        config_path: Path,
+        provider_site: Path,
+        *,
+        run_dir: Path,
+        log_path: Path | None = None,
+        python: str = sys.executable,
+        environment: Mapping[str, str] | None = None,
+        new_session: bool = False,
+    ) -> None:
+        self.config_path = config_path
+        self.provider_site = provider_site
+        self.python = python
+        self.environment = dict(environment or {})
+        self.new_session = new_session
+        self.log_path = log_path or run_dir / f"daemon-{secrets.token_hex(3)}.log"
+        self.notify_path = run_dir / "notify.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._notify: socket.socket | None = None
+
+    @classmethod
+    def of(cls, layout: Layout, provider: InstalledProvider, **options: Any) -> DaemonProcess:
+        """The daemon of `layout` with `provider` (its notify socket and log in its base)."""
+        return cls(layout.config_path, provider.site, run_dir=layout.base, **options)
+
+    def start(self) -> None:
+        """Start the daemon and return once it said READY=1."""
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> int:
+        """Start the daemon without waiting for it; its PID."""
+        self.notify_path.unlink(missing_ok=True)
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        notify.bind(str(self.notify_path))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
+        env.update(self.environment)
+        env["NOTIFY_SOCKET"] = str(self.notify_path)
+        command = [self.python, "-m", "ficc.execution", "serve"]
+        command += ["--config", str(self.config_path), "--provider-path", str(self.provider_site)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=self.new_session,
+            )
+        self._notify = notify
+        return self.process.pid
+
+    def wait_ready(self) -> None:
+        """Until READY=1 arrives; DaemonFailed if the daemon exits first or times out."""
+        assert self.process is not None, "spawn() first"
+        assert self._notify is not None, "spawn() first"
+        with self._notify as notify:
+            self._notify = None
+            deadline = time.monotonic() + READY_TIMEOUT
+            while time.monotonic() < deadline:
+                readable, _, _ = select.select([notify], [], [], 0.2)
+                if readable and "READY=1" in notify.recv(4096).decode(errors="replace").split("\n"):
+                    return
+                if self.process.poll() is not None:
+                    raise DaemonFailed(
+                        f"the daemon exited with status {self.process.returncode} before "
+                        f"READY=1:\n{self.log()}"
+                    )
+        self.kill()
+        raise DaemonFailed(f"no READY=1 within {READY_TIMEOUT:.0f} s:\n{self.log()}")
+
+    @property
+    def pid(self) -> int:
+        """The daemon's PID (it must have been started)."""
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    def stop(self) -> int:
+        """SIGTERM and wait; the exit status (0 is a clean stop, and so is never started).
+        A daemon that ignores SIGTERM is killed, and DaemonFailed raised."""
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise DaemonFailed(
+                f"the daemon ignored SIGTERM for {STOP_TIMEOUT:.0f} s:\n{self.log()}"
+            ) from None
+
+    def kill(self) -> None:
+        """SIGKILL and reap (nothing if it is not running)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
+    def freeze(self) -> None:
+        """SIGSTOP: the daemon hangs, alive, until `thaw`."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after `freeze`."""
+        os.kill(self.pid, signal.SIGCONT)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the daemon process is running."""
+        return self.process is not None and self.process.poll() is None
+
+    def log(self, tail: int = 200) -> str:
+        """The last `tail` lines of the daemon's log."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(lines[-tail:])
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every structured (JSON) record of the log, in order."""
+        records = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue
+        return records
+
+
+# --- the daemon as the systemd service ----------------------------------------------------
+
+UNIT = "ficc-executor-host.service"
+SYSTEMCTL = "/usr/bin/systemctl"
+UNIT_DIR = Path("/etc/systemd/system")
+
+
+def shipped_unit_file(root: Path | None = None) -> Path:
+    """The unit file ficc-executor-host ships: in the repository at `root`, else where
+    its installed wheel put it (`share/ficc-executor-host/` under the environment)."""
+    if root is not None:
+        packaged = root / "packages" / "ficc-executor-host" / "packaging" / UNIT
+        if packaged.exists():
+            return packaged
+    return Path(sys.prefix) / "share" / "ficc-executor-host" / UNIT
+
+
+def show_unit(unit: str, *keys: str) -> dict[str, str]:
+    """`systemctl show` of the given properties, as a dict."""
+    argv = [SYSTEMCTL, "show", unit, *(f"--property={k}" for k in keys)]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return dict(line.split("=", 1) for line in output.splitlines() if "=" in line)
+
+
+class UnitDaemon:
+    """The daemon as the systemd service it ships as (needs systemd as PID 1).
+
+    The shipped unit file (`unit_file`, else the one the installed
+    ficc-executor-host wheel put under `share/`) is installed as is, plus a drop-in that only
+    points it (its check-config and its serve) at this layout's configuration and
+    provider, opens this layout's directories (and `read_write`) to it, and shortens
+    the restart delay; `dropin` adds lines to the drop-in's [Service] section, and
+    `shipped_dropins` are drop-in files a package ships, installed as they are
+    (test.conf sorts after them, so it wins). The same interface as DaemonProcess:
+    `start` returns after READY=1 (`systemctl start` waits for it), `kill` is a SIGKILL
+    of the main process (after which the unit's Restart=on-failure brings a new daemon
+    back: see `wait_restarted`), `stop` is `systemctl stop`.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        provider: InstalledProvider,
+        *,
+        unit_file: Path | None = None,
+        read_write: Sequence[str] = (),
+        dropin: str = "",
+        shipped_dropins: Sequence[Path] = (),
+    ) -> None:
+        self.layout = layout
+        self.provider = provider
+        self.pid = 0
+        self.dropin_dir = UNIT_DIR / f"{UNIT}.d"
+        shutil.copy(unit_file or shipped_unit_file(), UNIT_DIR / UNIT)
+        self.dropin_dir.mkdir(exist_ok=True)
+        for shipped in shipped_dropins:
+            shutil.copy(shipped, self.dropin_dir / shipped.name)
+        paths = " ".join([str(layout.base), "/sys/fs/cgroup", *read_write])
+        (self.dropin_dir / "test.conf").write_text(
+            "[Service]\n"
+            "ExecStartPre=\n"
+            f"ExecStartPre={sys.executable} -I -m ficc.execution check-config"
+            f" --config {layout.config_path} --provider-path {provider.site}"
+            " --allow-unavailable-providers\n"
+            "ExecStart=\n"
+            f"ExecStart={sys.executable} -I -m ficc.execution serve"
+            f" --config {layout.config_path} --provider-path {provider.site}\n"
+            # Reset first: the shipped /srv/ficc/slots does not exist here.
+            "ReadWritePaths=\n"
+            f"ReadWritePaths={paths}\n"
+            "RestartSec=100ms\n" + dropin
+        )
+        self._systemctl("daemon-reload")
+        self._systemctl("reset-failed", UNIT, check=False)
+
+    @staticmethod
+    def _systemctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([SYSTEMCTL, *args], capture_output=True, text=True, check=check)
+
+    def show(self, *keys: str) -> dict[str, str]:
+        """`systemctl show` of the unit's properties `keys`."""
+        return show_unit(UNIT, *keys)
+
+    def start(self) -> None:
+        """`systemctl start`, which returns after READY=1."""
+        started = self._systemctl("start", UNIT, check=False)
+        if started.returncode != 0:
+            raise DaemonFailed(f"systemctl start {UNIT}: {started.stderr}\n{self.log()}")
+        self.pid = int(self.show("MainPID")["MainPID"])
+
+    def stop(self) -> int:
+        """`systemctl stop`; 0 when the unit stopped cleanly (Result=success)."""
+        self._systemctl("stop", UNIT, check=False)
+        result = self.show("ActiveState", "Result")
+        return 0 if result == {"ActiveState": "inactive", "Result": "success"} else 1
+
+    def restart_cleanly(self) -> None:
+        """`systemctl restart`: SIGTERM, a clean stop, then a new daemon up to READY=1."""
+        old = self.pid
+        restarted = self._systemctl("restart", UNIT, check=False)
+        if restarted.returncode != 0:
+            raise DaemonFailed(f"systemctl restart {UNIT}: {restarted.stderr}\n{self.log()}")
+        self.pid = int(self.show("MainPID")["MainPID"])
+        assert self.pid not in {0, old}, self.show("MainPID", "ActiveState")
+
+    def kill(self) -> None:
+        """SIGKILL the daemon's main process and wait until systemd has seen it die."""
+        old = self.pid
+        self._systemctl("kill", "--kill-whom=main", "--signal=SIGKILL", UNIT, check=False)
+        wait_for(lambda: self.show("MainPID")["MainPID"] != str(old), "systemd to see the kill")
+
+    def wait_restarted(self) -> None:
+        """Restart=on-failure at work: a new main process that said READY=1."""
+        old = self.pid
+
+        def running() -> bool:
+            state = self.show("ActiveState", "SubState", "MainPID")
+            return state["SubState"] == "running" and state["MainPID"] not in {"0", str(old)}
+
+        wait_for(running, "systemd to restart the daemon", READY_TIMEOUT)
+        self.pid = int(self.show("MainPID")["MainPID"])
+
+    @property
+    def alive(self) -> bool:
+        """Whether the unit is active with the main process we know."""
+        state = self.show("ActiveState", "MainPID")
+        return state["ActiveState"] == "active" and state["MainPID"] == str(self.pid)
+
+    def log(self, tail: int = 200) -> str:
+        """The journal of the unit and the attempts' services."""
+        argv = ["journalctl", "-u", UNIT, "-u", "ficc-work-*", "--no-pager", "-n", str(tail)]
+        return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+    def uninstall(self) -> None:
+        """Stop the unit and remove it with its drop-in."""
+        self._systemctl("stop", UNIT, check=False)
+        self._systemctl("reset-failed", UNIT, check=False)
+        shutil.rmtree(self.dropin_dir, ignore_errors=True)
+        (UNIT_DIR / UNIT).unlink(missing_ok=True)
+        self._systemctl("daemon-reload")
+
+
+# --- talking to it -------------------------------------------------------------------------
+
+
+class ClientFailed(AssertionError):
+    """No trustworthy reply (the Client raised); `kind` is the ClientError class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+def _request_bytes(path: str, request: protocol.Request) -> bytes:
+    try:
+        reply = asyncio.run(Client(path, read_timeout=120).request(request))
+    except ClientError as exc:
+        return b"E" + json.dumps([type(exc).__name__, str(exc)]).encode()
+    return b"R" + msgspec.json.encode(reply)
+
+
+def send(path: str, request: protocol.Request, account: Account | None = None) -> wire.AnyReply:
+    """Send one request as `account` (None: root) and return the decoded reply."""
+    data = run_as(account, lambda: _request_bytes(path, request))
+    if data.startswith(b"E"):
+        kind, message = json.loads(data[1:])
+        raise ClientFailed(kind, message)
+    return wire.decode_reply(data[1:], request.action, rows=request.row_count or None)
+
+
+def raw_exchange(
+    path: str, payload: bytes, account: Account | None = None, *, half_close: bool = True
+) -> dict[str, Any]:
+    """Connect as `account`, send `payload` bytes as they are, read whatever comes back.
+
+    Returns {"errno": n} if connect failed, else {"reply": bytes or None}: `reply` is
+    one reply frame's payload when one arrived.
+    """
+
+    def exchange() -> bytes:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(120)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            return json.dumps({"errno": exc.errno}).encode()
+        try:
+            try:
+                if payload:
+                    sock.sendall(payload)
+                if half_close:
+                    sock.shutdown(socket.SHUT_WR)
+            except OSError:  # refused before we finished sending: the reply may be there
+                pass
+            reply = read_frame(sock)
+        finally:
+            sock.close()
+        encoded = None if reply is None else base64.b64encode(reply).decode()
+        return json.dumps({"reply": encoded}).encode()
+
+    result = json.loads(run_as(account, exchange))
+    if "reply" in result and result["reply"] is not None:
+        result["reply"] = base64.b64decode(result["reply"])
+    return result  # type: ignore[no-any-return]
+
+
+def read_frame(sock: socket.socket) -> bytes | None:
+    """One reply frame's payload, or None if the daemon closed (or reset) first."""
+    try:
+        header = _recv_exactly(sock, HEADER.size)
+        if header is None:
+            return None
+        (length,) = HEADER.unpack(header)
+        assert 0 < length <= REPLY_MAX, f"reply length {length}"
+        payload = _recv_exactly(sock, length)
+        assert payload is not None, "the daemon closed inside its reply frame"
+        return payload
+    except ConnectionResetError:
+        return None
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            assert not data, "the daemon closed inside a frame"
+            return None
+        data += chunk
+    return data
+
+
+def frame(payload: bytes) -> bytes:
+    """`payload` as one frame (its length header first)."""
+    return HEADER.pack(len(payload)) + payload
+
+
+def error_code(reply: wire.AnyReply) -> str | None:
+    """The whole-request error code, or None if the request was accepted."""
+    return reply.error.code if isinstance(reply, wire.ErrorReply) else None
+
+
+def rows(reply: wire.AnyReply) -> list[Any]:
+    """The rows of an accepted batch reply (a whole-request refusal fails the test)."""
+    assert not isinstance(reply, wire.ErrorReply), (
+        f"refused: {reply.error.code}: {reply.error.message}"
+    )
+    assert isinstance(reply, wire.AttemptsReply | wire.InputsReply | wire.ReadsReply), reply
+    return list(reply.results)
+
+
+def row_code(row: Any) -> str | None:
+    """The row's error code, or None if the row was accepted."""
+    return row.error.code if isinstance(row, wire.ErrorRow) else None
+
+
+def attempt(row: Any) -> wire.AttemptRow:
+    """`row` as an AttemptRow; a refused row fails the test with its code."""
+    if isinstance(row, wire.ErrorRow):
+        raise AssertionError(f"row refused: {row.error.code}: {row.error.message}")
+    assert isinstance(row, wire.AttemptRow), f"row refused: {row}"
+    return row
+
+
+def input_row(row: Any) -> wire.InputRow:
+    """`row` as an InputRow; a refused row fails the test."""
+    assert isinstance(row, wire.InputRow), f"row refused: {row}"
+    return row
+
+
+def fence_fields(plan: Plan) -> dict[str, Any]:
+    """The three fields that bind every operation to one attempt of one plan."""
+    return {
+        "attempt_id": plan.attempt_id,
+        "generation": plan.generation,
+        "plan_digest": plan_digest(plan),
+    }
+
+
+def fence(plan: Plan) -> protocol.Fence:
+    """The fence of `plan`'s attempt."""
+    return protocol.Fence(**fence_fields(plan))
+
+
+def renewal(plan: Plan, sequence: int, expires_at_ms: int) -> protocol.Renewal:
+    """A lease renewal of `plan`'s attempt."""
+    return protocol.Renewal(**fence_fields(plan), sequence=sequence, expires_at_ms=expires_at_ms)
+
+
+def chunks(data: bytes, size: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) pieces of `data`, each at most `size` bytes."""
+    for offset in range(0, len(data), size):
+        yield offset, data[offset : offset + size]
+
+
+@dataclass
+class StreamedInput:
+    """A streamed input object and its bytes (or wrong bytes, for mismatch tests)."""
+
+    data: bytes
+    id: str = field(default_factory=new_id)
+    name: str = "input.bin"
+    declared_digest: str | None = None
+
+    def object(self) -> InputObject:
+        """The plan's declaration of this object."""
+        return InputObject(
+            id=self.id,
+            name=self.name,
+            bytes=len(self.data),
+            digest=self.declared_digest or digest_of(self.data),
+            delivery="stream",
+        )
+
+
+@dataclass(frozen=True)
+class Collected:
+    """Every collect row of one object, read to its end."""
+
+    data: bytes
+    reads: list[wire.ReadRow]
+
+
+# --- the driver --------------------------------------------------------------------------
+
+
+class Driver:
+    """Requests to one daemon: as root on the admin socket, as `transport` on the
+    transport socket and as `owner` on its owner socket. Methods that name one plan
+    return its one row; the batch methods return the reply."""
+
+    def __init__(self, layout: Layout, transport: Account, owner: Account | None = None) -> None:
+        self.layout = layout
+        self.transport_account = transport
+        self.owner_account = owner
+
+    # sockets and senders
+
+    @property
+    def admin(self) -> str:
+        """The path of the admin socket."""
+        return self.layout.socket("admin")
+
+    @property
+    def transport(self) -> str:
+        """The path of the transport socket."""
+        return self.layout.socket("transport")
+
+    @property
+    def owner(self) -> str:
+        """The path of the owner socket."""
+        return self.layout.socket("owner")
+
+    def as_admin(self, request: protocol.Request) -> wire.AnyReply:
+        """Send `request` as root on the admin socket."""
+        return send(self.admin, request)
+
+    def as_transport(self, request: protocol.Request) -> wire.AnyReply:
+        """Send `request` as the transport account on the transport socket."""
+        return send(self.transport, request, self.transport_account)
+
+    def as_owner(self, request: protocol.Request) -> wire.AnyReply:
+        """Send `request` as the local owner on its socket."""
+        return send(self.owner, request, self.owner_account)
+
+    def make_plan(self, **what_varies: Any) -> Plan:
+        """A valid plan for this daemon (`ficc_testkit.plans.make_plan`): its deployment
+        and node, its first project and its first provider, pinned, unless given."""
+        config = self.layout.config
+        pinned = config.providers[0]
+        defaults: dict[str, Any] = {
+            "deployment_id": config.deployment_id,
+            "node_id": config.node_id,
+            "project_id": config.ceiling.projects[0],
+            "provider": pinned.id,
+            "package_digest": pinned.package_digest,
+        }
+        return make_plan(**(defaults | what_varies))
+
+    # requests
+
+    def snapshot(self, after: str | None = None) -> wire.SnapshotReply:
+        """The admin snapshot (one page, after `after`)."""
+        reply = self.as_admin(protocol.SnapshotRequest(version=1, id=new_id(), after=after))
+        assert isinstance(reply, wire.SnapshotReply), reply
+        return reply
+
+    def bindings(self) -> dict[str, Any]:
+        """The installation and ledger bindings every admission request carries."""
+        return self.snapshot().bindings()
+
+    def prepare(
+        self,
+        plans: Sequence[Plan],
+        *,
+        expires_in_ms: int = 300_000,
+        bindings: dict[str, Any] | None = None,
+        sender: Callable[[protocol.Request], wire.AnyReply] | None = None,
+    ) -> wire.AnyReply:
+        """Admit `plans` in one request, each with a first lease of `expires_in_ms`."""
+        expires = now_ms() + expires_in_ms
+        request = protocol.PrepareRequest(
+            version=1,
+            id=new_id(),
+            **(bindings or self.bindings()),
+            attempts=[protocol.PrepareAttempt(plan=p, lease=renewal(p, 1, expires)) for p in plans],
+        )
+        return (sender or self.as_transport)(request)
+
+    def renew(self, plan: Plan, sequence: int, expires_at_ms: int) -> Any:
+        """Renew `plan`'s lease; its row."""
+        request = protocol.RenewRequest(
+            version=1, id=new_id(), leases=[renewal(plan, sequence, expires_at_ms)]
+        )
+        (row,) = rows(self.as_transport(request))
+        return row
+
+    def fenced(self, kind: type[protocol.Request], plans: Sequence[Plan]) -> list[Any]:
+        """A fenced request (observe, start, stop, release) for `plans`; its rows."""
+        request = kind(version=1, id=new_id(), attempts=[fence(p) for p in plans])  # type: ignore[call-arg]
+        return rows(self.as_transport(request))
+
+    def observe(self, plan: Plan) -> Any:
+        """Observe `plan`'s attempt; its row."""
+        (row,) = self.fenced(protocol.ObserveRequest, [plan])
+        return row
+
+    def start_attempt(self, plan: Plan) -> Any:
+        """Start `plan`'s attempt; its row."""
+        (row,) = self.fenced(protocol.StartRequest, [plan])
+        return row
+
+    def stop_attempt(self, plan: Plan) -> Any:
+        """Stop `plan`'s attempt; its row."""
+        (row,) = self.fenced(protocol.StopRequest, [plan])
+        return row
+
+    def release(self, plan: Plan) -> Any:
+        """Release `plan`'s attempt; its row."""
+        (row,) = self.fenced(protocol.ReleaseRequest, [plan])
+        return row
+
+    def wait_state(
+        self,
+        plan: Plan,
+        accept: Callable[[wire.AttemptRow], bool],
+        what: str,
+        timeout: float = WAIT_TIMEOUT,
+        *,
+        refused_fails: bool = False,
+    ) -> wire.AttemptRow:
+        """Observe until the row is an AttemptRow that `accept`s; the failure shows the
+        last row seen. A refused row is polled past, or (`refused_fails`) fails at once."""
+        seen: list[Any] = []
+
+        def check() -> wire.AttemptRow | None:
+            row = self.observe(plan)
+            if refused_fails:
+                row = attempt(row)
+            seen.append(row)
+            return row if isinstance(row, wire.AttemptRow) and accept(row) else None
+
+        try:
+            return wait_for(check, what, timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last observe: {seen[-1] if seen else None}") from None
+
+    def input_status(self, plan: Plan, item: StreamedInput | InputObject) -> Any:
+        """The upload status of one streamed input object; its row."""
+        ref = protocol.ObjectRef(**fence_fields(plan), object=item.id)
+        (row,) = rows(
+            self.as_transport(protocol.InputStatusRequest(version=1, id=new_id(), objects=[ref]))
+        )
+        return row
+
+    def input_write(
+        self, plan: Plan, item: StreamedInput | InputObject, offset: int, data: bytes
+    ) -> Any:
+        """One chunk of a streamed input object at `offset`; its row."""
+        write = protocol.InputWrite(
+            **fence_fields(plan),
+            object=item.id,
+            offset=offset,
+            data=base64.b64encode(data).decode(),
+            digest=digest_of(data),
+        )
+        (row,) = rows(
+            self.as_transport(protocol.InputWriteRequest(version=1, id=new_id(), writes=[write]))
+        )
+        return row
+
+    def read(self, plan: Plan, object_id: str, offset: int, length: int = COLLECT_CHUNK) -> Any:
+        """One collect row (ReadRow, or the ErrorRow of a refusal)."""
+        read = protocol.Read(**fence_fields(plan), object=object_id, offset=offset, length=length)
+        (row,) = rows(
+            self.as_transport(protocol.CollectRequest(version=1, id=new_id(), reads=[read]))
+        )
+        return row
+
+    def collect(self, plan: Plan, object_id: str) -> Collected:
+        """Read an output in COLLECT_CHUNK requests, each at the returned next offset,
+        to its end."""
+        data = b""
+        reads: list[wire.ReadRow] = []
+        offset = 0
+        while True:
+            row = self.read(plan, object_id, offset)
+            assert isinstance(row, wire.ReadRow), f"collect {object_id} refused: {row}"
+            assert row.offset == offset
+            assert row.next_offset == offset + len(row.data)
+            data += row.data
+            reads.append(row)
+            offset = row.next_offset
+            if row.eof:
+                return Collected(data, reads)
+
+    def reject_absent(
+        self,
+        plans: Sequence[Plan],
+        bindings: dict[str, Any] | None = None,
+        sender: Callable[[protocol.Request], wire.AnyReply] | None = None,
+    ) -> wire.AnyReply:
+        """Record `plans` as rejected without running them."""
+        request = protocol.RejectAbsentRequest(
+            version=1, id=new_id(), **(bindings or self.bindings()), plans=list(plans)
+        )
+        return (sender or self.as_transport)(request)
+
+    def reconcile_request(
+        self, plans: Sequence[Plan], bindings: dict[str, Any] | None = None
+    ) -> protocol.ReconcileAbsentRequest:
+        """An administrator's reconcile_absent of `plans` (built, not sent)."""
+        return protocol.ReconcileAbsentRequest(
+            version=1,
+            id=new_id(),
+            **(bindings or self.bindings()),
+            plans=list(plans),
+            acknowledge_unknown=True,
+        )
+
+    def set_offer(self, control: str, *, sender: str = "owner") -> wire.AnyReply:
+        """Set the offer's control, as the owner (or `sender="admin"`)."""
+        revision = self.snapshot().offer.revision
+        request = protocol.SetOfferRequest(
+            version=1,
+            id=new_id(),
+            expected_revision=revision,
+            control=control,  # type: ignore[arg-type]
+        )
+        return self.as_owner(request) if sender == "owner" else self.as_admin(request)
