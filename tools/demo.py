@@ -11,12 +11,7 @@ does, step by step, is in tools/demo/main.py; the pieces are in tools/demo/.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 # `python tools/demo.py` puts tools/ first on sys.path: `demo` is the tools/demo package.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from demo.main import main
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 from figures import Figure  # noqa: E402
 

@@ -40,7 +40,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import rootfs  # a sibling script, not a package
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

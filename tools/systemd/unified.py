@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import rootfs  # sibling scripts, not a package
 import run
 
