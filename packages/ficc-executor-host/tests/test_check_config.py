@@ -8,7 +8,6 @@ provider unavailable) must give the same message serve gives.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pwd
@@ -26,6 +25,7 @@ from ficc.execution.host import provision, slotfs
 from ficc.execution.host.config import parse_config
 from ficc.execution.host.daemon import open_ledger
 from ficc.execution.host.providers import compute_digest
+from ficc_testkit import wheels
 from ficc_testkit.accounts import account_command
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,32 +38,11 @@ SLOT_BYTES, SLOT_INODES = 16 << 20, 1_000
 pytestmark = pytest.mark.root("needs root: the configuration must be root-owned")
 
 
-def _pip(*args: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-        check=True,
-        umask=0o022,
-    )
-
-
 @pytest.fixture(scope="module")
 def provider_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The test provider built into a wheel and installed into a root-owned prefix."""
     out = tmp_path_factory.mktemp("wheel")
-    isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
-    _pip("wheel", "--no-deps", *isolation, "-w", str(out), str(PROVIDER_SOURCE))
-    (wheel,) = out.glob("ficc_test_provider-*.whl")
-    prefix = out / "prefix"
-    _pip(
-        "install",
-        "--no-deps",
-        "--no-index",
-        "--ignore-installed",
-        "--prefix",
-        str(prefix),
-        str(wheel),
-    )
-    (site,) = prefix.glob("lib/python3*/site-packages")
+    site = wheels.install_into(wheels.build_wheel(PROVIDER_SOURCE, out), out / "prefix")
     return site
 
 

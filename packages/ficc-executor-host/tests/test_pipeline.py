@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import pwd
@@ -59,7 +58,7 @@ from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Resources
-from ficc_testkit import plans
+from ficc_testkit import plans, wheels
 
 pytestmark = pytest.mark.root(
     "the runner tests need root (cgroups, a slot account, root-owned installs)"
@@ -103,14 +102,6 @@ def slot_account() -> Iterator[tuple[int, int]]:
         _account("userdel", name)
 
 
-def _pip(*args: str) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
-        check=True,
-        umask=0o022,
-    )
-
-
 @dataclass
 class Installed:
     loaded: LoadedProvider
@@ -139,20 +130,7 @@ def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     """The test provider as a real distribution in a root-owned prefix, loaded once
     through the pin (a provider can be imported only once per process)."""
     out = tmp_path_factory.mktemp("runner-wheel")
-    isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
-    _pip("wheel", "--no-deps", *isolation, "-w", str(out), str(PROVIDER_SOURCE))
-    (wheel,) = out.glob("ficc_test_provider-*.whl")
-    prefix = out / "prefix"
-    _pip(
-        "install",
-        "--no-deps",
-        "--no-index",
-        "--ignore-installed",
-        "--prefix",
-        str(prefix),
-        str(wheel),
-    )
-    (site,) = prefix.glob("lib/python3*/site-packages")
+    site = wheels.install_into(wheels.build_wheel(PROVIDER_SOURCE, out), out / "prefix")
     call_log, context_log = out / "calls.log", out / "contexts.log"
     configuration = {
         "runtime": "service",

@@ -40,6 +40,7 @@ from ficc.execution.host.providers import (
     load_provider,
 )
 from ficc.execution.host.providers import loader as loader_module
+from ficc_testkit import wheels
 from sdk_support import sample_context, with_check
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,29 +67,12 @@ def _pip(*args: str) -> None:
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    isolation = [] if importlib.util.find_spec("hatchling") is None else ["--no-build-isolation"]
-    _pip("wheel", "--no-deps", *isolation, "-w", str(out), str(PROVIDER_SOURCE))
-    (built,) = out.glob("ficc_test_provider-*.whl")
-    return built
+    return wheels.build_wheel(PROVIDER_SOURCE, out)
 
 
 def install(wheel: Path, prefix: Path, *extra: str) -> Path:
-    """Install under `prefix` like a system or virtualenv install; return site-packages.
-
-    (Not `--target`: pip then records console scripts at paths that do not exist.)
-    """
-    _pip(
-        "install",
-        "--no-deps",
-        "--no-index",
-        "--ignore-installed",
-        "--prefix",
-        str(prefix),
-        *extra,
-        str(wheel),
-    )
-    (site,) = prefix.glob("lib/python3*/site-packages")
-    return site
+    """Install under `prefix` like a system or virtualenv install; return site-packages."""
+    return wheels.install_into(wheel, prefix, *extra)
 
 
 @pytest.fixture

@@ -63,8 +63,12 @@ def provider_digest(provider_id: str, site: Path, python: str = sys.executable) 
     return digest
 
 
-def install_provider(wheel: Path, prefix: Path, provider_id: str = "test") -> InstalledProvider:
-    """pip install `wheel` into the root-owned `prefix`, then ask the host for the pin."""
+def install_into(wheel: Path, prefix: Path, *extra: str) -> Path:
+    """pip install `wheel` under `prefix` as a system or virtualenv install would, never
+    touching this environment's own copies; returns the prefix's site-packages.
+
+    (Not `--target`: pip then records console scripts at paths that do not exist.)
+    """
     pip(
         "install",
         "--no-deps",
@@ -72,7 +76,14 @@ def install_provider(wheel: Path, prefix: Path, provider_id: str = "test") -> In
         "--ignore-installed",
         "--prefix",
         str(prefix),
+        *extra,
         str(wheel),
     )
     (site,) = prefix.glob("lib/python3*/site-packages")
+    return site
+
+
+def install_provider(wheel: Path, prefix: Path, provider_id: str = "test") -> InstalledProvider:
+    """pip install `wheel` into the root-owned `prefix`, then ask the host for the pin."""
+    site = install_into(wheel, prefix)
     return InstalledProvider(site, provider_digest(provider_id, site))
