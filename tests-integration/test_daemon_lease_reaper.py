@@ -121,6 +121,16 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
 
 
+def _settles_once_and_releases(daemon: Daemon, plan: Plan) -> None:
+    """After the reaper's stop: expired or unknown, cleanup confirmed, started once,
+    released."""
+    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
+    assert settled.state in SETTLED, settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+    assert attempt(daemon.release(plan)).state == "released"
+
+
 def _reaper_deadline(daemon: Daemon, plan: Plan) -> int:
     """The boot-clock deadline the reaper holds for the attempt's service (0: none)."""
     name = f"ficc-work-{daemon.layout.installation_id}-{plan.attempt_id}.deadline"
@@ -149,11 +159,7 @@ def test_a_renewal_moves_the_deadline_the_reaper_enforces(daemon: Daemon) -> Non
         assert now_ms() > first_deadline + LEASE_MS // 2
     finally:
         resume()
-    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
-    assert settled.state in SETTLED, settled
-    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
-    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
-    assert attempt(daemon.release(plan)).state == "released"
+    _settles_once_and_releases(daemon, plan)
 
 
 def test_a_renewal_reaches_the_reaper_before_it_is_answered(daemon: Daemon) -> None:
@@ -173,8 +179,4 @@ def test_a_renewal_reaches_the_reaper_before_it_is_answered(daemon: Daemon) -> N
         assert now_ms() < first_deadline, "stopped at the first deadline, not the renewed one"
     finally:
         resume()
-    settled = daemon.wait_state(plan, lambda r: r.state in SETTLED, "expired or unknown")
-    assert settled.state in SETTLED, settled
-    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
-    assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
-    assert attempt(daemon.release(plan)).state == "released"
+    _settles_once_and_releases(daemon, plan)
