@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import pwd
@@ -1057,7 +1058,7 @@ def test_the_shared_beat_slows_down_when_observing_gets_expensive(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The pause before the next shared observation is `observe_interval`, or four
-    times the last observe call's duration when that is longer."""
+    times the CPU the last observe call spent when that is longer."""
     runner = Runner(SimpleNamespace(), settings=Settings(observe_interval=0.01))  # type: ignore[arg-type]
     pauses: list[float] = []
 
@@ -1076,6 +1077,39 @@ def test_the_shared_beat_slows_down_when_observing_gets_expensive(
 
     asyncio.run(scenario())
     assert pauses == [0.01, 0.2]
+
+
+class CpuDriver:
+    """`observe` waits without using a CPU; `probe` uses one for `BURN` seconds."""
+
+    BURN = 0.05
+
+    def observe(self, contexts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        threading.Event().wait(4 * self.BURN)
+        return [{} for _ in contexts]
+
+    def probe(self, contexts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        end = time.thread_time() + self.BURN
+        while time.thread_time() < end:
+            hashlib.sha256(b"x" * 4096).digest()
+        return [{} for _ in contexts]
+
+
+def test_the_batcher_keeps_the_cpu_not_the_wall_time_of_each_last_call() -> None:
+    """What the shared observation pause grows with: a call that waits (for a CPU
+    busy elsewhere, say) costs the host nothing."""
+    batcher, workers = _batcher(CpuDriver())
+
+    async def scenario() -> None:
+        await batcher.call("fake", "observe", {"n": 1})
+        await batcher.call("fake", "probe", {"n": 1})
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        workers.shutdown()
+    assert batcher.cpu_seconds[("fake", "observe")] < CpuDriver.BURN
+    assert batcher.cpu_seconds[("fake", "probe")] >= CpuDriver.BURN
 
 
 def test_a_hung_provider_call_leaves_its_rows_timed_out() -> None:
@@ -1169,6 +1203,17 @@ def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:
     status = world.record(fence.attempt_id).status
     assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
     assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+def test_a_ready_observation_with_the_pid_is_gated_without_waiting_for_payload(
+    world: World,
+) -> None:
+    """The provider reports the barrier's PID in `ready` and never `payload`: that
+    PID is the one the gate judges (a host waiting for `payload` would time out)."""
+    fence = world.admit(world.plan(environment={"FICC_TEST_PROVIDER_READY_PID": "1"}))
+    _start_with_passing_gate(world, fence, lambda: None)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
 
 
 @pytest.mark.parametrize("control", ["paused", "draining", "stopped"])

@@ -43,7 +43,9 @@ Failures a plan can ask for through its payload environment (TEST ONLY):
 `FICC_TEST_PROVIDER_MALFORMED=<method>` (probe, start or release) makes that method
 answer a reply the SDK would not build (`{"<field>": "yes"}`);
 `FICC_TEST_PROVIDER_HANG=<method>:<seconds>` makes that method's row block for that
-long before answering, standing in for a hung provider.
+long before answering, standing in for a hung provider;
+`FICC_TEST_PROVIDER_READY_PID=1` makes observe report the barrier's PID in `ready`
+(as the Podman provider does) and never report `payload`.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ PROBE_VARIABLE = "FICC_TEST_PROVIDER_PROBE"
 MALFORMED_VARIABLE = "FICC_TEST_PROVIDER_MALFORMED"
 _MALFORMED = {"probe": {"ok": "yes"}, "start": {"started": "yes"}, "release": {"released": "yes"}}
 HANG_VARIABLE = "FICC_TEST_PROVIDER_HANG"
+READY_PID_VARIABLE = "FICC_TEST_PROVIDER_READY_PID"
 
 
 def _environment(context: Context) -> dict[str, str]:
@@ -448,7 +451,8 @@ class ServiceDriver(Driver):
             pid = _read_report(status, "pid")
             if pid is None:
                 return sdk.reply(sdk.Observation(phase="ready", devices=devices))
-            observed = sdk.Observation(phase="payload", pid=int(pid.strip()), devices=devices)
+            phase = "ready" if _environment(context).get(READY_PID_VARIABLE) == "1" else "payload"
+            observed = sdk.Observation(phase=phase, pid=int(pid.strip()), devices=devices)
             return sdk.reply(observed)
 
         return self._each(contexts, row)

@@ -8,11 +8,17 @@ its row or dropped out, so they reach the provider as one call although the work
 before the call takes each a different time. A timed-out call leaves its rows
 uncertain: the runner records `failed` for probe/prepare (no payload can have run),
 `unknown` for start/observe, never a replay.
+
+The batcher also keeps, per (provider, method), the CPU seconds its last call spent
+in its worker thread (`cpu_seconds`): what the call cost the host, without the time it
+waited for a CPU that others (Podman starting, say) were using.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Sequence
 from typing import Any, Final
 
 from ficc.execution.errors import ErrorCode
@@ -34,6 +40,8 @@ class Batcher:
         self._timeout = timeout
         self._pending: dict[tuple[str, str], list[tuple[sdk.Context, asyncio.Future[Any]]]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.cpu_seconds: dict[tuple[str, str], float] = {}
+        """CPU seconds of the last driver call of each (provider, method)."""
 
     async def call(self, provider: str, method: str, context: sdk.Context) -> RowResult:
         loop = asyncio.get_running_loop()
@@ -74,8 +82,8 @@ class Batcher:
         else:
             contexts = [context for context, _ in rows]
             try:
-                results = await self._ctx.workers.provider(
-                    call, runtime.loaded.driver, method, contexts, timeout=self._timeout
+                results, self.cpu_seconds[key] = await self._ctx.workers.provider(
+                    _timed_call, runtime.loaded.driver, method, contexts, timeout=self._timeout
                 )
             except TimeoutError:
                 message = f"{method} took longer than {self._timeout}s"
@@ -144,3 +152,12 @@ class Ticket:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _timed_call(
+    driver: Any, method: str, contexts: Sequence[object]
+) -> tuple[list[RowResult], float]:
+    """`call`, and the CPU seconds it spent in this (worker) thread."""
+    began = time.thread_time()
+    results = call(driver, method, contexts)
+    return results, time.thread_time() - began

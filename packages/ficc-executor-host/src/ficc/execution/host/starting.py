@@ -78,8 +78,8 @@ MAX_OBSERVATION_PAUSE = 0.25
 def observation_pause(interval: float, last_cost: float) -> float:
     """How long waiting starts pause before they observe again.
 
-    Observing many attempts costs more per call, so the pause grows with the last
-    call's duration (observation then takes at most a fifth of a thread); it never
+    Observing many attempts costs more per call, so the pause grows with the CPU the
+    last call spent (observation then takes at most a fifth of a CPU); it never
     exceeds MAX_OBSERVATION_PAUSE, so one slow provider call (a full worker pool, a
     timeout) cannot push every waiting start towards its start deadline.
     """
@@ -119,7 +119,9 @@ class Starter(AttemptWork):
         self._beat: asyncio.Future[None] | None = None
         """The next shared observation instant of starts (see `_next_observation`)."""
         self._observe_cost = 0.0
-        """Seconds the last observe call of a waiting start took."""
+        """CPU seconds the last observe call of a waiting start spent (not its wall
+        time: on a busy host that is mostly waiting for a CPU, and counting it would
+        slow every start's observation exactly when Podman keeps the CPUs busy)."""
 
     def request(self, attempt_ids: Sequence[str]) -> None:
         """Start these attempts; their provider start rows go out together."""
@@ -284,22 +286,22 @@ class Starter(AttemptWork):
 
         A provider reports `ready` (the device opens) before `payload` (the PID), often
         on consecutive calls, so the first `ready` is followed by the next observation
-        at once; every other observation waits `observe_interval` first.
+        at once; every other observation waits `observe_interval` first. A `ready` that
+        already carries the PID reports both: it saves that extra call.
         """
         deadline = time.monotonic() + self._settings.start_timeout
         devices: list[DeviceOpen] | None = None
         furthest = "waiting"
         while True:
             self._check_abort(attempt)
-            began = time.monotonic()
             result = await self._batcher.call(attempt.provider, "observe", context)
-            self._observe_cost = time.monotonic() - began
+            self._observe_cost = self._batcher.cpu_seconds.get((attempt.provider, "observe"), 0.0)
             if result.code == PROVIDER_TIMEOUT:
                 raise _Uncertain(PROVIDER_TIMEOUT)
             seen = _observation(result)
             if seen.devices is not None:
                 devices = seen.devices
-            if seen.phase == "payload" and seen.pid is not None:
+            if seen.phase in ("ready", "payload") and seen.pid is not None:
                 return seen.pid, devices
             exited = await self._io(self._ctx.service.exit_status, handle)
             if seen.phase == "finished" or exited is not None:
