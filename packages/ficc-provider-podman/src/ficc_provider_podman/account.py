@@ -174,7 +174,7 @@ def run_podman(
     already has processes; kills every leftover afterwards (`slot_not_idle` if one
     survives).
     """
-    if processes_of(account.uid):
+    if live_processes_of(account.uid):
         raise ProviderError(
             "slot_busy",
             f"the slot account {account.uid} still has processes outside a service; "
@@ -232,7 +232,15 @@ def forget_pause_process(account: SlotAccount) -> None:
 
 
 def processes_of(uid: int) -> list[int]:
-    """PIDs whose real UID is `uid` (zombies excluded: they hold nothing)."""
+    """PIDs whose real UID is `uid` among the processes whose /proc files belong to
+    `uid` (zombies excluded: they hold nothing).
+
+    That is every process Podman and the container start for the account (inside the
+    container's user namespace a process's files belong to its root, the account),
+    found with one stat per process: cheap enough for every observe. It is not proof
+    that the account has nothing left (a non-dumpable process's files are root's):
+    `live_processes_of` is.
+    """
     return processes_by_uid({uid}).get(uid, [])
 
 
@@ -246,22 +254,54 @@ def processes_by_uid(uids: Collection[int]) -> dict[int, list[int]]:
         try:
             if entry.stat(follow_symlinks=False).st_uid not in uids:
                 continue
-            with open(f"/proc/{entry.name}/status", "rb") as f:
-                status = f.read(4096)
         except OSError:
             continue
-        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
-        real = fields.get(b"Uid", b"").split()
-        state = fields.get(b"State", b"").strip()[:1]
-        if real and int(real[0]) in uids and state != b"Z":
-            found.setdefault(int(real[0]), []).append(int(entry.name))
+        parsed = _credentials(int(entry.name))
+        if parsed is not None and parsed[0] in uids and not parsed[1]:
+            found.setdefault(parsed[0], []).append(int(entry.name))
     return found
 
 
+def live_processes_of(uid: int) -> list[int]:
+    """PIDs of live processes with `uid` as their real, effective, saved or filesystem
+    UID, whoever owns their /proc files; one whose status cannot be parsed counts.
+
+    Reads every process's status (milliseconds on a busy host): for the checks that
+    the account is idle and for killing what is left, not for every observe.
+    """
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            parsed = _credentials(int(entry.name))
+            if parsed is not None and (parsed[0] == -1 or uid in parsed[2]) and not parsed[1]:
+                found.append(int(entry.name))
+    return found
+
+
+def _credentials(pid: int) -> tuple[int, bool, tuple[int, ...]] | None:
+    """(real UID, zombie, all four UIDs) from /proc/PID/status; None if the process is
+    gone; real UID -1 (and no UIDs) if the status cannot be parsed."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            status = f.read(4096)
+    except OSError:
+        return None
+    fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+    zombie = fields.get(b"State", b"").strip()[:1] == b"Z"
+    try:
+        uids = tuple(int(value) for value in fields[b"Uid"].split())
+    except (KeyError, ValueError):
+        return -1, zombie, ()
+    if len(uids) != 4:
+        return -1, zombie, ()
+    return uids[0], zombie, uids
+
+
 def kill_leftovers(uid: int) -> None:
-    """SIGKILL every process of `uid` through a pidfd and wait until all are gone."""
+    """SIGKILL every live process of `uid` (`live_processes_of`) through a pidfd and
+    wait until all are gone."""
     deadline = time.monotonic() + KILL_TIMEOUT_S
-    while pids := processes_of(uid):
+    while pids := live_processes_of(uid):
         if time.monotonic() > deadline:
             raise ProviderError(
                 "slot_not_idle",
@@ -277,8 +317,9 @@ def _kill(pid: int, uid: int, deadline: float) -> None:
     except ProcessLookupError:
         return
     try:
-        # The pidfd pins this process: re-check its owner before the signal.
-        if os.stat(f"/proc/{pid}").st_uid != uid:
+        # The pidfd pins this process: re-check its credentials before the signal.
+        parsed = _credentials(pid)
+        if parsed is None or uid not in parsed[2]:
             return
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         poller = select.poll()
