@@ -10,6 +10,9 @@ change with any release of the executor.
 
 from __future__ import annotations
 
+import binascii
+import hashlib
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -36,6 +39,7 @@ from ficc.execution.protocol import (
     SnapshotRequest,
     StartRequest,
     StopRequest,
+    _canonical_b64decode,
     _check_writes,
     _ChunkRow,
     _Writes,
@@ -49,9 +53,10 @@ class ReceivedInputWrite(
     """An `input_write` row as the executor receives it (see `receive_request`).
 
     The same fields and checks as `InputWrite`, but `data` is left as raw JSON, a view
-    of the frame, and decoded from there: `InputWrite` would first build the base64
-    `str` (10.7 MiB for an 8 MiB chunk). Once the request has decoded `chunk`, `data`
-    is emptied so the frame can be freed while the chunk is written and synced.
+    of the frame, and the chunk is never held whole: `InputWrite` would first build the
+    base64 `str` (10.7 MiB for an 8 MiB chunk), then the decoded chunk (8 MiB). The
+    checks decode it piece by piece to hash it; the writer decodes it again piece by
+    piece (`chunk_pieces`), then calls `release` so the frame can be freed.
     """
 
     attempt_id: Identity
@@ -64,6 +69,77 @@ class ReceivedInputWrite(
 
     def _base64(self) -> str | memoryview:
         return _json_string_body(self.data)
+
+    @property
+    def chunk_size(self) -> int:
+        """The decoded length, from the checked base64's length and padding alone."""
+        body = _json_string_body(self.data)
+        return len(body) // 4 * 3 - bytes(body[-2:]).count(b"=")
+
+    def chunk_pieces(self) -> Iterator[bytes]:
+        """The decoded chunk in pieces of at most `_PIECE_BYTES`, each decoded on demand.
+
+        Only for a row whose request was checked, and until `release`.
+        """
+        cached: bytes | None = self.__dict__.get("_chunk")
+        if cached is not None:
+            yield cached
+            return
+        body = _json_string_body(self.data)
+        for start in range(0, len(body), _PIECE_CHARS):
+            yield _decode_checked(body[start : start + _PIECE_CHARS])
+
+    def release(self) -> None:
+        """Let go of the frame: the chunk is written (or will not be)."""
+        msgspec.structs.force_setattr(self, "data", _RELEASED)
+        self.__dict__.pop("_chunk", None)
+
+    def _measure(self) -> tuple[int, str]:
+        body = _json_string_body(self.data)
+        if not _plainly_canonical(body):
+            self.__dict__["_chunk"] = _canonical_b64decode(body)  # raises with the reason
+        hasher = hashlib.sha256()
+        for piece in self.chunk_pieces():
+            hasher.update(piece)
+        return self.chunk_size, "sha256:" + hasher.hexdigest()
+
+
+_PIECE_BYTES = 768 * 1024
+"""The largest decoded piece `chunk_pieces` yields (a fixed slice of the base64)."""
+
+_PIECE_CHARS = _PIECE_BYTES // 3 * 4
+_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+_bytes_of_base64 = msgspec.json.Decoder(bytes)
+
+
+def _plainly_canonical(body: memoryview) -> bool:
+    """Whether `body` is canonical base64, checked piece by piece without decoding it.
+
+    Everything before the last quantum is in the alphabet; the last quantum alone is
+    canonical. Anything else (rare: a refusal) is left to `_canonical_b64decode`.
+    """
+    if len(body) % 4:
+        return False
+    head = len(body) - 4
+    for start in range(0, head, _PIECE_CHARS):
+        if bytes(body[start : min(start + _PIECE_CHARS, head)]).translate(None, _ALPHABET):
+            return False
+    last = bytes(body[head:])
+    try:
+        return (
+            binascii.b2a_base64(binascii.a2b_base64(last, strict_mode=True), newline=False) == last
+        )
+    except (binascii.Error, ValueError):
+        return False
+
+
+def _decode_checked(piece: memoryview) -> bytes:
+    """Decode a 4-aligned slice of base64 already found canonical.
+
+    msgspec's decoder does it several times faster than `binascii`; it is handed only
+    alphabet characters and final padding, which both decode alike.
+    """
+    return _bytes_of_base64.decode(b"".join((b'"', piece, b'"')))
 
 
 _ReceivedInputWrites = Annotated[list[ReceivedInputWrite], _BATCH]
@@ -80,12 +156,15 @@ class ReceivedInputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag
 
     def __post_init__(self) -> None:
         _check_writes(self, self.writes)
-        for write in self.writes:  # every chunk is decoded: let go of the frame
-            msgspec.structs.force_setattr(write, "data", _RELEASED)
+
+    def release(self) -> None:
+        """Let go of the frame once every row is written (or refused)."""
+        for write in self.writes:
+            write.release()
 
 
 _RELEASED = msgspec.Raw()
-"""What a received row's `data` holds once its chunk is decoded."""
+"""What a received row's `data` holds once it let go of the frame."""
 
 _ReceivedRequest = (
     PrepareRequest
