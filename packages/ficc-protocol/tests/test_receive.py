@@ -327,3 +327,19 @@ def test_a_fault_in_a_later_piece_has_decode_requests_error(bad: bytes, path: st
     answer = _same_answer(frame[:at] + bad + frame[at + 1 :])
     assert answer[:2] == ("refused", ErrorCode.INVALID_REQUEST)
     assert answer[3] == f"$.writes[0].{path}"
+
+
+@pytest.mark.parametrize("spelled", ["QUJDREVG", "QUJDREU=", "QUJDRA==", "QQ==", "AAAAAAAA"])
+def test_every_byte_in_every_place_has_decode_requests_answer(spelled: str) -> None:
+    """Each position of a few short chunks' base64 replaced by each of the 256 bytes.
+
+    msgspec's base64 decoder decides the fast path: this holds it to the reference's
+    alphabet and padding, character by character.
+    """
+    document = json.loads(bytes(_frame([b"x"])))
+    document["writes"][0]["data"] = "@"
+    template = json.dumps(document).encode()
+    for at in range(len(spelled)):
+        for byte in range(256):
+            data = spelled[:at].encode() + bytes([byte]) + spelled[at + 1 :].encode()
+            _same_answer(template.replace(b"@", data))
