@@ -17,12 +17,12 @@ Figures (memory from /proc/PID/status of the daemon process):
 
 Where figure 2 comes from: per 8 MiB chunk the daemon holds the request frame (10.7 MiB
 of JSON, received into one buffer) until the chunk is written, and never the decoded
-chunk: `receive_request` checks the base64 and hashes the chunk piece by piece (768
+chunk: `receive_request` checks the base64 and hashes the chunk piece by piece (510
 KiB decoded at a time) straight from the frame, and the stager decodes, pwrites and
 hashes it again piece by piece before the row lets go of the frame. That is the frame
 plus a few MiB of piece buffers and of what the daemon does with no stream at all
-(its monitor rescans the ledger page by page every 25 ticks): measured 14.2 MiB
-(0.89x), where holding the decoded chunk beside the frame measured 18.6 MiB (1.16x).
+(its monitor rescans the ledger page by page every 25 ticks): measured 14.6 MiB
+(0.91x), where holding the decoded chunk beside the frame measured 18.6 MiB (1.16x).
 """
 
 from __future__ import annotations

@@ -104,8 +104,11 @@ class ReceivedInputWrite(
         return self.chunk_size, "sha256:" + hasher.hexdigest()
 
 
-_PIECE_BYTES = 768 * 1024
-"""The largest decoded piece `chunk_pieces` yields (a fixed slice of the base64)."""
+_PIECE_BYTES = 510 * 1024
+"""The largest decoded piece `chunk_pieces` yields (a fixed slice of the base64).
+
+A multiple of 3, so every piece but the last is whole quanta and exactly this long.
+"""
 
 _PIECE_CHARS = _PIECE_BYTES // 3 * 4
 _PAD = ord("=")
