@@ -24,7 +24,11 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution._executor import ReceivedInputWriteRequest, receive_request
+from ficc.execution._executor import (
+    ReceivedInputWrite,
+    ReceivedInputWriteRequest,
+    receive_request,
+)
 from ficc.execution.host import lifecycle as lc
 from ficc.execution.host import procfs
 from ficc.execution.host.config import Config, check_directories, parse_config
@@ -682,6 +686,38 @@ def test_both_decoded_forms_of_input_write_are_written(host: Host) -> None:
     assert record.slot_id is not None
     staged = host.ctx.slots[record.slot_id].stager.status(plan.attempt_id, obj.id)
     assert (staged.offset, staged.complete) == (len(data), True)
+
+
+def test_a_received_chunk_is_written_in_pieces_and_the_frame_let_go(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler streams the pieces to the stager (never decoding the chunk whole)
+    and releases the frame once the write is done."""
+
+    def whole(row: ReceivedInputWrite) -> bytes:
+        raise AssertionError("the daemon decoded a received chunk whole")
+
+    monkeypatch.setattr(ReceivedInputWrite, "chunk", property(whole))
+    data = os.urandom(2 * 1024 * 1024 + 5)
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan)
+    stage(host, plan)
+    frame = bytearray(encode_request(InputWriteRequest(version=1, id=new_id(), writes=[
+        write_row(plan, obj, 0, data)])))  # fmt: skip
+    received = receive_request(frame)  # type: ignore[arg-type]  # the server passes a bytearray
+    assert isinstance(received, ReceivedInputWriteRequest)
+    assert len(list(received.writes[0].chunk_pieces())) > 2
+    reply = run(host.daemon.dispatch(Sender.TRANSPORT, 0, received))
+    assert isinstance(reply, InputsReply), reply
+    assert isinstance(reply.results[0], InputRow)
+    assert reply.results[0].complete
+    frame.extend(b" ")  # raises BufferError while a row still holds a view of the frame
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.slot_id is not None
+    staged = host.ctx.slots[record.slot_id].stager
+    assert staged.status(plan.attempt_id, obj.id).complete
 
 
 def test_a_wrong_digest_fails_the_attempt(host: Host) -> None:

@@ -210,6 +210,101 @@ def test_a_chunk_with_the_wrong_digest_is_refused_and_not_written(
     assert stager.write(attempt, state.id, 0, data[:100], sha(data[:100])).offset == 100
 
 
+class Pieces:
+    """A chunk offered in pieces, as an `input_write` row offers it; counts the reads."""
+
+    def __init__(self, data: bytes, size: int) -> None:
+        self.data, self.size, self.reads = data, size, 0
+
+    @property
+    def chunk_size(self) -> int:
+        return len(self.data)
+
+    def chunk_pieces(self) -> Iterator[bytes]:
+        self.reads += 1
+        for start in range(0, len(self.data), self.size):
+            yield self.data[start : start + self.size]
+
+
+def test_a_chunk_in_pieces_that_misses_its_digest_is_cut_off_and_refused(
+    slot: Path, slot_gid: int
+) -> None:
+    """The pieces reach the file before the digest is known: they are cut off again,
+    nothing is committed, and the stream's hash still ends at the durable offset."""
+    data = os.urandom(5000)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    ledger = Ledger()
+    stager.write(attempt, state.id, 0, data[:1000], sha(data[:1000]), commit=ledger)
+    bad = bytearray(data[1000:3000])
+    bad[1500] ^= 0xFF
+    sent = Pieces(bytes(bad), 300)
+    assert (
+        code_of(stager.write, attempt, state.id, 1000, sent, sha(data[1000:3000]), commit=ledger)
+        == "input_digest_mismatch"
+    )
+    assert sent.reads == 1
+    assert len(ledger.commits) == 1
+    assert stager.status(attempt, state.id).offset == 1000
+    assert os.stat(object_path(slot, attempt, state.id)).st_size == 1000
+    rest = Pieces(data[1000:], 300)
+    done = stager.write(attempt, state.id, 1000, rest, sha(data[1000:]), commit=ledger)
+    assert done.complete  # the declared whole digest: the bad pieces were never hashed in
+    assert object_path(slot, attempt, state.id).read_bytes() == data
+
+
+def test_a_chunk_in_pieces_is_written_as_the_same_chunk_whole(slot: Path, slot_gid: int) -> None:
+    data = os.urandom(70_000)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [whole, pieces] = admit(stager, data, data)
+    for offset, end in ((0, 30_000), (30_000, 70_000)):
+        part = data[offset:end]
+        one = stager.write(attempt, whole.id, offset, part, sha(part))
+        many = stager.write(attempt, pieces.id, offset, Pieces(part, 4096), sha(part))
+        assert msgspec.structs.replace(many, id=one.id, name=one.name) == msgspec.structs.replace(
+            one, identity=many.identity
+        )
+    assert many.complete
+    assert object_path(slot, attempt, pieces.id).read_bytes() == data
+    assert object_path(slot, attempt, whole.id).read_bytes() == data
+
+
+def test_a_refused_chunk_is_not_read(slot: Path, slot_gid: int) -> None:
+    """Offset, size and in-flight refusals come before the first piece is read."""
+    data = os.urandom(200)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [first, second] = admit(stager, data, data)
+    for offset, chunk in ((5, data[5:10]), (0, data + b"!")):
+        sent = Pieces(chunk, 3)
+        assert code_of(stager.write, attempt, first.id, offset, sent, sha(chunk)) in {
+            "input_offset_changed",
+            "input_size_mismatch",
+        }
+        assert sent.reads == 0
+    inside, go = threading.Event(), threading.Event()
+
+    def slow_commit(new: StreamState) -> None:
+        inside.set()
+        assert go.wait(timeout=60)
+
+    thread = threading.Thread(
+        target=stager.write,
+        args=(attempt, first.id, 0, data[:100], sha(data[:100])),
+        kwargs={"commit": slow_commit},
+        daemon=True,
+    )
+    thread.start()
+    try:
+        assert inside.wait(timeout=60)
+        sent = Pieces(data[:10], 3)
+        assert code_of(stager.write, attempt, second.id, 0, sent, sha(data[:10])) == "input_busy"
+        assert sent.reads == 0
+    finally:
+        go.set()
+        thread.join(timeout=60)
+    assert stager.status(attempt, first.id).offset == 100
+
+
 def test_a_chunk_past_the_declared_size_is_refused(slot: Path, slot_gid: int) -> None:
     data = os.urandom(1000)
     stager = Stager(str(slot), slot_gid)
@@ -654,6 +749,17 @@ def test_a_full_filesystem_fails_closed(tiny_slot: Path, slot_gid: int) -> None:
     assert code_of(stager.status, attempt, state.id) == "input_failed"
     stager.remove_attempt(attempt)
     assert os.listdir(tiny_slot / STAGING_DIRECTORY) == []
+
+
+def test_space_is_checked_before_the_first_piece(tiny_slot: Path, slot_gid: int) -> None:
+    data = os.urandom(256 * 1024)
+    stager = Stager(str(tiny_slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    sent = Pieces(data, 4096)
+    assert code_of(stager.write, attempt, state.id, 0, sent, sha(data)) == "slot_full"
+    assert sent.reads == 0
+    assert os.stat(object_path(tiny_slot, attempt, state.id)).st_size == 0
+    stager.remove_attempt(attempt)
 
 
 def test_enospc_during_the_write_fails_closed(

@@ -22,10 +22,16 @@ from hypothesis import strategies as st
 
 import ficc_protocol_examples as ex
 from conftest import SOAK
-from ficc.execution._executor import ReceivedInputWriteRequest, receive_request
+from ficc.execution._executor import (
+    _PIECE_BYTES,
+    ReceivedInputWrite,
+    ReceivedInputWriteRequest,
+    receive_request,
+)
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.protocol import (
     INPUT_CHUNK_MAX_BYTES,
+    InputWrite,
     InputWriteRequest,
     decode_request,
     encode_request,
@@ -55,11 +61,18 @@ def _answer(decode: Any, frame: bytes, **bound: int) -> tuple[Any, ...]:
         return ("refused", exc.code, exc.message, exc.path, exc.request_id)
     if isinstance(request, InputWriteRequest | ReceivedInputWriteRequest):
         rows = [
-            (w.attempt_id, w.generation, w.plan_digest, w.object, w.offset, w.chunk, w.digest)
+            (w.attempt_id, w.generation, w.plan_digest, w.object, w.offset, _chunk(w), w.digest)
             for w in request.writes
         ]
         return ("input_write", request.id, rows)
     return ("other", request)
+
+
+def _chunk(write: InputWrite | ReceivedInputWrite) -> bytes:
+    """The chunk as the executor reads it: from its pieces, checked against `chunk`."""
+    pieces = b"".join(write.chunk_pieces())
+    assert write.chunk_size == len(pieces)
+    return pieces
 
 
 def _same_answer(frame: bytes, **bound: int) -> tuple[Any, ...]:
@@ -230,8 +243,8 @@ def _frame(chunks: list[bytes]) -> bytearray:
     return bytearray(encode_request(InputWriteRequest(version=1, id=ex.REQUEST_ID, writes=rows)))
 
 
-def test_fast_path_decodes_from_the_frame_and_lets_it_go() -> None:
-    """Chunks come out intact, and no row keeps a view of the frame buffer.
+def test_fast_path_reads_the_chunk_from_the_frame_until_released() -> None:
+    """Chunks come out intact, piece by piece; no row keeps a view once released.
 
     A bytearray with a live view cannot be resized: the frame could not be freed
     while the chunk is written.
@@ -240,10 +253,27 @@ def test_fast_path_decodes_from_the_frame_and_lets_it_go() -> None:
     frame = _frame(chunks)
     request = receive_request(frame)  # type: ignore[arg-type]  # any buffer decodes
     assert isinstance(request, ReceivedInputWriteRequest)
-    assert [w.chunk for w in request.writes] == chunks
+    assert [b"".join(w.chunk_pieces()) for w in request.writes] == chunks
     assert request.chunk_bytes == sum(map(len, chunks))
+    with pytest.raises(BufferError):  # the rows still read the frame
+        frame.extend(b" ")
+    request.release()
     assert all(bytes(w.data) == b"" for w in request.writes)
     frame.extend(b" ")  # raises BufferError while any view of the frame is alive
+
+
+def test_checks_never_hold_the_whole_chunk() -> None:
+    """A chunk of several pieces: checked and read piece by piece, never decoded whole."""
+    chunk = bytes(range(256)) * (_PIECE_BYTES * 5 // 2 // 256) + b"xy"
+    request = receive_request(bytes(_frame([chunk])))
+    assert isinstance(request, ReceivedInputWriteRequest)
+    write = request.writes[0]
+    assert "_chunk" not in write.__dict__
+    pieces = list(write.chunk_pieces())
+    assert [len(p) for p in pieces] == [_PIECE_BYTES, _PIECE_BYTES, len(chunk) - 2 * _PIECE_BYTES]
+    assert b"".join(pieces) == chunk
+    assert write.chunk_size == len(chunk)
+    assert "_chunk" not in write.__dict__
 
 
 def test_escaped_base64_is_decided_by_decode_request() -> None:
@@ -283,3 +313,33 @@ def test_a_full_chunk_is_received() -> None:
 @pytest.mark.parametrize("action", sorted(ex.requests()))
 def test_every_example_is_received_as_decoded(action: str) -> None:
     _same_answer(encode_request(ex.requests()[action]))
+
+
+@pytest.mark.parametrize(
+    ("bad", "path"),
+    [(b"-", "data"), (b"=", "data"), (b"\\n", "data"), (b"+", "digest")],
+)
+def test_a_fault_in_a_later_piece_has_decode_requests_error(bad: bytes, path: str) -> None:
+    """A wrong character past the first piece; `+` is base64 that decodes to other bytes."""
+    chunk = b"\xff" * (_PIECE_BYTES * 2)  # base64 all `/`
+    frame = bytes(_frame([chunk]))
+    at = frame.index(b'"data":"') + len(b'"data":"') + _PIECE_BYTES * 4 // 3 + 8
+    answer = _same_answer(frame[:at] + bad + frame[at + 1 :])
+    assert answer[:2] == ("refused", ErrorCode.INVALID_REQUEST)
+    assert answer[3] == f"$.writes[0].{path}"
+
+
+@pytest.mark.parametrize("spelled", ["QUJDREVG", "QUJDREU=", "QUJDRA==", "QQ==", "AAAAAAAA"])
+def test_every_byte_in_every_place_has_decode_requests_answer(spelled: str) -> None:
+    """Each position of a few short chunks' base64 replaced by each of the 256 bytes.
+
+    msgspec's base64 decoder decides the fast path: this holds it to the reference's
+    alphabet and padding, character by character.
+    """
+    document = json.loads(bytes(_frame([b"x"])))
+    document["writes"][0]["data"] = "@"
+    template = json.dumps(document).encode()
+    for at in range(len(spelled)):
+        for byte in range(256):
+            data = spelled[:at].encode() + bytes([byte]) + spelled[at + 1 :].encode()
+            _same_answer(template.replace(b"@", data))

@@ -10,6 +10,9 @@ change with any release of the executor.
 
 from __future__ import annotations
 
+import binascii
+import hashlib
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -36,6 +39,7 @@ from ficc.execution.protocol import (
     SnapshotRequest,
     StartRequest,
     StopRequest,
+    _canonical_b64decode,
     _check_writes,
     _ChunkRow,
     _Writes,
@@ -49,9 +53,10 @@ class ReceivedInputWrite(
     """An `input_write` row as the executor receives it (see `receive_request`).
 
     The same fields and checks as `InputWrite`, but `data` is left as raw JSON, a view
-    of the frame, and decoded from there: `InputWrite` would first build the base64
-    `str` (10.7 MiB for an 8 MiB chunk). Once the request has decoded `chunk`, `data`
-    is emptied so the frame can be freed while the chunk is written and synced.
+    of the frame, and the chunk is never held whole: `InputWrite` would first build the
+    base64 `str` (10.7 MiB for an 8 MiB chunk), then the decoded chunk (8 MiB). The
+    checks decode it piece by piece to hash it; the writer decodes it again piece by
+    piece (`chunk_pieces`), then calls `release` so the frame can be freed.
     """
 
     attempt_id: Identity
@@ -64,6 +69,81 @@ class ReceivedInputWrite(
 
     def _base64(self) -> str | memoryview:
         return _json_string_body(self.data)
+
+    @property
+    def chunk_size(self) -> int:
+        """The decoded length, from the checked base64's length and padding alone."""
+        body = _json_string_body(self.data)
+        return len(body) // 4 * 3 - bytes(body[-2:]).count(b"=")
+
+    def chunk_pieces(self) -> Iterator[bytes]:
+        """The decoded chunk in pieces of at most `_PIECE_BYTES`, each decoded on demand.
+
+        Only for a row whose request was checked, and until `release`.
+        """
+        cached: bytes | None = self.__dict__.get("_chunk")
+        if cached is not None:
+            yield cached
+            return
+        yield from _plain_pieces(_json_string_body(self.data))
+
+    def release(self) -> None:
+        """Let go of the frame: the chunk is written (or will not be)."""
+        msgspec.structs.force_setattr(self, "data", _RELEASED)
+        self.__dict__.pop("_chunk", None)
+
+    def _measure(self) -> tuple[int, str]:
+        body = _json_string_body(self.data)
+        hasher = hashlib.sha256()
+        try:
+            for piece in _plain_pieces(body):
+                hasher.update(piece)
+        except ValueError:  # rare: a refusal, or a spelling only the reference decides
+            chunk = self.__dict__["_chunk"] = _canonical_b64decode(body)  # raises the reason
+            return len(chunk), "sha256:" + hashlib.sha256(chunk).hexdigest()
+        return self.chunk_size, "sha256:" + hasher.hexdigest()
+
+
+_PIECE_BYTES = 510 * 1024
+"""The largest decoded piece `chunk_pieces` yields (a fixed slice of the base64).
+
+A multiple of 3, so every piece but the last is whole quanta and exactly this long.
+"""
+
+_PIECE_CHARS = _PIECE_BYTES // 3 * 4
+_PAD = ord("=")
+_bytes_of_base64 = msgspec.json.Decoder(bytes)
+
+
+def _plain_pieces(body: memoryview) -> Iterator[bytes]:
+    """Decode canonical base64 in 4-aligned slices; ValueError on anything else.
+
+    msgspec's base64 decoder (several times faster than `binascii`, and the check in
+    the same pass) refuses every character outside the alphabet and any `=` but the
+    final padding of the string it is given; so each slice but the last must not end
+    in `=`, no slice may hold a JSON escape (a backslash), and the last quantum is
+    checked for canonical padding and unused bits on its own.
+    """
+    if len(body) % 4 or not _canonical_quantum(bytes(body[-4:])):
+        raise ValueError("not plainly canonical base64")
+    for start in range(0, len(body), _PIECE_CHARS):
+        end = start + _PIECE_CHARS
+        text = b"".join((b'"', body[start:end], b'"'))
+        if b"\\" in text or (end < len(body) and text[-2] == _PAD):
+            raise ValueError("not plainly canonical base64")
+        try:
+            yield _bytes_of_base64.decode(text)
+        except msgspec.DecodeError:
+            raise ValueError("not plainly canonical base64") from None
+
+
+def _canonical_quantum(last: bytes) -> bool:
+    """Whether the last 4 characters (or none) are canonical base64 on their own."""
+    try:
+        raw = binascii.a2b_base64(last, strict_mode=True)
+    except (binascii.Error, ValueError):
+        return False
+    return binascii.b2a_base64(raw, newline=False) == last
 
 
 _ReceivedInputWrites = Annotated[list[ReceivedInputWrite], _BATCH]
@@ -80,12 +160,15 @@ class ReceivedInputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag
 
     def __post_init__(self) -> None:
         _check_writes(self, self.writes)
-        for write in self.writes:  # every chunk is decoded: let go of the frame
-            msgspec.structs.force_setattr(write, "data", _RELEASED)
+
+    def release(self) -> None:
+        """Let go of the frame once every row is written (or refused)."""
+        for write in self.writes:
+            write.release()
 
 
 _RELEASED = msgspec.Raw()
-"""What a received row's `data` holds once its chunk is decoded."""
+"""What a received row's `data` holds once it let go of the frame."""
 
 _ReceivedRequest = (
     PrepareRequest

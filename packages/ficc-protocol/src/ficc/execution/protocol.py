@@ -20,7 +20,7 @@ import binascii
 import enum
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter
 from typing import Annotated, Any, Literal
@@ -172,6 +172,20 @@ class _ChunkRow:
             cached = _canonical_b64decode(self._base64())
             self.__dict__["_chunk"] = cached
         return cached
+
+    @property
+    def chunk_size(self) -> int:
+        """The decoded chunk's length."""
+        return len(self.chunk)
+
+    def chunk_pieces(self) -> Iterator[bytes]:
+        """The decoded chunk in order, in pieces (here one: the whole `chunk`)."""
+        yield self.chunk
+
+    def _measure(self) -> tuple[int, str]:
+        """The decoded length and `sha256:` digest, for the request's checks."""
+        chunk = self.chunk
+        return len(chunk), "sha256:" + hashlib.sha256(chunk).hexdigest()
 
 
 class InputWrite(msgspec.Struct, _ChunkRow, frozen=True, forbid_unknown_fields=True, dict=True):
@@ -451,7 +465,7 @@ class _Writes:
     @property
     def chunk_bytes(self) -> int:
         """Decoded bytes over all writes (compare with the snapshot's input_chunk_bytes)."""
-        return sum(len(w.chunk) for w in self.writes)
+        return sum(w.chunk_size for w in self.writes)
 
 
 class InputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag="input_write"):
@@ -469,7 +483,7 @@ class InputWriteRequest(Request, _Writes, frozen=True, kw_only=True, tag="input_
 def _check_writes(request: Request, writes: Sequence[_ChunkRow]) -> None:
     """Distinct rows, canonical base64, at most 8 MiB decoded, chunk digests, offsets.
 
-    Decodes each row's chunk once and keeps it on the row (its `chunk`).
+    Each row measures its own chunk (`InputWrite` decodes it once and keeps it).
     """
     seen: set[tuple[str, str]] = set()
     total = 0
@@ -479,15 +493,15 @@ def _check_writes(request: Request, writes: Sequence[_ChunkRow]) -> None:
             raise request._invalid("the same (attempt, object) twice", here)
         seen.add((write.attempt_id, write.object))
         try:
-            chunk = write.chunk
+            size, digest = write._measure()
         except ValueError as exc:
             raise request._invalid(str(exc), f"{here}.data") from None
-        total += len(chunk)
+        total += size
         if total > INPUT_CHUNK_MAX_BYTES:
             raise request._invalid("writes carry more than 8 MiB of data", "$.writes")
-        if "sha256:" + hashlib.sha256(chunk).hexdigest() != write.digest:
+        if digest != write.digest:
             raise request._invalid("digest is not SHA-256 of the decoded data", f"{here}.digest")
-        if write.offset + len(chunk) > U63_MAX:
+        if write.offset + size > U63_MAX:
             raise request._invalid("offset + length passes 2^63-1", f"{here}.offset")
 
 

@@ -696,21 +696,26 @@ async def input_write(
     before the ledger commits its offset, on the ledger thread.
 
     The server's `receive_request` gives a `ReceivedInputWriteRequest` (chunks decoded
-    straight from the frame), or an `InputWriteRequest` for a document whose base64 is
-    spelled with JSON escapes; both carry checked `chunk` bytes."""
+    piece by piece straight from the frame, which is let go once every row is written),
+    or an `InputWriteRequest` for a document whose base64 is spelled with JSON escapes;
+    both offer checked chunks in pieces to the stager."""
     now = ctx.clock.now()
     writes: Sequence[AnyInputWrite] = request.writes
-    records = await ctx.workers.db(_authorized, ctx, writes, now)
     results: list[InputResult | None] = [None] * len(writes)
-    by_attempt: dict[str, list[int]] = {}
-    for index, write in enumerate(writes):
-        by_attempt.setdefault(write.attempt_id, []).append(index)
+    try:
+        records = await ctx.workers.db(_authorized, ctx, writes, now)
+        by_attempt: dict[str, list[int]] = {}
+        for index, write in enumerate(writes):
+            by_attempt.setdefault(write.attempt_id, []).append(index)
 
-    async def attempt_writes(indices: list[int]) -> None:
-        for index in indices:
-            results[index] = await _write_one(ctx, runner, writes[index], records[index])
+        async def attempt_writes(indices: list[int]) -> None:
+            for index in indices:
+                results[index] = await _write_one(ctx, runner, writes[index], records[index])
 
-    await asyncio.gather(*(attempt_writes(indices) for indices in by_attempt.values()))
+        await asyncio.gather(*(attempt_writes(indices) for indices in by_attempt.values()))
+    finally:
+        if isinstance(request, ReceivedInputWriteRequest):
+            request.release()
     rows = [r for r in results if r is not None]
     return InputsReply(version=1, id=request.id, results=rows)
 
@@ -735,7 +740,7 @@ async def _write_one(
             write.attempt_id,
             write.object,
             write.offset,
-            write.chunk,
+            write,
             write.digest,
             commit=commit,
         )

@@ -69,6 +69,7 @@ from ficc.execution.host.sdk import InputCapability
 
 __all__ = [
     "STAGING_DIRECTORY",
+    "ChunkPieces",
     "DeclaredInput",
     "Stager",
     "StreamState",
@@ -100,6 +101,30 @@ class DeclaredInput(Protocol):
     def digest(self) -> str: ...
     @property
     def delivery(self) -> str: ...
+
+
+class ChunkPieces(Protocol):
+    """A chunk offered in pieces (an `input_write` row offers it so): never whole."""
+
+    @property
+    def chunk_size(self) -> int: ...
+    def chunk_pieces(self) -> Iterable[bytes]: ...
+
+
+class _Whole:
+    """A chunk held whole, offered as one piece."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    @property
+    def chunk_size(self) -> int:
+        return len(self._data)
+
+    def chunk_pieces(self) -> Iterable[bytes]:
+        return (self._data,)
 
 
 class StreamState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -143,10 +168,6 @@ def check_capacity(inputs: Iterable[DeclaredInput], slot_storage_bytes: int) -> 
             f"the streamed inputs declare {total} bytes but the slot reserves only "
             f"{slot_storage_bytes}; use a slot class with more storage or smaller inputs",
         )
-
-
-def _sha256(data: bytes | memoryview) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def plan_write(
@@ -383,34 +404,40 @@ class Stager:
         attempt_id: str,
         object_id: str,
         offset: int,
-        data: bytes,
+        data: bytes | ChunkPieces,
         chunk_digest: str,
         *,
         commit: Commit | None = None,
     ) -> StreamState:
         """Write one chunk at the durable offset, sync it, then commit the new state.
 
-        `commit` (the ledger's) runs while this attempt's write guard is held; its
-        failure leaves the in-memory offset where it was. A failed object is also
-        passed to `commit` before the refusal is raised.
+        `data` may come in pieces: each is written and hashed as it comes, so the whole
+        chunk is never held; a chunk that misses `chunk_digest` is cut off the file
+        again and refused before anything is synced or committed. `commit` (the
+        ledger's) runs while this attempt's write guard is held; its failure leaves
+        the in-memory offset where it was. A failed object is also passed to `commit`
+        before the refusal is raised.
         """
+        chunk = _Whole(data) if isinstance(data, bytes) else data
         attempt = self._ready_attempt(attempt_id)
         acquired = attempt.busy.acquire(blocking=False)
         try:
             state = self._declared(attempt, object_id)  # read under the guard: no stale offset
-            digest_ok = acquired and _sha256(data) == chunk_digest  # busy: no need to hash
-            refusal = plan_write(
-                state, offset, len(data), chunk_digest_ok=digest_ok, in_flight=not acquired
-            )
+            size = chunk.chunk_size
+            refusal = plan_write(state, offset, size, chunk_digest_ok=True, in_flight=not acquired)
             if refusal is not None:
                 raise refusal
             if attempt.dir_fd is None:  # removed since the lookup
                 raise _not_staged(attempt_id)
             try:
-                new = self._write_synced(attempt, attempt.dir_fd, state, data)
+                new = self._write_synced(attempt, attempt.dir_fd, state, chunk, chunk_digest)
             except HostError as error:
                 self._record(attempt, _failed(state, error.code), commit)
                 raise
+            if new is None:
+                refusal = plan_write(state, offset, size, chunk_digest_ok=False, in_flight=False)
+                assert refusal is not None
+                raise refusal
             if new.failed is not None:
                 self._record(attempt, new, commit)
                 raise HostError(
@@ -439,22 +466,33 @@ class Stager:
         attempt.states[new.id] = new
 
     def _write_synced(
-        self, attempt: _Attempt, dir_fd: int, state: StreamState, data: bytes
-    ) -> StreamState:
-        """pwrite + fsync the chunk; on reaching the declared size, check and seal the file."""
+        self,
+        attempt: _Attempt,
+        dir_fd: int,
+        state: StreamState,
+        chunk: ChunkPieces,
+        chunk_digest: str,
+    ) -> StreamState | None:
+        """pwrite the pieces + fsync; on reaching the declared size, check and seal the file.
+
+        None when the pieces miss `chunk_digest`: the file is cut back to the durable
+        offset and the stream's hasher has not seen them (a copy took them).
+        """
         fd = open_regular_at(dir_fd, state.id, os.O_RDWR, owner_uid=_ROOT)
         try:
-            hasher = self._hasher(attempt, fd, state)
+            running = self._hasher(attempt, fd, state)
+            hasher = running.copy()
             try:
-                _require_space(fd, len(data))
+                _require_space(fd, chunk.chunk_size)
                 if os.fstat(fd).st_size > state.offset:
                     os.ftruncate(fd, state.offset)  # drop synced bytes never committed
-                _pwrite_all(fd, data, state.offset)
+                end = _write_pieces(fd, chunk, state.offset, hasher, chunk_digest)
+                if end is None:
+                    os.ftruncate(fd, state.offset)
+                    return None
                 os.fsync(fd)
             except OSError as error:
                 raise _storage_refusal(f"input {state.id}", error) from error
-            hasher.update(data)
-            end = state.offset + len(data)
             attempt.hashers[state.id] = (end, hasher)
             if end < state.bytes:
                 return msgspec.structs.replace(state, offset=end)
@@ -671,6 +709,25 @@ def _require_space(fd: int, length: int) -> None:
     vfs = os.fstatvfs(fd)
     if vfs.f_bavail * vfs.f_frsize < length:
         raise OSError(errno.ENOSPC, "not enough free space for the chunk")
+
+
+def _write_pieces(
+    fd: int, chunk: ChunkPieces, offset: int, stream: Any, chunk_digest: str
+) -> int | None:
+    """pwrite the pieces from `offset`, each into `stream` and the chunk's own SHA-256.
+
+    The end offset, or None when the pieces miss `chunk_digest` or `chunk_size`.
+    """
+    own = hashlib.sha256()
+    end = offset
+    for piece in chunk.chunk_pieces():
+        _pwrite_all(fd, piece, end)
+        own.update(piece)
+        stream.update(piece)
+        end += len(piece)
+    if end - offset != chunk.chunk_size or "sha256:" + own.hexdigest() != chunk_digest:
+        return None
+    return end
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
