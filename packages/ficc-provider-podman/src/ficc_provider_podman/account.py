@@ -264,17 +264,26 @@ def processes_by_uid(uids: Collection[int]) -> dict[int, list[int]]:
 
 def live_processes_of(uid: int) -> list[int]:
     """PIDs of live processes with `uid` as their real, effective, saved or filesystem
-    UID, whoever owns their /proc files; one whose status cannot be parsed counts.
+    UID; one whose status cannot be parsed counts.
 
-    Reads every process's status (milliseconds on a busy host): for the checks that
-    the account is idle and for killing what is left, not for every observe.
+    A process's /proc entry belongs to its effective UID, so the status is read for
+    every entry of `uid` or of root (a set-user-ID-root program the account runs, and
+    every kernel thread): the entries of other accounts, such as the other slots'
+    Podman processes, are passed over with a stat. For the checks that the account is
+    idle and for killing what is left, not for every observe.
     """
     found = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            parsed = _credentials(int(entry.name))
-            if parsed is not None and (parsed[0] == -1 or uid in parsed[2]) and not parsed[1]:
-                found.append(int(entry.name))
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid not in (uid, 0):
+                continue
+        except OSError:
+            continue
+        parsed = _credentials(int(entry.name))
+        if parsed is not None and (parsed[0] == -1 or uid in parsed[2]) and not parsed[1]:
+            found.append(int(entry.name))
     return found
 
 
