@@ -267,17 +267,19 @@ def live_processes_of(uid: int) -> list[int]:
     UID; one whose status cannot be parsed counts.
 
     A process's /proc entry belongs to its effective UID, so the status is read for
-    every entry of `uid` or of root (a set-user-ID-root program the account runs, and
-    every kernel thread): the entries of other accounts, such as the other slots'
-    Podman processes, are passed over with a stat. For the checks that the account is
-    idle and for killing what is left, not for every observe.
+    every entry of `uid` or of root (a set-user-ID-root program the account runs):
+    the entries of other accounts, such as the other slots' Podman processes, are
+    passed over with a stat, and kernel threads (root's, without an executable) with
+    a readlink. For the checks that the account is idle and for killing what is
+    left, not for every observe.
     """
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            if entry.stat(follow_symlinks=False).st_uid not in (uid, 0):
+            owner = entry.stat(follow_symlinks=False).st_uid
+            if owner not in (uid, 0) or (owner == 0 and not _has_executable(entry.name)):
                 continue
         except OSError:
             continue
@@ -285,6 +287,15 @@ def live_processes_of(uid: int) -> list[int]:
         if parsed is not None and (parsed[0] == -1 or uid in parsed[2]) and not parsed[1]:
             found.append(int(entry.name))
     return found
+
+
+def _has_executable(pid: str) -> bool:
+    """False for a kernel thread (and a process already gone): no /proc/PID/exe."""
+    try:
+        os.readlink(f"/proc/{pid}/exe")
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _credentials(pid: int) -> tuple[int, bool, tuple[int, ...]] | None:
@@ -295,15 +306,25 @@ def _credentials(pid: int) -> tuple[int, bool, tuple[int, ...]] | None:
             status = f.read(4096)
     except OSError:
         return None
-    fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
-    zombie = fields.get(b"State", b"").strip()[:1] == b"Z"
+    zombie = _field(status, b"State")[:1] == b"Z"
     try:
-        uids = tuple(int(value) for value in fields[b"Uid"].split())
-    except (KeyError, ValueError):
+        uids = tuple(int(value) for value in _field(status, b"Uid").split())
+    except ValueError:
         return -1, zombie, ()
     if len(uids) != 4:
         return -1, zombie, ()
     return uids[0], zombie, uids
+
+
+def _field(status: bytes, name: bytes) -> bytes:
+    """One `Name:\tvalue` line's value from /proc/PID/status (b"" if absent), found
+    without splitting the whole file: the walks run it for many processes."""
+    start = status.find(b"\n" + name + b":")
+    if start < 0:
+        return b""
+    start += len(name) + 2
+    end = status.find(b"\n", start)
+    return status[start : None if end < 0 else end].strip()
 
 
 def kill_leftovers(uid: int) -> None:
