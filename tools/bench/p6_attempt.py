@@ -66,6 +66,27 @@ and the daemon does not start another while its last one comes up; the release
 marker is linked without two syncs of the slot filesystem between the gate and the
 barrier's release.
 
+Traced a third time (medians of 14 traced attempts, a daemon with timestamps at
+each step and in the client; not committed): prepare to ready ~34 ms, start to the
+provider's `start` ~34 ms (the service ~23 ms), then Podman up to the barrier, the
+gate ~13 ms, the release ~3 ms, the payload and Podman's exit, and ~14 ms from the
+service's exit to the client's next poll. Inside the service, the shim's cgroup join
+(14 ms, the RCU grace period above) and the shim's interpreter start (~15 ms from its
+spawn) run side by side, so taking either away alone saves ~1 ms: with the cgroup2
+hierarchy remounted `favordynmods` (the kernel then skips that grace period; the
+machine kept it until its next reboot) the join took 0.7 ms and the shim's `R` came
+15.5 ms after its spawn instead. Only a shim that is not a Python interpreter and a
+join without the grace period together would take ~14 ms off; neither is done. A
+bare `podman run --rm` started inside cgroups like the service's (CPU quota, 256 MiB
+memory, 128 processes) took ~30 ms more than outside them (medians of 14: 390 against
+359 ms, on a machine another session loaded), so Podman inside the service costs
+more than the service's creation; which controller, was not isolated. The waiting
+start observed every 13-30 ms although `observe_interval` is 10 ms: the pause grew
+with the observe call's wall time, which on a busy machine is mostly waiting for a
+CPU. Cut: the pause now grows with the CPU the call spent (median 1.9 ms, so 10 ms),
+and a `ready` that carries the barrier's PID (the Podman provider's does) is gated at
+once instead of observing again for `payload` (~3 ms).
+
 Cut on 2026-12-01 (2.40x before, same machine and day): the per-prepare `podman
 image inspect` as the slot account (~75-95 ms, a whole rootless Podman start; now
 done only when the storage's image record file changed), the gate's interpretation
