@@ -238,8 +238,8 @@ def processes_of(uid: int) -> list[int]:
     That is every process Podman and the container start for the account (inside the
     container's user namespace a process's files belong to its root, the account),
     found with one stat per process: cheap enough for every observe. It is not proof
-    that the account has nothing left (a non-dumpable process's files are root's):
-    `live_processes_of` is.
+    that the account has nothing left (the entry belongs to the effective UID, so a
+    set-user-ID-root program of the account has root's): `live_processes_of` is.
     """
     return processes_by_uid({uid}).get(uid, [])
 
