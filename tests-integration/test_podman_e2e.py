@@ -142,7 +142,7 @@ def test_the_memory_limit_is_enforced(e2e: PodmanWorld) -> None:
     assert sum(kills) >= 1, kills
     (e2e.attempt_dir(running) / "storage" / "go").touch()
     done = e2e.wait_settled(plan)
-    assert (done.state, done.exit_code) == ("failed", 137), done
+    assert (done.state, done.exit_code) == ("failed", 137), (done.reason, done)
 
 
 def test_the_process_limit_is_enforced(e2e: PodmanWorld) -> None:

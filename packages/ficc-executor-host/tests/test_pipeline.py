@@ -75,6 +75,7 @@ SLOT_BYTES = 256 << 20
 SLOT_INODES = 10_000
 HOLD = {"FICC_TEST_PROVIDER_HOLD": "1"}
 MALFORMED = "FICC_TEST_PROVIDER_MALFORMED"
+LATE = "FICC_TEST_PROVIDER_LATE"
 FAST = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.02)
 
 
@@ -803,6 +804,37 @@ def test_a_payload_that_vanishes_without_an_exit_report_is_unknown(world: World)
         "outcome_unreadable",
     )
     assert status.exit_code is None
+    assert world.installed.calls("start", attempt_id) == 1
+
+
+def test_a_payload_that_ends_while_the_provider_answers_keeps_its_exit_code(
+    world: World,
+) -> None:
+    """The provider looks, finds no exit report, and before its reply reaches the
+    runner the payload ends and its service empties. The exit report was written inside
+    the service, so the next look reads it: the outcome is the exit code, not unknown."""
+    payload = ("/bin/sh", "-c", "while [ ! -e end ]; do sleep 0.02; done; exit 3")
+    fence = world.admit(world.plan(environment={**HOLD, LATE: "1"}, argv=payload))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    storage = world.attempt_dir(attempt_id) / "storage"
+    status_dir = storage / ".ficc-test-provider"
+    service = world.ctx.service
+
+    async def monitor() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            await until((status_dir / "observing").exists, "the provider found no exit")
+            (storage / "end").touch()
+            handle = service.adopt(world.service_name(attempt_id))
+            assert handle is not None
+            await until(lambda: not service.members(handle), "the service is empty")
+            assert (status_dir / "exit").read_text() == "3\n"
+            (status_dir / "answer").touch()
+            await until(settled_and_clean(world, attempt_id), "finished and cleaned")
+
+    asyncio.run(monitor())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason, status.exit_code) == ("failed", "exited", 3)
     assert world.installed.calls("start", attempt_id) == 1
 
 

@@ -45,7 +45,9 @@ answer a reply the SDK would not build (`{"<field>": "yes"}`);
 `FICC_TEST_PROVIDER_HANG=<method>:<seconds>` makes that method's row block for that
 long before answering, standing in for a hung provider;
 `FICC_TEST_PROVIDER_READY_PID=1` makes observe report the barrier's PID in `ready`
-(as the Podman provider does) and never report `payload`.
+(as the Podman provider does) and never report `payload`;
+`FICC_TEST_PROVIDER_LATE=1` holds one observe reply that found no exit report until the
+test lets it answer (see LATE_VARIABLE).
 """
 
 from __future__ import annotations
@@ -350,6 +352,12 @@ exit "$code"
 STATUS_DIRECTORY = ".ficc-test-provider"
 HOLD_VARIABLE = "FICC_TEST_PROVIDER_HOLD"
 """A plan whose payload environment sets this to "1" is held before its PID is reported."""
+LATE_VARIABLE = "FICC_TEST_PROVIDER_LATE"
+"""A plan whose payload environment sets this to "1" gets one late `observe` reply: the
+first look that finds the PID but no exit report creates `observing` in the status
+directory and answers only once the test has created `answer` there, so the payload
+can end between the provider's look and the host's reading of the reply."""
+LATE_WAIT = 60.0
 _READ_LIMIT = 65536
 
 
@@ -365,6 +373,20 @@ def _read_report(directory: str, name: str) -> str | None:
         return os.read(fd, _READ_LIMIT).decode("utf-8", "replace")
     finally:
         os.close(fd)
+
+
+def _answer_late(status: str) -> None:
+    """The one late look of a LATE_VARIABLE plan: announced, then held until the test
+    lets it answer (later looks answer at once)."""
+    try:
+        os.close(os.open(os.path.join(status, "observing"), os.O_CREAT | os.O_EXCL, 0o644))
+    except FileExistsError:
+        return
+    deadline = time.monotonic() + LATE_WAIT
+    while not os.path.exists(os.path.join(status, "answer")):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the test never let the late observe answer")
+        time.sleep(0.01)
 
 
 class ServiceDriver(Driver):
@@ -453,6 +475,8 @@ class ServiceDriver(Driver):
                 return sdk.reply(sdk.Observation(phase="ready", devices=devices))
             phase = "ready" if _environment(context).get(READY_PID_VARIABLE) == "1" else "payload"
             observed = sdk.Observation(phase=phase, pid=int(pid.strip()), devices=devices)
+            if _environment(context).get(LATE_VARIABLE) == "1":
+                _answer_late(status)
             return sdk.reply(observed)
 
         return self._each(contexts, row)

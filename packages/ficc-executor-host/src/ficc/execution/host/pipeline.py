@@ -27,8 +27,10 @@ Decisions (see also docs/operations.md):
   replay.
 - Outcome cross-check: when the service knows its main process's exit status (not
   after an adoption) and it differs from the provider's `finished` exit code, the
-  outcome is `unknown` (`outcome_conflict`). A running attempt whose service tree is
-  empty while the provider reports no exit is `unknown` (`outcome_unreadable`).
+  outcome is `unknown` (`outcome_conflict`). A running attempt whose service tree was
+  already empty before the provider was asked, while the provider reports no exit, is
+  `unknown` (`outcome_unreadable`); a payload that ends while the provider answers is
+  read at the next look.
 - Restart (`recover`): the ledger turns starting/running into unknown and in-flight
   preparations into failed; every settled attempt without confirmed cleanup has its
   service adopted by name, stopped and checked idle. Prepared attempts whose streams
@@ -274,14 +276,18 @@ class Runner(AttemptWork):
     async def _observe_record(self, record: AttemptRecord, ticket: Ticket) -> None:
         attempt = await self._attempt(record)
         context = await self._later_context(attempt)
+        handle = self._handles.get(attempt.id) or await self._io(
+            self._ctx.service.adopt, attempt.service
+        )
+        # Looked at before the provider is asked: a payload may end while the provider
+        # answers, and only a service already empty before the question proves that its
+        # exit report (written inside the service) is missing.
+        alive = handle is not None and bool(await self._io(self._ctx.service.members, handle))
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
             await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
             return
         await self._note_storage(attempt)
-        handle = self._handles.get(attempt.id) or await self._io(
-            self._ctx.service.adopt, attempt.service
-        )
         try:
             seen = _observation(result)
         except HostError:
@@ -297,9 +303,8 @@ class Runner(AttemptWork):
                 return
             await self._apply(record, lifecycle.Finished(exit_code=seen.exit_code))
             return
-        alive = handle is not None and bool(await self._io(self._ctx.service.members, handle))
         if not alive:
-            # The service is gone but the provider reports no exit: unreadable outcome.
+            # The service was gone before the provider looked, and it reports no exit.
             await self._apply(record, lifecycle.OutcomeLost(reason="outcome_unreadable"))
 
     async def _note_storage(self, attempt: _Attempt) -> None:
