@@ -879,8 +879,30 @@ def starting(led: Ledger, plan: planlib.Plan) -> None:
 def test_release_is_authorized_while_the_offer_is_unchanged(ledger: Ledger) -> None:
     plan = make_plan()
     starting(ledger, plan)
-    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) is None
     assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
+
+
+def test_a_stop_recorded_before_the_release_refuses_it_and_records_nothing(
+    ledger: Ledger,
+) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    ledger.apply(fence(plan), lc.StopRequested())
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) == "stop_pending"
+    status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.stop_pending) == ("starting", "cancelled")
+
+
+def test_a_lease_run_out_before_the_release_refuses_it_and_records_nothing(
+    ledger: Ledger,
+) -> None:
+    plan = make_plan()
+    starting(ledger, plan)
+    late = Now(BOOT, DEADLINE, WALL)
+    assert ledger.authorize_release(fence(plan), late, CEILING) == "lease_expired"
+    assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) is None
 
 
 def test_a_start_accepted_while_draining_is_released_while_still_draining(
@@ -891,7 +913,7 @@ def test_a_start_accepted_while_draining_is_released_while_still_draining(
     to_ready(ledger, plan)
     ledger.set_offer(1, "draining", None, CEILING)
     ledger.start_batch([fence(plan)], NOW)
-    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) is None
 
 
 @pytest.mark.parametrize("control", ["paused", "stopped", "draining"])
@@ -901,7 +923,7 @@ def test_an_offer_closed_after_the_start_cancels_before_release(
     plan = make_plan()
     starting(ledger, plan)
     ledger.set_offer(1, control, None, CEILING)  # type: ignore[arg-type]
-    assert ledger.authorize_release(fence(plan), CEILING) == "offer_closed"
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) == "offer_closed"
     status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
     assert (status.state, status.outcome, status.reason) == (
         "cancelled",
@@ -920,7 +942,7 @@ def test_a_new_revision_that_still_covers_the_attempt_keeps_authority(ledger: Le
     starting(ledger, plan)
     ledger.set_offer(1, "paused", None, CEILING)
     ledger.set_offer(2, "active", limits(cpu_millis=1000), CEILING)  # exactly this attempt
-    assert ledger.authorize_release(fence(plan), CEILING) is None
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) is None
     assert ledger.get(plan.attempt_id).status.state == "starting"  # type: ignore[union-attr]
 
 
@@ -930,7 +952,7 @@ def test_an_offer_that_no_longer_covers_the_attempt_cancels_before_release(
     plan = make_plan()
     starting(ledger, plan)
     ledger.set_offer(1, "active", limits(cpu_millis=999), CEILING)
-    assert ledger.authorize_release(fence(plan), CEILING) == "offer_changed"
+    assert ledger.authorize_release(fence(plan), NOW, CEILING) == "offer_changed"
     status = ledger.get(plan.attempt_id).status  # type: ignore[union-attr]
     assert (status.state, status.reason) == ("cancelled", "offer_changed")
 

@@ -39,6 +39,7 @@ from ficc.execution.host import batching, gate, lifecycle, provision, starting
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
+from ficc.execution.host.deadlines import Deadlines
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import decode_prepare_result
 from ficc.execution.host.layout import Layout, service_name
@@ -56,6 +57,7 @@ from ficc.execution.host.pipeline import RELEASE_MARKER, Runner, Settings
 from ficc.execution.host.providers import compute_digest, load_provider
 from ficc.execution.host.providers import loader as loader_module
 from ficc.execution.host.providers.loader import LoadedProvider
+from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Resources
@@ -76,6 +78,7 @@ SLOT_INODES = 10_000
 HOLD = {"FICC_TEST_PROVIDER_HOLD": "1"}
 MALFORMED = "FICC_TEST_PROVIDER_MALFORMED"
 LATE = "FICC_TEST_PROVIDER_LATE"
+HANG = "FICC_TEST_PROVIDER_HANG"
 FAST = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.02)
 
 
@@ -838,6 +841,161 @@ def test_a_payload_that_ends_while_the_provider_answers_keeps_its_exit_code(
     assert world.installed.calls("start", attempt_id) == 1
 
 
+def test_a_service_emptied_by_the_lease_reaper_at_the_deadline_is_expired_not_unknown(
+    world: World,
+) -> None:
+    """The tick decided to observe while the lease was current; the deadline passes and
+    the lease reaper kills the service before the runner looks at it. An empty service
+    and no exit report then prove nothing about the payload: the expiry is recorded."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    service = world.ctx.service
+    name = world.service_name(attempt_id)
+    members = service.members
+    armed, fired = threading.Event(), threading.Event()
+
+    def reaped_first(handle: Any) -> set[int]:
+        if armed.is_set() and not fired.is_set() and handle.name == name:
+            fired.set()
+            world.ctx.workers.db_blocking(world.end_lease, fence)
+            for top in service.planned_cgroups(name):
+                reaper.kill_tree(top)
+            asyncio.run(until(lambda: not members(handle), "the reaper emptied the service"))
+        return members(handle)
+
+    service.members = reaped_first  # type: ignore[method-assign]
+    pid = world.attempt_dir(attempt_id) / "storage" / ".ficc-test-provider" / "pid"
+
+    async def monitor() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            await until(pid.exists, "the payload runs")
+            armed.set()
+            await until(settled_and_clean(world, attempt_id), "expired and cleaned")
+
+    try:
+        asyncio.run(monitor())
+    finally:
+        del service.members
+    status = world.record(attempt_id).status
+    assert fired.is_set()
+    assert (status.state, status.reason, status.exit_code) == ("expired", "lease_expired", None)
+
+
+def _ended_before_the_runner_looked(world: World, code: int) -> Fence:
+    """A running attempt whose payload already exited with `code` (its exit report
+    written, its service empty) while no runner was watching."""
+    payload = ("/bin/sh", "-c", f"exit {code}")
+    fence = world.admit(world.plan(environment=HOLD, argv=payload))
+    _released_by_hand(world, fence)
+    status_dir = world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider"
+    handle = world.ctx.service.adopt(world.service_name(fence.attempt_id))
+    assert handle is not None
+
+    def ended() -> bool:
+        return (status_dir / "exit").exists() and not world.ctx.service.members(handle)
+
+    asyncio.run(until(ended, "the payload exited and its service emptied"))
+    return fence
+
+
+def _settle(world: World, attempt_id: str) -> lifecycle.Status:
+    async def monitor() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    asyncio.run(monitor())
+    return world.record(attempt_id).status
+
+
+def test_a_stop_after_the_payload_ended_by_itself_keeps_its_exit_code(world: World) -> None:
+    fence = _ended_before_the_runner_looked(world, 3)
+    world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+    status = _settle(world, fence.attempt_id)
+    assert (status.state, status.reason, status.exit_code) == ("failed", "exited", 3)
+
+
+def test_a_deadline_passed_after_the_payload_ended_by_itself_keeps_its_exit_code(
+    world: World,
+) -> None:
+    fence = _ended_before_the_runner_looked(world, 0)
+    world.end_lease(fence)
+    status = _settle(world, fence.attempt_id)
+    assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
+
+
+def test_a_stop_during_the_providers_prepare_is_cleaned_up_only_after_it_returns(
+    world: World,
+) -> None:
+    """Cancelled at once, but cleanup is not confirmed while the provider still
+    prepares (it may be writing into the slot): only after its `prepare` returned."""
+    fence = world.admit(world.plan(environment={HANG: "prepare:hold"}))
+    attempt_id = fence.attempt_id
+    storage = world.attempt_dir(attempt_id) / "storage"
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until((storage / "held-prepare").exists, "the provider prepares")
+            world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+            runner.stop_requested([attempt_id])
+            await until(lambda: world.record(attempt_id).status.state == "cancelled", "cancelled")
+            ticks = runner.monitor.ticks
+            await until(lambda: runner.monitor.ticks >= ticks + 3, "three more monitor ticks")
+            assert not world.record(attempt_id).status.cleanup_confirmed
+            (storage / "go-prepare").touch()
+            await until(settled_and_clean(world, attempt_id), "cleaned after prepare returned")
+
+    asyncio.run(scenario())
+    assert world.record(attempt_id).status.outcome == "cancelled"
+
+
+def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_reaper(
+    world: World,
+) -> None:
+    """The start hands the lease deadline to the reaper; a renewal (here: ending the
+    lease now) is committed and answered while that hand-over is still writing the old
+    deadline. The reaper's file must end with the renewed deadline, not the old one."""
+    fence = world.admit(world.plan())
+    attempt_id = fence.attempt_id
+    deadlines = Deadlines(world.ctx)
+    keeper = deadlines._keeper()
+    write = keeper.set
+    writing, written = threading.Event(), threading.Event()
+
+    def slow_write(*args: Any) -> None:
+        writing.set()
+        assert written.wait(30), "the test never let the first hand-over finish"
+        write(*args)
+
+    keeper.set = slow_write  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            attempt = await runner._attempt(world.record(attempt_id))
+        handover = asyncio.get_running_loop().create_task(deadlines.set(attempt))
+        await until(writing.is_set, "the first hand-over writes")
+        world.end_lease(fence)
+        renewal = asyncio.get_running_loop().create_task(deadlines.sync([world.record(attempt_id)]))
+        written.set()
+        await handover
+        await renewal
+        try:
+            path = Path(keeper.directory) / (attempt.service + reaper.SUFFIX)
+            parsed = reaper.parse(path.read_text())
+            assert parsed is not None
+            lease = world.record(attempt_id).lease
+            assert lease is not None
+            assert parsed[1] == lease.deadline_boottime_ns
+        finally:
+            await deadlines.drop(attempt)
+
+    asyncio.run(scenario())
+
+
 def test_an_unavailable_provider_fails_preparation(world: World) -> None:
     world.ctx.providers["test"] = ProviderRuntime(
         "test", SHA, None, HostError("provider_digest_mismatch", "not the pinned files")
@@ -1226,6 +1384,29 @@ def _start_with_passing_gate(world: World, fence: Fence, during: Callable[[], No
             await until(settled_and_clean(world, attempt_id), "settled and cleaned")
 
     asyncio.run(scenario())
+
+
+def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
+    world: World,
+) -> None:
+    """The stop handler's commit lands after the start pipeline last read the record but
+    before the ledger authorizes the release: the marker is never written."""
+    fence = world.admit(world.plan())
+    ledger = world.ctx.ledger
+    authorize = ledger.authorize_release
+
+    def stopped_first(f: Fence, now: Any, ceiling: Any = None) -> str | None:
+        ledger.apply(f, lifecycle.StopRequested())
+        return authorize(f, now, ceiling)
+
+    ledger.authorize_release = stopped_first  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.authorize_release
+    status = world.record(fence.attempt_id).status
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert (status.state, status.reason) == ("cancelled", "stopped")
 
 
 def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:

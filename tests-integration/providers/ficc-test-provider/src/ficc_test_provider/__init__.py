@@ -43,7 +43,9 @@ Failures a plan can ask for through its payload environment (TEST ONLY):
 `FICC_TEST_PROVIDER_MALFORMED=<method>` (probe, start or release) makes that method
 answer a reply the SDK would not build (`{"<field>": "yes"}`);
 `FICC_TEST_PROVIDER_HANG=<method>:<seconds>` makes that method's row block for that
-long before answering, standing in for a hung provider;
+long before answering, standing in for a hung provider (`<method>:hold`: until the test
+creates `go-<method>` in the attempt's storage; the row creates `held-<method>` there
+first);
 `FICC_TEST_PROVIDER_READY_PID=1` makes observe report the barrier's PID in `ready`
 (as the Podman provider does) and never report `payload`;
 `FICC_TEST_PROVIDER_LATE=1` holds one observe reply that found no exit report until the
@@ -140,6 +142,7 @@ PROBE_VARIABLE = "FICC_TEST_PROVIDER_PROBE"
 MALFORMED_VARIABLE = "FICC_TEST_PROVIDER_MALFORMED"
 _MALFORMED = {"probe": {"ok": "yes"}, "start": {"started": "yes"}, "release": {"released": "yes"}}
 HANG_VARIABLE = "FICC_TEST_PROVIDER_HANG"
+HOLD_WAIT = 60.0
 READY_PID_VARIABLE = "FICC_TEST_PROVIDER_READY_PID"
 
 
@@ -155,14 +158,30 @@ def _malformed(method: str, context: Context) -> Reply | None:
 
 
 def _hang(method: str, contexts: Sequence[Context]) -> None:
-    """Block as long as a row's plan asks this method to hang (the longest of them)."""
+    """Block as long as a row's plan asks this method to hang (the longest of them), or,
+    for `<method>:hold`, until the test lets each held row go (`_hold`)."""
     longest = 0.0
     for context in contexts:
         wanted, _, seconds = _environment(context).get(HANG_VARIABLE, "").partition(":")
-        if wanted == method:
+        if wanted == method and seconds == "hold":
+            _hold(method, context)
+        elif wanted == method:
             longest = max(longest, float(seconds or 0))
     if longest:
         time.sleep(longest)
+
+
+def _hold(method: str, context: Context) -> None:
+    """Create `held-<method>` in the attempt's storage, then wait (at most HOLD_WAIT)
+    until the test creates `go-<method>` there."""
+    storage = context.storage.path
+    with open(os.path.join(storage, f"held-{method}"), "w", encoding="utf-8"):
+        pass
+    deadline = time.monotonic() + HOLD_WAIT
+    while not os.path.exists(os.path.join(storage, f"go-{method}")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test never let the held {method} go")
+        time.sleep(0.01)
 
 
 def _loggable(context: Context) -> Any:

@@ -83,7 +83,7 @@ class Workers:
     def db_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one ledger call on the ledger thread and wait for it, from another thread.
 
-        Added by CORE-A (handlers): `Stager.write` calls its `commit` from an io thread
+        Why: `Stager.write` calls its `commit` from an io thread
         while holding the attempt's write guard; the commit must still run on the one
         ledger thread. Never call this from the ledger thread or the event loop.
         """

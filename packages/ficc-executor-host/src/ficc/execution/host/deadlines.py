@@ -87,9 +87,9 @@ class Deadlines(HostWork):
         under the lock: `records` may be older than a renewal another writer has
         already handed over, and the file must never go back to a stale deadline.
         """
-        if not self._deadlines:
-            return
-        async with self._lock:
+        async with self._lock:  # also when none is known yet: a first `set` may be writing
+            if not self._deadlines:
+                return
             moved_ids = [r.attempt_id for r in records if self._moved(r)]
             fresh = await self._db(self._records, moved_ids) if moved_ids else []
             moved = [

@@ -902,8 +902,15 @@ class Ledger:
                 results.append(result)
             return results
 
-    def authorize_release(self, fence: Fence, ceiling: OfferLimits | None = None) -> str | None:
+    def authorize_release(
+        self, fence: Fence, now: Now, ceiling: OfferLimits | None = None
+    ) -> str | None:
         """Check start authority again at the moment the release marker would be written.
+
+        A stop recorded or a lease run out by `now` refuses the release (`stop_pending`,
+        `lease_expired`) and records nothing: the monitor stops the service and records
+        the outcome. Checked in this transaction, so a stop committed at any point
+        before it is never followed by the marker.
 
         Authority is unchanged when the offer is still at the revision the start was
         accepted under; a later revision keeps it only if it is `active` and still
@@ -917,6 +924,10 @@ class Ledger:
             record = _fenced_in(records, fence)
             if isinstance(record, HostError):
                 raise record
+            if record.status.stop_pending is not None:
+                return "stop_pending"
+            if not lease_is_current(record.lease, now):
+                return str(ErrorCode.LEASE_EXPIRED)
             offer = self._offer()
             (since,) = self._db.execute(
                 "SELECT start_offer_revision FROM attempts WHERE attempt_id = ?",

@@ -30,7 +30,13 @@ Decisions (see also docs/operations.md):
   outcome is `unknown` (`outcome_conflict`). A running attempt whose service tree was
   already empty before the provider was asked, while the provider reports no exit, is
   `unknown` (`outcome_unreadable`); a payload that ends while the provider answers is
-  read at the next look.
+  read at the next look. An empty service found once the lease was over is left to
+  the expiry (the lease reaper empties services at their deadline).
+- A payload that ended by itself before this daemon killed anything keeps its exit,
+  also when a stop or the deadline came before the monitor noticed: the stop looks
+  once before it kills.
+- Cleanup is never confirmed while the attempt's preparation (the provider's
+  `prepare`) still runs, even after a stop or expiry already settled it.
 - Restart (`recover`): the ledger turns starting/running into unknown and in-flight
   preparations into failed; every settled attempt without confirmed cleanup has its
   service adopted by name, stopped and checked idle. Prepared attempts whose streams
@@ -68,9 +74,11 @@ from ficc.execution.host.context import HostContext
 from ficc.execution.host.deadlines import Deadlines
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import RELEASE_MARKER
+from ficc.execution.host.leases import Now
 from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.host.monitor import Monitor
 from ficc.execution.host.preparing import Preparer
+from ficc.execution.host.records import lease_is_current
 from ficc.execution.host.starting import Starter
 
 __all__ = ["RELEASE_MARKER", "Runner", "Settings"]
@@ -103,6 +111,7 @@ class Runner(AttemptWork):
         super().__init__(shared)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: set[str] = set()
+        self._killed: set[str] = set()
         self._ticks = 0
         self._deadlines = Deadlines(ctx)
         self._preparer = Preparer(shared, spawn=self._spawn)
@@ -175,6 +184,7 @@ class Runner(AttemptWork):
         if handle is not None:
             await self._io(self._ctx.service.remove, handle)
         self._watch.discard(attempt.id)
+        self._killed.discard(attempt.id)
 
     async def recover(self) -> None:
         """Startup, before the server listens (see the module docstring)."""
@@ -258,12 +268,31 @@ class Runner(AttemptWork):
 
     async def stop(self, record: AttemptRecord) -> None:
         attempt = await self._attempt(record)
+        if await self._ended_by_itself(attempt):
+            return
+        self._killed.add(attempt.id)
         await self._starter.stop_service(attempt)
         handle = self._handles.get(attempt.id) or await self._io(
             self._ctx.service.adopt, attempt.service
         )
         if handle is None or not await self._io(self._ctx.service.members, handle):
             await self._apply(record, lifecycle.Stopped())
+
+    async def _ended_by_itself(self, attempt: _Attempt) -> bool:
+        """A running payload whose service emptied before this daemon killed anything
+        may have ended on its own before the stop or the deadline: its exit, if reported,
+        is the outcome (one look, as a tick would have taken)."""
+        if attempt.record.status.state != "running" or attempt.id in self._killed:
+            return False
+        handle = self._handles.get(attempt.id) or await self._io(
+            self._ctx.service.adopt, attempt.service
+        )
+        if handle is not None and await self._io(self._ctx.service.members, handle):
+            return False
+        with self._batcher.cohort(1).ticket() as ticket:
+            await self._observe_record(attempt.record, ticket)
+        fresh = await self._db(self._ctx.ledger.get, attempt.id)
+        return fresh is None or fresh.status.state != "running"
 
     async def observe(self, records: Sequence[AttemptRecord]) -> None:
         cohort = self._batcher.cohort(len(records))
@@ -283,6 +312,7 @@ class Runner(AttemptWork):
         # answers, and only a service already empty before the question proves that its
         # exit report (written inside the service) is missing.
         alive = handle is not None and bool(await self._io(self._ctx.service.members, handle))
+        looked = self._ctx.clock.now()
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
             await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
@@ -303,9 +333,16 @@ class Runner(AttemptWork):
                 return
             await self._apply(record, lifecycle.Finished(exit_code=seen.exit_code))
             return
-        if not alive:
+        if not alive and await self._lease_was_current(record.attempt_id, looked):
             # The service was gone before the provider looked, and it reports no exit.
             await self._apply(record, lifecycle.OutcomeLost(reason="outcome_unreadable"))
+
+    async def _lease_was_current(self, attempt_id: str, when: Now) -> bool:
+        """Whether the lease (as stored now) was current at `when`. The lease reaper
+        kills a service only at its deadline, so a service found empty while the lease
+        was already over may be the reaper's work: the next tick records the expiry."""
+        fresh = await self._db(self._ctx.ledger.get, attempt_id)
+        return fresh is not None and lease_is_current(fresh.lease, when)
 
     async def _note_storage(self, attempt: _Attempt) -> None:
         """A full slot fails the job: looked at on every observation while the payload
@@ -322,6 +359,8 @@ class Runner(AttemptWork):
             return
         if fresh.status.cleanup_confirmed or fresh.slot_id is None:
             return
+        if self._preparer.running(fresh.attempt_id):
+            return  # a stop or expiry during preparation: cleaned up once it returns
         attempt = await self._attempt(fresh)
         try:
             handle = self._handles.get(attempt.id) or await self._io(

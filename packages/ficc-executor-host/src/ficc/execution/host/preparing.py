@@ -71,6 +71,11 @@ class Preparer(AttemptWork):
         """Start no further preparation (the runner cancels those under way)."""
         self._closing = True
 
+    def running(self, attempt_id: str) -> bool:
+        """Whether this attempt's preparation (the provider's `prepare` among it) still
+        runs: until it returns, nothing of the attempt may be called cleaned up."""
+        return attempt_id in self._preparing
+
     async def prepare(self, attempt_ids: list[str]) -> None:
         """Prepare attempts; one already being prepared is looked at again afterwards
         (its last input may have completed after it found the inputs incomplete)."""

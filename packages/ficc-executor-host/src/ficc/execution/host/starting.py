@@ -15,7 +15,9 @@ Decisions:
 - A start that fails once its lease has run out is left to the monitor, which records
   the expiry (the reaper may have ended the service).
 - Start authority is checked again in the ledger right before the marker is written
-  (`Ledger.authorize_release`): an offer paused, stopped or drained since the start
+  (`Ledger.authorize_release`, in one transaction with the stop and lease checks, so a
+  stop committed before it never lets the marker through): an offer paused, stopped
+  or drained since the start
   was accepted, or one that no longer covers the attempt, ends it `cancelled`
   (reason `offer_closed` / `offer_changed`) and the payload is never released.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
@@ -366,7 +368,8 @@ class Starter(AttemptWork):
         if not self.lease_current(record):
             raise _Aborted()  # the monitor records the expiry and stops
         ceiling = ceiling_limits(self._ctx.config)
-        lost = await self._db(self._ctx.ledger.authorize_release, record.fence, ceiling)
+        now = self._ctx.clock.now()
+        lost = await self._db(self._ctx.ledger.authorize_release, record.fence, now, ceiling)
         if lost is not None:
             _log.warning("attempt %s: start authority lost before release (%s)", attempt.id, lost)
             raise _Aborted()  # recorded as cancelled; the service is stopped, then cleaned
