@@ -90,3 +90,67 @@ def test_io_threads_shut_down_make_the_chain_fail_not_hang() -> None:
             asyncio.run(pool.db_then_io(lambda: 1, lambda found: found))
     finally:
         pool.shutdown()
+
+
+def test_a_provider_call_past_its_timeout_does_not_hold_back_the_next(
+    workers: Workers,
+) -> None:
+    """One place for provider calls; the first hangs past its timeout and keeps its
+    thread, yet the next call runs at once and answers."""
+    hung = threading.Event()
+
+    async def scenario() -> str:
+        with pytest.raises(TimeoutError):
+            await workers.provider(hung.wait, 30, timeout=0.05)
+        return await workers.provider(lambda: "answered", timeout=10)
+
+    try:
+        assert asyncio.run(scenario()) == "answered"
+    finally:
+        hung.set()
+
+
+def test_a_provider_call_s_timeout_starts_when_it_runs_not_while_it_waits(
+    workers: Workers,
+) -> None:
+    """With one place, the second call waits for the first; waiting does not count
+    against its own timeout, which is shorter than the first call takes."""
+    first_done = threading.Event()
+
+    def first() -> str:
+        first_done.wait(0.5)  # nothing sets it: this call takes 0.5 s
+        return "first"
+
+    async def scenario() -> list[str]:
+        return list(
+            await asyncio.gather(
+                workers.provider(first, timeout=30),
+                workers.provider(lambda: "second", timeout=0.3),
+            )
+        )
+
+    assert asyncio.run(scenario()) == ["first", "second"]
+
+
+def test_no_more_provider_calls_run_at_once_than_there_are_places(workers: Workers) -> None:
+    """One place: a second call cannot run while the first does (it would set the
+    event the first one waits for)."""
+    event = threading.Event()
+
+    async def scenario() -> list[bool]:
+        return list(
+            await asyncio.gather(
+                workers.provider(event.wait, 0.3, timeout=30),
+                workers.provider(lambda: event.set() or True, timeout=30),
+            )
+        )
+
+    assert asyncio.run(scenario()) == [False, True]
+
+
+def test_a_provider_call_s_exception_reaches_the_caller(workers: Workers) -> None:
+    def refuse() -> None:
+        raise ValueError("malformed")
+
+    with pytest.raises(ValueError, match="malformed"):
+        asyncio.run(workers.provider(refuse, timeout=30))

@@ -9,9 +9,11 @@ runs where is the concurrency design:
   lock the monitor needs; staging's own per-attempt guard gives `input_busy`. Work
   that must read the ledger first and files next (collect) goes from the ledger
   thread straight to this pool (`db_then_io`), without a return to the loop between.
-- `provider`: a small pool for provider batch calls, which are synchronous and may be
-  slow; each call is bounded by a timeout, and a call that times out leaves its rows'
-  outcome uncertain (never a reason to replay).
+- `provider`: provider batch calls, which are synchronous and may be slow: each in a
+  thread of its own, at most a few at once, each bounded by a timeout counted from
+  when it starts. A call that times out leaves its rows' outcome uncertain (never a
+  reason to replay); its thread runs on (Python cannot kill it) but no longer counts
+  against the bound, so a provider that hangs cannot starve the calls after it.
 
 The handlers (requests) and the runner (asynchronous work after a reply) both take a
 `HostContext`; `daemon.py` builds it.
@@ -23,6 +25,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -72,9 +75,8 @@ class Workers:
     def __init__(self, io_threads: int = 4, provider_threads: int = 4) -> None:
         self._db = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficc-db")
         self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="ficc-io")
-        self._provider = concurrent.futures.ThreadPoolExecutor(
-            provider_threads, thread_name_prefix="ficc-provider"
-        )
+        self._provider_threads = provider_threads
+        self._provider_slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one ledger call on the ledger thread."""
@@ -125,15 +127,32 @@ class Workers:
         timeout: float = PROVIDER_CALL_TIMEOUT_S,
         **kwargs: Any,
     ) -> T:
-        """Run one provider batch call, bounded by `timeout` (asyncio.TimeoutError).
+        """Run one provider batch call in a thread of its own, once fewer than
+        `provider_threads` calls run, bounded by `timeout` from then (TimeoutError).
 
-        A timed-out call keeps running in its thread (Python cannot kill it); the
-        caller must treat the rows' outcome as uncertain.
+        A timed-out call keeps running in its thread (Python cannot kill it) but frees
+        its place at once; the caller must treat the rows' outcome as uncertain.
         """
-        return await asyncio.wait_for(_run(self._provider, fn, args, kwargs), timeout)
+        async with self._provider_slot():
+            outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+            call = functools.partial(fn, *args, **kwargs)
+            threading.Thread(
+                target=_fill, args=(outcome, call), name="ficc-provider", daemon=True
+            ).start()
+            return await asyncio.wait_for(asyncio.wrap_future(outcome), timeout)
+
+    def _provider_slot(self) -> asyncio.Semaphore:
+        """The bound on running provider calls, for the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._provider_slots is None or self._provider_slots[0] is not loop:
+            self._provider_slots = (loop, asyncio.Semaphore(self._provider_threads))
+        return self._provider_slots[1]
 
     def shutdown(self) -> None:
-        for pool in (self._provider, self._io, self._db):
+        """Stop the ledger and I/O threads; provider calls still running are left to
+        end with the process (every provider call is safe to cut off: a restart never
+        replays work whose outcome it does not know)."""
+        for pool in (self._io, self._db):
             pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -142,6 +161,16 @@ async def _run(
 ) -> T:
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+
+def _fill(outcome: concurrent.futures.Future[T], call: Callable[[], T]) -> None:
+    """A provider thread's body: the call's result or exception into `outcome`."""
+    if not outcome.set_running_or_notify_cancel():
+        return  # timed out before the thread ran: the call is never made
+    try:
+        outcome.set_result(call())
+    except BaseException as error:
+        outcome.set_exception(error)
 
 
 def _settle(outcome: concurrent.futures.Future[T], done: concurrent.futures.Future[T]) -> None:
