@@ -20,6 +20,7 @@ import os
 import pwd
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import batching, gate, lifecycle, provision, starting
+from ficc.execution.host import batching, gate, lifecycle, provision, slotfs, starting
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -924,22 +925,146 @@ def test_a_deadline_passed_after_the_payload_ended_by_itself_keeps_its_exit_code
     assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
 
 
-def test_a_stop_during_the_providers_prepare_is_cleaned_up_only_after_it_returns(
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, which the daemon has not waited for yet, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def test_an_exit_report_caused_by_the_daemons_own_kill_is_never_taken_for_an_exit(
     world: World,
 ) -> None:
-    """Cancelled at once, but cleanup is not confirmed while the provider still
-    prepares (it may be writing into the slot): only after its `prepare` returned."""
+    """The first stop kills the payload but its barrier (here held stopped) survives, so
+    the stop is retried on a later tick. Meanwhile the barrier reports the payload's
+    death by SIGKILL as an exit (137) and leaves an empty service: that report is the
+    daemon's own doing, and the attempt stays `cancelled`."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    status_dir = world.attempt_dir(attempt_id) / "storage" / ".ficc-test-provider"
+    asyncio.run(until((status_dir / "pid").exists, "the barrier reported its PID"))
+    barrier = int((status_dir / "pid").read_text())
+    children = Path(f"/proc/{barrier}/task/{barrier}/children")
+    asyncio.run(until(lambda: children.read_text().strip(), "the payload runs"))
+    service = world.ctx.service
+    stop, members = service.stop, service.members
+    stops: list[str] = []
+    looks_after_the_first_stop = 0
+
+    def first_stop_leaves_the_barrier(handle: Any) -> None:
+        if stops:
+            stop(handle)
+            return
+        stops.append(handle.name)
+        os.kill(barrier, signal.SIGSTOP)
+        for child in children.read_text().split():
+            os.kill(int(child), signal.SIGKILL)
+
+    def barrier_reports_on_the_second_look(handle: Any) -> set[int]:
+        nonlocal looks_after_the_first_stop
+        if stops:
+            looks_after_the_first_stop += 1
+            if looks_after_the_first_stop == 2:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(barrier, signal.SIGCONT)
+
+                def ended() -> bool:
+                    exited = (status_dir / "exit").exists() or not _alive(barrier)
+                    return exited and not members(handle)
+
+                asyncio.run(until(ended, "the barrier is gone"))
+        return members(handle)
+
+    service.stop = first_stop_leaves_the_barrier  # type: ignore[method-assign]
+    service.members = barrier_reports_on_the_second_look  # type: ignore[method-assign]
+    world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+    try:
+        status = _settle(world, attempt_id)
+    finally:
+        del service.stop, service.members
+    assert len(stops) == 1
+    assert (status.state, status.reason, status.exit_code) == ("cancelled", "stopped", None)
+
+
+def _reaped_while_no_runner_watched(world: World, environment: dict[str, str]) -> Fence:
+    """A running attempt whose lease ended and whose service the lease reaper emptied
+    while no runner was watching."""
+    fence = world.admit(
+        world.plan(environment={**HOLD, **environment}, argv=("/bin/sleep", "1000"))
+    )
+    _released_by_hand(world, fence)
+    name = world.service_name(fence.attempt_id)
+    handle = world.ctx.service.adopt(name)
+    assert handle is not None
+    asyncio.run(until(lambda: world.ctx.service.members(handle), "the payload runs"))
+    world.end_lease(fence)
+    for top in world.ctx.service.planned_cgroups(name):
+        reaper.kill_tree(top)
+    asyncio.run(until(lambda: not world.ctx.service.members(handle), "the reaper emptied it"))
+    return fence
+
+
+def test_a_stop_whose_look_for_an_exit_fails_still_stops(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fence = _reaped_while_no_runner_watched(world, {})
+
+    def unreadable(path: str) -> None:
+        raise OSError(f"cannot read the usage of {path}")
+
+    monkeypatch.setattr(slotfs, "usage", unreadable)
+    status = _settle(world, fence.attempt_id)
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+def test_a_reaped_service_whose_observe_times_out_is_expired_not_unknown(world: World) -> None:
+    """The look before the stop finds the service empty; the provider's observe then
+    hangs past its timeout. The lease was over, so this proves nothing about the
+    payload: the expiry is recorded, and cleanup waits for the hung call."""
+    fence = _reaped_while_no_runner_watched(world, {HANG: "observe:hold"})
+    attempt_id = fence.attempt_id
+    storage = world.attempt_dir(attempt_id) / "storage"
+    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0, observe_interval=0.02)
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=short)):
+            await until(lambda: world.record(attempt_id).status.state != "running", "settled")
+            assert not world.record(attempt_id).status.cleanup_confirmed
+            (storage / "go-observe").touch()
+            await until(settled_and_clean(world, attempt_id), "cleaned after observe returned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+@pytest.mark.parametrize(
+    ("settled_by", "outcome"),
+    [("stop", ("cancelled", "stopped")), ("timeout", ("failed", "provider_timeout"))],
+)
+def test_an_attempt_settled_while_its_provider_prepares_is_cleaned_up_only_after(
+    world: World, settled_by: str, outcome: tuple[str, str]
+) -> None:
+    """A stop cancels the attempt at once, and a prepare past its timeout fails it, but
+    the provider's thread is still preparing (maybe writing into the slot): cleanup is
+    not confirmed until its `prepare` returned."""
     fence = world.admit(world.plan(environment={HANG: "prepare:hold"}))
     attempt_id = fence.attempt_id
     storage = world.attempt_dir(attempt_id) / "storage"
+    timeout = 0.5 if settled_by == "timeout" else 30.0
+    settings = Settings(tick=0.05, provider_timeout=timeout, start_timeout=30.0)
 
     async def scenario() -> None:
-        async with running(Runner(world.ctx, settings=FAST)) as runner:
+        async with running(Runner(world.ctx, settings=settings)) as runner:
             runner.admitted([attempt_id])
             await until((storage / "held-prepare").exists, "the provider prepares")
-            world.ctx.ledger.apply(fence, lifecycle.StopRequested())
-            runner.stop_requested([attempt_id])
-            await until(lambda: world.record(attempt_id).status.state == "cancelled", "cancelled")
+            if settled_by == "stop":
+                world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+                runner.stop_requested([attempt_id])
+            await until(lambda: world.record(attempt_id).status.outcome is not None, "settled")
             ticks = runner.monitor.ticks
             await until(lambda: runner.monitor.ticks >= ticks + 3, "three more monitor ticks")
             assert not world.record(attempt_id).status.cleanup_confirmed
@@ -947,7 +1072,8 @@ def test_a_stop_during_the_providers_prepare_is_cleaned_up_only_after_it_returns
             await until(settled_and_clean(world, attempt_id), "cleaned after prepare returned")
 
     asyncio.run(scenario())
-    assert world.record(attempt_id).status.outcome == "cancelled"
+    status = world.record(attempt_id).status
+    assert (status.outcome, status.reason) == outcome
 
 
 def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_reaper(
@@ -1144,13 +1270,25 @@ class RecordingDriver:
         return lambda contexts: self._reply(method, contexts)
 
 
-def _batcher(driver: Any, timeout: float = 30.0) -> tuple[Any, Workers]:
+class _Row(dict[str, Any]):
+    """A driver row of the fake provider: a dict, with the attempt it belongs to."""
+
+    attempt_id = ""
+
+
+def _row(n: int, attempt_id: str = "") -> _Row:
+    row = _Row(n=n)
+    row.attempt_id = attempt_id or f"attempt-{n}"
+    return row
+
+
+def _batcher(driver: Any, timeout: float = 30.0, max_late_calls: int = 64) -> tuple[Any, Workers]:
     loaded = LoadedProvider("fake", None, None, driver)  # type: ignore[arg-type]
     workers = Workers()
     ctx = SimpleNamespace(
         providers={"fake": ProviderRuntime("fake", SHA, loaded, None)}, workers=workers
     )
-    return batching.Batcher(ctx, timeout), workers  # type: ignore[arg-type]
+    return batching.Batcher(ctx, timeout, max_late_calls), workers  # type: ignore[arg-type]
 
 
 def test_rows_of_one_loop_turn_go_out_as_batches_of_at_most_64() -> None:
@@ -1158,8 +1296,8 @@ def test_rows_of_one_loop_turn_go_out_as_batches_of_at_most_64() -> None:
     batcher, workers = _batcher(driver)
 
     async def scenario() -> list[Any]:
-        rows = [batcher.call("fake", "observe", {"n": n}) for n in range(70)]
-        rows += [batcher.call("fake", "probe", {"n": n}) for n in range(3)]
+        rows = [batcher.call("fake", "observe", _row(n)) for n in range(70)]
+        rows += [batcher.call("fake", "probe", _row(n)) for n in range(3)]
         return list(await asyncio.gather(*rows))
 
     try:
@@ -1182,7 +1320,7 @@ def test_a_cohort_sends_rows_of_different_loop_turns_as_one_call() -> None:
                 await asyncio.sleep(0)
             if n == 3:
                 return None  # drops out before its call
-            return (await ticket.call("fake", "start", {"n": n})).reply["n"]
+            return (await ticket.call("fake", "start", _row(n))).reply["n"]
 
     async def scenario() -> list[Any]:
         cohort = batcher.cohort(5)
@@ -1204,7 +1342,7 @@ def test_without_a_cohort_rows_of_different_loop_turns_go_out_apart() -> None:
     async def member(n: int) -> Any:
         for _ in range(n * 20):
             await asyncio.sleep(0)
-        return await batcher.call("fake", "start", {"n": n})
+        return await batcher.call("fake", "start", _row(n))
 
     async def scenario() -> None:
         await asyncio.gather(*(member(n) for n in range(3)))
@@ -1291,8 +1429,8 @@ def test_the_batcher_keeps_the_cpu_not_the_wall_time_of_each_last_call() -> None
     batcher, workers = _batcher(CpuDriver())
 
     async def scenario() -> None:
-        await batcher.call("fake", "observe", {"n": 1})
-        await batcher.call("fake", "probe", {"n": 1})
+        await batcher.call("fake", "observe", _row(1))
+        await batcher.call("fake", "probe", _row(1))
 
     try:
         asyncio.run(scenario())
@@ -1307,7 +1445,7 @@ def test_a_hung_provider_call_leaves_its_rows_timed_out() -> None:
     batcher, workers = _batcher(driver, timeout=0.2)
 
     async def scenario() -> list[Any]:
-        return list(await asyncio.gather(*(batcher.call("fake", "stop", {"n": n}) for n in (1, 2))))
+        return list(await asyncio.gather(*(batcher.call("fake", "stop", _row(n)) for n in (1, 2))))
 
     try:
         results = asyncio.run(scenario())
@@ -1317,11 +1455,67 @@ def test_a_hung_provider_call_leaves_its_rows_timed_out() -> None:
         workers.shutdown()
 
 
+def test_an_attempt_whose_call_runs_past_its_timeout_gets_no_second_call_until_it_ends() -> None:
+    """The hung call's thread runs on: its attempt counts as running (no cleanup may be
+    confirmed), its next rows but `stop` are refused without reaching the provider while
+    other attempts' rows go out, and once the hung call returns the attempt is free."""
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver, timeout=0.2)
+    flight = batcher.in_flight
+
+    async def scenario() -> None:
+        (hung,) = await asyncio.gather(batcher.call("fake", "stop", _row(1)))
+        assert hung.code == "provider_timeout"
+        assert flight.running("attempt-1")
+        assert flight.late("attempt-1")
+        again, other = await asyncio.gather(
+            batcher.call("fake", "observe", _row(1)), batcher.call("fake", "observe", _row(2))
+        )
+        assert again.code == "provider_timeout"
+        assert "still runs" in again.message
+        assert other.ok
+        assert other.reply == {"n": 2}
+        assert driver.batches == [("stop", 1), ("observe", 1)]  # attempt-1's row never sent
+        stopped = await batcher.call("fake", "stop", _row(1))  # a stop still goes out
+        assert stopped.code == "provider_timeout"
+        assert driver.batches.count(("stop", 1)) == 2
+        driver.release.set()
+        await until(lambda: not flight.running("attempt-1"), "the hung call returned")
+        assert not flight.late("attempt-1")
+        assert flight.late_calls == 0
+        assert (await batcher.call("fake", "observe", _row(1))).ok
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        driver.release.set()
+        workers.shutdown()
+
+
+def test_past_the_bound_of_calls_left_running_no_provider_call_is_made() -> None:
+    driver = RecordingDriver()
+    batcher, workers = _batcher(driver, timeout=0.2, max_late_calls=2)
+
+    async def scenario() -> Any:
+        for n in (1, 2):
+            assert (await batcher.call("fake", "stop", _row(n))).code == "provider_timeout"
+        return await batcher.call("fake", "observe", _row(3))
+
+    try:
+        refused = asyncio.run(scenario())
+        assert refused.code == "provider_unavailable"
+        assert "restart the daemon" in refused.message
+        assert driver.batches == [("stop", 1), ("stop", 1)]
+    finally:
+        driver.release.set()
+        workers.shutdown()
+
+
 def test_an_unknown_provider_fails_its_rows_without_a_call() -> None:
     driver = RecordingDriver()
     batcher, workers = _batcher(driver)
     try:
-        result = asyncio.run(batcher.call("absent", "probe", {"n": 1}))
+        result = asyncio.run(batcher.call("absent", "probe", _row(1)))
     finally:
         workers.shutdown()
     assert result.code == "provider_unavailable"

@@ -18,6 +18,7 @@ test_service_cgroupfs.py and test_service_systemd.py.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -349,6 +350,41 @@ def test_a_reaper_with_nothing_left_lingers_and_guards_the_next_deadline(
         assert running.result(timeout=20) == 0
     service.stop(handle)
     service.remove(handle)
+
+
+def test_a_starting_reaper_takes_its_lock_from_under_a_moment_s_look(tmp_path: Path) -> None:
+    """`reaper_running` holds the lock while it looks; a reaper starting right then
+    tries again instead of leaving as if another reaper ran."""
+    path = tmp_path / reaper.LOCK
+    look = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    mine = os.open(path, os.O_RDWR)
+    paused: list[float] = []
+
+    def look_ends(seconds: float) -> None:
+        paused.append(seconds)
+        fcntl.flock(look, fcntl.LOCK_UN)
+
+    try:
+        fcntl.flock(look, fcntl.LOCK_EX)
+        assert reaper._take_lock(mine, pause=look_ends)
+        assert paused, "the lock was free: the look never overlapped the start"
+        assert reaper.reaper_running(str(tmp_path))
+    finally:
+        os.close(mine)
+        os.close(look)
+
+
+def test_a_reaper_leaves_when_another_holds_the_lock_past_a_look(tmp_path: Path) -> None:
+    path = tmp_path / reaper.LOCK
+    other = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    mine = os.open(path, os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        assert not reaper._take_lock(mine, patience=0.05)
+        assert reaper.run(str(tmp_path)) == 0
+    finally:
+        os.close(mine)
+        os.close(other)
 
 
 def test_the_keeper_does_not_start_a_second_reaper_while_its_first_comes_up(

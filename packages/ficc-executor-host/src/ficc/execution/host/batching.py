@@ -9,6 +9,15 @@ before the call takes each a different time. A timed-out call leaves its rows
 uncertain: the runner records `failed` for probe/prepare (no payload can have run),
 `unknown` for start/observe, never a replay.
 
+A timed-out call keeps running in its thread (Python cannot stop it), so the batcher
+also keeps which attempts have a provider call still running (`running`): the runner
+confirms no cleanup while one does, and a new row of an attempt whose earlier call is
+past its timeout is refused without a call (`provider_timeout`), so the provider never
+gets two overlapping calls for one attempt; `stop` alone still goes out, since
+stopping the attempt's processes may be what ends the hung call. Past MAX_LATE_CALLS
+such calls (threads left behind by a hung provider) no call is made at all
+(`provider_unavailable`).
+
 The batcher also keeps, per (provider, method), the CPU seconds its last call spent
 in its worker thread (`cpu_seconds`): what the call cost the host, without the time it
 waited for a CPU that others (Podman starting, say) were using.
@@ -17,6 +26,10 @@ waited for a CPU that others (Podman starting, say) were using.
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
+import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -30,14 +43,77 @@ __all__ = ["PROVIDER_TIMEOUT", "Batcher", "Cohort", "Ticket"]
 
 PROVIDER_TIMEOUT: Final = "provider_timeout"
 """The code of every row of a provider call that took longer than its timeout."""
+_log = logging.getLogger(__name__)
+
+MAX_LATE_CALLS: Final = 64
+"""Provider calls still running past their timeout beyond which no call is made."""
+
+
+class _Call:
+    """One driver call's attempts, shared by the loop and the call's thread."""
+
+    __slots__ = ("attempt_ids", "ended", "late")
+
+    def __init__(self, attempt_ids: list[str]) -> None:
+        self.attempt_ids = attempt_ids
+        self.ended = False
+        self.late = False
+
+
+class InFlight:
+    """Attempts with a provider call running in its thread, past its timeout or not
+    (updated from the loop and from the calls' threads, hence the lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: collections.Counter[str] = collections.Counter()
+        self._late: collections.Counter[str] = collections.Counter()
+        self.late_calls = 0
+
+    def begin(self, attempt_ids: list[str]) -> _Call:
+        with self._lock:
+            self._running.update(attempt_ids)
+        return _Call(attempt_ids)
+
+    def timed_out(self, call: _Call) -> None:
+        with self._lock:
+            if not call.ended:
+                call.late = True
+                self._late.update(call.attempt_ids)
+                self.late_calls += 1
+
+    def end(self, call: _Call) -> None:
+        """In the call's thread (or the loop, if the thread never started)."""
+        with self._lock:
+            call.ended = True
+            self._running.subtract(call.attempt_ids)
+            if call.late:
+                self._late.subtract(call.attempt_ids)
+                self.late_calls -= 1
+            for counter in (self._running, self._late):
+                for attempt_id in call.attempt_ids:
+                    if counter[attempt_id] <= 0:
+                        del counter[attempt_id]
+
+    def running(self, attempt_id: str) -> bool:
+        with self._lock:
+            return attempt_id in self._running
+
+    def late(self, attempt_id: str) -> bool:
+        with self._lock:
+            return attempt_id in self._late
 
 
 class Batcher:
     """Coalesces provider rows of one event-loop turn into driver calls of <= 64 rows."""
 
-    def __init__(self, ctx: HostContext, timeout: float) -> None:
+    def __init__(
+        self, ctx: HostContext, timeout: float, max_late_calls: int = MAX_LATE_CALLS
+    ) -> None:
         self._ctx = ctx
         self._timeout = timeout
+        self._max_late_calls = max_late_calls
+        self.in_flight = InFlight()
         self._pending: dict[tuple[str, str], list[tuple[sdk.Context, asyncio.Future[Any]]]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.cpu_seconds: dict[tuple[str, str], float] = {}
@@ -73,7 +149,7 @@ class Batcher:
     async def _run(
         self, key: tuple[str, str], rows: list[tuple[sdk.Context, asyncio.Future[Any]]]
     ) -> None:
-        provider, method = key
+        provider, _ = key
         runtime = self._ctx.providers.get(provider)
         results: list[RowResult]
         if runtime is None or runtime.loaded is None:
@@ -81,18 +157,58 @@ class Batcher:
             results = [RowResult.failed(ErrorCode.PROVIDER_UNAVAILABLE, why)] * len(rows)
         else:
             contexts = [context for context, _ in rows]
-            try:
-                results, self.cpu_seconds[key] = await self._ctx.workers.provider(
-                    _timed_call, runtime.loaded.driver, method, contexts, timeout=self._timeout
-                )
-            except TimeoutError:
-                message = f"{method} took longer than {self._timeout}s"
-                results = [RowResult.failed(PROVIDER_TIMEOUT, message)] * len(rows)
-            except Exception as error:  # the thread pool itself failed
-                results = [RowResult.failed(ErrorCode.PROVIDER_FAILED, repr(error))] * len(rows)
+            results = await self._call_driver(runtime.loaded.driver, key, contexts)
         for (_, future), result in zip(rows, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+    async def _call_driver(
+        self, driver: Any, key: tuple[str, str], contexts: list[sdk.Context]
+    ) -> list[RowResult]:
+        """One driver call of the rows whose attempts have no call past its timeout."""
+        if self.in_flight.late_calls >= self._max_late_calls:
+            why = (
+                f"{self.in_flight.late_calls} provider calls still run past their timeout;"
+                " no new call is made: fix the provider, then restart the daemon"
+            )
+            return [RowResult.failed(ErrorCode.PROVIDER_UNAVAILABLE, why)] * len(contexts)
+        late = RowResult.failed(
+            PROVIDER_TIMEOUT, "an earlier provider call of this attempt still runs past its timeout"
+        )
+        _, method = key
+        held = [method != "stop" and self.in_flight.late(c.attempt_id) for c in contexts]
+        sent = [c for c, is_late in zip(contexts, held, strict=True) if not is_late]
+        answers = iter(await self._send(driver, key, sent) if sent else [])
+        return [late if is_late else next(answers) for is_late in held]
+
+    async def _send(
+        self, driver: Any, key: tuple[str, str], contexts: list[sdk.Context]
+    ) -> list[RowResult]:
+        _, method = key
+        call = self.in_flight.begin([c.attempt_id for c in contexts])
+        try:
+            results, self.cpu_seconds[key] = await self._ctx.workers.provider(
+                _timed_call,
+                driver,
+                method,
+                contexts,
+                timeout=self._timeout,
+                on_end=functools.partial(self.in_flight.end, call),
+            )
+        except TimeoutError:
+            self.in_flight.timed_out(call)
+            message = f"{method} took longer than {self._timeout}s"
+            _log.warning(
+                "provider %s: %s (%d rows) took longer than %ss; its thread runs on, and its"
+                " attempts get no other provider call and no cleanup until it returns",
+                *key,
+                len(contexts),
+                self._timeout,
+            )
+            return [RowResult.failed(PROVIDER_TIMEOUT, message)] * len(contexts)
+        except Exception as error:  # the thread itself failed
+            return [RowResult.failed(ErrorCode.PROVIDER_FAILED, repr(error))] * len(contexts)
+        return results
 
 
 class Cohort:

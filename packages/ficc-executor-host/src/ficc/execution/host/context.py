@@ -125,6 +125,7 @@ class Workers:
         fn: Callable[..., T],
         *args: Any,
         timeout: float = PROVIDER_CALL_TIMEOUT_S,
+        on_end: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> T:
         """Run one provider batch call in a thread of its own, once fewer than
@@ -132,14 +133,22 @@ class Workers:
 
         A timed-out call keeps running in its thread (Python cannot kill it) but frees
         its place at once; the caller must treat the rows' outcome as uncertain.
+        `on_end` runs exactly once when the call is over: in its thread once `fn`
+        returned or raised, or here if the call was never made.
         """
-        async with self._provider_slot():
-            outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
-            call = functools.partial(fn, *args, **kwargs)
-            threading.Thread(
-                target=_fill, args=(outcome, call), name="ficc-provider", daemon=True
-            ).start()
-            return await asyncio.wait_for(asyncio.wrap_future(outcome), timeout)
+        started = False
+        try:
+            async with self._provider_slot():
+                outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+                call = functools.partial(fn, *args, **kwargs)
+                threading.Thread(
+                    target=_fill, args=(outcome, call, on_end), name="ficc-provider", daemon=True
+                ).start()
+                started = True
+                return await asyncio.wait_for(asyncio.wrap_future(outcome), timeout)
+        finally:
+            if not started and on_end is not None:
+                on_end()
 
     def _provider_slot(self) -> asyncio.Semaphore:
         """The bound on running provider calls, for the running loop."""
@@ -163,14 +172,22 @@ async def _run(
     return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
 
-def _fill(outcome: concurrent.futures.Future[T], call: Callable[[], T]) -> None:
+def _fill(
+    outcome: concurrent.futures.Future[T],
+    call: Callable[[], T],
+    on_end: Callable[[], None] | None,
+) -> None:
     """A provider thread's body: the call's result or exception into `outcome`."""
-    if not outcome.set_running_or_notify_cancel():
-        return  # timed out before the thread ran: the call is never made
     try:
-        outcome.set_result(call())
-    except BaseException as error:
-        outcome.set_exception(error)
+        if not outcome.set_running_or_notify_cancel():
+            return  # timed out before the thread ran: the call is never made
+        try:
+            outcome.set_result(call())
+        except BaseException as error:
+            outcome.set_exception(error)
+    finally:
+        if on_end is not None:
+            on_end()
 
 
 def _settle(outcome: concurrent.futures.Future[T], done: concurrent.futures.Future[T]) -> None:

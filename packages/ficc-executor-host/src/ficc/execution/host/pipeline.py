@@ -35,8 +35,8 @@ Decisions (see also docs/operations.md):
 - A payload that ended by itself before this daemon killed anything keeps its exit,
   also when a stop or the deadline came before the monitor noticed: the stop looks
   once before it kills.
-- Cleanup is never confirmed while the attempt's preparation (the provider's
-  `prepare`) still runs, even after a stop or expiry already settled it.
+- Cleanup is never confirmed while the attempt's preparation or any provider call of
+  it still runs, even after a stop, an expiry or the call's timeout settled it.
 - Restart (`recover`): the ledger turns starting/running into unknown and in-flight
   preparations into failed; every settled attempt without confirmed cleanup has its
   service adopted by name, stopped and checked idle. Prepared attempts whose streams
@@ -268,8 +268,11 @@ class Runner(AttemptWork):
 
     async def stop(self, record: AttemptRecord) -> None:
         attempt = await self._attempt(record)
-        if await self._ended_by_itself(attempt):
-            return
+        try:
+            if await self._ended_by_itself(attempt):
+                return
+        except Exception:  # the look is a courtesy to the payload: never block the stop
+            _log.exception("attempt %s: looking for an exit before the stop failed", attempt.id)
         self._killed.add(attempt.id)
         await self._starter.stop_service(attempt)
         handle = self._handles.get(attempt.id) or await self._io(
@@ -315,7 +318,8 @@ class Runner(AttemptWork):
         looked = self._ctx.clock.now()
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
-            await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
+            if alive or await self._lease_was_current(record.attempt_id, looked):
+                await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
             return
         await self._note_storage(attempt)
         try:
@@ -359,8 +363,10 @@ class Runner(AttemptWork):
             return
         if fresh.status.cleanup_confirmed or fresh.slot_id is None:
             return
-        if self._preparer.running(fresh.attempt_id):
-            return  # a stop or expiry during preparation: cleaned up once it returns
+        if self._preparer.running(fresh.attempt_id) or self._batcher.in_flight.running(
+            fresh.attempt_id
+        ):
+            return  # its preparation or a provider call (maybe past its timeout) still runs
         attempt = await self._attempt(fresh)
         try:
             handle = self._handles.get(attempt.id) or await self._io(

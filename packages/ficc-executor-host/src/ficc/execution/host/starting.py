@@ -371,8 +371,8 @@ class Starter(AttemptWork):
         now = self._ctx.clock.now()
         lost = await self._db(self._ctx.ledger.authorize_release, record.fence, now, ceiling)
         if lost is not None:
-            _log.warning("attempt %s: start authority lost before release (%s)", attempt.id, lost)
-            raise _Aborted()  # recorded as cancelled; the service is stopped, then cleaned
+            _log.warning("attempt %s: not released (%s)", attempt.id, lost)
+            raise _Aborted()  # the service is stopped; the monitor records the outcome
         await self._io(_write_marker, attempt)
         await self._apply(record, lifecycle.Started())
 

@@ -44,11 +44,16 @@ import signal
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 SUFFIX = ".deadline"
 LOCK = "reaper.lock"
 POLL_SECONDS = 0.25
 LINGER_SECONDS = 5.0
+LOCK_PATIENCE = 1.0
 """How long a reaper with nothing to guard waits for a new deadline before it exits.
 The daemon does not start a second reaper within this time of starting one that is
 still running (it holds the lock, is about to take it, or found another holding it)."""
@@ -317,9 +322,11 @@ def run(directory: str, linger: float = LINGER_SECONDS) -> int:
     boot_id = _read(_BOOT_ID).strip()
     try:
         lock = os.open(os.path.join(directory, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return 0  # another reaper runs (or the directory is gone)
+        return 0  # the directory is gone
+    if not _take_lock(lock):
+        os.close(lock)
+        return 0  # another reaper runs
     idle_since = time.monotonic()
     while True:
         try:
@@ -340,6 +347,25 @@ def run(directory: str, linger: float = LINGER_SECONDS) -> int:
                 return 0
             continue
         time.sleep(min(POLL_SECONDS, wait) or 0.001)
+
+
+def _take_lock(
+    fd: int, patience: float = LOCK_PATIENCE, pause: Callable[[float], None] = time.sleep
+) -> bool:
+    """The reaper's lock, unless another reaper holds it.
+
+    `reaper_running` takes the same lock for a moment to look, so a lock found held
+    is tried again for up to `patience` seconds: only a reaper holds it that long.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            pause(0.01)
 
 
 def _listing(directory: str) -> list[str]:
