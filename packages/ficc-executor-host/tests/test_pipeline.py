@@ -989,6 +989,36 @@ def test_an_exit_report_caused_by_the_daemons_own_kill_is_never_taken_for_an_exi
     assert (status.state, status.reason, status.exit_code) == ("cancelled", "stopped", None)
 
 
+def test_a_payload_whose_observe_hangs_past_its_timeout_is_stopped_at_once(
+    world: World,
+) -> None:
+    """The outcome is `unknown` at the timeout, and the payload is stopped then, not at
+    its lease deadline, although the hung call still runs; cleanup is confirmed only
+    once that call returned."""
+    environment = {**HOLD, HANG: "observe:hold"}
+    fence = world.admit(world.plan(environment=environment, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    storage = world.attempt_dir(attempt_id) / "storage"
+    service = world.ctx.service
+    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0)
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=short)):
+            await until(lambda: world.record(attempt_id).status.state == "unknown", "unknown")
+            handle = service.adopt(world.service_name(attempt_id))
+            assert handle is not None
+            await until(lambda: not service.members(handle), "the payload was stopped")
+            assert (storage / "held-observe").exists()
+            assert not world.record(attempt_id).status.cleanup_confirmed
+            (storage / "go-observe").touch()
+            await until(settled_and_clean(world, attempt_id), "cleaned after observe returned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "provider_timeout")
+
+
 def _reaped_while_no_runner_watched(world: World, environment: dict[str, str]) -> Fence:
     """A running attempt whose lease ended and whose service the lease reaper emptied
     while no runner was watching."""
@@ -1285,9 +1315,12 @@ def _row(n: int, attempt_id: str = "") -> _Row:
 def _batcher(driver: Any, timeout: float = 30.0, max_late_calls: int = 64) -> tuple[Any, Workers]:
     loaded = LoadedProvider("fake", None, None, driver)  # type: ignore[arg-type]
     workers = Workers()
-    ctx = SimpleNamespace(
-        providers={"fake": ProviderRuntime("fake", SHA, loaded, None)}, workers=workers
-    )
+    other = LoadedProvider("other", None, None, driver)  # type: ignore[arg-type]
+    providers = {
+        "fake": ProviderRuntime("fake", SHA, loaded, None),
+        "other": ProviderRuntime("other", SHA, other, None),
+    }
+    ctx = SimpleNamespace(providers=providers, workers=workers)
     return batching.Batcher(ctx, timeout, max_late_calls), workers  # type: ignore[arg-type]
 
 
@@ -1482,7 +1515,7 @@ def test_an_attempt_whose_call_runs_past_its_timeout_gets_no_second_call_until_i
         driver.release.set()
         await until(lambda: not flight.running("attempt-1"), "the hung call returned")
         assert not flight.late("attempt-1")
-        assert flight.late_calls == 0
+        assert flight.late_calls("fake") == 0
         assert (await batcher.call("fake", "observe", _row(1))).ok
 
     try:
@@ -1496,16 +1529,18 @@ def test_past_the_bound_of_calls_left_running_no_provider_call_is_made() -> None
     driver = RecordingDriver()
     batcher, workers = _batcher(driver, timeout=0.2, max_late_calls=2)
 
-    async def scenario() -> Any:
+    async def scenario() -> tuple[Any, Any]:
         for n in (1, 2):
             assert (await batcher.call("fake", "stop", _row(n))).code == "provider_timeout"
-        return await batcher.call("fake", "observe", _row(3))
+        refused = await batcher.call("fake", "observe", _row(3))
+        return refused, await batcher.call("other", "observe", _row(4))
 
     try:
-        refused = asyncio.run(scenario())
+        refused, other = asyncio.run(scenario())
         assert refused.code == "provider_unavailable"
         assert "restart the daemon" in refused.message
-        assert driver.batches == [("stop", 1), ("stop", 1)]
+        assert other.ok  # another provider's calls still go out
+        assert driver.batches == [("stop", 1), ("stop", 1), ("observe", 1)]
     finally:
         driver.release.set()
         workers.shutdown()

@@ -12,11 +12,11 @@ uncertain: the runner records `failed` for probe/prepare (no payload can have ru
 A timed-out call keeps running in its thread (Python cannot stop it), so the batcher
 also keeps which attempts have a provider call still running (`running`): the runner
 confirms no cleanup while one does, and a new row of an attempt whose earlier call is
-past its timeout is refused without a call (`provider_timeout`), so the provider never
-gets two overlapping calls for one attempt; `stop` alone still goes out, since
-stopping the attempt's processes may be what ends the hung call. Past MAX_LATE_CALLS
-such calls (threads left behind by a hung provider) no call is made at all
-(`provider_unavailable`).
+past its timeout is refused without a call (`provider_timeout`), so no call overlaps
+one the host has given up waiting for; `stop` alone still goes out, since stopping the
+attempt's processes may be what ends the hung call. Past MAX_LATE_CALLS such calls of
+one provider (threads left behind by a hung provider) no call of that provider is made
+at all (`provider_unavailable`).
 
 The batcher also keeps, per (provider, method), the CPU seconds its last call spent
 in its worker thread (`cpu_seconds`): what the call cost the host, without the time it
@@ -46,15 +46,17 @@ PROVIDER_TIMEOUT: Final = "provider_timeout"
 _log = logging.getLogger(__name__)
 
 MAX_LATE_CALLS: Final = 64
-"""Provider calls still running past their timeout beyond which no call is made."""
+"""Calls of one provider still running past their timeout beyond which no call of
+that provider is made."""
 
 
 class _Call:
-    """One driver call's attempts, shared by the loop and the call's thread."""
+    """One driver call's provider and attempts, shared by the loop and its thread."""
 
-    __slots__ = ("attempt_ids", "ended", "late")
+    __slots__ = ("attempt_ids", "ended", "late", "provider")
 
-    def __init__(self, attempt_ids: list[str]) -> None:
+    def __init__(self, provider: str, attempt_ids: list[str]) -> None:
+        self.provider = provider
         self.attempt_ids = attempt_ids
         self.ended = False
         self.late = False
@@ -68,19 +70,19 @@ class InFlight:
         self._lock = threading.Lock()
         self._running: collections.Counter[str] = collections.Counter()
         self._late: collections.Counter[str] = collections.Counter()
-        self.late_calls = 0
+        self._late_calls: collections.Counter[str] = collections.Counter()
 
-    def begin(self, attempt_ids: list[str]) -> _Call:
+    def begin(self, provider: str, attempt_ids: list[str]) -> _Call:
         with self._lock:
             self._running.update(attempt_ids)
-        return _Call(attempt_ids)
+        return _Call(provider, attempt_ids)
 
     def timed_out(self, call: _Call) -> None:
         with self._lock:
             if not call.ended:
                 call.late = True
                 self._late.update(call.attempt_ids)
-                self.late_calls += 1
+                self._late_calls[call.provider] += 1
 
     def end(self, call: _Call) -> None:
         """In the call's thread (or the loop, if the thread never started)."""
@@ -89,7 +91,7 @@ class InFlight:
             self._running.subtract(call.attempt_ids)
             if call.late:
                 self._late.subtract(call.attempt_ids)
-                self.late_calls -= 1
+                self._late_calls[call.provider] -= 1
             for counter in (self._running, self._late):
                 for attempt_id in call.attempt_ids:
                     if counter[attempt_id] <= 0:
@@ -102,6 +104,11 @@ class InFlight:
     def late(self, attempt_id: str) -> bool:
         with self._lock:
             return attempt_id in self._late
+
+    def late_calls(self, provider: str) -> int:
+        """This provider's calls still running past their timeout."""
+        with self._lock:
+            return self._late_calls[provider]
 
 
 class Batcher:
@@ -166,16 +173,17 @@ class Batcher:
         self, driver: Any, key: tuple[str, str], contexts: list[sdk.Context]
     ) -> list[RowResult]:
         """One driver call of the rows whose attempts have no call past its timeout."""
-        if self.in_flight.late_calls >= self._max_late_calls:
+        provider, method = key
+        late_calls = self.in_flight.late_calls(provider)
+        if late_calls >= self._max_late_calls:
             why = (
-                f"{self.in_flight.late_calls} provider calls still run past their timeout;"
+                f"{late_calls} calls of provider {provider} still run past their timeout;"
                 " no new call is made: fix the provider, then restart the daemon"
             )
             return [RowResult.failed(ErrorCode.PROVIDER_UNAVAILABLE, why)] * len(contexts)
         late = RowResult.failed(
             PROVIDER_TIMEOUT, "an earlier provider call of this attempt still runs past its timeout"
         )
-        _, method = key
         held = [method != "stop" and self.in_flight.late(c.attempt_id) for c in contexts]
         sent = [c for c, is_late in zip(contexts, held, strict=True) if not is_late]
         answers = iter(await self._send(driver, key, sent) if sent else [])
@@ -184,8 +192,8 @@ class Batcher:
     async def _send(
         self, driver: Any, key: tuple[str, str], contexts: list[sdk.Context]
     ) -> list[RowResult]:
-        _, method = key
-        call = self.in_flight.begin([c.attempt_id for c in contexts])
+        provider, method = key
+        call = self.in_flight.begin(provider, [c.attempt_id for c in contexts])
         try:
             results, self.cpu_seconds[key] = await self._ctx.workers.provider(
                 _timed_call,

@@ -177,17 +177,28 @@ def _fill(
     call: Callable[[], T],
     on_end: Callable[[], None] | None,
 ) -> None:
-    """A provider thread's body: the call's result or exception into `outcome`."""
+    """A provider thread's body: the call's result or exception into `outcome`, after
+    `on_end` ran (so whoever sees the result also sees the call over)."""
+    if not outcome.set_running_or_notify_cancel():
+        _ended(on_end)
+        return  # timed out before the thread ran: the call is never made
     try:
-        if not outcome.set_running_or_notify_cancel():
-            return  # timed out before the thread ran: the call is never made
+        result = call()
+    except BaseException as error:
         try:
-            outcome.set_result(call())
-        except BaseException as error:
+            _ended(on_end)
+        finally:
             outcome.set_exception(error)
+        return
+    try:
+        _ended(on_end)
     finally:
-        if on_end is not None:
-            on_end()
+        outcome.set_result(result)
+
+
+def _ended(on_end: Callable[[], None] | None) -> None:
+    if on_end is not None:
+        on_end()
 
 
 def _settle(outcome: concurrent.futures.Future[T], done: concurrent.futures.Future[T]) -> None:

@@ -363,10 +363,11 @@ class Runner(AttemptWork):
             return
         if fresh.status.cleanup_confirmed or fresh.slot_id is None:
             return
-        if self._preparer.running(fresh.attempt_id) or self._batcher.in_flight.running(
+        # Its preparation or a provider call (maybe past its timeout) may still run: the
+        # service is stopped all the same, but nothing is confirmed until they returned.
+        busy = self._preparer.running(fresh.attempt_id) or self._batcher.in_flight.running(
             fresh.attempt_id
-        ):
-            return  # its preparation or a provider call (maybe past its timeout) still runs
+        )
         attempt = await self._attempt(fresh)
         try:
             handle = self._handles.get(attempt.id) or await self._io(
@@ -374,6 +375,9 @@ class Runner(AttemptWork):
             )
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
+            if busy:
+                return
+            if handle is not None:
                 idle = await self._io(self._ctx.service.is_idle, handle, attempt.slot.uid)
             else:
                 idle = await self._io(self._ctx.service.account_idle, attempt.slot.uid)

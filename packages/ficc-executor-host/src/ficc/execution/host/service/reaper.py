@@ -53,10 +53,12 @@ SUFFIX = ".deadline"
 LOCK = "reaper.lock"
 POLL_SECONDS = 0.25
 LINGER_SECONDS = 5.0
-LOCK_PATIENCE = 1.0
 """How long a reaper with nothing to guard waits for a new deadline before it exits.
 The daemon does not start a second reaper within this time of starting one that is
 still running (it holds the lock, is about to take it, or found another holding it)."""
+LOCK_PATIENCE = 1.0
+"""How long a reaper tries again for a lock found held: a look (`reaper_running`)
+holds it for a moment, another reaper for good."""
 CGROUP_ROOT = "/sys/fs/cgroup/"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
@@ -341,9 +343,7 @@ def run(directory: str, linger: float = LINGER_SECONDS) -> int:
             fcntl.flock(lock, fcntl.LOCK_UN)
             if not any(e.endswith(SUFFIX) for e in _listing(directory)):
                 return 0
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _take_lock(lock):
                 return 0
             continue
         time.sleep(min(POLL_SECONDS, wait) or 0.001)
