@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -999,24 +999,45 @@ def test_a_payload_whose_observe_hangs_past_its_timeout_is_stopped_at_once(
     fence = world.admit(world.plan(environment=environment, argv=("/bin/sleep", "1000")))
     _released_by_hand(world, fence)
     attempt_id = fence.attempt_id
-    storage = world.attempt_dir(attempt_id) / "storage"
     service = world.ctx.service
+
+    async def stopped() -> None:
+        handle = service.adopt(world.service_name(attempt_id))
+        assert handle is not None
+        await until(lambda: not service.members(handle), "the payload was stopped")
+
+    state = "unknown"
+    status = _cleaned_only_after_the_held_observe(world, attempt_id, state, stopped)
+    assert (status.state, status.reason) == ("unknown", "provider_timeout")
+
+
+async def _nothing_more() -> None:
+    pass
+
+
+def _cleaned_only_after_the_held_observe(
+    world: World,
+    attempt_id: str,
+    state: str,
+    while_held: Callable[[], Coroutine[Any, Any, None]] = _nothing_more,
+) -> lifecycle.Status:
+    """Run the monitor with a short provider timeout until the attempt is in `state`;
+    while its observe is still held, `while_held` runs and cleanup is not confirmed;
+    then the observe returns, and the attempt's cleanup is confirmed."""
+    storage = world.attempt_dir(attempt_id) / "storage"
     short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0)
 
     async def scenario() -> None:
         async with running(Runner(world.ctx, settings=short)):
-            await until(lambda: world.record(attempt_id).status.state == "unknown", "unknown")
-            handle = service.adopt(world.service_name(attempt_id))
-            assert handle is not None
-            await until(lambda: not service.members(handle), "the payload was stopped")
+            await until(lambda: world.record(attempt_id).status.state == state, state)
             assert (storage / "held-observe").exists()
+            await while_held()
             assert not world.record(attempt_id).status.cleanup_confirmed
             (storage / "go-observe").touch()
             await until(settled_and_clean(world, attempt_id), "cleaned after observe returned")
 
     asyncio.run(scenario())
-    status = world.record(attempt_id).status
-    assert (status.state, status.reason) == ("unknown", "provider_timeout")
+    return world.record(attempt_id).status
 
 
 def _reaped_while_no_runner_watched(world: World, environment: dict[str, str]) -> Fence:
@@ -1055,55 +1076,8 @@ def test_a_reaped_service_whose_observe_times_out_is_expired_not_unknown(world: 
     hangs past its timeout. The lease was over, so this proves nothing about the
     payload: the expiry is recorded, and cleanup waits for the hung call."""
     fence = _reaped_while_no_runner_watched(world, {HANG: "observe:hold"})
-    attempt_id = fence.attempt_id
-    storage = world.attempt_dir(attempt_id) / "storage"
-    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0, observe_interval=0.02)
-
-    async def scenario() -> None:
-        async with running(Runner(world.ctx, settings=short)):
-            await until(lambda: world.record(attempt_id).status.state != "running", "settled")
-            assert not world.record(attempt_id).status.cleanup_confirmed
-            (storage / "go-observe").touch()
-            await until(settled_and_clean(world, attempt_id), "cleaned after observe returned")
-
-    asyncio.run(scenario())
-    status = world.record(attempt_id).status
+    status = _cleaned_only_after_the_held_observe(world, fence.attempt_id, "expired")
     assert (status.state, status.reason) == ("expired", "lease_expired")
-
-
-@pytest.mark.parametrize(
-    ("settled_by", "outcome"),
-    [("stop", ("cancelled", "stopped")), ("timeout", ("failed", "provider_timeout"))],
-)
-def test_an_attempt_settled_while_its_provider_prepares_is_cleaned_up_only_after(
-    world: World, settled_by: str, outcome: tuple[str, str]
-) -> None:
-    """A stop cancels the attempt at once, and a prepare past its timeout fails it, but
-    the provider's thread is still preparing (maybe writing into the slot): cleanup is
-    not confirmed until its `prepare` returned."""
-    fence = world.admit(world.plan(environment={HANG: "prepare:hold"}))
-    attempt_id = fence.attempt_id
-    storage = world.attempt_dir(attempt_id) / "storage"
-    timeout = 0.5 if settled_by == "timeout" else 30.0
-    settings = Settings(tick=0.05, provider_timeout=timeout, start_timeout=30.0)
-
-    async def scenario() -> None:
-        async with running(Runner(world.ctx, settings=settings)) as runner:
-            runner.admitted([attempt_id])
-            await until((storage / "held-prepare").exists, "the provider prepares")
-            if settled_by == "stop":
-                world.ctx.ledger.apply(fence, lifecycle.StopRequested())
-                runner.stop_requested([attempt_id])
-            await until(lambda: world.record(attempt_id).status.outcome is not None, "settled")
-            ticks = runner.monitor.ticks
-            await until(lambda: runner.monitor.ticks >= ticks + 3, "three more monitor ticks")
-            assert not world.record(attempt_id).status.cleanup_confirmed
-            (storage / "go-prepare").touch()
-            await until(settled_and_clean(world, attempt_id), "cleaned after prepare returned")
-
-    asyncio.run(scenario())
-    status = world.record(attempt_id).status
-    assert (status.outcome, status.reason) == outcome
 
 
 def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_reaper(
