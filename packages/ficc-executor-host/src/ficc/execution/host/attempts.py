@@ -164,6 +164,12 @@ class AttemptWork(HostWork):
         lease = record.lease
         return lease is not None and leases.is_current(lease, self._ctx.clock.now())
 
+    async def _service(self, attempt: _Attempt) -> ServiceHandle | None:
+        """The attempt's service: the handle this daemon created, or adopted by name."""
+        return self._handles.get(attempt.id) or await self._io(
+            self._ctx.service.adopt, attempt.service
+        )
+
     async def _attempt(self, record: AttemptRecord) -> _Attempt:
         data = await self._db(self._ctx.ledger.plan_bytes, record.attempt_id)
         plan = planlib.decode_plan(data)

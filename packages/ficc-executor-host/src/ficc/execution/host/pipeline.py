@@ -275,9 +275,7 @@ class Runner(AttemptWork):
             _log.exception("attempt %s: looking for an exit before the stop failed", attempt.id)
         self._killed.add(attempt.id)
         await self._starter.stop_service(attempt)
-        handle = self._handles.get(attempt.id) or await self._io(
-            self._ctx.service.adopt, attempt.service
-        )
+        handle = await self._service(attempt)
         if handle is None or not await self._io(self._ctx.service.members, handle):
             await self._apply(record, lifecycle.Stopped())
 
@@ -287,9 +285,7 @@ class Runner(AttemptWork):
         is the outcome (one look, as a tick would have taken)."""
         if attempt.record.status.state != "running" or attempt.id in self._killed:
             return False
-        handle = self._handles.get(attempt.id) or await self._io(
-            self._ctx.service.adopt, attempt.service
-        )
+        handle = await self._service(attempt)
         if handle is not None and await self._io(self._ctx.service.members, handle):
             return False
         with self._batcher.cohort(1).ticket() as ticket:
@@ -308,9 +304,7 @@ class Runner(AttemptWork):
     async def _observe_record(self, record: AttemptRecord, ticket: Ticket) -> None:
         attempt = await self._attempt(record)
         context = await self._later_context(attempt)
-        handle = self._handles.get(attempt.id) or await self._io(
-            self._ctx.service.adopt, attempt.service
-        )
+        handle = await self._service(attempt)
         # Looked at before the provider is asked: a payload may end while the provider
         # answers, and only a service already empty before the question proves that its
         # exit report (written inside the service) is missing.
@@ -370,9 +364,7 @@ class Runner(AttemptWork):
         )
         attempt = await self._attempt(fresh)
         try:
-            handle = self._handles.get(attempt.id) or await self._io(
-                self._ctx.service.adopt, attempt.service
-            )
+            handle = await self._service(attempt)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
             if busy:

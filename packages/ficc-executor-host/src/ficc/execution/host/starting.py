@@ -387,9 +387,7 @@ class Starter(AttemptWork):
             stopped = await self._batcher.call(attempt.provider, "stop", context)
             if not stopped.ok:
                 _log.warning("attempt %s: provider stop: %s", attempt.id, stopped.message)
-            handle = self._handles.get(attempt.id) or await self._io(
-                self._ctx.service.adopt, attempt.service
-            )
+            handle = await self._service(attempt)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
         except HostError as error:
