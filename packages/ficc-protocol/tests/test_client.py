@@ -30,6 +30,7 @@ from ficc.execution.client import (
     ReplyTruncated,
     RequestInvalid,
     Timeout,
+    peer_credentials,
 )
 from ficc.execution.frames import REPLY_MAX, REQUEST_MAX, FrameDecoder
 from ficc.execution.plan import EMPTY_DIGEST
@@ -283,6 +284,64 @@ def test_missing_socket(sock_dir: pathlib.Path) -> None:
     client = Client(str(sock_dir / "absent"))
     with pytest.raises(ConnectFailed):
         asyncio.run(client.request(ex.requests()["start"]))
+
+
+def _full_listen_queue(path: pathlib.Path) -> tuple[socket.socket, list[socket.socket]]:
+    """A listener that never accepts, with its listen queue filled by waiting connects."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(0)
+    waiting: list[socket.socket] = []
+    while True:
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        filler.setblocking(False)
+        try:
+            filler.connect(str(path))
+        except BlockingIOError:
+            filler.close()
+            return server, waiting
+        waiting.append(filler)
+
+
+def test_a_full_listen_queue_is_a_connect_failure_not_an_impostor(
+    sock_dir: pathlib.Path,
+) -> None:
+    """An overloaded or hung executor whose listen queue is full: the client keeps
+    trying until `connect_timeout`, then says so; it never reads the credentials of
+    a socket that is not connected (UID -1, which looked like an impostor server)."""
+    server, waiting = _full_listen_queue(sock_dir / "s")
+    try:
+        checked: list[object] = []
+        client = Client(str(sock_dir / "s"), connect_timeout=0.2, peer_check=checked.append)
+        with pytest.raises(ConnectFailed, match="listen queue stayed full"):
+            asyncio.run(client.request(ex.requests()["start"]))
+        assert checked == []  # nothing was sent, no peer was looked at
+    finally:
+        for sock in [server, *waiting]:
+            sock.close()
+
+
+def test_a_connect_waits_for_room_in_the_listen_queue(sock_dir: pathlib.Path) -> None:
+    """Once the server accepts a waiting connection, the client's next try connects."""
+    server, waiting = _full_listen_queue(sock_dir / "s")
+
+    async def run() -> socket.socket:
+        connecting = asyncio.ensure_future(Client(str(sock_dir / "s"))._connect())
+        await asyncio.sleep(0)  # the task's first try found the queue full
+        assert not connecting.done()
+        accepted, _ = server.accept()
+        accepted.close()
+        return await connecting
+
+    try:
+        connected = asyncio.run(run())
+        try:
+            assert peer_credentials(connected).pid == os.getpid()  # connected to `server`
+        finally:
+            connected.close()
+    finally:
+        for sock in [server, *waiting]:
+            sock.close()
 
 
 def test_invalid_request_is_never_sent(sock_dir: pathlib.Path) -> None:

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 import ficc_protocol_examples as ex
-from ficc.execution.protocol import decode_request, encode_request
-from ficc.execution.wire import AttemptsReply, encode_reply
+from ficc.execution.protocol import ZERO_ID, decode_request, encode_request
+from ficc.execution.wire import AttemptsReply, Error, ErrorReply, encode_reply
 
 Reply = Callable[[bytes], bytes]
 
@@ -128,6 +128,24 @@ def test_refused_request_exits_1_with_the_code(sock_dir: pathlib.Path) -> None:
         server.close()
     assert done.returncode == 1
     assert done.stderr.startswith(b"not_authorized: ")
+
+
+@root_server
+def test_a_refusal_before_the_request_was_read_exits_1_not_3(sock_dir: pathlib.Path) -> None:
+    """`busy` with the zero ID: refused, not applied; not a transport failure."""
+
+    def busy(payload: bytes) -> bytes:
+        error = Error(code="busy", message="too many connections; retry later")
+        return encode_reply(ErrorReply(version=1, id=ZERO_ID, error=error))
+
+    server = OneShotServer(sock_dir / "s", busy)
+    try:
+        done = _command(START, "request", "--socket", str(server.path))
+    finally:
+        server.close()
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(b"busy: too many connections")
+    assert done.stdout == b""
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ docs/, checked by a real JSON Schema validator, and decoded by this package."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
 import subprocess
@@ -48,6 +49,49 @@ def _vectors(prefix: str) -> dict[str, bytes]:
 def test_the_schema_is_a_valid_draft_2020_12_schema() -> None:
     assert SCHEMA["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     jsonschema.Draft202012Validator.check_schema(SCHEMA)
+
+
+def _keywords(node: Any) -> set[str]:
+    """Every keyword of a schema (the names under `properties` and `$defs` are not)."""
+    found: set[str] = set()
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("properties", "$defs"):
+                for inner in value.values():
+                    found |= _keywords(inner)
+            else:
+                found.add(key)
+                found |= _keywords(value)
+    elif isinstance(node, list):
+        for item in node:
+            found |= _keywords(item)
+    return found
+
+
+def test_the_schema_uses_only_json_schema_keywords() -> None:
+    """Strict validators (ajv) refuse a keyword they do not know, such as OpenAPI's
+    `discriminator`; annotations that every validator knows are fine."""
+    vocabulary = set(jsonschema.Draft202012Validator.VALIDATORS) | {
+        "$schema", "$defs", "title", "description", "default", "examples",
+        "contentEncoding", "contentMediaType",
+    }  # fmt: skip
+    assert _keywords(SCHEMA) <= vocabulary
+
+
+def test_every_reply_and_row_requires_ok() -> None:
+    """`ok` is in every reply and row (the decoder refuses one without it)."""
+    with_ok = {
+        name: definition
+        for name, definition in SCHEMA["$defs"].items()
+        if "ok" in definition.get("properties", {})
+    }
+    assert {"ErrorReply", "AttemptRow", "ErrorRow", "AttemptsReply"} <= set(with_ok)
+    for name, definition in with_ok.items():
+        assert "ok" in definition["required"], name
+    document = json.loads(FILES[f"{_schema.VECTORS}/reply-observe.json"])
+    del document["ok"]
+    with pytest.raises(jsonschema.ValidationError):
+        REPLY.validate(document)
 
 
 def test_the_files_in_docs_are_what_the_models_generate() -> None:
@@ -104,8 +148,10 @@ def test_reply_vectors_validate_and_round_trip(action: str) -> None:
 
 @pytest.mark.parametrize("name", ["local-only", "streamed"])
 def test_plan_vectors_are_the_golden_vectors(name: str) -> None:
-    canonical = FILES[f"{_schema.VECTORS}/plan-{name}.json"].rstrip(b"\n")
+    """The plan file is exactly the canonical bytes: its SHA-256 is the digest."""
+    canonical = FILES[f"{_schema.VECTORS}/plan-{name}.json"]
     digest = FILES[f"{_schema.VECTORS}/plan-{name}.digest"].decode().strip()
+    assert digest == "sha256:" + hashlib.sha256(canonical).hexdigest()
     assert canonical == (HERE / "vectors" / f"{name}.canonical.json").read_bytes()
     assert digest == (HERE / "vectors" / f"{name}.digest").read_text().strip()
     PLAN.validate(json.loads(canonical))

@@ -36,7 +36,7 @@ from importlib import metadata
 from typing import Any
 
 from ficc.execution import _schema, _upload
-from ficc.execution.client import Client, ClientError, RequestInvalid
+from ficc.execution.client import Client, ClientError, Refused, RequestInvalid
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.frames import REQUEST_MAX
 from ficc.execution.protocol import decode_request
@@ -110,6 +110,9 @@ def request_command(argv: Sequence[str], prog: str = "python -m ficc.execution r
     except RequestInvalid as exc:
         print(f"{exc.error.code}: {exc.error.message} (at {exc.error.path})", file=sys.stderr)
         return EXIT_USAGE
+    except Refused as exc:  # refused before it was read: not applied
+        print(f"{exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_REFUSED
     except ClientError as exc:
         print(f"transport: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_TRANSPORT

@@ -107,6 +107,8 @@ def schema() -> dict[str, Any]:
     replies = ["ErrorReply", *_BATCHES, "SnapshotReply", "OfferReply", "MetricsReply"]
     defs["Request"] = found[1]
     defs["Reply"] = {"anyOf": [{"$ref": _REF.format(name=n)} for n in replies]}
+    for definition in defs.values():
+        _require_ok(definition)
     document = {
         "$schema": _DRAFT,
         "title": "ficc execution protocol, version 1",
@@ -128,16 +130,30 @@ def _batch(raw: dict[str, Any], reply: type, row: type) -> dict[str, Any]:
     return shape
 
 
-def _portable(node: Any) -> Any:
-    """Regex anchors every JSON Schema implementation reads (ECMA-262: `^` and `$`).
+def _require_ok(definition: dict[str, Any]) -> None:
+    """Every reply and row carries `ok`: the models give it a default only so that
+    Python code need not spell it, and `decode_reply` refuses a document without it."""
+    if "ok" in definition.get("properties", {}):
+        required = definition.setdefault("required", [])
+        if "ok" not in required:
+            required.append("ok")
+            required.sort()
 
-    The models anchor with `\\A` and `\\Z` because in Python `$` also matches before a
-    final newline; in ECMA-262 without the multiline flag `$` matches only at the end.
+
+def _portable(node: Any) -> Any:
+    """Only JSON Schema 2020-12, as every implementation reads it.
+
+    Regex anchors in ECMA-262 form (`^` and `$`): the models anchor with `\\A` and `\\Z`
+    because in Python `$` also matches before a final newline; in ECMA-262 without the
+    multiline flag `$` matches only at the end. And no `discriminator`: an OpenAPI
+    keyword that strict validators (ajv) refuse; the `action` constant of each request
+    already tells them apart.
     """
     if isinstance(node, dict):
         return {
             key: _ecma(value) if key == "pattern" else _portable(value)
             for key, value in node.items()
+            if key != "discriminator"
         }
     if isinstance(node, list):
         return [_portable(item) for item in node]
@@ -437,7 +453,7 @@ def files() -> dict[str, bytes]:
     out = {SCHEMA_FILE: _pretty(msgspec.json.encode(schema()))}
     for name, streamed in (("local-only", False), ("streamed", True)):
         canonical = encode_plan(example_plan(streamed=streamed))
-        out[f"{VECTORS}/plan-{name}.json"] = canonical + b"\n"
+        out[f"{VECTORS}/plan-{name}.json"] = canonical  # exactly the bytes the digest covers
         out[f"{VECTORS}/plan-{name}.digest"] = digest_of(canonical).encode() + b"\n"
     for action, request in example_requests().items():
         _, data = validate_request(request)

@@ -97,6 +97,10 @@ class ReplyInvalid(ClientError):
 
 PeerCheck = Callable[[PeerCredentials], None]
 
+_CONNECT_PAUSE = 0.001
+_CONNECT_PAUSE_MAX = 0.05
+"""Pauses between connect attempts while the server's listen queue is full."""
+
 
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     """SO_PEERCRED of a connected Unix socket."""
@@ -154,18 +158,36 @@ class Client:
         return self._trust(frame, request.action, request.id, request.row_count)
 
     async def _connect(self) -> socket.socket:
+        """A connected socket, or ConnectFailed (nothing was sent).
+
+        A Unix-socket connect completes at once or fails; EAGAIN means the server's
+        listen queue is full (the executor is overloaded or hung). asyncio's
+        `sock_connect` would take EAGAIN for a connect in progress and hand back an
+        unconnected socket, whose peer then reads as UID -1; so this tries again,
+        with growing pauses, until `connect_timeout`, as a blocking connect waits.
+        """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                await asyncio.get_running_loop().sock_connect(sock, self.socket_path)
-        except TimeoutError:
-            sock.close()
-            raise Timeout(f"connect to {self.socket_path} timed out") from None
-        except OSError as exc:
-            sock.close()
-            raise ConnectFailed(f"cannot connect to {self.socket_path}: {exc}") from None
-        return sock
+        deadline = asyncio.get_running_loop().time() + self.connect_timeout
+        pause = _CONNECT_PAUSE
+        while True:
+            try:
+                sock.connect(self.socket_path)
+                return sock
+            except BlockingIOError:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    sock.close()
+                    raise ConnectFailed(
+                        f"{self.socket_path}: the executor's listen queue stayed full for"
+                        f" {self.connect_timeout} s (it is overloaded or hung); nothing was"
+                        " sent: try again later"
+                    ) from None
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, _CONNECT_PAUSE_MAX)
+            except OSError as exc:
+                sock.close()
+                raise ConnectFailed(f"cannot connect to {self.socket_path}: {exc}") from None
 
     async def _exchange(self, sock: socket.socket, frame: bytes) -> bytes:
         """Send one frame, read one reply frame, both within `read_timeout`.
