@@ -147,8 +147,9 @@ ENTRIES: tuple[Entry, ...] = (
         "storage_failed",
         "never",
         "-",
-        "a record reason (an input failed on disk), never a row code: the write that"
-        " failed answers the precise code (slot_full, input_storage_failed, io_error...)",
+        "a record reason (an input or the attempt's layout failed on disk), never a row"
+        " code: the write that failed answers the precise code (slot_full,"
+        " input_storage_failed, io_error...)",
     ),
     _socket("input_failed", "row", "input_status of an object that failed its digest"),
     Entry(

@@ -82,6 +82,7 @@ from ficc_testkit.slots import private_directory
 from ficc_testkit.units import MIB
 from ficc_testkit.waits import now_ms, wait_for
 from ficc_testkit.wheels import InstalledProvider
+from test_daemon_ledger_full import fill
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST_SRC = ROOT / "packages" / "ficc-executor-host" / "src" / "ficc" / "execution" / "host"
@@ -778,6 +779,37 @@ def test_slot_full(d: Daemon) -> None:
         d.wait_state(plan, lambda r: r.state == "failed", "the attempt to fail")
     finally:
         filler.unlink()
+
+
+def test_a_preparation_on_a_full_slot_fails_with_slot_full(d: Daemon) -> None:
+    """Slot s1's filesystem full to the last block before the attempt's layout is
+    made: the attempt fails (reason `slot_full`) and is released like any other,
+    instead of waiting in `prepared` for its lease to run out."""
+    admitted(d, plan_of(d))  # takes s0, so the next attempt gets s1
+    filler = d.layout.slot_paths[1] / "filler"
+    fill(filler)
+    try:
+        plan = plan_of(d)
+        assert admitted(d, plan).slot == "s1"
+        failed = d.wait_state(plan, lambda r: r.state != "prepared", "the attempt to fail")
+        assert (failed.state, failed.reason) == ("failed", "slot_full"), failed
+    finally:
+        filler.unlink()
+
+
+def test_a_read_only_slot_refuses_new_preparations(d: Daemon) -> None:
+    """Slot s1 remounted read-only (as ext4 does after an error): a new attempt on it
+    fails with `slot_filesystem` before anything is written there."""
+    admitted(d, plan_of(d))  # takes s0, so the next attempt gets s1
+    slot = d.layout.slot_paths[1]
+    subprocess.run(["mount", "-o", "remount,ro", str(slot)], check=True)
+    try:
+        plan = plan_of(d)
+        assert admitted(d, plan).slot == "s1"
+        failed = d.wait_state(plan, lambda r: r.state != "prepared", "the attempt to fail")
+        assert (failed.state, failed.reason) == ("failed", "slot_filesystem"), failed
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(slot)], check=True)
 
 
 def test_input_storage_failed(d: Daemon) -> None:

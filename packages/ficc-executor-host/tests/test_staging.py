@@ -762,6 +762,33 @@ def test_space_is_checked_before_the_first_piece(tiny_slot: Path, slot_gid: int)
     stager.remove_attempt(attempt)
 
 
+def test_a_chunk_whose_commit_was_lost_fits_again_on_a_nearly_full_slot(
+    tiny_slot: Path, slot_gid: int
+) -> None:
+    """The last chunk was written and synced but its commit failed (the ledger was
+    full, or the daemon died): its bytes must not count against the resend, which
+    the client sends at the durable offset as the protocol says."""
+    data = os.urandom(96 * 1024)  # fits the 128 KiB slot, but not twice its last chunk
+    stager = Stager(str(tiny_slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    half = len(data) // 2
+    stager.write(attempt, state.id, 0, data[:half], sha(data[:half]))
+
+    def ledger_full(_: StreamState) -> None:
+        raise HostError("ledger_full", "the state directory is full")
+
+    last = data[half:]
+    try:
+        lost = code_of(stager.write, attempt, state.id, half, last, sha(last), commit=ledger_full)
+        assert lost == "ledger_full"
+        assert stager.status(attempt, state.id).offset == half
+        done = stager.write(attempt, state.id, half, last, sha(last))
+        assert done.complete
+        assert object_path(tiny_slot, attempt, state.id).read_bytes() == data
+    finally:
+        stager.remove_attempt(attempt)
+
+
 def test_enospc_during_the_write_fails_closed(
     slot: Path, slot_gid: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:

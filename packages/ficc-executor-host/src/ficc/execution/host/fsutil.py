@@ -269,3 +269,19 @@ def bounded_read(fd: int, limit: int) -> bytes:
         "file_too_large",
         f"the file is longer than the allowed {limit} bytes; shorten it",
     )
+
+
+def storage_refusal(what: str, error: OSError, failed_code: str) -> HostError:
+    """A write to a slot that failed: `slot_full` when the filesystem (or the quota)
+    is full, else `failed_code`; either way the attempt cannot start."""
+    if error.errno in {errno.ENOSPC, errno.EDQUOT}:
+        return HostError(
+            "slot_full",
+            f"the slot filesystem is full while writing {what}; the attempt cannot start: "
+            "release it and free space on the slot",
+        )
+    return HostError(
+        failed_code,
+        f"writing {what} failed ({error.strerror or error}); the attempt cannot start: "
+        "release it and check the slot's disk",
+    )

@@ -168,8 +168,19 @@ class Layout:
 
         Log files are created empty here, so `collect` of a log before start reads
         zero bytes rather than failing, and the service appends to the host's file.
+        A slot that cannot take the layout (full, read-only, failing) refuses with
+        `slot_full` or `storage_failed`: the attempt fails and can be released.
         """
         check_attempt_id(attempt_id)
+        try:
+            self._create(attempt_id)
+        except OSError as error:
+            raise fsutil.storage_refusal(
+                f"the layout of attempt {attempt_id}", error, "storage_failed"
+            ) from error
+        return self.paths(attempt_id)
+
+    def _create(self, attempt_id: str) -> None:
         base_fd = self._ensure_base()
         try:
             attempt_fd = _ensure_dir(base_fd, attempt_id, _ROOT, _ROOT, _BASE_MODE)
@@ -189,7 +200,6 @@ class Layout:
             fsutil.fsync_dir(attempt_fd)
         finally:
             os.close(attempt_fd)
-        return self.paths(attempt_id)
 
     def open_attempt(self, attempt_id: str) -> int:
         """The attempt directory as a checked fd (`not_found` if it does not exist)."""

@@ -174,6 +174,7 @@ def verify(slot: SlotSpec, open_parent: OpenParent) -> None:
         mount = mount_of(fd, key)
         _check_mount_root(slot, key, mount)
         _check_options(slot, key, fd)
+        _check_writable(slot, key, fd)
         check_identity(slot, key, fd, mount)
         _check_backing_file(key, mount, open_parent)
     except OSError as error:
@@ -289,6 +290,19 @@ def _check_options(slot: SlotSpec, key: str, dir_fd: int) -> None:
             key,
             f"{slot.path} is mounted without {','.join(missing)}",
             "mount it with -o nodev,nosuid (and the same options in /etc/fstab or its mount unit)",
+        )
+
+
+def _check_writable(slot: SlotSpec, key: str, dir_fd: int) -> None:
+    """Refuse new work on a slot mounted read-only (ext4 remounts itself so after an
+    error with `errors=remount-ro`). Only before an attempt's storage is used: a
+    read-only slot at startup does not keep the daemon from recovering the others."""
+    if os.fstatvfs(dir_fd).f_flag & os.ST_RDONLY:
+        raise _refuse(
+            "slot_filesystem",
+            key,
+            f"{slot.path} is mounted read-only (after a filesystem error?)",
+            "check the filesystem (e2fsck) and mount it read-write again",
         )
 
 

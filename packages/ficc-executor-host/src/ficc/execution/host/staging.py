@@ -64,6 +64,7 @@ from ficc.execution.host.fsutil import (
     open_dir_at,
     open_regular_at,
     require_owner,
+    storage_refusal,
 )
 from ficc.execution.host.sdk import InputCapability
 
@@ -292,7 +293,7 @@ class Stager:
                     raise
             except OSError as error:
                 where = f"the staging directory of attempt {attempt_id}"
-                raise _storage_refusal(where, error) from error
+                raise storage_refusal(where, error, "input_storage_failed") from error
             attempt.states = states
             attempt.dir_fd = dir_fd
             attempt.preparing = False
@@ -483,16 +484,18 @@ class Stager:
             running = self._hasher(attempt, fd, state)
             hasher = running.copy()
             try:
-                _require_space(fd, chunk.chunk_size)
                 if os.fstat(fd).st_size > state.offset:
                     os.ftruncate(fd, state.offset)  # drop synced bytes never committed
+                # Only then count the space: the dropped bytes are free again, so the
+                # retry of a chunk whose commit was lost fits where the chunk did.
+                _require_space(fd, chunk.chunk_size)
                 end = _write_pieces(fd, chunk, state.offset, hasher, chunk_digest)
                 if end is None:
                     os.ftruncate(fd, state.offset)
                     return None
                 os.fsync(fd)
             except OSError as error:
-                raise _storage_refusal(f"input {state.id}", error) from error
+                raise storage_refusal(f"input {state.id}", error, "input_storage_failed") from error
             attempt.hashers[state.id] = (end, hasher)
             if end < state.bytes:
                 return msgspec.structs.replace(state, offset=end)
@@ -511,7 +514,7 @@ class Stager:
             os.fchmod(fd, _COMPLETE_MODE)
             os.fsync(fd)
         except OSError as error:
-            raise _storage_refusal(f"input {object_id}", error) from error
+            raise storage_refusal(f"input {object_id}", error, "input_storage_failed") from error
         return identity_of(fd)
 
     def _hasher(self, attempt: _Attempt, fd: int, state: StreamState) -> Any:
@@ -736,20 +739,6 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         written = os.pwrite(fd, view, offset)
         view = view[written:]
         offset += written
-
-
-def _storage_refusal(what: str, error: OSError) -> HostError:
-    if error.errno in {errno.ENOSPC, errno.EDQUOT}:
-        return HostError(
-            "slot_full",
-            f"the slot filesystem is full while writing {what}; the attempt cannot start: "
-            "release it and free space on the slot",
-        )
-    return HostError(
-        "input_storage_failed",
-        f"writing {what} failed ({error.strerror or error}); the attempt cannot start: "
-        "release it and check the slot's disk",
-    )
 
 
 def _not_staged(attempt_id: str) -> HostError:
