@@ -9,6 +9,8 @@ call while the provider is still in it: exactly the uncertainty of a hung provid
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from typing import Any
 
 import msgspec
@@ -110,3 +112,58 @@ def test_a_provider_hung_in_start_or_observe_ends_stopped_and_unknown(
     released = attempt(daemon.release(plan))
     assert (released.state, released.outcome) == ("released", "unknown")
     assert calls("start", plan.attempt_id) == 1
+
+
+def _orphan_of(daemon: Daemon, plan: Plan) -> int:
+    """The PID of the process the test provider left behind (FICC_TEST_PROVIDER_ORPHAN)."""
+    slot = attempt(daemon.observe(plan)).slot
+    assert slot is not None
+    storage = daemon.layout.slot_paths[int(slot[-1])] / "ficc" / plan.attempt_id / "storage"
+    return int((storage / "orphan.pid").read_text())
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_cleanup_kills_what_a_provider_left_of_the_slot_account(daemon: Daemon) -> None:
+    """A process of the slot account outside any service (a rootless Podman pause
+    process, a provider command orphaned by a daemon that died) would keep the slot
+    from ever being confirmed clean: cleanup kills it, then confirms."""
+    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_ORPHAN="1")
+    rows(daemon.prepare([plan]))
+    daemon.wait_state(plan, lambda r: r.ready, "readiness")
+    orphan = _orphan_of(daemon, plan)
+    assert not _gone(orphan)
+    assert attempt(daemon.stop_attempt(plan)).state == "cancelled"
+    clean = settled_clean(daemon, plan)
+    assert clean.reason == "stopped"
+    assert _gone(orphan)
+    assert attempt(daemon.release(plan)).state == "released"
+
+
+def test_release_kills_what_a_dead_daemon_left_of_the_slot_account(daemon: Daemon) -> None:
+    """Cleanup confirmed, then a process of the slot account appears before release (a
+    provider command of a daemon killed in the middle of a release): release kills it
+    before it calls the provider, and frees the slot."""
+    plan = daemon.plan()
+    rows(daemon.prepare([plan]))
+    daemon.wait_state(plan, lambda r: r.ready, "readiness")
+    daemon.stop_attempt(plan)
+    slot = settled_clean(daemon, plan).slot
+    assert slot is not None
+    account = daemon.accounts[f"slot{slot[-1]}"]
+    stray = subprocess.Popen(
+        ["/bin/sleep", "3600"], user=int(account.uid), group=int(account.gid),
+        extra_groups=[], start_new_session=True, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert attempt(daemon.release(plan)).state == "released"
+        assert stray.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait()

@@ -562,29 +562,83 @@ def test_provider_prepare_failure_fails_the_attempt_then_cleanup_is_confirmed(
     assert not status.quarantined
 
 
-def test_unconfirmed_cleanup_quarantines_and_is_retried_until_idle(world: World) -> None:
-    """A process of the slot account outside any service keeps the slot from being idle."""
+class _Respawner:
+    """A root thread outside the host's reach that starts a process of the slot account
+    again each time the last one dies: the account cannot be made idle while it runs."""
+
+    def __init__(self, uid: int, gid: int) -> None:
+        self.argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                     "sleep", "1000"]  # fmt: skip
+        self.stopping = threading.Event()
+        self.spawned = 0
+        self.child: subprocess.Popen[bytes] | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            self.child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+            self.spawned += 1
+            self.child.wait()
+
+    def __enter__(self) -> _Respawner:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.child is not None:
+            self.child.kill()
+        self.thread.join(10)
+
+
+def test_cleanup_kills_a_stray_process_of_the_slot_account(world: World) -> None:
+    """A process of the slot account outside any service (a provider command's
+    leftover) is killed by cleanup, which then confirms the slot idle."""
     stray = subprocess.Popen(
         ["setpriv", f"--reuid={world.uid}", f"--regid={world.gid}", "--clear-groups",
          "sleep", "1000"],
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     fence = world.admit(world.plan(devices=("gpu",)))  # fails in provider prepare
+
+    async def scenario() -> None:
+        await until(lambda: _runs_as(stray.pid, world.uid), "the stray process runs")
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([fence.attempt_id])
+            await until(settled_and_clean(world, fence.attempt_id), "cleanup confirmed")
+
+    try:
+        asyncio.run(scenario())
+        assert stray.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        stray.kill()
+        stray.wait()
+    status = world.record(fence.attempt_id).status
+    assert (status.cleanup_confirmed, status.quarantined) == (True, False)
+
+
+def test_unconfirmed_cleanup_quarantines_and_is_retried_until_idle(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot account that runs again however often it is killed keeps the slot from
+    being idle: the attempt is quarantined, and cleanup is retried until it is."""
+    monkeypatch.setattr(world.ctx.service, "_stop_timeout", 0.5)
+    fence = world.admit(world.plan(devices=("gpu",)))  # fails in provider prepare
     attempt_id = fence.attempt_id
 
     async def scenario() -> None:
-        try:
-            await until(lambda: _runs_as(stray.pid, world.uid), "the stray process runs")
+        with _Respawner(world.uid, world.gid) as respawner:
+            await until(lambda: respawner.spawned >= 1, "the first stray process")
             async with running(Runner(world.ctx, settings=FAST)) as runner:
                 runner.admitted([attempt_id])
                 await until(lambda: world.record(attempt_id).status.quarantined, "quarantined")
                 assert not world.record(attempt_id).status.cleanup_confirmed
-                stray.kill()
-                stray.wait()
+                assert respawner.spawned > 1  # cleanup killed what it found
+                respawner.stop()
                 await until(settled_and_clean(world, attempt_id), "cleanup confirmed")
-        finally:
-            stray.kill()
-            stray.wait()
 
     asyncio.run(scenario())
     status = world.record(attempt_id).status

@@ -49,7 +49,11 @@ first);
 `FICC_TEST_PROVIDER_READY_PID=1` makes observe report the barrier's PID in `ready`
 (as the Podman provider does) and never report `payload`;
 `FICC_TEST_PROVIDER_LATE=1` holds one observe reply that found no exit report until the
-test lets it answer (see LATE_VARIABLE).
+test lets it answer (see LATE_VARIABLE);
+`FICC_TEST_PROVIDER_ORPHAN=1` makes prepare leave a process of the slot account
+running outside any service (`sleep`, in a session of its own, its PID in `orphan.pid`
+in the attempt's storage), as a rootless Podman command leaves its pause process or as
+a provider command outlives a daemon that died.
 """
 
 from __future__ import annotations
@@ -144,6 +148,8 @@ _MALFORMED = {"probe": {"ok": "yes"}, "start": {"started": "yes"}, "release": {"
 HANG_VARIABLE = "FICC_TEST_PROVIDER_HANG"
 HOLD_WAIT = 60.0
 READY_PID_VARIABLE = "FICC_TEST_PROVIDER_READY_PID"
+ORPHAN_VARIABLE = "FICC_TEST_PROVIDER_ORPHAN"
+ORPHAN_PID_FILE = "orphan.pid"
 
 
 def _environment(context: Context) -> dict[str, str]:
@@ -182,6 +188,25 @@ def _hold(method: str, context: Context) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the test never let the held {method} go")
         time.sleep(0.01)
+
+
+def _leave_orphan(context: Context) -> None:
+    """A process of the slot account outside any service, left running (ORPHAN_VARIABLE)."""
+    if _environment(context).get(ORPHAN_VARIABLE) != "1":
+        return
+    child = subprocess.Popen(
+        ["/bin/sleep", "3600"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        user=context.slot.uid,
+        group=context.slot.gid,
+        extra_groups=[],
+        start_new_session=True,
+        cwd="/",
+    )
+    with open(os.path.join(context.storage.path, ORPHAN_PID_FILE), "w", encoding="ascii") as out:
+        out.write(str(child.pid))
 
 
 def _loggable(context: Context) -> Any:
@@ -266,6 +291,7 @@ class Driver:
             refused = self._check(context)  # lease and local authority, before preparing
             if refused is not None:
                 return refused
+            _leave_orphan(context)
             found = os.stat(self.argv[0])
             identity = sdk.Identity(device=found.st_dev, inode=found.st_ino)
             result = sdk.PrepareResult(
@@ -429,6 +455,7 @@ class ServiceDriver(Driver):
             refused = self._check(context)  # lease and local authority, before preparing
             if refused is not None:
                 return refused
+            _leave_orphan(context)
             shell = os.path.realpath("/bin/sh")
             found = os.stat(shell)
             devices = []

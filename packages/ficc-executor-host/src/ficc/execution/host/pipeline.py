@@ -172,6 +172,10 @@ class Runner(AttemptWork):
         context = await self._later_context(attempt)  # the binding, verified while it exists
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
+        if not self._batcher.in_flight.running(attempt.id):
+            # Cleanup was confirmed, so anything of the slot account running now was
+            # orphaned by a daemon that died during a provider command (its release).
+            await self._io(self._ctx.service.kill_account, attempt.slot.uid)
         result = await ticket.call(attempt.provider, "release", context)
         if not result.ok:
             raise _row_error(result, "release")
@@ -369,6 +373,10 @@ class Runner(AttemptWork):
                 await self._io(self._ctx.service.stop, handle)
             if busy:
                 return
+            # Whatever of the slot account still runs outside the service is left over
+            # (a provider command's rootless Podman pause process, or a command
+            # orphaned when a daemon died): the attempt has settled and holds the slot.
+            await self._io(self._ctx.service.kill_account, attempt.slot.uid)
             if handle is not None:
                 idle = await self._io(self._ctx.service.is_idle, handle, attempt.slot.uid)
             else:

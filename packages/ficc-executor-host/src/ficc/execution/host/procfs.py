@@ -884,26 +884,32 @@ def live_tasks(uids: set[int]) -> list[tuple[int, int]]:
     """
     found: list[tuple[int, int]] = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            tasks = os.listdir(f"/proc/{entry}/task")
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        for task in tasks:
-            data = _task_status(f"/proc/{entry}/task/{task}/status")
-            if data is None:
-                continue
-            parsed = state_and_uids(data)
-            if parsed is None:
-                found.append((-1, int(entry)))
-                break
-            state, ids = parsed
-            hit = set(ids) & uids
-            if hit and state != b"Z":
-                found.append((min(hit), int(entry)))
-                break
+        if entry.isdigit():
+            hit = live_uid_of(int(entry), uids)
+            if hit is not None:
+                found.append((hit, int(entry)))
     return found
+
+
+def live_uid_of(pid: int, uids: set[int]) -> int | None:
+    """The smallest of `uids` a live thread of process `pid` runs as, -1 for a thread
+    whose status cannot be parsed, or None (none of them, or the process is gone)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for task in tasks:
+        data = _task_status(f"/proc/{pid}/task/{task}/status")
+        if data is None:
+            continue
+        parsed = state_and_uids(data)
+        if parsed is None:
+            return -1
+        state, ids = parsed
+        hit = set(ids) & uids
+        if hit and state != b"Z":
+            return min(hit)
+    return None
 
 
 # --- a service's first process, as the service backends check it ---------------------

@@ -429,6 +429,9 @@ class CgroupfsService:
     def account_idle(self, uid: int) -> bool:
         return not _uid_has_live_tasks(uid)
 
+    def kill_account(self, uid: int) -> None:
+        kill_account(uid, self._stop_timeout)
+
     def planned_cgroups(self, name: str) -> list[str]:
         check_name(name)
         return [os.path.join(h.mount, self._base, name) for h in self._layout.hierarchies]
@@ -647,6 +650,45 @@ def _readable(fd: int, timeout: float) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(timeout * 1000))
+
+
+def kill_account(uid: int, timeout: float) -> None:
+    """SIGKILL every live process that runs as `uid` (any of its UIDs) and wait until
+    none is left (`service_stop_unconfirmed` after `timeout`).
+
+    Each is killed through a pidfd after its credentials were read again through
+    that pidfd's process, so a PID reused meanwhile is never hit. A process whose
+    status cannot be parsed is not killed (it may be anyone's); it keeps the account
+    from being idle, as `account_idle` says.
+    """
+    deadline = time.monotonic() + timeout
+    while pids := [pid for who, pid in procfs.live_tasks({uid}) if who == uid]:
+        if time.monotonic() >= deadline:
+            raise HostError(
+                "service_stop_unconfirmed",
+                f"processes {pids[:16]} of slot account {uid} survived SIGKILL for {timeout}s;"
+                " investigate them (uninterruptible sleep on a dead mount?)",
+            )
+        for pid in pids:
+            _kill_if_account(pid, uid)
+        wait_until(
+            lambda: not any(who == uid for who, _ in procfs.live_tasks({uid})),
+            min(deadline, time.monotonic() + 0.2),
+        )
+
+
+def _kill_if_account(pid: int, uid: int) -> None:
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        if procfs.live_uid_of(pid, {uid}) == uid:  # still the account's, now pinned
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)
 
 
 def _uid_has_live_tasks(uid: int) -> bool:

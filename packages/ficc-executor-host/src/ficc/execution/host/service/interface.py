@@ -253,6 +253,13 @@ class SystemService(Protocol):
         """True only if no live process on the host runs as `uid` (any of its UIDs)."""
         ...
 
+    def kill_account(self, uid: int) -> None:
+        """SIGKILL every live process that runs as `uid`, outside any service too, and
+        return once none is left (`service_stop_unconfirmed` otherwise). For a slot
+        account whose attempt has settled: what a provider command left running (a
+        rootless Podman pause process, a command orphaned when the daemon died)."""
+        ...
+
     def planned_cgroups(self, name: str) -> list[str]:
         """Every cgroup directory service `name` has or will have (existing or not):
         what the lease reaper kills at the deadline, known before the service exists."""
