@@ -104,6 +104,15 @@ ENTRIES: tuple[Entry, ...] = (
         "prepare when state_dir_min_free_bytes is above the free space (test_daemon_ledger_full.py"
         " fills a real state_dir filesystem and the ledger's own bound)",
     ),
+    Entry(
+        "lease_reaper_unavailable",
+        "unit",
+        "whole",
+        "a renewal of a started attempt whose deadline file cannot be written; needs a"
+        " held attempt and the lease reaper, so it is produced in its own suite",
+        unit="tests-integration/test_daemon_lease_reaper.py::test_a_renewal_the_reaper_cannot"
+        "_get_is_refused_until_it_can",
+    ),
     _detail("slot_capacity", "a plan of a slot class no slot has"),
     _detail("provider_unavailable", "a plan pinning another provider package digest"),
     _detail("offer_revision", "a plan made for another offer revision"),

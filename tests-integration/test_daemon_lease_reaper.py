@@ -24,8 +24,11 @@ import psutil
 import pytest
 
 from ficc.execution.plan import Payload, Plan
-from ficc_testkit.driver import DaemonProcess, attempt, rows
+from ficc.execution.protocol import RenewRequest
+from ficc.execution.wire import ErrorReply
+from ficc_testkit.driver import DaemonProcess, attempt, renewal, rows
 from ficc_testkit.host import Daemon
+from ficc_testkit.plans import new_id
 from ficc_testkit.waits import now_ms, wait_for
 
 LEASE_MS = 10_000
@@ -184,3 +187,31 @@ def test_a_renewal_reaches_the_reaper_before_it_is_answered(daemon: Daemon) -> N
     finally:
         resume()
     _settles_once_and_releases(daemon, plan)
+
+
+def test_a_renewal_the_reaper_cannot_get_is_refused_until_it_can(daemon: Daemon) -> None:
+    """The reaper's deadline file cannot be written (here a directory planted where its
+    temporary file goes; on a real host, a full `state_dir`): the renewal is recorded
+    but refused (`lease_reaper_unavailable`), for the reaper would still stop the
+    payload at the old deadline. The same renewal sent again once the file can be
+    written is answered, and the reaper holds the new deadline."""
+    plan, _ = start_held(daemon)
+    held = _reaper_deadline(daemon, plan)
+    name = f"ficc-work-{daemon.layout.installation_id}-{plan.attempt_id}"
+    planted = daemon.layout.state_dir / "deadlines" / f".{name}.tmp"
+    planted.mkdir()
+    renewed = now_ms() + 2 * LEASE_MS
+    request = RenewRequest(version=1, id=new_id(), leases=[renewal(plan, 2, renewed)])
+    try:
+        reply = daemon.as_transport(request)
+        assert isinstance(reply, ErrorReply), reply
+        assert reply.error.code == "lease_reaper_unavailable"
+        assert "send the same renewal again" in reply.error.message
+        assert _reaper_deadline(daemon, plan) == held
+    finally:
+        planted.rmdir()
+    assert daemon.renew(plan, 2, renewed).state == "starting"
+    assert _reaper_deadline(daemon, plan) > held  # written before the answer
+    daemon.stop_attempt(plan)
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert attempt(daemon.release(plan)).state == "released"

@@ -80,16 +80,34 @@ class Deadlines(HostWork):
         return lease.deadline_boottime_ns != written[1]
 
     async def sync(self, records: Sequence[AttemptRecord]) -> None:
-        """Follow renewals (an answered renewal at once, anything else once per tick)
-        and keep a reaper running while any live service has a deadline.
+        """Follow moved deadlines (each monitor tick) and keep a reaper running while
+        any live service has a deadline; a failure is logged and tried again next tick."""
+        error = await self._sync(records)
+        if error is not None:
+            _log.error("the lease reaper's deadlines could not be updated: %s", error)
 
-        One writer at a time, and each moved deadline is read again from the ledger
+    async def renewed(self, records: Sequence[AttemptRecord]) -> None:
+        """Hand renewed deadlines to the reaper before the renewal is answered; refuse
+        the answer (`lease_reaper_unavailable`) when they cannot be written, for the
+        reaper would stop the payload at the old deadline. The ledger keeps the
+        renewal, so the same renewal sent again writes the files again."""
+        error = await self._sync(records)
+        if error is not None:
+            raise HostError(
+                "lease_reaper_unavailable",
+                f"the renewal is recorded, but the lease reaper's deadline could not be"
+                f" written ({error}), so the payload may still be stopped at the old"
+                " deadline: free space in state_dir (or fix its deadlines/ directory),"
+                " then send the same renewal again",
+            )
+
+    async def _sync(self, records: Sequence[AttemptRecord]) -> OSError | None:
+        """One writer at a time, and each moved deadline is read again from the ledger
         under the lock: `records` may be older than a renewal another writer has
-        already handed over, and the file must never go back to a stale deadline.
-        """
+        already handed over, and the file must never go back to a stale deadline."""
         async with self._lock:  # also when none is known yet: a first `set` may be writing
             if not self._deadlines:
-                return
+                return None
             moved_ids = [r.attempt_id for r in records if self._moved(r)]
             fresh = await self._db(self._records, moved_ids) if moved_ids else []
             moved = [
@@ -113,10 +131,10 @@ class Deadlines(HostWork):
             try:
                 await self._io(write)
             except OSError as error:
-                _log.error("the lease reaper's deadlines could not be updated: %s", error)
-                return
+                return error
             for attempt_id, service, lease in moved:
                 self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
+            return None
 
     def _records(self, attempt_ids: Sequence[str]) -> list[AttemptRecord]:
         """The current records of `attempt_ids` (a ledger-thread call)."""

@@ -143,7 +143,7 @@ class Runner(AttemptWork):
         """Give renewed deadlines to the reaper before the renewal is answered, so a
         daemon that hangs right after answering still stops the payload at the deadline
         the controller was told, also when the renewal shortened it."""
-        await self._deadlines.sync(records)
+        await self._deadlines.renewed(records)
 
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
         """Release these attempts together (one provider call where they share a
