@@ -381,6 +381,31 @@ def test_creating_on_a_full_disk_leaves_no_ledger(small_fs: Path) -> None:
     led.close()
 
 
+def test_creating_with_no_inode_left_is_ledger_full(tmp_path: Path) -> None:
+    """Out of inodes, not bytes: the ledger file itself cannot be made."""
+    path = tmp_path / "few-inodes"
+    path.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=8,mode=0700,nodev,nosuid",
+         "tmpfs", str(path)],
+        check=True,
+    )  # fmt: skip
+    try:
+        with pytest.raises(OSError) as full:  # noqa: PT012 - until no inode is left
+            for n in range(64):
+                (path / f"f{n}").touch()
+        assert full.value.errno == errno.ENOSPC
+        with pytest.raises(HostError) as refused:
+            Ledger.create(str(path), INSTALLATION, limits(), CEILING)
+        assert refused.value.code == "ledger_full"
+        (path / "f0").unlink()
+        (path / "f1").unlink()
+        (path / "f2").unlink()
+        Ledger.create(str(path), INSTALLATION, limits(), CEILING).close()
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
 # --- helpers ----------------------------------------------------------------------------
 
 

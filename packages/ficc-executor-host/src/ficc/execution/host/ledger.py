@@ -217,7 +217,9 @@ def _log_reserve_spent() -> None:
 
 def _no_space(error: BaseException) -> bool:
     """Whether opening or creating the ledger failed for lack of space (bytes or inodes),
-    whether SQLite or the daemon's own file calls met it."""
+    whether SQLite or the daemon's own file calls met it (`fsutil` wraps the OSError)."""
+    if isinstance(error, HostError) and isinstance(error.__cause__, OSError):
+        error = error.__cause__
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
     return _out_of_space(error)
@@ -444,8 +446,8 @@ class Ledger:
         try:
             fd = fsutil.create_exclusive(dir_fd, LEDGER_FILE, 0o600)
         except HostError as error:
-            if isinstance(error.__cause__, OSError) and _no_space(error.__cause__):
-                raise error.__cause__ from error
+            if _no_space(error):
+                raise
             raise HostError(
                 "ledger_exists",
                 f"{state_dir}/{LEDGER_FILE} cannot be created exclusively ({error.code});"
