@@ -239,8 +239,10 @@ def check_ledger(config: Config) -> str:
     except HostError as error:
         if error.code == ErrorCode.LEDGER_FULL and _has_reserve(config.state_dir):
             return (
-                f"not checked: {error.message}; serve deletes {ledger_space.RESERVE_FILE}"
-                " to open it, and admission stays closed until there is room again"
+                f"not checked: {config.state_dir}'s filesystem is full and opening the ledger"
+                f" needs the space of {ledger_space.RESERVE_FILE}, which only serve spends;"
+                " serve opens and checks it, with admission closed until there is room for"
+                " the reserve again: free space on that filesystem"
             )
         if error.code != "ledger_busy":
             raise
