@@ -10,16 +10,26 @@ snapshot, observe, renew, start, stop and release of attempts admitted before go
 check and holds exactly the records it held; once space is freed, admission reopens
 and the reserve is made again.
 
-A second test fills the ledger itself up to `ledger_max_bytes`, without a full disk.
+The filesystem may also fill while the daemon is stopped. A clean stop deletes SQLite's
+write-ahead log and shared-memory index, and opening the ledger makes them again, so a
+restart spends the reserve for that, starts with admission closed and reopens it once
+space is freed; `check-config` never spends the reserve. Without a reserve, `serve` and
+`check-config` refuse with `ledger_full`. A first start on a full filesystem refuses
+with `ledger_full` and leaves no ledger behind, so the start after space was freed
+creates one.
+
+Another test fills the ledger itself up to `ledger_max_bytes`, without a full disk.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +39,7 @@ from ficc.execution.plan import Plan, plan_digest
 from ficc.execution.protocol import CollectRequest, Read
 from ficc.execution.wire import TERMINAL, AttemptRow, ReadRow, ReadsReply
 from ficc_testkit.accounts import Accounts
-from ficc_testkit.driver import DaemonProcess, attempt, error_code, row_code, rows
+from ficc_testkit.driver import DaemonFailed, DaemonProcess, attempt, error_code, row_code, rows
 from ficc_testkit.host import Daemon, Layout
 from ficc_testkit.plans import new_id
 from ficc_testkit.slots import private_directory
@@ -221,3 +231,115 @@ def test_the_ledger_stops_admission_at_its_own_bound(daemon: Daemon) -> None:
     attempt(daemon.stop_attempt(admitted))
     assert settled(daemon, admitted, "cancelled").state == "cancelled"
     assert attempt(daemon.release(admitted)).state == "released"
+
+
+def check_config(daemon: Daemon, *options: str) -> subprocess.CompletedProcess[str]:
+    """`check-config` as the shipped unit runs it before `serve` (the timeout is a hang
+    guard, not an assertion)."""
+    command = [sys.executable, "-m", "ficc.execution", "check-config", *options]
+    command += ["--config", str(daemon.layout.config_path)]
+    command += ["--provider-path", str(daemon.provider.site)]
+    return subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+
+
+def refusals(process: DaemonProcess) -> list[tuple[str, str]]:
+    """The (code, message) of each `refused` event `serve` logged."""
+    return [(e["code"], e["message"]) for e in process.events() if e.get("event") == "refused"]
+
+
+def stopped_cleanly(daemon: Daemon) -> Path:
+    """Stop the daemon (exit 0); its state_dir, which SQLite left without its
+    write-ahead log and shared-memory index, so opening the ledger must make them."""
+    ledger_dir = state_dir(daemon)
+    assert daemon.stop() == 0
+    assert not (ledger_dir / f"{LEDGER_FILE}-wal").exists()
+    assert not (ledger_dir / f"{LEDGER_FILE}-shm").exists()
+    return ledger_dir
+
+
+def test_a_restart_on_a_state_dir_filled_while_stopped_spends_the_reserve(daemon: Daemon) -> None:
+    admitted = daemon.plan()
+    rows(daemon.prepare([admitted]))
+    daemon.wait_state(admitted, lambda r: r.ready or r.state != "prepared", "ready")
+    ledger_dir = stopped_cleanly(daemon)
+    fill(ledger_dir / "filler")
+
+    # the unit's check before serve: no refusal, and the reserve is left for serve
+    checked = check_config(daemon, "--json")
+    assert checked.returncode == 0, checked.stderr
+    document = json.loads(checked.stdout)
+    assert document["result"] == "ok", document
+    assert document["ledger"].startswith("not checked: "), document
+    assert (ledger_dir / RESERVE_FILE).exists()
+
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+    daemon.start()
+    assert not (ledger_dir / RESERVE_FILE).exists()  # spent to open the ledger
+    assert (ledger_dir / f"{LEDGER_FILE}-wal").exists()
+    assert {a.attempt_id for a in daemon.snapshot().attempts} == {admitted.attempt_id}
+    refused = daemon.plan()
+    reply = daemon.prepare([refused])
+    assert error_code(reply) == "ledger_full", reply
+    assert RESERVE_FILE in reply.error.message  # type: ignore[union-attr]
+    assert row_code(daemon.observe(refused)) == "unknown_attempt"
+    assert attempt(daemon.renew(admitted, 2, now_ms() + 600_000)).lease_sequence == 2
+
+    # space freed: admission reopens and the reserve is made again
+    (ledger_dir / "filler").unlink()
+    (row,) = rows(daemon.prepare([refused]))
+    assert attempt(row).state == "prepared"
+    assert (ledger_dir / RESERVE_FILE).exists()
+
+
+def test_a_full_state_dir_without_a_reserve_refuses_to_start(daemon: Daemon) -> None:
+    ledger_dir = stopped_cleanly(daemon)
+    (ledger_dir / RESERVE_FILE).unlink()
+    fill(ledger_dir / "filler")
+
+    checked = check_config(daemon)
+    assert checked.returncode == 1, checked
+    assert checked.stderr.startswith("ledger_full: "), checked.stderr
+    assert "Traceback" not in checked.stderr
+    assert f"mounted at {ledger_dir}" in checked.stderr
+    document = json.loads(check_config(daemon, "--json").stdout)
+    assert (document["result"], document["error"]["code"]) == ("refused", "ledger_full")
+
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+    with pytest.raises(DaemonFailed):
+        daemon.start()
+    ((code, message),) = refusals(daemon.process)
+    assert code == "ledger_full"
+    assert "free space on that filesystem" in message
+
+    (ledger_dir / "filler").unlink()
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+    daemon.start()
+    (row,) = rows(daemon.prepare([daemon.plan()]))
+    assert attempt(row).state == "prepared"
+
+
+def test_a_first_start_on_a_full_state_dir_leaves_no_ledger(
+    layout: Layout, provider: InstalledProvider, accounts: Accounts
+) -> None:
+    ledger_dir = Path(layout.document["state_dir"])
+    before = sorted(p.name for p in ledger_dir.iterdir())
+    fill(ledger_dir / "filler")
+    daemon = Daemon(layout, provider, accounts)
+    try:
+        with pytest.raises(DaemonFailed):
+            daemon.start()
+        ((code, message),) = refusals(daemon.process)
+        assert code == "ledger_full", message
+        assert "cannot be created" in message
+        assert sorted(p.name for p in ledger_dir.iterdir()) == sorted([*before, "filler"])
+
+        # space freed: the next start creates the ledger as on any first start
+        (ledger_dir / "filler").unlink()
+        daemon.process = DaemonProcess.of(layout, provider)
+        daemon.start()
+        (row,) = rows(daemon.prepare([daemon.plan()]))
+        assert attempt(row).state == "prepared"
+        assert (ledger_dir / RESERVE_FILE).exists()
+    finally:
+        status = daemon.stop()
+    assert status == 0, daemon.process.log()

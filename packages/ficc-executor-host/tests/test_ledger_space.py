@@ -318,6 +318,94 @@ def test_a_disk_filled_from_outside_spends_the_reserve(small_fs: Path) -> None:
         reopened.close()
 
 
+def test_opening_on_a_full_disk_spends_the_reserve_and_keeps_admission_closed(
+    small_fs: Path,
+) -> None:
+    """A clean close deletes the write-ahead log and shared-memory index; opening makes
+    them again, which on a full disk needs the reserve's space."""
+    bounds = SpaceBounds(ledger_max_bytes=64 * MIB, min_free_bytes=2 * MIB,
+                         reserve_bytes=4 * MIB)  # fmt: skip
+    reserve = small_fs / space.RESERVE_FILE
+    led = Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+    try:
+        led.bound_space(bounds)
+        plan = make_plan()
+        admitted(led, plan)
+    finally:
+        led.close()
+    assert sorted(p.name for p in small_fs.iterdir()) == [space.RESERVE_FILE, "ledger.sqlite3"]
+    _fill(small_fs / "filler")
+    # a check that must change nothing refuses, and leaves the reserve alone
+    with pytest.raises(HostError) as refused:
+        Ledger.open(str(small_fs), INSTALLATION, spend_reserve=False)
+    assert refused.value.code == "ledger_full"
+    assert f"mounted at {small_fs}" in refused.value.message
+    assert reserve.exists()
+    led = Ledger.open(str(small_fs), INSTALLATION)
+    try:
+        assert not reserve.exists()
+        led.bound_space(bounds)
+        with pytest.raises(HostError) as refused:
+            led.admit_batch(led.bindings(), [_row(make_plan())], facts())
+        assert refused.value.code == "ledger_full"
+        assert space.RESERVE_FILE in refused.value.message
+        led.apply(fence(plan), lc.PrepareBegun())  # admitted work goes on
+        (small_fs / "filler").unlink()
+        admitted(led, make_plan())
+        assert reserve.exists()
+    finally:
+        led.close()
+
+
+def test_a_reserve_too_small_to_open_the_ledger_is_ledger_full(small_fs: Path) -> None:
+    Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING).close()
+    _fill(small_fs / "filler")
+    (small_fs / space.RESERVE_FILE).touch()  # frees nothing when deleted
+    with pytest.raises(HostError) as refused:
+        Ledger.open(str(small_fs), INSTALLATION)
+    assert refused.value.code == "ledger_full"
+    assert f"even after deleting {space.RESERVE_FILE}" in refused.value.message
+    (small_fs / "filler").unlink()
+    Ledger.open(str(small_fs), INSTALLATION).close()
+
+
+def test_creating_on_a_full_disk_leaves_no_ledger(small_fs: Path) -> None:
+    _fill(small_fs / "filler")
+    with pytest.raises(HostError) as refused:
+        Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+    assert refused.value.code == "ledger_full"
+    assert "cannot be created" in refused.value.message
+    assert [p.name for p in small_fs.iterdir()] == ["filler"]
+    (small_fs / "filler").unlink()
+    led = Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+    led.close()
+
+
+def test_creating_with_no_inode_left_is_ledger_full(tmp_path: Path) -> None:
+    """Out of inodes, not bytes: the ledger file itself cannot be made."""
+    path = tmp_path / "few-inodes"
+    path.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=8,mode=0700,nodev,nosuid",
+         "tmpfs", str(path)],
+        check=True,
+    )  # fmt: skip
+    try:
+        with pytest.raises(OSError) as full:  # noqa: PT012 - until no inode is left
+            for n in range(64):
+                (path / f"f{n}").touch()
+        assert full.value.errno == errno.ENOSPC
+        with pytest.raises(HostError) as refused:
+            Ledger.create(str(path), INSTALLATION, limits(), CEILING)
+        assert refused.value.code == "ledger_full"
+        (path / "f0").unlink()
+        (path / "f1").unlink()
+        (path / "f2").unlink()
+        Ledger.create(str(path), INSTALLATION, limits(), CEILING).close()
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
 # --- helpers ----------------------------------------------------------------------------
 
 

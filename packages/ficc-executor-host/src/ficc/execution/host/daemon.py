@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ficc.execution._executor import ReceivedRequest
-from ficc.execution.host import fsutil, handlers, metrics, notify
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host import fsutil, handlers, ledger_space, metrics, notify
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config, Provider, check_host
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -226,17 +227,35 @@ def check_ledger(config: Config) -> str:
     """The ledger checks `serve` makes before it listens, changing nothing: a ledger that
     existed is still there, opens, passes its integrity check and belongs to this
     installation. Returns what was found; a ledger a running daemon holds is not
-    opened a second time (that daemon checked it when it started)."""
+    opened a second time (that daemon checked it when it started). On a full
+    filesystem the check cannot open the ledger without spending its reserve, which it
+    must not do: if the reserve is there, `serve` will spend it and check the ledger
+    itself, so that is no refusal; without one, `serve` could not open it either."""
     has_ledger, _ = check_ledger_present(config)
     if not has_ledger:
         return "none yet (serve creates it on its first start)"
     try:
-        Ledger.open(config.state_dir, config.installation_id).close()
+        Ledger.open(config.state_dir, config.installation_id, spend_reserve=False).close()
     except HostError as error:
+        if error.code == ErrorCode.LEDGER_FULL and _has_reserve(config.state_dir):
+            return (
+                f"not checked: {config.state_dir}'s filesystem is full and opening the ledger"
+                f" needs the space of {ledger_space.RESERVE_FILE}, which only serve spends;"
+                " serve opens and checks it, with admission closed until there is room for"
+                " the reserve again: free space on that filesystem"
+            )
         if error.code != "ledger_busy":
             raise
         return "held by a running daemon (checked when that daemon started)"
     return "ok"
+
+
+def _has_reserve(state_dir: str) -> bool:
+    state_fd = fsutil.open_dir(state_dir)
+    try:
+        return ledger_space.has_reserve(state_fd)
+    finally:
+        os.close(state_fd)
 
 
 def open_ledger(config: Config) -> Ledger:

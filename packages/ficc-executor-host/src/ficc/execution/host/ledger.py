@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import functools
 import itertools
@@ -86,6 +87,7 @@ from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc.execution.wire import Control
 
 LEDGER_FILE: Final = "ledger.sqlite3"
+_SIDECARS: Final = tuple(LEDGER_FILE + suffix for suffix in ("-wal", "-shm", "-journal"))
 ADMISSION_VERSION: Final = 1
 PAGE_MAX: Final = 64
 BATCH_MAX: Final = planlib.MAX_ROWS
@@ -203,6 +205,93 @@ def _spending_reserve(
         return method(self, *args, **kwargs)
 
     return run
+
+
+def _log_reserve_spent() -> None:
+    _log.warning(
+        "the ledger's filesystem is full: %s deleted so the write can be retried;"
+        " free space on state_dir's filesystem",
+        ledger_space.RESERVE_FILE,
+    )
+
+
+def _no_space(error: BaseException) -> bool:
+    """Whether opening or creating the ledger failed for lack of space (bytes or inodes),
+    whether SQLite or the daemon's own file calls met it (`fsutil` wraps the OSError)."""
+    if isinstance(error, HostError) and isinstance(error.__cause__, OSError):
+        error = error.__cause__
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return _out_of_space(error)
+
+
+def _spending_reserve_to_start(
+    dir_fd: int, state_dir: str, done: str, start: Callable[[], Ledger], *, spend: bool = True
+) -> Ledger:
+    """`start()` (open or create, under the lock on `dir_fd`); when it fails for lack of
+    space, spend the reserve and run it once more, as a write at runtime would. The
+    ledger then starts with its reserve spent, so admission stays closed until there
+    is room to make it again. Still no space: `ledger_full`, naming the filesystem."""
+    try:
+        return start()
+    except Exception as error:
+        if not _no_space(error):
+            raise
+        first = error
+    if not (spend and ledger_space.drop_reserve(dir_fd)):
+        raise _full_at_start(dir_fd, state_dir, done, spent=False) from first
+    _log_reserve_spent()
+    try:
+        ledger = start()
+    except Exception as error:
+        if not _no_space(error):
+            raise
+        raise _full_at_start(dir_fd, state_dir, done, spent=True) from error
+    ledger._reserve_spent = True
+    return ledger
+
+
+def _full_at_start(dir_fd: int, state_dir: str, done: str, *, spent: bool) -> HostError:
+    free = ledger_space.free_bytes(dir_fd)
+    spending = f" even after deleting {ledger_space.RESERVE_FILE}" if spent else ""
+    return HostError(
+        ErrorCode.LEDGER_FULL,
+        f"{state_dir}/{LEDGER_FILE} cannot be {done}{spending}: state_dir's filesystem"
+        f" (mounted at {_mount_point(state_dir)}) is full ({free} bytes free); free space on"
+        " that filesystem, then start the daemon again",
+    )
+
+
+def _mount_point(path: str) -> str:
+    """The mount point of the filesystem holding `path` (for messages; `path` itself if
+    it cannot be found)."""
+    try:
+        device = os.stat(path).st_dev
+        while (parent := os.path.dirname(path)) != path and os.stat(parent).st_dev == device:
+            path = parent
+    except OSError:
+        pass
+    return path
+
+
+def _exists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _remove_new(dir_fd: int, names: Sequence[str]) -> None:
+    """Remove files a failed `create` made, durably, so the next start finds no ledger
+    (rather than an empty or half-made one it would refuse as corrupt)."""
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+    try:
+        fsutil.fsync_dir(dir_fd)
+    except OSError as error:
+        _log.warning("the state directory could not be synced after a failed create: %s", error)
 
 
 def _log_change(record: AttemptRecord, cause: str) -> None:
@@ -337,14 +426,34 @@ class Ledger:
             raise HostError(ErrorCode.OFFER_EXCEEDS_CEILING, f"initial offer: {why}")
         dir_fd = _lock_state_dir(state_dir)
         try:
-            try:
-                fd = fsutil.create_exclusive(dir_fd, LEDGER_FILE, 0o600)
-            except HostError as error:
-                raise HostError(
-                    "ledger_exists",
-                    f"{state_dir}/{LEDGER_FILE} cannot be created exclusively ({error.code});"
-                    " if a ledger is there, open it instead of creating one",
-                ) from error
+            return _spending_reserve_to_start(
+                dir_fd,
+                state_dir,
+                "created",
+                lambda: cls._create_locked(dir_fd, state_dir, installation_id, initial_offer),
+            )
+        except BaseException:
+            os.close(dir_fd)
+            raise
+
+    @classmethod
+    def _create_locked(
+        cls, dir_fd: int, state_dir: str, installation_id: str, initial_offer: OfferLimits
+    ) -> Ledger:
+        """`create` under the state directory's lock. A failure after the file was made
+        removes what it made, so no half-made ledger is ever taken for a lost one."""
+        sidecars = [n for n in _SIDECARS if not _exists_at(dir_fd, n)]
+        try:
+            fd = fsutil.create_exclusive(dir_fd, LEDGER_FILE, 0o600)
+        except HostError as error:
+            if _no_space(error):
+                raise
+            raise HostError(
+                "ledger_exists",
+                f"{state_dir}/{LEDGER_FILE} cannot be created exclusively ({error.code});"
+                " if a ledger is there, open it instead of creating one",
+            ) from error
+        try:
             checked = _checked_and_closed(fd)
             fsutil.fsync_dir(dir_fd)
             db = _connect(state_dir, dir_fd, checked)
@@ -372,31 +481,48 @@ class Ledger:
                 raise
             return cls._checked(db, dir_fd, state_dir, installation_id)
         except BaseException:
+            _remove_new(dir_fd, [LEDGER_FILE, *sidecars])
+            raise
+
+    @classmethod
+    def open(cls, state_dir: str, installation_id: str, *, spend_reserve: bool = True) -> Ledger:
+        """Open the existing ledger of this installation; refuse any other one.
+
+        Opening writes: SQLite makes its write-ahead log and shared-memory index again
+        (a clean stop deletes them). On a full filesystem the reserve is spent for that,
+        as for any other write, unless `spend_reserve` is False (a check that must change
+        nothing): then a full filesystem is refused with `ledger_full`.
+        """
+        dir_fd = _lock_state_dir(state_dir)
+        try:
+            return _spending_reserve_to_start(
+                dir_fd,
+                state_dir,
+                "opened",
+                lambda: cls._open_locked(dir_fd, state_dir, installation_id),
+                spend=spend_reserve,
+            )
+        except BaseException:
             os.close(dir_fd)
             raise
 
     @classmethod
-    def open(cls, state_dir: str, installation_id: str) -> Ledger:
-        """Open the existing ledger of this installation; refuse any other one."""
-        dir_fd = _lock_state_dir(state_dir)
+    def _open_locked(cls, dir_fd: int, state_dir: str, installation_id: str) -> Ledger:
+        """`open` under the state directory's lock."""
         try:
-            try:
-                fd = fsutil.open_regular_at(dir_fd, LEDGER_FILE, os.O_RDONLY, owner_uid=0)
-            except HostError as error:
-                if error.code != "not_found":  # its message already says what to fix
-                    raise HostError(
-                        "ledger_unsafe", f"{state_dir}/{LEDGER_FILE}: {error.message}"
-                    ) from error
+            fd = fsutil.open_regular_at(dir_fd, LEDGER_FILE, os.O_RDONLY, owner_uid=0)
+        except HostError as error:
+            if error.code != "not_found":  # its message already says what to fix
                 raise HostError(
-                    "ledger_missing",
-                    f"{state_dir}/{LEDGER_FILE}: {error.message}; restore it from backup"
-                    " (serve creates a ledger only in a state_dir that never held one)",
+                    "ledger_unsafe", f"{state_dir}/{LEDGER_FILE}: {error.message}"
                 ) from error
-            db = _connect(state_dir, dir_fd, _checked_and_closed(fd))
-            return cls._checked(db, dir_fd, state_dir, installation_id)
-        except BaseException:
-            os.close(dir_fd)
-            raise
+            raise HostError(
+                "ledger_missing",
+                f"{state_dir}/{LEDGER_FILE}: {error.message}; restore it from backup"
+                " (serve creates a ledger only in a state_dir that never held one)",
+            ) from error
+        db = _connect(state_dir, dir_fd, _checked_and_closed(fd))
+        return cls._checked(db, dir_fd, state_dir, installation_id)
 
     @classmethod
     def _checked(
@@ -484,11 +610,7 @@ class Ledger:
             if not ledger_space.drop_reserve(self._dir_fd):
                 return False
             self._reserve_spent = True
-        _log.warning(
-            "the ledger's filesystem is full: %s deleted so the write can be retried;"
-            " free space on state_dir's filesystem",
-            ledger_space.RESERVE_FILE,
-        )
+        _log_reserve_spent()
         return True
 
     def _remake_reserve(self) -> None:
