@@ -499,6 +499,24 @@ def test_configure_refusing_its_configuration(site: Path) -> None:
         load_provider("test", digest_of(site), {"argv": "not a list"}, [str(site)])
 
 
+def test_sys_exit_in_configure_is_a_refusal_not_the_end_of_the_host(site: Path) -> None:
+    """`sys.exit()` in a provider's configure() is the provider's refusal (the daemon
+    must still start and recover), never the daemon's exit."""
+    source = (site / PACKAGE).read_bytes()
+    exits = source + b"\ndef configure(configuration):\n    raise SystemExit('bad key typo')\n"
+    rerelease(site, PACKAGE, exits)
+    with refused("provider_configure_failed") as refusal:
+        load_provider("test", digest_of(site), {}, [str(site)])
+    assert "bad key typo" in str(refusal.value)
+
+
+def test_sys_exit_at_import_is_a_refusal_not_the_end_of_the_host(site: Path) -> None:
+    source = (site / PACKAGE).read_bytes()
+    rerelease(site, PACKAGE, source + b"\nimport sys\n\nsys.exit(3)\n")
+    with refused("provider_import_failed"):
+        load_provider("test", digest_of(site), {}, [str(site)])
+
+
 def test_loaded_test_provider_runs_a_real_unconfined_child(site: Path) -> None:
     argv = ["/bin/sh", "-c", "exit 7"]
     loaded = load_provider("test", digest_of(site), {"argv": argv}, [str(site)])

@@ -77,7 +77,7 @@ def load_provider(
         raise HostError("provider_invalid", f"provider {name!r} has no callable configure()")
     try:
         driver = configure(dict(configuration))
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a provider's sys.exit() must not stop the host
         raise HostError(
             "provider_configure_failed",
             f"provider {name!r} refused its configuration: {bounded(error)}; "
@@ -116,7 +116,7 @@ def _import_pinned(verified: DistributionDigest, module_name: str) -> ModuleType
         return importlib.import_module(module_name)
     except HostError:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a provider's sys.exit() must not stop the host
         raise HostError(
             "provider_import_failed",
             f"importing provider module {module_name!r} failed: {bounded(error)}; install "
