@@ -34,6 +34,10 @@ image digests, isolations and networks probe accepts; it refuses any other with
 `image_unknown`, `isolation_unsupported` or `network_unsupported`, as a real provider
 refuses what it does not offer.
 
+If `verified_storage` is true, probe, prepare and start refuse a row whose storage
+binding is not verified (`storage_unverified`), as a provider may that relies on the
+documented contract (the binding is verified in those three).
+
 Deliberate defects (`defects`, a list; TEST ONLY, to show the conformance kit
 failing): `prepare_ignores_check` (prepare goes on when check() refuses) and
 `release_not_idempotent` (a second release of an attempt is refused).
@@ -113,6 +117,9 @@ def configure(configuration: dict[str, Any]) -> Driver:
             not isinstance(value, list) or not all(isinstance(v, str) for v in value)
         ):
             raise ValueError(f"configuration {key!r} must be a list of strings")
+    verified_storage = configuration.get("verified_storage", False)
+    if not isinstance(verified_storage, bool):
+        raise ValueError("configuration 'verified_storage' must be true or false")
     defects = configuration.get("defects", [])
     if not isinstance(defects, list) or not set(defects) <= DEFECTS:
         raise ValueError(f"configuration 'defects' must be a list of {sorted(DEFECTS)}")
@@ -123,6 +130,7 @@ def configure(configuration: dict[str, Any]) -> Driver:
     driver.context_log = context_log
     driver.offer = {k: frozenset(v) for k, v in offer.items() if v is not None}
     driver.defects = frozenset(defects)
+    driver.verified_storage = verified_storage
     driver.batch_log = batch_log
     return driver
 
@@ -197,6 +205,7 @@ class Driver:
         self.context_log: str | None = None
         self.offer: dict[str, frozenset[str]] = {}
         self.defects: frozenset[str] = frozenset()
+        self.verified_storage = False
         self.released: set[str] = set()
         self.batch_log: str | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
@@ -219,8 +228,18 @@ class Driver:
                     log.write(f"{method} {context.attempt_id}\n")
         _hang(method, contexts)
 
+    def _unverified(self, context: Context) -> Reply | None:
+        """With `verified_storage`, the refusal of a row whose binding is not verified."""
+        if self.verified_storage and not context.storage.verified:
+            return sdk.refusal("storage_unverified", f"{context.storage.path} is not verified")
+        return None
+
     def _check(self, context: sdk.PrepareContext) -> Reply | None:
-        """check() before preparing: its refusal as the row's, unless a defect ignores it."""
+        """check() before preparing: its refusal as the row's, unless a defect ignores it
+        (after the storage binding's check, when one is asked for)."""
+        unverified = self._unverified(context)
+        if unverified is not None:
+            return unverified
         try:
             context.check()
         except sdk.Refused as error:
@@ -242,6 +261,9 @@ class Driver:
         self._logged("probe", contexts)
 
         def row(context: Context) -> Reply:
+            unverified = self._unverified(context)
+            if unverified is not None:
+                return unverified
             if _environment(context).get(PROBE_VARIABLE) == "fail":
                 return sdk.reply(sdk.ProbeReply(ok=False))
             malformed = _malformed("probe", context)
@@ -285,6 +307,9 @@ class Driver:
         self._logged("start", contexts)
 
         def row(context: Context) -> Reply:
+            unverified = self._unverified(context)
+            if unverified is not None:
+                return unverified
             attempt = _attempt(context)
             if attempt not in self.children:
                 self.children[attempt] = subprocess.Popen(
@@ -470,7 +495,12 @@ class ServiceDriver(Driver):
     def start(self, contexts: list[Context]) -> list[Reply]:
         self._logged("start", contexts)
         return self._each(
-            contexts, lambda c: _malformed("start", c) or sdk.reply(sdk.StartReply(started=True))
+            contexts,
+            lambda c: (
+                self._unverified(c)
+                or _malformed("start", c)
+                or sdk.reply(sdk.StartReply(started=True))
+            ),
         )
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
