@@ -65,7 +65,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -522,7 +522,8 @@ class ServiceDriver(Driver):
             pid = _read_report(status, "pid")
             if pid is None:
                 return sdk.reply(sdk.Observation(phase="ready", devices=devices))
-            phase = "ready" if _environment(context).get(READY_PID_VARIABLE) == "1" else "payload"
+            ready_pid = _environment(context).get(READY_PID_VARIABLE) == "1"
+            phase: Literal["ready", "payload"] = "ready" if ready_pid else "payload"
             observed = sdk.Observation(phase=phase, pid=int(pid.strip()), devices=devices)
             if _environment(context).get(LATE_VARIABLE) == "1":
                 _answer_late(status)
