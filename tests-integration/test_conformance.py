@@ -2,8 +2,11 @@
 provider installed in a root-owned prefix and pinned, on real slot filesystems and
 accounts, with the host's real service backend (no daemon).
 
-It passes on the test provider and on the Podman provider, and fails on the test
-provider configured with a deliberate defect, naming the broken rule.
+It passes on the test provider and on the Podman provider, and on the test provider
+relying on what the daemon guarantees (a verified storage binding in probe, a `ready`
+that carries the PID); it fails on the test provider configured with a deliberate
+defect, naming the broken rule, with one outcome per rule; it stops a run whose
+provider call never returns; it refuses bad arguments with exit 2.
 """
 
 from __future__ import annotations
@@ -63,8 +66,16 @@ def run_kit(
         "--json", "--timeout", "60", *extra,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
-    outcomes = {o["rule"]: o for o in json.loads(done.stdout)} if done.stdout else {}
-    return done.returncode, outcomes, done.stderr
+    listed = json.loads(done.stdout) if done.stdout else []
+    rules = [o["rule"] for o in listed]
+    assert len(rules) == len(set(rules)), f"a rule is listed twice: {rules}"
+    return done.returncode, {o["rule"]: o for o in listed}, done.stderr
+
+
+def with_environment(plan: Plan, **environment: str) -> Plan:
+    """The plan with this payload environment (the test provider's failure switches)."""
+    payload = msgspec.structs.replace(plan.job.payload, environment=environment)
+    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=payload))
 
 
 def kit_plan(layout: Layout, provider: InstalledProvider) -> Plan:
@@ -167,3 +178,112 @@ def test_the_podman_provider_passes_every_rule() -> None:
     failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
     assert (status, failed) == (0, {}), stderr
     assert set(outcomes) == set(RULES)
+
+
+@pytest.mark.parametrize(
+    ("configuration", "environment"),
+    [
+        ({"verified_storage": True}, {}),
+        ({}, {"FICC_TEST_PROVIDER_READY_PID": "1"}),
+    ],
+    ids=["probe-needs-a-verified-binding", "ready-carries-the-pid"],
+)
+def test_a_provider_relying_on_what_the_daemon_guarantees_passes(
+    layout: Layout,
+    provider: InstalledProvider,
+    configuration: dict[str, Any],
+    environment: dict[str, str],
+) -> None:
+    """The kit gives probe the verified storage binding the daemon gives it, and takes
+    a `ready` observation carrying the PID as `payload` too, as the daemon does."""
+    plan = with_environment(kit_plan(layout, provider), **environment)
+    configured = {"runtime": "service", **TEST_OFFER, **configuration}
+    status, outcomes, stderr = run_kit(layout, "test", provider.site, plan, configured)
+    failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
+    assert (status, failed) == (0, {}), stderr
+    assert set(outcomes) == set(RULES)
+
+
+def test_a_rule_failing_early_still_gives_every_rule_one_outcome(
+    layout: Layout, provider: InstalledProvider
+) -> None:
+    """start.reply fails (a malformed start): the rules that need a started payload are
+    skipped with why, the release rules still run, and stop.running fails under its own
+    name, naming the rule it tripped over."""
+    plan = with_environment(kit_plan(layout, provider), FICC_TEST_PROVIDER_MALFORMED="start")
+    configured = {"runtime": "service", **TEST_OFFER}
+    status, outcomes, stderr = run_kit(layout, "test", provider.site, plan, configured)
+    assert status == 1, stderr
+    assert set(outcomes) == set(RULES)
+    skipped = {rule for rule, o in outcomes.items() if o["skipped"]}
+    assert skipped == {
+        "observe.phases",
+        "observe.repeatable",
+        "batch.observe_64",
+        "stop.repeatable",
+    }
+    assert {outcomes[r]["message"] for r in skipped} == {"not run: start.reply failed"}
+    failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
+    assert set(failed) - skipped == {"start.reply", "stop.running"}, failed
+    assert failed["stop.running"].startswith("start.reply: start replied ")
+
+
+@pytest.mark.parametrize(
+    ("method", "rule"), [("probe", "probe.accepts"), ("observe", "observe.phases")]
+)
+def test_a_provider_call_that_never_returns_fails_its_rule_and_stops_the_run(
+    layout: Layout, provider: InstalledProvider, method: str, rule: str
+) -> None:
+    """The held call (it waits for a file the test never creates) outlasts --timeout:
+    its rule fails, every later rule is skipped, and the kit exits with what it has."""
+    plan = with_environment(kit_plan(layout, provider), FICC_TEST_PROVIDER_HANG=f"{method}:hold")
+    configured = {"runtime": "service", **TEST_OFFER}
+    status, outcomes, stderr = run_kit(
+        layout, "test", provider.site, plan, configured, "--timeout", "5"
+    )
+    assert status == 1, stderr
+    assert set(outcomes) == set(RULES)
+    order = list(RULES)
+    at = order.index(rule)
+    assert all(outcomes[r]["passed"] for r in order[:at]), outcomes
+    assert outcomes[rule] == {
+        "rule": rule,
+        "passed": False,
+        "skipped": False,
+        "message": f"{method} did not return within 5 s",
+    }
+    for later in order[at + 1 :]:
+        assert outcomes[later]["skipped"], outcomes[later]
+        assert (
+            outcomes[later]["message"]
+            == f"not run: the run stopped when {method} did not return within 5 s"
+        )
+    assert "a provider call of it never returned" in stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("--plan", "/nonexistent.json", "cannot read /nonexistent.json"),
+        ("--plan", "<a plan missing fields>", "is not a valid plan"),
+        ("--quick-argv", "[/bin/true]", "is not JSON"),
+        ("--quick-argv", '["true"]', "absolute path"),
+        ("--long-argv", "[]", "not a JSON list of strings"),
+        ("--timeout", "0", "--timeout 0.0 is not between"),
+    ],
+)
+def test_bad_arguments_cannot_run_and_say_why(
+    layout: Layout, provider: InstalledProvider, option: str, value: str, words: str
+) -> None:
+    """Exit 2 (`conformance_usage`), never a traceback and never exit 1 (a rule failed)."""
+    if value.startswith("<"):
+        value = str(write_root_file(layout.base / f"bad-{new_id()}.json", b'{"version": 1}'))
+    plan = kit_plan(layout, provider)
+    configured = {"runtime": "service", **TEST_OFFER}
+    status, outcomes, stderr = run_kit(
+        layout, "test", provider.site, plan, configured, option, value
+    )
+    assert (status, outcomes) == (2, {}), stderr
+    assert stderr.startswith("conformance: cannot run: conformance_usage: "), stderr
+    assert words in stderr
+    assert "Traceback" not in stderr

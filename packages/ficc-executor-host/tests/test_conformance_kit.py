@@ -27,19 +27,30 @@ def test_a_report_names_the_broken_rule_and_counts() -> None:
     outcomes = [
         Outcome("probe.accepts", True),
         Outcome("release.repeatable", False, "release refused the row: not_prepared: gone"),
+        Outcome("stop.running", False, "not run: the run stopped", skipped=True),
     ]
     lines = list(conformance._report(outcomes, as_json=False))
     assert lines == [
         "pass  probe.accepts",
         "FAIL  release.repeatable: release refused the row: not_prepared: gone",
-        "1 passed, 1 failed",
+        "SKIP  stop.running: not run: the run stopped",
+        "1 passed, 1 failed, 1 skipped",
     ]
     (document,) = conformance._report(outcomes, as_json=True)
-    assert json.loads(document)[1] == {
-        "rule": "release.repeatable",
-        "passed": False,
-        "message": "release refused the row: not_prepared: gone",
-    }
+    assert json.loads(document)[1:] == [
+        {
+            "rule": "release.repeatable",
+            "passed": False,
+            "message": "release refused the row: not_prepared: gone",
+            "skipped": False,
+        },
+        {
+            "rule": "stop.running",
+            "passed": False,
+            "message": "not run: the run stopped",
+            "skipped": True,
+        },
+    ]
 
 
 def test_a_configuration_that_cannot_be_read_cannot_run(

@@ -34,6 +34,10 @@ image digests, isolations and networks probe accepts; it refuses any other with
 `image_unknown`, `isolation_unsupported` or `network_unsupported`, as a real provider
 refuses what it does not offer.
 
+If `verified_storage` is true, probe, prepare and start refuse a row whose storage
+binding is not verified (`storage_unverified`), as a provider may that relies on the
+documented contract (the binding is verified in those three).
+
 Deliberate defects (`defects`, a list; TEST ONLY, to show the conformance kit
 failing): `prepare_ignores_check` (prepare goes on when check() refuses) and
 `release_not_idempotent` (a second release of an attempt is refused).
@@ -65,7 +69,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -117,6 +121,9 @@ def configure(configuration: dict[str, Any]) -> Driver:
             not isinstance(value, list) or not all(isinstance(v, str) for v in value)
         ):
             raise ValueError(f"configuration {key!r} must be a list of strings")
+    verified_storage = configuration.get("verified_storage", False)
+    if not isinstance(verified_storage, bool):
+        raise ValueError("configuration 'verified_storage' must be true or false")
     defects = configuration.get("defects", [])
     if not isinstance(defects, list) or not set(defects) <= DEFECTS:
         raise ValueError(f"configuration 'defects' must be a list of {sorted(DEFECTS)}")
@@ -127,6 +134,7 @@ def configure(configuration: dict[str, Any]) -> Driver:
     driver.context_log = context_log
     driver.offer = {k: frozenset(v) for k, v in offer.items() if v is not None}
     driver.defects = frozenset(defects)
+    driver.verified_storage = verified_storage
     driver.batch_log = batch_log
     return driver
 
@@ -222,6 +230,7 @@ class Driver:
         self.context_log: str | None = None
         self.offer: dict[str, frozenset[str]] = {}
         self.defects: frozenset[str] = frozenset()
+        self.verified_storage = False
         self.released: set[str] = set()
         self.batch_log: str | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
@@ -244,8 +253,18 @@ class Driver:
                     log.write(f"{method} {context.attempt_id}\n")
         _hang(method, contexts)
 
+    def _unverified(self, context: Context) -> Reply | None:
+        """With `verified_storage`, the refusal of a row whose binding is not verified."""
+        if self.verified_storage and not context.storage.verified:
+            return sdk.refusal("storage_unverified", f"{context.storage.path} is not verified")
+        return None
+
     def _check(self, context: sdk.PrepareContext) -> Reply | None:
-        """check() before preparing: its refusal as the row's, unless a defect ignores it."""
+        """check() before preparing: its refusal as the row's, unless a defect ignores it
+        (after the storage binding's check, when one is asked for)."""
+        unverified = self._unverified(context)
+        if unverified is not None:
+            return unverified
         try:
             context.check()
         except sdk.Refused as error:
@@ -267,6 +286,9 @@ class Driver:
         self._logged("probe", contexts)
 
         def row(context: Context) -> Reply:
+            unverified = self._unverified(context)
+            if unverified is not None:
+                return unverified
             if _environment(context).get(PROBE_VARIABLE) == "fail":
                 return sdk.reply(sdk.ProbeReply(ok=False))
             malformed = _malformed("probe", context)
@@ -311,6 +333,9 @@ class Driver:
         self._logged("start", contexts)
 
         def row(context: Context) -> Reply:
+            unverified = self._unverified(context)
+            if unverified is not None:
+                return unverified
             attempt = _attempt(context)
             if attempt not in self.children:
                 self.children[attempt] = subprocess.Popen(
@@ -497,7 +522,12 @@ class ServiceDriver(Driver):
     def start(self, contexts: list[Context]) -> list[Reply]:
         self._logged("start", contexts)
         return self._each(
-            contexts, lambda c: _malformed("start", c) or sdk.reply(sdk.StartReply(started=True))
+            contexts,
+            lambda c: (
+                self._unverified(c)
+                or _malformed("start", c)
+                or sdk.reply(sdk.StartReply(started=True))
+            ),
         )
 
     def observe(self, contexts: list[Context]) -> list[Reply]:
@@ -519,7 +549,8 @@ class ServiceDriver(Driver):
             pid = _read_report(status, "pid")
             if pid is None:
                 return sdk.reply(sdk.Observation(phase="ready", devices=devices))
-            phase = "ready" if _environment(context).get(READY_PID_VARIABLE) == "1" else "payload"
+            ready_pid = _environment(context).get(READY_PID_VARIABLE) == "1"
+            phase: Literal["ready", "payload"] = "ready" if ready_pid else "payload"
             observed = sdk.Observation(phase=phase, pid=int(pid.strip()), devices=devices)
             if _environment(context).get(LATE_VARIABLE) == "1":
                 _answer_late(status)

@@ -17,8 +17,12 @@ through the host's own batch adapter, validates every reply with the provider SD
 runs the prepared argv in a real system service as the slot account, and writes the
 release marker when the provider reports the payload PID. It does not run the
 payload gate (the daemon does; docs/security.md). Each rule has a stable name
-(`RULES`); a run prints one line per rule, `pass` or `FAIL` with what was wrong, and
-exits 0 when every rule passed, 1 when one failed, 2 when it could not run.
+(`RULES`); a run prints exactly one line per rule, `pass`, `FAIL` with what was wrong,
+or `SKIP` with why it could not run (a rule that needs what a failed one should have
+made), and exits 0 when every rule passed, 1 when one failed, 2 when it could not run
+(`conformance_usage` for a bad argument). Every provider call is bounded by
+`--timeout`: a call that does not return by then fails its rule and stops the run
+(the call cannot be stopped; the kit reports what it has and exits).
 
 Needs root, like the daemon, and a slot that no daemon is using.
 """
@@ -33,6 +37,7 @@ import json
 import os
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final, TypeVar
@@ -57,7 +62,7 @@ from ficc.execution.host.providers.driver import RowResult, call
 from ficc.execution.host.providers.loader import load_provider
 from ficc.execution.host.service.interface import ServiceHandle, ServiceSpec, SystemService
 
-__all__ = ["CHECK_REFUSAL", "RULES", "Kit", "Outcome", "RuleFailed", "main"]
+__all__ = ["CHECK_REFUSAL", "RULES", "USAGE", "Kit", "Outcome", "RuleFailed", "main"]
 
 RULES: Final = {
     "probe.accepts": "probe accepts the given plan (`ok` true)",
@@ -87,6 +92,8 @@ CHECK_REFUSAL: Final = "conformance_check"
 MAX_CHECK_CALLS: Final = 32
 """Refusing check() at call 1, 2, ... stops here (a prepare calling it more is fine)."""
 SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+USAGE: Final = "conformance_usage"
+"""The code of a run that could not start because of its arguments (exit 2)."""
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
@@ -100,13 +107,24 @@ class RuleFailed(Exception):
         self.message = message
 
 
+class ProviderHung(Exception):
+    """A provider call that did not return within the kit's timeout: it cannot be
+    stopped, so the run stops."""
+
+    def __init__(self, method: str, seconds: float) -> None:
+        super().__init__(f"{method} did not return within {seconds:g} s")
+        self.method = method
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """One rule's result; `message` says what was wrong (empty when it passed)."""
+    """One rule's result; `message` says what was wrong, or why the rule was skipped
+    (empty when it passed). A skipped rule has not passed."""
 
     rule: str
     passed: bool
     message: str = ""
+    skipped: bool = False
 
 
 def _require(rule: str, condition: bool, message: str) -> None:
@@ -159,37 +177,90 @@ class Kit:
         self.place = layout.Layout(slot)
         self.outcomes: list[Outcome] = []
         self._open: list[_Attempt] = []
+        self._hung: set[str] = set()
 
     # --- running -------------------------------------------------------------------
 
     def run(self) -> list[Outcome]:
-        """Every rule in order; a broken rule is recorded and the run goes on where it
-        can (a rule that needs what a broken one should have made is not run)."""
+        """Every rule in order, one outcome each: a broken rule is recorded and the run
+        goes on where it can (a rule that needs what a broken one should have made is
+        skipped); a provider call that never returns stops the run."""
+        stopped = ""
         try:
             self._probe_rules()
             self._prepare_rules()
             self._lifecycle_rules()
             self._stop_rules()
+        except ProviderHung as hung:
+            stopped = f"not run: the run stopped when {hung}"
         finally:
             for attempt in list(self._open):
                 self._discard(attempt)
-        return self.outcomes
+        self._skip(list(RULES), stopped or "not run")
+        order = list(RULES)
+        return sorted(self.outcomes, key=lambda o: order.index(o.rule))
 
     def _rule(self, name: str, check: Callable[[], None]) -> bool:
+        """Run one rule and record its one outcome under `name`; a hung provider call
+        is recorded, then stops the run."""
         try:
             check()
         except RuleFailed as failed:
-            self.outcomes.append(Outcome(failed.rule, False, failed.message))
+            prefix = "" if failed.rule == name else f"{failed.rule}: "
+            self._record(Outcome(name, False, prefix + failed.message))
             return False
+        except ProviderHung as hung:
+            self._record(Outcome(name, False, str(hung)))
+            raise
         except Exception as error:  # the provider broke the host's part: this rule fails
-            self.outcomes.append(Outcome(name, False, f"{type(error).__name__}: {error}"))
+            self._record(Outcome(name, False, f"{type(error).__name__}: {error}"))
             return False
-        self.outcomes.append(Outcome(name, True))
+        self._record(Outcome(name, True))
         return True
+
+    def _record(self, outcome: Outcome) -> None:
+        if all(o.rule != outcome.rule for o in self.outcomes):
+            self.outcomes.append(outcome)
+
+    def _skip(self, rules: Sequence[str], reason: str) -> None:
+        """Rules that could not run, with why (those already recorded keep theirs)."""
+        for rule in rules:
+            self._record(Outcome(rule, False, reason, skipped=True))
+
+    def _call(self, method: str, contexts: Sequence[sdk.Context]) -> list[RowResult]:
+        """One driver call through the host's batch adapter, bounded by the timeout: the
+        call runs in a daemon thread, and one that has not returned by then is
+        abandoned (its attempts are marked hung) and stops the run."""
+        box: list[list[RowResult] | BaseException] = []
+
+        def target() -> None:
+            try:
+                box.append(call(self.driver, method, contexts))
+            except BaseException as error:  # handed to the kit's thread
+                box.append(error)
+
+        thread = threading.Thread(target=target, name=f"conformance-{method}", daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():
+            self._hung.update(c.attempt_id for c in contexts)
+            raise ProviderHung(method, self.timeout)
+        (result,) = box
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     # --- probe ---------------------------------------------------------------------
 
     def _probe_rules(self) -> None:
+        before = list(self._open)
+        try:
+            self._probes()
+        finally:
+            for attempt in [a for a in self._open if a not in before]:
+                self._discard(attempt)
+
+    def _probes(self) -> None:
         good = self._new_plan(self.quick_argv)
         runtime = good.job.runtime
         unknown_image = "sha256:" + hashlib.sha256(secrets.token_bytes(16)).hexdigest()
@@ -200,19 +271,21 @@ class Kit:
         }
 
         def accepts() -> None:
-            (result,) = call(self.driver, "probe", [self._probe_context(good)])
+            (result,) = self._call("probe", [self._probe_context(good)])
             reply = _decoded("probe.accepts", "probe", result, sdk.ProbeReply)
             _require("probe.accepts", reply.ok, f"probe answered ok false: {result.reply!r}")
 
         self._rule("probe.accepts", accepts)
         for rule, change in variants.items():
-            bad = _with_runtime(good, msgspec.structs.replace(runtime, **change))
+            bad = self._fresh(_with_runtime(good, msgspec.structs.replace(runtime, **change)))
             self._rule(rule, functools.partial(self._refused, rule, bad))
 
         def batch() -> None:
-            bad = _with_runtime(good, msgspec.structs.replace(runtime, image_digest=unknown_image))
-            plans = [good if i % 2 == 0 else bad for i in range(sdk.MAX_BATCH)]
-            results = call(self.driver, "probe", [self._probe_context(p) for p in plans])
+            bad = self._fresh(
+                _with_runtime(good, msgspec.structs.replace(runtime, image_digest=unknown_image))
+            )
+            rows = [self._probe_context(good), self._probe_context(bad)]
+            results = self._call("probe", [rows[i % 2] for i in range(sdk.MAX_BATCH)])
             for i, result in enumerate(results):
                 if i % 2 == 0:
                     _decoded("batch.probe_64", "probe", result, sdk.ProbeReply)
@@ -222,7 +295,7 @@ class Kit:
         self._rule("batch.probe_64", batch)
 
     def _refused(self, rule: str, plan: planlib.Plan) -> None:
-        (result,) = call(self.driver, "probe", [self._probe_context(plan)])
+        (result,) = self._call("probe", [self._probe_context(plan)])
         _require(rule, result.reply is None, f"probe accepted it: {result.reply!r}")
         _require(
             rule,
@@ -264,7 +337,7 @@ class Kit:
                 raise sdk.Refused(CHECK_REFUSAL, "the conformance kit refuses this check()")
 
         context = self._prepare_context(attempt, check)
-        (result,) = call(self.driver, "prepare", [context])
+        (result,) = self._call("prepare", [context])
         calls.append(count)
         if count < refuse_at:
             _decoded(rule, "prepare", result, sdk.PrepareResult)
@@ -283,61 +356,74 @@ class Kit:
     # --- one payload from prepare to release ---------------------------------------
 
     def _lifecycle_rules(self) -> None:
-        attempt = self._new_attempt(self.quick_argv)
-        if not self._rule("prepare.result", lambda: self._prepare(attempt)):
-            return
-        if not self._rule("start.reply", lambda: self._start(attempt)):
-            return
-        finished: list[sdk.Reply] = []
-        if not self._rule("observe.phases", lambda: finished.append(self._run_out(attempt))):
-            return
+        made: list[_Attempt] = []
 
+        def prepare() -> None:
+            made.append(self._new_attempt(self.quick_argv))
+            self._prepare(made[0])
+
+        if not self._rule("prepare.result", prepare):
+            self._skip(_LIFECYCLE, "not run: prepare.result failed")
+            for attempt in made:
+                self._discard(attempt)
+            return
+        (attempt,) = made
+        finished: list[sdk.Reply] = []
+        if not self._rule("start.reply", lambda: self._start(attempt)):
+            self._skip(_OBSERVING, "not run: start.reply failed")
+        elif not self._rule("observe.phases", lambda: finished.append(self._run_out(attempt))):
+            self._skip(_OBSERVING, "not run: observe.phases failed")
+        else:
+            self._finished_rules(attempt, finished[0])
+        self._releases(attempt)
+
+    def _finished_rules(self, attempt: _Attempt, finished: sdk.Reply) -> None:
         def again() -> None:
             for _ in range(2):
-                (result,) = call(self.driver, "observe", [self._context(attempt)])
+                (result,) = self._call("observe", [self._context(attempt)])
                 _require(
                     "observe.repeatable",
-                    result.reply == finished[0],
-                    f"observed {result.reply!r} ({result.code}) after {finished[0]!r}",
+                    result.reply == finished,
+                    f"observed {result.reply!r} ({result.code}) after {finished!r}",
                 )
 
         self._rule("observe.repeatable", again)
 
         def batch() -> None:
             contexts = [self._context(attempt)] * sdk.MAX_BATCH
-            for i, result in enumerate(call(self.driver, "observe", contexts)):
+            for i, result in enumerate(self._call("observe", contexts)):
                 _require(
                     "batch.observe_64",
-                    result.reply == finished[0],
-                    f"row {i}: {result.reply!r} ({result.code}), not {finished[0]!r}",
+                    result.reply == finished,
+                    f"row {i}: {result.reply!r} ({result.code}), not {finished!r}",
                 )
 
         self._rule("batch.observe_64", batch)
 
         def stops() -> None:
             for _ in range(2):
-                (result,) = call(self.driver, "stop", [self._context(attempt)])
+                (result,) = self._call("stop", [self._context(attempt)])
                 _decoded("stop.repeatable", "stop", result, sdk.StopReply)
 
         self._rule("stop.repeatable", stops)
-        self._releases(attempt)
 
     def _releases(self, attempt: _Attempt) -> None:
-        self._stop_service(attempt)
-
         def release(rule: str) -> None:
-            (result,) = call(self.driver, "release", [self._context(attempt)])
+            self._stop_service(attempt)
+            (result,) = self._call("release", [self._context(attempt)])
             _decoded(rule, "release", result, sdk.ReleaseReply)
             self._require_clean(rule, attempt, "after release")
 
         if self._rule("release.clean", lambda: release("release.clean")):
             self._rule("release.repeatable", lambda: release("release.repeatable"))
+        else:
+            self._skip(["release.repeatable"], "not run: release.clean failed")
         self._discard(attempt)
 
     def _prepare(self, attempt: _Attempt) -> None:
         rule = "prepare.result"
         context = self._prepare_context(attempt, lambda: None)
-        (result,) = call(self.driver, "prepare", [context])
+        (result,) = self._call("prepare", [context])
         prepared = _decoded(rule, "prepare", result, sdk.PrepareResult)
         try:
             check_prepare_result(prepared, attempt.plan)
@@ -348,7 +434,7 @@ class Kit:
     def _start(self, attempt: _Attempt) -> None:
         assert attempt.prepared is not None
         attempt.handle = self.service.create(self._spec(attempt, attempt.prepared))
-        (result,) = call(self.driver, "start", [self._context(attempt)])
+        (result,) = self._call("start", [self._context(attempt)])
         _decoded("start.reply", "start", result, sdk.StartReply)
 
     def _run_out(self, attempt: _Attempt) -> sdk.Reply:
@@ -357,9 +443,9 @@ class Kit:
         self._await_payload(attempt)
         deadline = time.monotonic() + self.timeout
         while True:
-            (result,) = call(self.driver, "observe", [self._context(attempt)])
+            (result,) = self._call("observe", [self._context(attempt)])
             seen = _decoded(rule, "observe", result, sdk.Observation)
-            _require(rule, seen.phase in ("payload", "finished"), f"{seen.phase} after payload")
+            _require(rule, _rank(seen) >= _PAYLOAD, f"{seen.phase} after payload")
             if seen.phase == "finished":
                 assert result.reply is not None
                 assert attempt.handle is not None
@@ -375,24 +461,24 @@ class Kit:
             time.sleep(0.05)
 
     def _await_payload(self, attempt: _Attempt) -> int:
-        """waiting* -> ready? -> payload: checks the order, the device results and the
-        PID, then writes the release marker as the host does."""
+        """waiting* -> ready? -> payload (or a `ready` that carries the PID, which counts
+        as both, as for the daemon): checks the order, the device results and the PID,
+        then writes the release marker as the host does."""
         rule = "observe.phases"
         assert attempt.handle is not None
         assert attempt.prepared is not None
         deadline = time.monotonic() + self.timeout
-        order = {"waiting": 0, "ready": 1, "payload": 2}
         furthest = 0
         devices: dict[str, bool] | None = None
         while True:
-            (result,) = call(self.driver, "observe", [self._context(attempt)])
+            (result,) = self._call("observe", [self._context(attempt)])
             seen = _decoded(rule, "observe", result, sdk.Observation)
             _require(rule, seen.phase != "finished", "finished before the barrier was released")
-            _require(rule, order[seen.phase] >= furthest, f"{seen.phase} after a later phase")
-            furthest = order[seen.phase]
+            _require(rule, _rank(seen) >= furthest, f"{seen.phase} after a later phase")
+            furthest = _rank(seen)
             if seen.devices is not None:
                 devices = {d.path: d.opened for d in seen.devices}
-            if seen.phase == "payload" and seen.pid is not None:
+            if seen.pid is not None and furthest == _PAYLOAD:
                 members = self.service.members(attempt.handle)
                 _require(rule, seen.pid in members, f"PID {seen.pid} is not in the service")
                 try:
@@ -407,40 +493,53 @@ class Kit:
     # --- stop of a running payload -------------------------------------------------
 
     def _stop_rules(self) -> None:
-        attempt = self._new_attempt(self.long_argv)
         rule = "stop.running"
+        made: list[_Attempt] = []
 
         def stop() -> None:
+            made.append(self._new_attempt(self.long_argv))
+            attempt = made[0]
             self._prepare(attempt)
             self._start(attempt)
             self._await_payload(attempt)
-            (result,) = call(self.driver, "observe", [self._context(attempt)])
+            (result,) = self._call("observe", [self._context(attempt)])
             seen = _decoded(rule, "observe", result, sdk.Observation)
             _require(
-                rule, seen.phase == "payload", f"{self.long_argv} is {seen.phase}, not running"
+                rule, _rank(seen) == _PAYLOAD, f"{self.long_argv} is {seen.phase}, not running"
             )
-            (result,) = call(self.driver, "stop", [self._context(attempt)])
+            (result,) = self._call("stop", [self._context(attempt)])
             _decoded(rule, "stop", result, sdk.StopReply)
             self._stop_service(attempt)
             self._require_clean(rule, attempt, "after stop", provider_files=False)
-            (result,) = call(self.driver, "release", [self._context(attempt)])
+            (result,) = self._call("release", [self._context(attempt)])
             _decoded(rule, "release", result, sdk.ReleaseReply)
             self._require_clean(rule, attempt, "after the stopped payload's release")
 
-        self._rule(rule, stop)
-        self._discard(attempt)
+        try:
+            self._rule(rule, stop)
+        finally:
+            for attempt in made:
+                self._discard(attempt)
 
     # --- the host's part -----------------------------------------------------------
 
     def _new_plan(self, argv: Sequence[str]) -> planlib.Plan:
         payload = msgspec.structs.replace(self.plan.job.payload, argv=list(argv))
         job = msgspec.structs.replace(self.plan.job, payload=payload)
+        return self._fresh(msgspec.structs.replace(self.plan, job=job))
+
+    @staticmethod
+    def _fresh(plan: planlib.Plan) -> planlib.Plan:
+        """The plan as a new attempt of a new job."""
         return msgspec.structs.replace(
-            self.plan, job_id=secrets.token_hex(16), attempt_id=secrets.token_hex(16), job=job
+            plan, job_id=secrets.token_hex(16), attempt_id=secrets.token_hex(16)
         )
 
     def _new_attempt(self, argv: Sequence[str]) -> _Attempt:
-        plan = self._new_plan(argv)
+        return self._open_attempt(self._new_plan(argv))
+
+    def _open_attempt(self, plan: planlib.Plan) -> _Attempt:
+        """The attempt's layout, created as before a prepare."""
         slotfs.verify(self.slot, open_image_parent)
         paths = self.place.create(plan.attempt_id)
         attempt = _Attempt(plan, paths, service_name(self.config.installation_id, plan.attempt_id))
@@ -448,20 +547,33 @@ class Kit:
         return attempt
 
     def _probe_context(self, plan: planlib.Plan) -> sdk.Context:
-        """Probe needs no layout: the paths are where the attempt's would be."""
-        paths = self.place.paths(plan.attempt_id)
-        name = service_name(self.config.installation_id, plan.attempt_id)
-        return self._context(_Attempt(plan, paths, name), verified=False)
+        """Probe runs, as in the daemon, once the attempt's layout exists, with the
+        verified storage binding (the layout is created once per plan)."""
+        for attempt in self._open:
+            if attempt.plan is plan:
+                return self._context(attempt)
+        return self._context(self._open_attempt(plan))
+
+    def _storage(self, attempt: _Attempt) -> sdk.StorageBinding:
+        """The storage binding as the daemon verifies it: the slot-owned storage
+        directory, opened through the layout, on the slot's filesystem."""
+        fd = self.place.open_part(attempt.plan.attempt_id, layout.STORAGE)
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if st.st_dev != os.stat(self.slot.path, follow_symlinks=False).st_dev:
+            raise HostError(
+                "storage_unverified", f"{attempt.paths.storage} is not on the slot's filesystem"
+            )
+        limits = attempt.plan.job.limits
+        return sdk.StorageBinding(
+            attempt.paths.storage, st.st_dev, st.st_ino, limits.storage_bytes, limits.storage_inodes
+        )
 
     def _context(self, attempt: _Attempt, *, verified: bool = True) -> sdk.Context:
         slot, paths, plan = self.slot, attempt.paths, attempt.plan
-        storage = sdk.StorageBinding(path=paths.storage)
-        if verified:
-            st = os.stat(paths.storage, follow_symlinks=False)
-            limits = plan.job.limits
-            storage = sdk.StorageBinding(
-                paths.storage, st.st_dev, st.st_ino, limits.storage_bytes, limits.storage_inodes
-            )
+        storage = self._storage(attempt) if verified else sdk.StorageBinding(path=paths.storage)
         return layout.provider_context(
             plan=plan,
             plan_digest=planlib.plan_digest(plan),
@@ -530,20 +642,47 @@ class Kit:
 
     def _discard(self, attempt: _Attempt) -> None:
         """Undo what the kit made for an attempt (service, layout), with a last provider
-        release; a failure here is reported on stderr, never raised."""
+        release; a failure here is reported on stderr, never raised. An attempt whose
+        provider call never returned gets no further call and keeps its layout (the
+        call may still be working in it)."""
         if attempt not in self._open:
             return
         self._open.remove(attempt)
+        attempt_id = attempt.plan.attempt_id
         try:
             if attempt.handle is not None:
                 self.service.stop(attempt.handle)
                 self.service.remove(attempt.handle)
                 attempt.handle = None
-            call(self.driver, "release", [self._context(attempt, verified=False)])
-            self.place.remove(attempt.plan.attempt_id)
-        except (HostError, OSError) as error:
-            print(f"conformance: attempt {attempt.plan.attempt_id} not cleaned up: {error}",
+            if attempt_id in self._hung:
+                print(f"conformance: attempt {attempt_id} left in {attempt.paths.root}: a"
+                      " provider call of it never returned", file=sys.stderr)  # fmt: skip
+                return
+            self._call("release", [self._context(attempt, verified=False)])
+            self.place.remove(attempt_id)
+        except (HostError, OSError, ProviderHung) as error:
+            print(f"conformance: attempt {attempt_id} not cleaned up: {error}",
                   file=sys.stderr)  # fmt: skip
+
+
+_PAYLOAD: Final = 2
+_LIFECYCLE: Final = (
+    "start.reply",
+    "observe.phases",
+    "observe.repeatable",
+    "batch.observe_64",
+    "stop.repeatable",
+    "release.clean",
+    "release.repeatable",
+)
+_OBSERVING: Final = ("observe.phases", "observe.repeatable", "batch.observe_64", "stop.repeatable")
+
+
+def _rank(seen: sdk.Observation) -> int:
+    """How far an observation is; a `ready` that carries the PID counts as `payload`."""
+    if seen.phase == "ready" and seen.pid is not None:
+        return _PAYLOAD
+    return {"waiting": 0, "ready": 1, "payload": _PAYLOAD, "finished": 3}[seen.phase]
 
 
 def _with_runtime(plan: planlib.Plan, runtime: planlib.Runtime) -> planlib.Plan:
@@ -586,6 +725,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup(args: argparse.Namespace) -> Kit:
+    plan = _plan(args.plan)
+    quick_argv = _argv(plan, "--quick-argv", args.quick_argv)
+    long_argv = _argv(plan, "--long-argv", args.long_argv)
+    if not 0 < args.timeout < 86400:
+        raise HostError(USAGE, f"--timeout {args.timeout} is not between 0 and 86400 seconds")
     config = load_config(args.config)
     configured = [p for p in config.providers if p.id == args.provider]
     if not configured:
@@ -596,8 +740,6 @@ def _setup(args: argparse.Namespace) -> Kit:
     path = args.provider_path
     pin = compute_digest(provider.id, path).digest if args.unpinned else provider.package_digest
     loaded = load_provider(provider.id, pin, provider.configuration, path)
-    with open(args.plan, "rb") as source:
-        plan = planlib.decode_plan(source.read())
     if plan.streamed_inputs:
         raise HostError("plan_unsupported", "the kit runs plans without streamed inputs")
     slots = [
@@ -618,16 +760,48 @@ def _setup(args: argparse.Namespace) -> Kit:
         slots[0],
         plan,
         service,
-        quick_argv=_argv(args.quick_argv),
-        long_argv=_argv(args.long_argv),
+        quick_argv=quick_argv,
+        long_argv=long_argv,
         timeout=args.timeout,
     )
 
 
-def _argv(text: str) -> list[str]:
-    argv = json.loads(text)
+_PLAN_FILE_MAX: Final = 16 * planlib.PLAN_MAX_BYTES
+"""A plan file may be spaced out; its canonical form is bounded by the plan's rules."""
+
+
+def _plan(name: str) -> planlib.Plan:
+    """The --plan file, decoded and checked as the daemon checks a plan."""
+    try:
+        with open(name, "rb") as source:
+            data = source.read(_PLAN_FILE_MAX + 1)
+    except OSError as error:
+        raise HostError(USAGE, f"--plan: cannot read {name}: {error.strerror}") from error
+    if len(data) > _PLAN_FILE_MAX:
+        raise HostError(USAGE, f"--plan: {name} is larger than {_PLAN_FILE_MAX} bytes")
+    try:
+        return planlib.decode_plan(data)
+    except (msgspec.MsgspecError, ValueError) as error:
+        raise HostError(USAGE, f"--plan: {name} is not a valid plan: {error}") from error
+
+
+def _argv(plan: planlib.Plan, option: str, text: str) -> list[str]:
+    """A payload argv, checked as the plan's own would be (JSON list of strings, the
+    first an absolute path)."""
+    try:
+        argv = json.loads(text)
+    except ValueError as error:
+        raise HostError(USAGE, f"{option} {text!r} is not JSON: {error}") from error
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
-        raise HostError("conformance_usage", f"{text!r} is not a JSON list of strings")
+        raise HostError(USAGE, f"{option} {text!r} is not a JSON list of strings")
+    try:
+        payload = msgspec.structs.replace(plan.job.payload, argv=argv)
+        job = msgspec.structs.replace(plan.job, payload=payload)
+        planlib.decode_plan(msgspec.json.encode(msgspec.structs.replace(plan, job=job)))
+    except (msgspec.MsgspecError, ValueError) as error:
+        raise HostError(
+            USAGE, f"{option} {text!r} is not a payload argv (the first an absolute path): {error}"
+        ) from error
     return argv
 
 
@@ -638,10 +812,13 @@ def _report(outcomes: Sequence[Outcome], as_json: bool) -> Iterator[str]:
     for outcome in outcomes:
         if outcome.passed:
             yield f"pass  {outcome.rule}"
+        elif outcome.skipped:
+            yield f"SKIP  {outcome.rule}: {outcome.message}"
         else:
             yield f"FAIL  {outcome.rule}: {outcome.message}"
-    failed = sum(not o.passed for o in outcomes)
-    yield f"{len(outcomes) - failed} passed, {failed} failed"
+    passed = sum(o.passed for o in outcomes)
+    skipped = sum(o.skipped for o in outcomes)
+    yield f"{passed} passed, {len(outcomes) - passed - skipped} failed, {skipped} skipped"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

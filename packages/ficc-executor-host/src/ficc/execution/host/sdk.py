@@ -203,7 +203,9 @@ class PrepareContext(Context, frozen=True, kw_only=True):
 
 class Refused(Exception):
     """A refusal with a stable code (a lowercase Name) and an operator message: what
-    `check()` raises, and what a provider may raise to refuse one row."""
+    `check()` raises. A provider catches it and refuses the row with
+    `refusal(code, message)`; it must not raise it (or anything) to refuse one row,
+    because a driver method that raises fails every row of its call."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
