@@ -113,6 +113,7 @@ ENTRIES: tuple[Entry, ...] = (
         unit="tests-integration/test_daemon_lease_reaper.py::test_a_renewal_the_reaper_cannot"
         "_get_is_refused_until_it_can",
     ),
+    _detail("node_mismatch", "a plan addressed to another node of the deployment"),
     _detail("slot_capacity", "a plan of a slot class no slot has"),
     _detail("provider_unavailable", "a plan pinning another provider package digest"),
     _detail("offer_revision", "a plan made for another offer revision"),

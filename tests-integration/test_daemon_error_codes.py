@@ -457,6 +457,13 @@ def admission_detail(d: Daemon, plan: Plan, expires_in_ms: int = 300_000) -> str
     return message.split(":", 1)[0]
 
 
+def test_admission_detail_node_mismatch(d: Daemon) -> None:
+    """A plan for another node (or deployment) is refused before anything else."""
+    for field in ("node_id", "deployment_id"):
+        plan = msgspec.structs.replace(plan_of(d), **{field: new_id()})
+        assert admission_detail(d, plan) == "node_mismatch", field
+
+
 def test_admission_detail_slot_capacity(d: Daemon) -> None:
     assert admission_detail(d, plan_of(d, slot_class="huge")) == "slot_capacity"
 

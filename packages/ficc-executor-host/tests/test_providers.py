@@ -162,6 +162,19 @@ def test_one_wheel_installed_from_two_paths_pins_as_one_digest(wheel: Path, tmp_
     assert {"METADATA", "entry_points.txt", "WHEEL"} <= covered
 
 
+def test_uv_s_record_of_one_install_is_not_in_the_pin(site: Path) -> None:
+    """uv writes `uv_cache.json` (with a timestamp) into each install and lists it in
+    RECORD: it describes the install, not the release, like pip's direct_url.json."""
+    before = digest_of(site)
+    (dist_info,) = site.glob("*.dist-info")
+    written = b'{"timestamp":{"secs_since_epoch":1796000000,"nanos":1}}'
+    (dist_info / "uv_cache.json").write_bytes(written)
+    encoded = base64.urlsafe_b64encode(hashlib.sha256(written).digest()).rstrip(b"=").decode()
+    with open(dist_info / "RECORD", "a", encoding="utf-8") as record:
+        record.write(f"{dist_info.name}/uv_cache.json,sha256={encoded},{len(written)}\n")
+    assert digest_of(site) == before
+
+
 def _drop_record_row(site: Path, name: str) -> None:
     """Remove one dist-info file's row from RECORD (pip omits REQUESTED for dependencies)."""
     (record,) = site.glob("*.dist-info/RECORD")

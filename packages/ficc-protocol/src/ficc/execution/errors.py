@@ -38,6 +38,7 @@ class ErrorCode(enum.StrEnum):
     OFFER_EXCEEDS_CEILING = "offer_exceeds_ceiling"
     OFFER_CHANGED = "offer_changed"
     SLOT_CAPACITY = "slot_capacity"
+    NODE_MISMATCH = "node_mismatch"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
     LEDGER_FULL = "ledger_full"
     UNKNOWN_NOT_ACKNOWLEDGED = "unknown_not_acknowledged"

@@ -142,6 +142,16 @@ def admissible_slot(
 ) -> SlotSpec:
     """Every admission check that needs no provider; raises Rejection or returns a slot."""
     offer, ceiling = terms.offer, terms.ceiling
+    if facts.deployment_id is not None and (plan.deployment_id, plan.node_id) != (
+        facts.deployment_id,
+        facts.node_id,
+    ):
+        raise Rejection(
+            ErrorCode.NODE_MISMATCH,
+            f"the plan is for deployment {plan.deployment_id}, node {plan.node_id}; this host"
+            f" serves deployment {facts.deployment_id}, node {facts.node_id}: send it to its"
+            " own node (take a snapshot to see which host a socket belongs to)",
+        )
     if "admit" not in OFFER_ALLOWS[offer.control]:
         raise Rejection(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}; try later")
     if plan.offer_revision != offer.revision:

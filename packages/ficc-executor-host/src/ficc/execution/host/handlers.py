@@ -180,6 +180,8 @@ def host_facts(ctx: HostContext, now: leases.Now) -> ledgerlib.HostFacts:
         devices=frozenset(config.initial_offer.devices),
         ceiling=ceiling_limits(config),
         now=now,
+        deployment_id=config.deployment_id,
+        node_id=config.node_id,
     )
 
 

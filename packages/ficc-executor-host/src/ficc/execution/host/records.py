@@ -64,6 +64,10 @@ class HostFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     devices: frozenset[str]
     ceiling: OfferLimits
     now: Now
+    deployment_id: str | None = None
+    """The deployment and node this host serves (None: not checked, for tests of the
+    ledger alone); a plan addressed to another is refused."""
+    node_id: str | None = None
 
 
 class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -174,7 +174,9 @@ def _refuse(code: str, message: str) -> HostError:
     )
 
 
-_INSTALL_RECORDS = frozenset({"RECORD", "direct_url.json", "INSTALLER", "REQUESTED"})
+_INSTALL_RECORDS = frozenset(
+    {"RECORD", "direct_url.json", "INSTALLER", "REQUESTED", "uv_cache.json"}
+)
 """`.dist-info` files that describe one install rather than the release (not digested)."""
 
 
