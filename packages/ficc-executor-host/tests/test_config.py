@@ -416,6 +416,8 @@ def test_a_schema_refusal_starts_with_the_key_path() -> None:
         (b"\xff\xfe{}", ".json"),
         (b"mode = 'managed'\nmode = 'voluntary'\n", ".toml"),
         (b"mode = ", ".toml"),
+        (b"[" * 100_000, ".json"),  # nested too deeply for the parser: no traceback
+        (b"a = " + b"[" * 100_000, ".toml"),
     ],
 )
 def test_malformed_documents_are_refused(data: bytes, suffix: str) -> None:

@@ -39,6 +39,7 @@ from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
 from ficc.execution.host.records import AttemptRecord
 from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc.execution.host.service.systemd import SystemdService
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,
@@ -1129,3 +1130,5 @@ def test_auto_supervisor_picks_cgroupfs_without_systemd_as_pid_1() -> None:
     with pytest.raises(HostError) as caught:
         service_backend("systemd")
     assert caught.value.code == "service_unsupported"
+    # A tool outside any service unit (the conformance kit) binds its units to none.
+    assert isinstance(service_backend("systemd", bound_to_daemon=False), SystemdService)

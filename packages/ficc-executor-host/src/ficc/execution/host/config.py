@@ -168,6 +168,9 @@ def _decode_document(data: bytes, suffix: str) -> object:
     except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError, TOMLDecodeError
         problem = f"not valid {suffix[1:]}: {error}"
         raise _refuse("config_invalid", "top level", problem, "fix the syntax") from None
+    except RecursionError:
+        problem = f"not valid {suffix[1:]}: nested too deeply"
+        raise _refuse("config_invalid", "top level", problem, "fix the syntax") from None
     raise _refuse("config_invalid", "top level", f"unknown format {suffix!r}", "use .json or .toml")
 
 

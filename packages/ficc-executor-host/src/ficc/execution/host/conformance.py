@@ -749,7 +749,7 @@ def _setup(args: argparse.Namespace) -> Kit:
     ]
     if not slots:
         raise HostError("slot_unknown", "no configured slot matches --slot or the plan's class")
-    service = service_backend(config.supervisor)
+    service = service_backend(config.supervisor, bound_to_daemon=False)
     if not service.account_idle(slots[0].uid):
         raise HostError(
             "slot_busy", f"slot {slots[0].id}'s account has processes: stop what uses the slot"

@@ -345,10 +345,12 @@ def _pid1_is_systemd() -> bool:
         return False
 
 
-def service_backend(supervisor: str) -> SystemService:
-    """The system-service backend the configuration asks for."""
+def service_backend(supervisor: str, *, bound_to_daemon: bool = True) -> SystemService:
+    """The system-service backend the configuration asks for. The daemon's attempt
+    units are bound to its own unit (a daemon stop stops them); a tool run from a
+    shell (the conformance kit) cleans up its own and is in no service unit."""
     if supervisor == "auto":
         supervisor = "systemd" if _pid1_is_systemd() else "cgroupfs"
     if supervisor == "systemd":
-        return SystemdService()
+        return SystemdService(bind_to_own_unit=bound_to_daemon)
     return CgroupfsService()
