@@ -796,12 +796,17 @@ def test_a_preparation_on_a_full_slot_fails_with_slot_full(d: Daemon) -> None:
     filler = d.layout.slot_paths[1] / "filler"
     fill(filler)
     try:
-        plan = plan_of(d)
-        assert admitted(d, plan).slot == "s1"
-        failed = d.wait_state(plan, lambda r: r.state != "prepared", "the attempt to fail")
-        assert (failed.state, failed.reason) == ("failed", "slot_full"), failed
+        _fails_on_s1(d, "slot_full")
     finally:
         filler.unlink()
+
+
+def _fails_on_s1(d: Daemon, reason: str) -> None:
+    """A new attempt lands on slot s1 and fails there with `reason`."""
+    plan = plan_of(d)
+    assert admitted(d, plan).slot == "s1"
+    failed = d.wait_state(plan, lambda r: r.state != "prepared", "the attempt to fail")
+    assert (failed.state, failed.reason) == ("failed", reason), failed
 
 
 def test_a_read_only_slot_refuses_new_preparations(d: Daemon) -> None:
@@ -811,10 +816,7 @@ def test_a_read_only_slot_refuses_new_preparations(d: Daemon) -> None:
     slot = d.layout.slot_paths[1]
     subprocess.run(["mount", "-o", "remount,ro", str(slot)], check=True)
     try:
-        plan = plan_of(d)
-        assert admitted(d, plan).slot == "s1"
-        failed = d.wait_state(plan, lambda r: r.state != "prepared", "the attempt to fail")
-        assert (failed.state, failed.reason) == ("failed", "slot_filesystem"), failed
+        _fails_on_s1(d, "slot_filesystem")
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(slot)], check=True)
 
