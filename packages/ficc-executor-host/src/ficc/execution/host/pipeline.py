@@ -376,11 +376,9 @@ class Runner(AttemptWork):
             # Whatever of the slot account still runs outside the service is left over
             # (a provider command's rootless Podman pause process, or a command
             # orphaned when a daemon died): the attempt has settled and holds the slot.
-            await self._io(self._ctx.service.kill_account, attempt.slot.uid)
-            if handle is not None:
-                idle = await self._io(self._ctx.service.is_idle, handle, attempt.slot.uid)
-            else:
-                idle = await self._io(self._ctx.service.account_idle, attempt.slot.uid)
+            idle = await self._io(self._ctx.service.kill_account, attempt.slot.uid)
+            if idle and handle is not None:
+                idle = not await self._io(self._ctx.service.members, handle)
         except HostError as error:
             _log.warning("attempt %s: cleanup not confirmed: %s", attempt.id, error)
             idle = False

@@ -429,8 +429,8 @@ class CgroupfsService:
     def account_idle(self, uid: int) -> bool:
         return not _uid_has_live_tasks(uid)
 
-    def kill_account(self, uid: int) -> None:
-        kill_account(uid, self._stop_timeout)
+    def kill_account(self, uid: int) -> bool:
+        return kill_account(uid, self._stop_timeout)
 
     def planned_cgroups(self, name: str) -> list[str]:
         check_name(name)
@@ -652,9 +652,10 @@ def _readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
-def kill_account(uid: int, timeout: float) -> None:
-    """SIGKILL every live process that runs as `uid` (any of its UIDs) and wait until
-    none is left (`service_stop_unconfirmed` after `timeout`).
+def kill_account(uid: int, timeout: float) -> bool:
+    """SIGKILL every live process that runs as `uid` (any of its UIDs), wait until
+    none is left (`service_stop_unconfirmed` after `timeout`), and say whether the
+    account is idle then (what `account_idle` would say, without a second walk).
 
     Each is killed through a pidfd after its credentials were read again through
     that pidfd's process, so a PID reused meanwhile is never hit. A process whose
@@ -662,7 +663,11 @@ def kill_account(uid: int, timeout: float) -> None:
     from being idle, as `account_idle` says.
     """
     deadline = time.monotonic() + timeout
-    while pids := [pid for who, pid in procfs.live_tasks({uid}) if who == uid]:
+    while True:
+        found = procfs.live_tasks({uid})
+        pids = [pid for who, pid in found if who == uid]
+        if not pids:
+            return not found
         if time.monotonic() >= deadline:
             raise HostError(
                 "service_stop_unconfirmed",
