@@ -423,6 +423,26 @@ def test_repeated_prepare_returns_the_same_record_deadline_and_partial(ledger: L
     assert ledger.inputs(plan.attempt_id)[0].offset == 4
 
 
+def test_a_plan_for_another_node_is_refused_before_anything_else(ledger: Ledger) -> None:
+    """A plan addressed to another node (or deployment) is refused as such, also when
+    another check (here the provider's, made before the transaction) would refuse it
+    too: the operator is sent after the real cause. The plans of `make_plan` name
+    deployment "3"*32 and node "4"*32."""
+    here = msgspec.structs.replace(facts(), deployment_id="3" * 32, node_id="4" * 32)
+    elsewhere = msgspec.structs.replace(here, node_id="5" * 32)
+    unavailable = HostError("provider_unavailable", "the provider is not loaded")
+    row = PrepareRow(make_plan(), lease(), refusal=unavailable)
+    (result,) = ledger.admit_batch(ledger.bindings(), [row], elsewhere)
+    refused(result, "node_mismatch")  # the handler sends it as admission_rejected's detail
+    record = ledger.get(row.plan.attempt_id)
+    assert record is not None
+    assert record.detail == "node_mismatch"
+    other_deployment = msgspec.structs.replace(here, deployment_id="6" * 32)
+    (result,) = admit(ledger, make_plan(), f=other_deployment)
+    refused(result, "node_mismatch")
+    assert isinstance(admitted(ledger, make_plan(), f=here), Admitted)
+
+
 def test_slot_exhaustion_commits_a_durable_rejection(ledger: Ledger, state_dir: Path) -> None:
     plans = [make_plan() for _ in range(3)]
     results = admit(ledger, *plans, f=facts(slots=2))

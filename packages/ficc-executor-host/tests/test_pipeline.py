@@ -1443,6 +1443,32 @@ def test_starts_waiting_for_their_payload_observe_on_one_shared_beat() -> None:
     asyncio.run(scenario())
 
 
+def test_of_two_releases_of_one_attempt_only_the_first_may_kill_its_leftovers() -> None:
+    """A controller may resend a release while the first still runs; the second must
+    not kill what runs as the slot account (the first's provider commands)."""
+    runner = Runner(SimpleNamespace(), settings=Settings())  # type: ignore[arg-type]
+    seen: list[tuple[str, bool]] = []
+    going = asyncio.Event()
+
+    async def releasing(attempt_id: str, ticket: Any, *, first: bool) -> None:
+        seen.append((attempt_id, first))
+        await going.wait()
+
+    runner._release_resources = releasing  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        one = asyncio.ensure_future(runner.release_batch(["a" * 32]))
+        await asyncio.sleep(0)
+        two = asyncio.ensure_future(runner.release_batch(["a" * 32, "b" * 32]))
+        await asyncio.sleep(0)
+        going.set()
+        await asyncio.gather(one, two)
+        await runner.release_batch(["a" * 32])  # later, alone again: first
+
+    asyncio.run(scenario())
+    assert seen == [("a" * 32, True), ("a" * 32, False), ("b" * 32, True), ("a" * 32, True)]
+
+
 def test_the_shared_beat_slows_down_when_observing_gets_expensive(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -137,11 +137,9 @@ def check_acknowledged(acknowledged: Sequence[str], unacknowledged: set[str]) ->
     )
 
 
-def admissible_slot(
-    plan: planlib.Plan, lease: Lease, terms: Terms, facts: HostFacts, occupancy: Occupancy
-) -> SlotSpec:
-    """Every admission check that needs no provider; raises Rejection or returns a slot."""
-    offer, ceiling = terms.offer, terms.ceiling
+def check_addressed_here(plan: planlib.Plan, facts: HostFacts) -> None:
+    """A plan names its deployment and node; one for another host is refused first,
+    before any other answer could send an operator after the wrong cause."""
     if facts.deployment_id is not None and (plan.deployment_id, plan.node_id) != (
         facts.deployment_id,
         facts.node_id,
@@ -152,6 +150,13 @@ def admissible_slot(
             f" serves deployment {facts.deployment_id}, node {facts.node_id}: send it to its"
             " own node (take a snapshot to see which host a socket belongs to)",
         )
+
+
+def admissible_slot(
+    plan: planlib.Plan, lease: Lease, terms: Terms, facts: HostFacts, occupancy: Occupancy
+) -> SlotSpec:
+    """Every admission check that needs no provider; raises Rejection or returns a slot."""
+    offer, ceiling = terms.offer, terms.ceiling
     if "admit" not in OFFER_ALLOWS[offer.control]:
         raise Rejection(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}; try later")
     if plan.offer_revision != offer.revision:

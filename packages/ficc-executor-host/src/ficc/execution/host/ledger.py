@@ -763,6 +763,7 @@ class Ledger:
         """Reserve for a plan never seen before, or record its durable rejection."""
         lease = row.lease
         try:
+            admission.check_addressed_here(plan.plan, facts)
             if row.refusal is not None:
                 raise admission.Rejection(row.refusal.code, row.refusal.message)
             admission.check_acknowledged(

@@ -46,8 +46,9 @@ Decisions (see also docs/operations.md):
 What the runner needs of a service backend beyond starting and stopping a service:
 `planned_supervisor_cgroup(name)` (the prepare context's cgroup, known before the
 service exists), `planned_cgroups(name)` (what the lease reaper kills at the deadline,
-handed to it before the service exists) and `account_idle(uid)` (cleanup of an
-attempt that never had a service).
+handed to it before the service exists) and `kill_account(uid)` (cleanup: what is
+left of the slot account, inside the service or outside it, killed and the account
+found idle).
 """
 
 from __future__ import annotations
@@ -112,6 +113,8 @@ class Runner(AttemptWork):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._watch: set[str] = set()
         self._killed: set[str] = set()
+        self._releasing: set[str] = set()
+        """Attempts with a release under way (a controller may resend one)."""
         self._ticks = 0
         self._deadlines = Deadlines(ctx)
         self._preparer = Preparer(shared, spawn=self._spawn)
@@ -159,10 +162,19 @@ class Runner(AttemptWork):
         return [o if isinstance(o, HostError) else None for o in outcomes]
 
     async def _release_one(self, attempt_id: str, ticket: Ticket) -> None:
-        with ticket:
-            await self._release_resources(attempt_id, ticket)
+        # Taken before any await: of two releases of one attempt, only the first may
+        # kill what runs as its slot account (the second's would hit the first's
+        # provider commands).
+        first = attempt_id not in self._releasing
+        self._releasing.add(attempt_id)
+        try:
+            with ticket:
+                await self._release_resources(attempt_id, ticket, first=first)
+        finally:
+            if first:
+                self._releasing.discard(attempt_id)
 
-    async def _release_resources(self, attempt_id: str, ticket: Ticket) -> None:
+    async def _release_resources(self, attempt_id: str, ticket: Ticket, *, first: bool) -> None:
         record = await self._db(self._ctx.ledger.get, attempt_id)
         if record is None:
             raise HostError(ErrorCode.UNKNOWN_ATTEMPT, "no such attempt")
@@ -172,7 +184,7 @@ class Runner(AttemptWork):
         context = await self._later_context(attempt)  # the binding, verified while it exists
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
-        if not self._batcher.in_flight.running(attempt.id):
+        if first and not self._batcher.in_flight.running(attempt.id):
             # Cleanup was confirmed, so anything of the slot account running now was
             # orphaned by a daemon that died during a provider command (its release).
             await self._io(self._ctx.service.kill_account, attempt.slot.uid)
@@ -371,12 +383,14 @@ class Runner(AttemptWork):
             handle = await self._service(attempt)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
-            if busy:
-                return
+            if busy or self._batcher.in_flight.running(fresh.attempt_id):
+                return  # (looked at again: a call may have begun during the stop)
             # Whatever of the slot account still runs outside the service is left over
             # (a provider command's rootless Podman pause process, or a command
             # orphaned when a daemon died): the attempt has settled and holds the slot.
-            idle = await self._io(self._ctx.service.kill_account, attempt.slot.uid)
+            # A quarantined attempt is looked at on every tick: one kill, no waiting.
+            patience = 0.0 if fresh.status.quarantined else None
+            idle = await self._io(self._ctx.service.kill_account, attempt.slot.uid, patience)
             if idle and handle is not None:
                 idle = not await self._io(self._ctx.service.members, handle)
         except HostError as error:

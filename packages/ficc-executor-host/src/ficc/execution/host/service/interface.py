@@ -253,12 +253,13 @@ class SystemService(Protocol):
         """True only if no live process on the host runs as `uid` (any of its UIDs)."""
         ...
 
-    def kill_account(self, uid: int) -> bool:
+    def kill_account(self, uid: int, timeout: float | None = None) -> bool:
         """SIGKILL every live process that runs as `uid`, outside any service too, and
-        return once none is left (`service_stop_unconfirmed` otherwise), with what
-        `account_idle` would then say. For a slot account whose attempt has settled:
-        what a provider command left running (a rootless Podman pause process, a
-        command orphaned when the daemon died)."""
+        return once none is left (`service_stop_unconfirmed` after `timeout`, by
+        default the backend's stop timeout), with what `account_idle` would then say.
+        For a slot account whose attempt has settled: what a provider command left
+        running (a rootless Podman pause process, a command orphaned when the daemon
+        died)."""
         ...
 
     def planned_cgroups(self, name: str) -> list[str]:

@@ -668,8 +668,8 @@ class SystemdService:
     def account_idle(self, uid: int) -> bool:
         return self._files.account_idle(uid)
 
-    def kill_account(self, uid: int) -> bool:
-        return self._files.kill_account(uid)
+    def kill_account(self, uid: int, timeout: float | None = None) -> bool:
+        return self._files.kill_account(uid, timeout)
 
     def supervisor_cgroup(self, handle: ServiceHandle) -> str:
         return self.planned_supervisor_cgroup(handle.name)
