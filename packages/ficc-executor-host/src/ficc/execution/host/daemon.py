@@ -209,8 +209,8 @@ def check_ledger_present(config: Config) -> tuple[bool, bool]:
     """(ledger exists, marker exists); refuses a ledger that existed and is gone."""
     state_fd = fsutil.open_dir(config.state_dir)
     try:
-        has_ledger = _exists(state_fd, LEDGER_FILE)
-        has_marker = _exists(state_fd, LEDGER_MARKER)
+        has_ledger = fsutil.exists_at(state_fd, LEDGER_FILE)
+        has_marker = fsutil.exists_at(state_fd, LEDGER_MARKER)
     finally:
         os.close(state_fd)
     if not has_ledger and has_marker:
@@ -289,14 +289,6 @@ def open_ledger(config: Config) -> Ledger:
         ledger.close()
         raise
     return ledger
-
-
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _write_marker(state_dir: str, ledger_id: str) -> None:

@@ -285,3 +285,12 @@ def storage_refusal(what: str, error: OSError, failed_code: str) -> HostError:
         f"writing {what} failed ({error.strerror or error}); the attempt cannot start: "
         "release it and check the slot's disk",
     )
+
+
+def exists_at(dir_fd: int, name: str) -> bool:
+    """Whether anything is at `name` in `dir_fd` (a link counts; it is not followed)."""
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

@@ -274,14 +274,6 @@ def _mount_point(path: str) -> str:
     return path
 
 
-def _exists_at(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _remove_new(dir_fd: int, names: Sequence[str]) -> None:
     """Remove files a failed `create` made, durably, so the next start finds no ledger
     (rather than an empty or half-made one it would refuse as corrupt)."""
@@ -442,7 +434,7 @@ class Ledger:
     ) -> Ledger:
         """`create` under the state directory's lock. A failure after the file was made
         removes what it made, so no half-made ledger is ever taken for a lost one."""
-        sidecars = [n for n in _SIDECARS if not _exists_at(dir_fd, n)]
+        sidecars = [n for n in _SIDECARS if not fsutil.exists_at(dir_fd, n)]
         try:
             fd = fsutil.create_exclusive(dir_fd, LEDGER_FILE, 0o600)
         except HostError as error:
