@@ -567,8 +567,7 @@ class _Respawner:
     again each time the last one dies: the account cannot be made idle while it runs."""
 
     def __init__(self, uid: int, gid: int) -> None:
-        self.argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                     "sleep", "1000"]  # fmt: skip
+        self.uid, self.gid = uid, gid
         self.stopping = threading.Event()
         self.spawned = 0
         self.child: subprocess.Popen[bytes] | None = None
@@ -576,7 +575,12 @@ class _Respawner:
 
     def _run(self) -> None:
         while not self.stopping.is_set():
-            self.child = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL)
+            # The account's IDs are taken in the forked child before exec, so the
+            # replacement runs as the account within moments of the last one's death.
+            self.child = subprocess.Popen(
+                ["/bin/sleep", "1000"], stdin=subprocess.DEVNULL,
+                user=self.uid, group=self.gid, extra_groups=[],
+            )  # fmt: skip
             self.spawned += 1
             self.child.wait()
 
