@@ -87,6 +87,18 @@ CPU. Cut: the pause now grows with the CPU the call spent (median 1.9 ms, so 10 
 and a `ready` that carries the barrier's PID (the Podman provider's does) is gated at
 once instead of observing again for `payload` (~3 ms).
 
+Cut on 2026-12-02 (1.60-1.73x before; 1.30x, 1.35x and 1.36x in three quick runs
+after): the exit. `podman run` returns only after tearing the container down, and
+its wait for the container polls: from the container's first output to `podman run`
+returning took 77-271 ms in a one-off measurement (10 bare runs, in a slow state of
+the machine), which the bare run pays once but the attempt paid on top of its own
+look at the service's end. conmon writes the container's exit status the moment it
+reaps the container (Podman's `--tmpdir`/exits/<ID>, the ID from `--cidfile`): the
+Podman provider now reads it there first, and the runner watches the gated payload
+process with a pidfd, looking again at once and every `observe_interval` after it
+ends (conmon needs a moment to reap it). The check stays: the status is conmon's
+record, which `podman run` itself returns, and the payload cannot reach it.
+
 Cut on 2026-12-01 (2.40x before, same machine and day): the per-prepare `podman
 image inspect` as the slot account (~75-95 ms, a whole rootless Podman start; now
 done only when the storage's image record file changed), the gate's interpretation

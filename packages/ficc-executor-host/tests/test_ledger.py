@@ -476,6 +476,23 @@ def test_slot_class_and_storage_must_fit(ledger: Ledger) -> None:
     refused(admit(ledger, too_big)[0], "slot_capacity")
 
 
+@pytest.mark.parametrize("control", ["paused", "draining", "stopped"])
+def test_a_new_ledger_has_the_configured_control_from_its_first_transaction(
+    state_dir: Path, control: str
+) -> None:
+    """The configured control is part of the ledger's creation, not a second change that
+    could fail (a full disk) and leave a new ledger with an offer more open than set."""
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING, control)  # type: ignore[arg-type]
+    led.close()
+    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    try:
+        offer = reopened.offer()
+        assert (offer.revision, offer.control) == (1, control)
+        refused(admit(reopened, make_plan(offer_revision=1))[0], "offer_closed")
+    finally:
+        reopened.close()
+
+
 def test_resources_beyond_the_offer_are_rejected(state_dir: Path) -> None:
     led = Ledger.create(str(state_dir), INSTALLATION, limits(cpu_millis=2500), CEILING)
     results = admit(led, make_plan(), make_plan(), make_plan())

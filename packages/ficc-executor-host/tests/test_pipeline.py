@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -61,6 +62,7 @@ from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
+from ficc.execution.host.starting import AFTER_EXIT_LOOKS
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc_testkit import plans, wheels
 
@@ -1639,6 +1641,46 @@ def test_the_monitor_is_woken_when_a_released_service_main_process_exits(world: 
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_end_of_the_gated_payload_brings_looks_forward_while_it_runs(world: World) -> None:
+    """A provider may report an exit before the service ends (the Podman provider reads
+    the container's status while Podman still tears it down): the end of the process
+    the gate checked wakes the monitor, then again every `observe_interval` while the
+    attempt is still `running`, at most AFTER_EXIT_LOOKS times."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    read_end, write_end = os.pipe()
+    payload = subprocess.Popen(["/bin/sh", "-c", "read _ <&3"], pass_fds=(read_end,))
+    os.close(read_end)
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)  # its monitor loop is not running
+        wakes: list[None] = []
+        runner.monitor.wake = lambda: wakes.append(None)  # type: ignore[method-assign]
+        starter = runner._starter
+        pidfd = os.pidfd_open(payload.pid)
+        starter._watch(pidfd, functools.partial(starter._spawn_looks, fence.attempt_id))
+        await asyncio.sleep(0)
+        assert wakes == []  # the payload still runs
+        os.close(write_end)  # now it ends
+        await until(lambda: len(wakes) >= 3, "looks after the payload's end")
+        assert starter._exit_watches == set()
+        world.ctx.ledger.apply(fence, lifecycle.Finished(exit_code=0))  # the monitor's record
+        await until(lambda: not runner._tasks, "the looks stop")
+        assert len(wakes) < AFTER_EXIT_LOOKS
+        await runner.close()
+
+    async def cleaned() -> None:
+        async with running(Runner(world.ctx, settings=FAST)):
+            await until(settled_and_clean(world, fence.attempt_id), "cleaned")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        payload.kill()
+        payload.wait()
+    asyncio.run(cleaned())
 
 
 # --- start authority at the release marker ---------------------------------------------

@@ -26,6 +26,7 @@ import harness as h
 from ficc.execution.host import sdk
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
+from ficc_provider_podman.container import container_name
 from ficc_testkit.digests import digest_of
 from ficc_testkit.waits import wait_for
 
@@ -147,6 +148,44 @@ def test_a_nonzero_exit_is_observed(w: h.World) -> None:
         assert verdict.ok, verdict.failures
         h.release_marker(attempt)
         assert h.await_finished(attempt) == 7
+    finally:
+        _finish(attempt)
+
+
+def test_the_container_exit_is_read_from_conmon_without_waiting_for_podman(w: h.World) -> None:
+    """conmon records the container's exit the moment it reaps it; `podman run` only
+    later (a teardown and a polling wait), and the wrapper after that. Here nothing
+    after conmon's record can happen: the service may not fork once the payload is
+    released (its process limit is set to 1, which the processes it has already
+    exceed), so neither Podman's cleanup command (which would remove conmon's file)
+    nor the wrapper's `mv` can run. The exit is observed all the same, from conmon's
+    file, the same answer stays once the file is gone, and the container ID file names
+    the real container."""
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "exit 7"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        assert attempt.handle is not None
+        pids = Path(attempt.handle.cgroups["pids"])
+        (pids / "pids.max").write_text("1\n")
+        h.release_marker(attempt)
+        assert h.await_finished(attempt) == 7
+        run = Path(attempt.paths.provider) / "run"
+        assert not (run / "exit-status").exists()  # the wrapper never recorded it
+        container_id = (run / "container-id").read_text().strip()
+        attempt.call("stop")
+        w.service.stop(attempt.handle)
+        # Podman's cleanup command would remove conmon's record: the answer stays.
+        slot_runtime = Path(f"/run/user/{w.slot.uid}/libpod/tmp/exits")
+        (slot_runtime / container_id).unlink()
+        assert attempt.call("observe") == {"phase": "finished", "exit_code": 7}
+        slot = SlotAccount(w.slot.uid, w.slot.gid, w.slot.path)
+        with slot_lock(slot.uid):
+            name = container_name(attempt.id)
+            inspected = run_podman(
+                slot, w.driver.config, ["container", "inspect", "--format", "{{.Id}}", name]
+            )
+        assert inspected.stdout.decode().strip() == container_id, inspected.stderr
     finally:
         _finish(attempt)
 

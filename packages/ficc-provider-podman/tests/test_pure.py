@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ficc_provider_podman import container
+from ficc_provider_podman import container, observe
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import SlotAccount, processes_by_uid, processes_of
 from ficc_provider_podman.config import Config, load
@@ -171,6 +172,73 @@ def test_device_results_parse_exactly_the_expected_devices() -> None:
         with pytest.raises(ProviderError) as refused:
             parse_device_results(bad, ["/dev/null", "/dev/zero"])
         assert refused.value.code == "runtime_report"
+
+
+CID = "0123456789abcdef" * 4
+
+
+def _conmon_exit(tmp_path: Path, status: bytes | None, cid: bytes = CID.encode()) -> Path:
+    """A run directory with Podman's --cidfile and a runtime directory where conmon
+    wrote `status` for that container (None: not yet)."""
+    run, runtime = tmp_path / "run", tmp_path / "runtime"
+    run.mkdir()
+    (run / container.CONTAINER_ID).write_bytes(cid)
+    exits = runtime / "libpod" / "tmp" / "exits"
+    exits.mkdir(parents=True)
+    if status is not None:
+        (exits / CID).write_bytes(status)
+    return tmp_path
+
+
+def test_the_container_exit_is_read_where_conmon_writes_it(tmp_path: Path) -> None:
+    base = _conmon_exit(tmp_path, b"137")
+    assert observe.container_exit_status(str(base / "run"), str(base / "runtime")) == 137
+
+
+@pytest.mark.parametrize(
+    "cid", [b"", CID[:20].encode(), CID.upper().encode(), b"../" + CID[3:].encode()]
+)
+def test_a_container_id_podman_has_not_fully_written_is_not_yet_an_exit(
+    tmp_path: Path, cid: bytes
+) -> None:
+    """Podman creates the --cidfile, then writes the ID: anything but a whole ID is read
+    as "not yet", and the wrapper's status is the fallback."""
+    base = _conmon_exit(tmp_path, b"0", cid=cid)
+    assert observe.container_exit_status(str(base / "run"), str(base / "runtime")) is None
+
+
+def test_no_exit_file_yet_is_no_exit(tmp_path: Path) -> None:
+    base = _conmon_exit(tmp_path, None)
+    assert observe.container_exit_status(str(base / "run"), str(base / "runtime")) is None
+    shutil.rmtree(base / "runtime" / "libpod")
+    assert observe.container_exit_status(str(base / "run"), str(base / "runtime")) is None
+
+
+def test_a_link_below_the_runtime_directory_is_never_followed(tmp_path: Path) -> None:
+    """Everything below the runtime directory belongs to the slot account: a link
+    there (to a file of the account's choosing) is refused, not read."""
+    base = _conmon_exit(tmp_path, b"0")
+    libpod = base / "runtime" / "libpod"
+    libpod.rename(base / "elsewhere")
+    libpod.symlink_to(base / "elsewhere")
+    with pytest.raises(ProviderError) as refused:
+        observe.container_exit_status(str(base / "run"), str(base / "runtime"))
+    assert refused.value.code == "runtime_report"
+    libpod.unlink()
+    (base / "elsewhere").rename(libpod)
+    exit_file = libpod / "tmp" / "exits" / CID
+    exit_file.unlink()
+    exit_file.symlink_to(base / "run" / container.CONTAINER_ID)
+    with pytest.raises(ProviderError):
+        observe.container_exit_status(str(base / "run"), str(base / "runtime"))
+
+
+@pytest.mark.parametrize("status", [b"-1", b"256", b"", b"1 2", b"x" * 17])
+def test_an_exit_status_out_of_range_is_refused(tmp_path: Path, status: bytes) -> None:
+    base = _conmon_exit(tmp_path, status)
+    with pytest.raises(ProviderError) as refused:
+        observe.container_exit_status(str(base / "run"), str(base / "runtime"))
+    assert refused.value.code == "runtime_report"
 
 
 HOST_MOUNTINFO = (

@@ -43,6 +43,11 @@ from ficc_provider_podman.errors import ProviderError
 
 PODMAN_DIRECTORY = "ficc-podman"
 RUN_USER = "/run/user"
+PODMAN_TMPDIR = "libpod/tmp"
+"""Podman's `--tmpdir`, relative to the account's runtime directory."""
+CONMON_EXITS = "exits"
+"""Where, under `--tmpdir`, conmon writes a container's exit status (file named by the
+container's ID, written to a temporary name and renamed: never seen half-written)."""
 COMMAND_TIMEOUT_S = 300.0
 CONTAINERS_CONF = "/usr/share/containers/containers.conf"
 """The distribution's defaults (root-owned); the only containers.conf Podman reads."""
@@ -105,8 +110,14 @@ class SlotAccount:
         }
 
     @property
+    def podman_tmpdir(self) -> str:
+        """Podman's `--tmpdir`: the pause process's PID file, and `exits/`, where conmon
+        writes each container's exit status the moment it reaps the container."""
+        return f"{self.runtime_dir}/{PODMAN_TMPDIR}"
+
+    @property
     def pause_pid_file(self) -> str:
-        return f"{self.runtime_dir}/libpod/tmp/pause.pid"
+        return f"{self.podman_tmpdir}/pause.pid"
 
     def podman(self, config: Config, *, log_level: str = "error") -> list[str]:
         """Podman and its global flags: every path explicit, no pulls, no events."""
@@ -120,7 +131,7 @@ class SlotAccount:
             "--runroot",
             f"{self.runtime_dir}/containers",
             "--tmpdir",
-            f"{self.runtime_dir}/libpod/tmp",
+            self.podman_tmpdir,
             "--storage-driver",
             "overlay",
             "--events-backend=none",

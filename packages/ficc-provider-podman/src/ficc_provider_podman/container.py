@@ -21,10 +21,14 @@ Isolation (docs/providers.md) and how each flag is realised rootless on this hos
   files given to the service (no copy by conmon, nothing in Podman's storage).
 - The environment: `env -i` gives Podman exactly HOME, XDG_RUNTIME_DIR, TMPDIR and
   PATH of the slot's Podman directories, whatever environment the service has.
-- The exit status: `podman run` exits with the container's status (125-127 for
-  Podman's own failures). A minimal `/bin/sh` wrapper records it in the provider's
-  run directory, inside the service, because an attached run removes Podman's own
-  exit file. The file it writes is made at prepare, so a full slot cannot lose it.
+- The exit status, two ways. conmon writes the container's status the moment it
+  reaps the container (`--cidfile` names the container, see observe.py); `podman
+  run` itself returns it only after tearing the container down and a wait that
+  polls. And `podman run` exits with the container's status (125-127 for Podman's
+  own failures, when no container ran): a minimal `/bin/sh` wrapper records that in
+  the provider's run directory, inside the service, because an attached run removes
+  conmon's file as it exits. The wrapper's file is made at prepare, so a full slot
+  cannot lose it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ DEVICE_RESULTS = "/run/.ficc-devices"
 RUNTIME_DEVICE_NAME = "runtime"
 """Name of prepared devices that Podman itself needs, serving no plan device."""
 EXIT_STATUS = "exit-status"
+CONTAINER_ID = "container-id"
+"""The `--cidfile` Podman writes in the provider's run directory at create."""
 
 _WRAPPER = (
     'exit_file=$0; "$@"; status=$?; '
@@ -100,6 +106,10 @@ class AttemptPaths:
     @property
     def exit_file(self) -> str:
         return f"{self.run}/{EXIT_STATUS}"
+
+    @property
+    def cid_file(self) -> str:
+        return f"{self.run}/{CONTAINER_ID}"
 
 
 @dataclass(frozen=True)
@@ -294,6 +304,8 @@ def run_argv(
         "run",
         "--name",
         container_name(attempt_id),
+        "--cidfile",
+        paths.cid_file,
         *isolation_flags(config, nproc),
         "--env-file",
         paths.env_file,

@@ -111,6 +111,9 @@ class Driver:
         self.config = config
         self._ready_reported: set[str] = set()
         self._payload_pid: dict[str, int] = {}
+        self._exit_code: dict[str, int] = {}
+        """The first exit status observed per attempt: conmon's record is removed by
+        Podman's cleanup soon after, so a later observe answers from here."""
         self._lock = threading.Lock()
         self._images_seen: dict[tuple[int, str, str], _Fingerprint] = {}
         """(slot uid, storage, image ID) -> the image record file as it was when
@@ -396,7 +399,8 @@ class Driver:
         slot = _account(context)
         paths = _paths(context)
         state = _read_state(paths)
-        code = observe.exit_status(paths.run, container.EXIT_STATUS)
+        attempt = state.attempt_id
+        code = self._exit_of(attempt, slot, paths)
         if code is not None:
             return _observed(sdk.Observation(phase="finished", exit_code=code))
         released = os.path.lexists(f"{paths.control}/{container.RELEASE_MARKER}")
@@ -404,7 +408,6 @@ class Driver:
         waiting = observe.barrier_processes(slot.uid, identity, processes.get(slot.uid, []))
         if len(waiting) > 1:
             raise ProviderError("runtime_report", f"several barrier processes: {waiting}")
-        attempt = state.attempt_id
         if waiting and not released:
             pid = waiting[0]
             devices = observe.device_results(pid, [*state.positive, *state.negative])
@@ -428,6 +431,20 @@ class Driver:
                 "no process of the attempt is left and no exit status was recorded",
             )
         return _observed(sdk.Observation(phase="waiting"))
+
+    def _exit_of(self, attempt: str, slot: SlotAccount, paths: AttemptPaths) -> int | None:
+        """The attempt's exit status: conmon's record, else the wrapper's, and the same
+        answer ever after once one was read (observing again never goes backwards)."""
+        with self._lock:
+            if attempt in self._exit_code:
+                return self._exit_code[attempt]
+        code = observe.container_exit_status(paths.run, slot.runtime_dir)
+        if code is None:
+            code = observe.exit_status(paths.run, container.EXIT_STATUS)
+        if code is None:
+            return None
+        with self._lock:
+            return self._exit_code.setdefault(attempt, code)
 
     # --- stop, collect, release ----------------------------------------------------
 
@@ -462,6 +479,7 @@ class Driver:
         with self._lock:
             self._ready_reported.discard(plan.attempt_id)
             self._payload_pid.pop(plan.attempt_id, None)
+            self._exit_code.pop(plan.attempt_id, None)
         return sdk.reply(sdk.ReleaseReply(released=True))
 
 

@@ -9,8 +9,13 @@ leave a pause process behind (see account.py), and the facts are on the host any
   container's private /run tmpfs, read through /proc/PID/root one component at a
   time without following links. Only the barrier has run in the container at that
   point, so the file is the runner's own report.
-- The exit status: the file the wrapper around `podman run` writes in the provider's
-  run directory when `podman run` returns (inside the service).
+- The exit status: first the file conmon writes the moment it reaps the container
+  (`exits/<ID>` under Podman's `--tmpdir`, the ID from the `--cidfile` in the
+  provider's run directory), then the file the wrapper around `podman run` writes
+  there when `podman run` returns (inside the service: Podman's own failures, when no
+  container ran). Both are written by the slot account's processes outside the
+  container, which the payload cannot reach; conmon's is what `podman run` itself
+  reads, a teardown and a polling wait earlier.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import os
 import stat
 from collections.abc import Sequence
 
-from ficc_provider_podman.account import processes_of
-from ficc_provider_podman.container import DEVICE_RESULTS
+from ficc_provider_podman.account import CONMON_EXITS, PODMAN_TMPDIR, processes_of
+from ficc_provider_podman.container import CONTAINER_ID, DEVICE_RESULTS
 from ficc_provider_podman.errors import ProviderError
 
 MAX_RESULTS_BYTES = 64 << 10
@@ -54,6 +59,8 @@ def _read_small(dir_fd: int, name: str, limit: int) -> bytes | None:
         fd = os.open(name, _FILE, dir_fd=dir_fd)
     except FileNotFoundError:
         return None
+    except OSError as error:  # a link (never followed) or worse
+        raise ProviderError("runtime_report", f"{name} cannot be read: {error}") from error
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
@@ -71,20 +78,31 @@ def device_results(pid: int, expected: list[str]) -> list[dict[str, object]] | N
         return None
     try:
         parent, name = os.path.split(DEVICE_RESULTS)
-        fd = os.dup(root)
-        for component in parent.strip("/").split("/"):
-            try:
-                nxt = os.open(component, _DIR, dir_fd=fd)
-            finally:
-                os.close(fd)
-            fd = nxt
-        try:
-            data = _read_small(fd, name, MAX_RESULTS_BYTES)
-        finally:
-            os.close(fd)
+        data = _read_below(root, parent.strip("/").split("/"), name, MAX_RESULTS_BYTES)
     finally:
         os.close(root)
     return None if data is None else parse_device_results(data, expected)
+
+
+def _read_below(base_fd: int, directories: list[str], name: str, limit: int) -> bytes | None:
+    """`_read_small` of `name` in the directory `directories` below `base_fd`, each
+    opened without following a link; None when one of them does not exist."""
+    fd = os.dup(base_fd)
+    try:
+        for component in directories:
+            try:
+                nxt = os.open(component, _DIR, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            except OSError as error:  # a link (never followed) or not a directory
+                raise ProviderError(
+                    "runtime_report", f"{component} is not a plain directory: {error}"
+                ) from error
+            os.close(fd)
+            fd = nxt
+        return _read_small(fd, name, limit)
+    finally:
+        os.close(fd)
 
 
 def parse_device_results(data: bytes, expected: list[str]) -> list[dict[str, object]]:
@@ -108,16 +126,43 @@ def parse_device_results(data: bytes, expected: list[str]) -> list[dict[str, obj
 
 def exit_status(run_dir: str, name: str) -> int | None:
     """The recorded exit status of `podman run`, or None while it runs."""
+    data = _read_in(run_dir, name, 16)
+    return None if data is None else _status(data)
+
+
+def container_exit_status(run_dir: str, runtime_dir: str) -> int | None:
+    """The container's exit status as conmon recorded it, or None while it runs (or
+    when no container was created: the wrapper's status then tells). Below the
+    account's runtime directory, every directory is the account's own and is opened
+    without following a link."""
+    cid = _read_in(run_dir, CONTAINER_ID, 128)
+    text = b"" if cid is None else cid.strip()
+    if len(text) != 64 or text.strip(b"0123456789abcdef"):
+        return None  # not written yet (Podman creates the file, then writes the ID)
     try:
-        dir_fd = os.open(run_dir, _DIR)
+        base = os.open(runtime_dir, _DIR)
     except FileNotFoundError:
         return None
     try:
-        data = _read_small(dir_fd, name, 16)
+        below = [*PODMAN_TMPDIR.split("/"), CONMON_EXITS]
+        data = _read_below(base, below, text.decode(), 16)
+    finally:
+        os.close(base)
+    return None if data is None else _status(data)
+
+
+def _read_in(directory: str, name: str, limit: int) -> bytes | None:
+    try:
+        dir_fd = os.open(directory, _DIR)
+    except FileNotFoundError:
+        return None
+    try:
+        return _read_small(dir_fd, name, limit)
     finally:
         os.close(dir_fd)
-    if data is None:
-        return None
+
+
+def _status(data: bytes) -> int:
     text = data.decode(errors="replace").rstrip(" \n")
     if not text.isdigit() or not 0 <= int(text) <= 255:
         raise ProviderError("runtime_report", f"exit status {text!r} is not 0..255")

@@ -269,18 +269,8 @@ def open_ledger(config: Config) -> Ledger:
             config.installation_id,
             handlers.initial_limits(config),
             handlers.ceiling_limits(config),
+            config.initial_offer.control,
         )
-        try:
-            if config.initial_offer.control != "active":
-                ledger.set_offer(
-                    1,
-                    config.initial_offer.control,
-                    handlers.initial_limits(config),
-                    handlers.ceiling_limits(config),
-                )
-        except BaseException:
-            ledger.close()
-            raise
     try:
         ledger.bound_space(config.space_bounds())
         if not has_marker:

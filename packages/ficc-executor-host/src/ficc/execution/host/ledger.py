@@ -401,12 +401,19 @@ class Ledger:
 
     @classmethod
     def create(
-        cls, state_dir: str, installation_id: str, initial_offer: OfferLimits, ceiling: OfferLimits
+        cls,
+        state_dir: str,
+        installation_id: str,
+        initial_offer: OfferLimits,
+        ceiling: OfferLimits,
+        control: Control = "active",
     ) -> Ledger:
         """Create a new ledger file, exclusively; refuse if anything is at its name.
 
         A new ledger gets a new random `ledger_id`, even for an unchanged configuration,
-        so a controller can tell that earlier admissions are not in it.
+        so a controller can tell that earlier admissions are not in it. The offer's
+        first revision has `control`, in the same transaction as the ledger itself: a
+        ledger is never there with an offer more open than the configured one.
         """
         try:
             msgspec.convert(installation_id, planlib.Identity)
@@ -422,7 +429,9 @@ class Ledger:
                 dir_fd,
                 state_dir,
                 "created",
-                lambda: cls._create_locked(dir_fd, state_dir, installation_id, initial_offer),
+                lambda: cls._create_locked(
+                    dir_fd, state_dir, installation_id, initial_offer, control
+                ),
             )
         except BaseException:
             os.close(dir_fd)
@@ -430,7 +439,12 @@ class Ledger:
 
     @classmethod
     def _create_locked(
-        cls, dir_fd: int, state_dir: str, installation_id: str, initial_offer: OfferLimits
+        cls,
+        dir_fd: int,
+        state_dir: str,
+        installation_id: str,
+        initial_offer: OfferLimits,
+        control: Control,
     ) -> Ledger:
         """`create` under the state directory's lock. A failure after the file was made
         removes what it made, so no half-made ledger is ever taken for a lost one."""
@@ -464,8 +478,8 @@ class Ledger:
                     ),
                 )
                 db.execute(
-                    "INSERT INTO offer VALUES (1, 1, 'active', ?)",
-                    (msgspec.json.encode(initial_offer),),
+                    "INSERT INTO offer VALUES (1, 1, ?, ?)",
+                    (control, msgspec.json.encode(initial_offer)),
                 )
                 db.execute("COMMIT")
             except BaseException:

@@ -22,6 +22,10 @@ Decisions:
   (reason `offer_closed` / `offer_changed`) and the payload is never released.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
   cannot have run.
+- Once released, the end of the gated process and the end of the service's main
+  process each bring the monitor's next look forward (pidfds): a provider that reads
+  the payload's exit while its runtime still tears down is heard within
+  `observe_interval` rather than at the next tick.
 - Device-open results are taken from the latest `ready` or `payload` observation.
 - A provider start or observe that timed out leaves the outcome `unknown`
   (`provider_timeout`), never a replay.
@@ -76,6 +80,10 @@ SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C
 MAX_OBSERVATION_PAUSE = 0.25
 """The longest wait between observations of a start waiting for its payload."""
 
+AFTER_EXIT_LOOKS = 20
+"""Looks at a running attempt, `observe_interval` apart, once its payload's process
+ended; the monitor's tick takes over after them."""
+
 
 def observation_pause(interval: float, last_cost: float) -> float:
     """How long waiting starts pause before they observe again.
@@ -117,7 +125,7 @@ class Starter(AttemptWork):
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._abort: set[str] = set()
         self._exit_watches: set[int] = set()
-        """pidfds of released services' main processes (see `_wake_on_exit`)."""
+        """pidfds of released services' main processes and payloads (see `_watch`)."""
         self._beat: asyncio.Future[None] | None = None
         """The next shared observation instant of starts (see `_next_observation`)."""
         self._observe_cost = 0.0
@@ -205,8 +213,15 @@ class Starter(AttemptWork):
         verdict = await self._io(self._run_gate, attempt, result, handle, pid)
         if not verdict.ok:
             raise HostError(verdict.failures[0].code, verdict.failures[0].message)
-        await self._release_payload(attempt)
+        payload = _pidfd(pid)  # the gated barrier, still waiting for the marker
+        try:
+            await self._release_payload(attempt)
+        except BaseException:
+            if payload is not None:
+                os.close(payload)
+            raise
         self._wake_on_exit(handle.main_pid)
+        self._watch(payload, functools.partial(self._spawn_looks, attempt.id))
 
     def _wake_on_exit(self, pid: int | None) -> None:
         """Wake the monitor the moment the service's main process exits.
@@ -215,21 +230,44 @@ class Starter(AttemptWork):
         pidfd becomes readable when the process exits, so the outcome is observed at
         once. A PID that is already gone (or reused) only costs an early tick.
         """
-        if pid is None:
+        fd = None if pid is None else _pidfd(pid)
+        if fd is None:
+            if pid is not None:
+                self._monitor.wake()
             return
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError:
-            self._monitor.wake()
+        self._watch(fd, self._monitor.wake)
+
+    def _watch(self, fd: int | None, exited: Callable[[], object]) -> None:
+        """Call `exited` once when the process of this pidfd ends."""
+        if fd is None:
             return
-        loop = asyncio.get_running_loop()
         self._exit_watches.add(fd)
 
-        def exited() -> None:
+        def readable() -> None:
             self._unwatch(fd)
-            self._monitor.wake()
+            exited()
 
-        loop.add_reader(fd, exited)
+        asyncio.get_running_loop().add_reader(fd, readable)
+
+    def _spawn_looks(self, attempt_id: str) -> None:
+        self._spawn(self._look_after_payload(attempt_id))
+
+    async def _look_after_payload(self, attempt_id: str) -> None:
+        """The payload's own process (the one the gate checked) has ended: its outcome
+        is looked at now, and again every `observe_interval` while the attempt is still
+        `running`, for at most AFTER_EXIT_LOOKS looks.
+
+        A provider may report the exit before the service ends (the Podman provider
+        reads the container's exit status while Podman still tears the container
+        down), but only a moment after the process ended: its runtime reaps it first.
+        The monitor's own tick (TICK_SECONDS) would otherwise find it.
+        """
+        for _ in range(AFTER_EXIT_LOOKS):
+            self._monitor.wake()
+            await asyncio.sleep(self._settings.observe_interval)
+            record = await self._db(self._ctx.ledger.get, attempt_id)
+            if record is None or record.status.state != "running":
+                return
 
     def _unwatch(self, fd: int) -> None:
         if fd in self._exit_watches:
@@ -421,6 +459,15 @@ def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
         raise HostError(
             "service_limits", "the service does not enforce the plan: " + "; ".join(wrong)
         )
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid`, or None when it is already gone (a watch then only loses its
+    early wake-up: the monitor's tick still looks)."""
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
 
 
 def _settle_beat(beat: asyncio.Future[None]) -> None:
