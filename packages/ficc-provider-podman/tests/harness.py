@@ -30,10 +30,10 @@ from ficc.execution.host.expectation import (
     PrepareResult,
     build_expectation,
     decode_prepare_result,
-    device_rules,
+    service_spec,
 )
 from ficc.execution.host.service.cgroupfs import CgroupfsService
-from ficc.execution.host.service.interface import ServiceHandle, ServiceSpec
+from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.staging import Stager, streams_of
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import kill_leftovers
@@ -43,7 +43,6 @@ from ficc_testkit.digests import digest_of
 
 REPO = Path(__file__).resolve().parents[3]
 ISOLATION = "shared-kernel"
-SERVICE_ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 NOFILE = 1024
 
 
@@ -304,27 +303,15 @@ def prepare(attempt: Attempt) -> PrepareResult:
 
 def create_service(attempt: Attempt, argv: list[str] | None = None) -> ServiceHandle:
     assert attempt.result is not None
-    limits = attempt.plan.job.limits
-    spec = msgspec.convert(
-        {
-            "name": f"attempt-{attempt.id}",
-            "argv": argv or attempt.result.argv,
-            "uid": attempt.w.slot.uid,
-            "gid": attempt.w.slot.gid,
-            "cwd": attempt.paths.storage,
-            "environment": SERVICE_ENVIRONMENT,
-            "limits": {
-                "cpu_millis": limits.cpu_millis,
-                "memory_bytes": limits.memory_bytes,
-                "swap_bytes": limits.swap_bytes,
-                "processes": limits.processes,
-                "nofile": NOFILE,
-            },
-            "devices": msgspec.to_builtins(device_rules(attempt.result)),
-            "stdout": attempt.paths.stdout,
-            "stderr": attempt.paths.stderr,
-        },
-        ServiceSpec,
+    spec = service_spec(
+        f"attempt-{attempt.id}",
+        attempt.result,
+        uid=attempt.w.slot.uid,
+        gid=attempt.w.slot.gid,
+        paths=attempt.paths,
+        limits=attempt.plan.job.limits,
+        nofile=NOFILE,
+        argv=argv,
     )
     attempt.handle = attempt.w.service.create(spec)
     return attempt.handle

@@ -54,7 +54,7 @@ from ficc.execution.host.expectation import (
     DEFAULT_NOFILE,
     check_device_opens,
     check_prepare_result,
-    device_rules,
+    service_spec,
 )
 from ficc.execution.host.layout import AttemptPaths, service_name
 from ficc.execution.host.providers.digest import compute_digest
@@ -91,7 +91,6 @@ CHECK_REFUSAL: Final = "conformance_check"
 """The code of the kit's check() refusal, which prepare must pass through unchanged."""
 MAX_CHECK_CALLS: Final = 32
 """Refusing check() at call 1, 2, ... stops here (a prepare calling it more is fine)."""
-SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 USAGE: Final = "conformance_usage"
 """The code of a run that could not start because of its arguments (exit 2)."""
 
@@ -591,27 +590,14 @@ class Kit:
         return sdk.PrepareContext(**msgspec.structs.asdict(context), check=check)
 
     def _spec(self, attempt: _Attempt, result: sdk.PrepareResult) -> ServiceSpec:
-        limits = attempt.plan.job.limits
-        return msgspec.convert(
-            {
-                "name": attempt.service,
-                "argv": result.argv,
-                "uid": self.slot.uid,
-                "gid": self.slot.gid,
-                "cwd": attempt.paths.storage,
-                "environment": SERVICE_ENVIRONMENT,
-                "limits": {
-                    "cpu_millis": limits.cpu_millis,
-                    "memory_bytes": limits.memory_bytes,
-                    "swap_bytes": limits.swap_bytes,
-                    "processes": limits.processes,
-                    "nofile": DEFAULT_NOFILE,
-                },
-                "devices": msgspec.to_builtins(device_rules(result)),
-                "stdout": attempt.paths.stdout,
-                "stderr": attempt.paths.stderr,
-            },
-            ServiceSpec,
+        return service_spec(
+            attempt.service,
+            result,
+            uid=self.slot.uid,
+            gid=self.slot.gid,
+            paths=attempt.paths,
+            limits=attempt.plan.job.limits,
+            nofile=DEFAULT_NOFILE,
         )
 
     def _write_marker(self, attempt: _Attempt) -> None:

@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Final
 
 import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import gate, procfs
 from ficc.execution.host.errors import HostError
+from ficc.execution.host.layout import AttemptPaths
 from ficc.execution.host.sdk import (
     BarrierSpec,
     GeneratedTarget,
@@ -53,12 +55,13 @@ from ficc.execution.host.sdk import (
     decode_reply,
 )
 from ficc.execution.host.service import cgroups
-from ficc.execution.host.service.interface import DeviceRule, ServiceHandle
+from ficc.execution.host.service.interface import DeviceRule, ServiceHandle, ServiceSpec
 
 __all__ = [
     "DEFAULT_NOFILE",
     "RUNTIME_DEVICE",
     "RUNTIME_NODES",
+    "SERVICE_ENVIRONMENT",
     "BarrierSpec",
     "GeneratedTarget",
     "MountSpec",
@@ -69,6 +72,7 @@ __all__ = [
     "check_prepare_result",
     "decode_prepare_result",
     "device_rules",
+    "service_spec",
 ]
 
 RUNTIME_DEVICE = "runtime"
@@ -78,6 +82,9 @@ RUNTIME_NODES = frozenset({(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0)})
 
 DEFAULT_NOFILE = 1024
 """RLIMIT_NOFILE of every attempt's service (the plan has no field for it)."""
+
+SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+"""The complete environment of the provider argv: nothing is inherited."""
 
 
 def _invalid(message: str) -> HostError:
@@ -193,6 +200,46 @@ def check_device_opens(result: PrepareResult, opened: Mapping[str, bool] | None)
 def device_rules(result: PrepareResult) -> list[DeviceRule]:
     """The service's closed device policy: exactly the prepared nodes."""
     return [DeviceRule(path=d.path, major=d.major, minor=d.minor) for d in result.devices]
+
+
+def service_spec(
+    name: str,
+    result: PrepareResult,
+    *,
+    uid: int,
+    gid: int,
+    paths: AttemptPaths,
+    limits: planlib.Limits,
+    nofile: int,
+    argv: Sequence[str] | None = None,
+) -> ServiceSpec:
+    """The attempt's service: the prepared argv (or `argv`) as the slot account in the
+    attempt's storage, with the plan's limits, exactly the prepared devices and the
+    attempt's log files; `service_spec` when it cannot be built."""
+    try:
+        return msgspec.convert(
+            {
+                "name": name,
+                "argv": list(result.argv if argv is None else argv),
+                "uid": uid,
+                "gid": gid,
+                "cwd": paths.storage,
+                "environment": SERVICE_ENVIRONMENT,
+                "limits": {
+                    "cpu_millis": limits.cpu_millis,
+                    "memory_bytes": limits.memory_bytes,
+                    "swap_bytes": limits.swap_bytes,
+                    "processes": limits.processes,
+                    "nofile": nofile,
+                },
+                "devices": msgspec.to_builtins(device_rules(result)),
+                "stdout": paths.stdout,
+                "stderr": paths.stderr,
+            },
+            ServiceSpec,
+        )
+    except msgspec.ValidationError as error:
+        raise HostError("service_spec", f"the service cannot be built: {error}") from error
 
 
 def _cgroup_requirements(

@@ -40,7 +40,7 @@ import os
 import posixpath
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
@@ -63,19 +63,16 @@ from ficc.execution.host.expectation import (
     build_expectation,
     check_device_opens,
     decode_prepare_result,
-    device_rules,
+    service_spec,
 )
 from ficc.execution.host.handlers import ceiling_limits
 from ficc.execution.host.layout import RELEASE_MARKER
 from ficc.execution.host.sdk import DeviceOpen
-from ficc.execution.host.service.interface import Controls, ServiceHandle, ServiceSpec
+from ficc.execution.host.service.interface import Controls, ServiceHandle
 
-__all__ = ["MAX_OBSERVATION_PAUSE", "SERVICE_ENVIRONMENT", "Starter", "observation_pause"]
+__all__ = ["MAX_OBSERVATION_PAUSE", "Starter", "observation_pause"]
 
 _log = logging.getLogger(__name__)
-
-SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-"""The complete environment of the provider argv: nothing is inherited."""
 
 MAX_OBSERVATION_PAUSE = 0.25
 """The longest wait between observations of a start waiting for its payload."""
@@ -282,31 +279,15 @@ class Starter(AttemptWork):
         return decode_prepare_result(msgspec.json.decode(data))
 
     async def _create_service(self, attempt: _Attempt, result: PrepareResult) -> ServiceHandle:
-        limits = attempt.plan.job.limits
-        try:
-            spec = msgspec.convert(
-                {
-                    "name": attempt.service,
-                    "argv": result.argv,
-                    "uid": attempt.slot.uid,
-                    "gid": attempt.slot.gid,
-                    "cwd": attempt.paths.storage,
-                    "environment": SERVICE_ENVIRONMENT,
-                    "limits": {
-                        "cpu_millis": limits.cpu_millis,
-                        "memory_bytes": limits.memory_bytes,
-                        "swap_bytes": limits.swap_bytes,
-                        "processes": limits.processes,
-                        "nofile": self._settings.nofile,
-                    },
-                    "devices": msgspec.to_builtins(device_rules(result)),
-                    "stdout": attempt.paths.stdout,
-                    "stderr": attempt.paths.stderr,
-                },
-                ServiceSpec,
-            )
-        except msgspec.ValidationError as error:
-            raise HostError("service_spec", f"the service cannot be built: {error}") from error
+        spec = service_spec(
+            attempt.service,
+            result,
+            uid=attempt.slot.uid,
+            gid=attempt.slot.gid,
+            paths=attempt.paths,
+            limits=attempt.plan.job.limits,
+            nofile=self._settings.nofile,
+        )
         self._check_abort(attempt)
         await self._deadlines.set(attempt)
         handle: ServiceHandle = await self._io(self._ctx.service.create, spec)
