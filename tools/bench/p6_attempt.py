@@ -96,8 +96,10 @@ look at the service's end. conmon writes the container's exit status the moment 
 reaps the container (Podman's `--tmpdir`/exits/<ID>, the ID from `--cidfile`): the
 Podman provider now reads it there first, and the runner watches the gated payload
 process with a pidfd, looking again at once and every `observe_interval` after it
-ends (conmon needs a moment to reap it). The check stays: the status is conmon's
-record, which `podman run` itself returns, and the payload cannot reach it.
+ends (conmon needs a moment to reap it). No check is removed: the status is conmon's
+record, which `podman run` itself returns, and the payload cannot reach it. Podman's
+teardown now happens after `finished` (the cleanup kills it), outside the timed span,
+as the container's removal (`podman rm` at release) always was; P9 times both.
 
 Cut on 2026-12-01 (2.40x before, same machine and day): the per-prepare `podman
 image inspect` as the slot account (~75-95 ms, a whole rootless Podman start; now

@@ -20,6 +20,7 @@ import json
 import os
 import pwd
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -1736,6 +1737,39 @@ def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
     status = world.record(fence.attempt_id).status
     assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
     assert (status.state, status.reason) == ("cancelled", "stopped")
+
+
+def test_a_barrier_that_dies_after_the_gate_is_never_released(world: World) -> None:
+    """The gate passed, then the barrier died (an OOM kill, say) before the marker: its
+    exit must never be taken for the payload's. The start fails `barrier_exited` (the
+    payload never ran) and the marker is never written."""
+    fence = world.admit(world.plan())
+    runner = Runner(world.ctx, settings=FAST)
+
+    def gate_then_death(*args: Any) -> gate.Verdict:
+        pid = args[3]
+        pidfd = os.pidfd_open(pid)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            assert select.select([pidfd], [], [], 30)[0], "the barrier did not die"
+        finally:
+            os.close(pidfd)
+        return gate.Verdict(ok=True, failures=())
+
+    runner._starter._run_gate = gate_then_death  # type: ignore[method-assign, assignment]
+
+    async def scenario() -> None:
+        async with running(runner):
+            runner.admitted([fence.attempt_id])
+            await until(state_of(world, fence.attempt_id), "ready")
+            world.start(fence)
+            runner.start_requested([fence.attempt_id])
+            await until(settled_and_clean(world, fence.attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert (status.state, status.reason) == ("failed", "barrier_exited")
 
 
 def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:

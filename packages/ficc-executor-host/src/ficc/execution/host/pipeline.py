@@ -25,9 +25,10 @@ Decisions (see also docs/operations.md):
   codes as they come, the first gate failure code (`gate_*`), `service_*` codes.
 - A timed-out observe leaves the outcome `unknown` (`provider_timeout`), never a
   replay.
-- Outcome cross-check: when the service knows its main process's exit status (not
-  after an adoption) and it differs from the provider's `finished` exit code, the
-  outcome is `unknown` (`outcome_conflict`). A running attempt whose service tree was
+- Outcome cross-check: when the service knows its main process's exit status at the
+  moment `finished` is read (not after an adoption, and not for an early `finished`
+  while the main process still runs) and it differs from the provider's exit code,
+  the outcome is `unknown` (`outcome_conflict`). A running attempt whose service tree was
   already empty before the provider was asked, while the provider reports no exit, is
   `unknown` (`outcome_unreadable`); a payload that ends while the provider answers is
   read at the next look. An empty service found once the lease was over is left to

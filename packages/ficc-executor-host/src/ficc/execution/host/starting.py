@@ -21,7 +21,9 @@ Decisions:
   was accepted, or one that no longer covers the attempt, ends it `cancelled`
   (reason `offer_closed` / `offer_changed`) and the payload is never released.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
-  cannot have run.
+  cannot have run. Its pidfd is opened before the gate and looked at again right
+  before the marker is written, so a barrier that died after the gate is never
+  released and its exit never taken for the payload's.
 - Once released, the end of the gated process and the end of the service's main
   process each bring the monitor's next look forward (pidfds): a provider that reads
   the payload's exit while its runtime still tears down is heard within
@@ -38,6 +40,7 @@ import functools
 import logging
 import os
 import posixpath
+import select
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -206,19 +209,20 @@ class Starter(AttemptWork):
             raise _row_error(started, "start")
         _decoded(started, "start", sdk.StartReply)
         pid, devices = await self._await_payload(attempt, context, handle)
-        check_device_opens(result, None if devices is None else {d.path: d.opened for d in devices})
-        verdict = await self._io(self._run_gate, attempt, result, handle, pid)
-        if not verdict.ok:
-            raise HostError(verdict.failures[0].code, verdict.failures[0].message)
-        payload = _pidfd(pid)  # the gated barrier, still waiting for the marker
+        barrier = _barrier_pidfd(pid)  # before the gate, which then vouches for it
         try:
-            await self._release_payload(attempt)
+            check_device_opens(
+                result, None if devices is None else {d.path: d.opened for d in devices}
+            )
+            verdict = await self._io(self._run_gate, attempt, result, handle, pid)
+            if not verdict.ok:
+                raise HostError(verdict.failures[0].code, verdict.failures[0].message)
+            await self._release_payload(attempt, barrier)
         except BaseException:
-            if payload is not None:
-                os.close(payload)
+            os.close(barrier)
             raise
         self._wake_on_exit(handle.main_pid)
-        self._watch(payload, functools.partial(self._spawn_looks, attempt.id))
+        self._watch(barrier, functools.partial(self._spawn_looks, attempt.id))
 
     def _wake_on_exit(self, pid: int | None) -> None:
         """Wake the monitor the moment the service's main process exits.
@@ -227,17 +231,17 @@ class Starter(AttemptWork):
         pidfd becomes readable when the process exits, so the outcome is observed at
         once. A PID that is already gone (or reused) only costs an early tick.
         """
-        fd = None if pid is None else _pidfd(pid)
-        if fd is None:
-            if pid is not None:
-                self._monitor.wake()
+        if pid is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            self._monitor.wake()
             return
         self._watch(fd, self._monitor.wake)
 
-    def _watch(self, fd: int | None, exited: Callable[[], object]) -> None:
+    def _watch(self, fd: int, exited: Callable[[], object]) -> None:
         """Call `exited` once when the process of this pidfd ends."""
-        if fd is None:
-            return
         self._exit_watches.add(fd)
 
         def readable() -> None:
@@ -326,9 +330,7 @@ class Starter(AttemptWork):
                 return seen.pid, devices
             exited = await self._io(self._ctx.service.exit_status, handle)
             if seen.phase == "finished" or exited is not None:
-                raise HostError(
-                    "barrier_exited", "the barrier exited before release; the payload never ran"
-                )
+                raise _barrier_exited()
             if time.monotonic() >= deadline:
                 raise HostError(
                     "start_timeout",
@@ -378,8 +380,10 @@ class Starter(AttemptWork):
         finally:
             os.close(evidence)
 
-    async def _release_payload(self, attempt: _Attempt) -> None:
-        """The last checks, then the marker, then `Started` (in that order only)."""
+    async def _release_payload(self, attempt: _Attempt, barrier: int) -> None:
+        """The last checks, then the marker, then `Started` (in that order only).
+        `barrier` is a pidfd of the gated barrier: one that already ended is never
+        released (its exit would be taken for the payload's)."""
         self._check_abort(attempt)
         record = await self._db(self._ctx.ledger.get, attempt.id)
         if record is None or record.status.stop_pending is not None:
@@ -392,6 +396,8 @@ class Starter(AttemptWork):
         if lost is not None:
             _log.warning("attempt %s: not released (%s)", attempt.id, lost)
             raise _Aborted()  # the service is stopped; the monitor records the outcome
+        if _ended(barrier):
+            raise _barrier_exited()
         await self._io(_write_marker, attempt)
         await self._apply(record, lifecycle.Started())
 
@@ -442,13 +448,22 @@ def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
         )
 
 
-def _pidfd(pid: int) -> int | None:
-    """A pidfd of `pid`, or None when it is already gone (a watch then only loses its
-    early wake-up: the monitor's tick still looks)."""
+def _barrier_pidfd(pid: int) -> int:
+    """A pidfd of the reported barrier; `barrier_exited` when it is already gone."""
     try:
         return os.pidfd_open(pid)
-    except OSError:
-        return None
+    except ProcessLookupError:
+        raise _barrier_exited() from None
+
+
+def _barrier_exited() -> HostError:
+    return HostError("barrier_exited", "the barrier exited before release; the payload never ran")
+
+
+def _ended(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has exited (a pidfd is readable from then on,
+    reaped or not)."""
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 def _settle_beat(beat: asyncio.Future[None]) -> None:
