@@ -977,6 +977,37 @@ def test_a_stop_after_the_payload_ended_by_itself_keeps_its_exit_code(world: Wor
     assert (status.state, status.reason, status.exit_code) == ("failed", "exited", 3)
 
 
+def test_a_stop_right_after_the_payload_ended_keeps_its_exit_while_the_service_runs(
+    world: World,
+) -> None:
+    """The gated process ended and its exit is reported, but the service still has a
+    process (as while Podman tears a container down): a stop in the moments after the
+    end looks once before it kills, and the payload keeps its exit."""
+    payload = ("/bin/sh", "-c", "sleep 1000 & exit 3")
+    fence = world.admit(world.plan(environment=HOLD, argv=payload))
+    _released_by_hand(world, fence)
+    status_dir = world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider"
+    handle = world.ctx.service.adopt(world.service_name(fence.attempt_id))
+    assert handle is not None
+
+    def reported() -> bool:
+        return (status_dir / "exit").exists() and bool(world.ctx.service.members(handle))
+
+    asyncio.run(until(reported, "the payload exited, a process of its service still runs"))
+    world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+
+    async def stop() -> None:
+        runner = Runner(world.ctx, settings=FAST)  # its monitor loop is not running
+        runner._starter._payload_ended.add(fence.attempt_id)  # as its pidfd watch does
+        record = world.record(fence.attempt_id)
+        await runner.stop(record)
+        await runner.close()
+
+    asyncio.run(stop())
+    status = _settle(world, fence.attempt_id)
+    assert (status.state, status.reason, status.exit_code) == ("failed", "exited", 3)
+
+
 def test_a_deadline_passed_after_the_payload_ended_by_itself_keeps_its_exit_code(
     world: World,
 ) -> None:
@@ -1667,9 +1698,11 @@ def test_the_end_of_the_gated_payload_brings_looks_forward_while_it_runs(world: 
         os.close(write_end)  # now it ends
         await until(lambda: len(wakes) >= 3, "looks after the payload's end")
         assert starter._exit_watches == set()
+        assert starter.payload_ended(fence.attempt_id)  # a stop now looks first
         world.ctx.ledger.apply(fence, lifecycle.Finished(exit_code=0))  # the monitor's record
         await until(lambda: not runner._tasks, "the looks stop")
         assert len(wakes) < AFTER_EXIT_LOOKS
+        assert not starter.payload_ended(fence.attempt_id)
         await runner.close()
 
     async def cleaned() -> None:

@@ -35,7 +35,9 @@ Decisions (see also docs/operations.md):
   the expiry (the lease reaper empties services at their deadline).
 - A payload that ended by itself before this daemon killed anything keeps its exit,
   also when a stop or the deadline came before the monitor noticed: the stop looks
-  once before it kills.
+  once before it kills, when the service is empty or the gated payload process ended
+  within the last looks after its end (a provider may report the exit while its
+  runtime still tears down).
 - Cleanup is never confirmed while the attempt's preparation or any provider call of
   it still runs, even after a stop, an expiry or the call's timeout settled it.
 - Restart (`recover`): the ledger turns starting/running into unknown and in-flight
@@ -297,13 +299,18 @@ class Runner(AttemptWork):
             await self._apply(record, lifecycle.Stopped())
 
     async def _ended_by_itself(self, attempt: _Attempt) -> bool:
-        """A running payload whose service emptied before this daemon killed anything
-        may have ended on its own before the stop or the deadline: its exit, if reported,
-        is the outcome (one look, as a tick would have taken)."""
+        """A running payload whose service emptied before this daemon killed anything,
+        or whose gated process ended moments ago (its runtime may still tear down), may
+        have ended on its own before the stop or the deadline: its exit, if reported, is
+        the outcome (one look, as a tick would have taken)."""
         if attempt.record.status.state != "running" or attempt.id in self._killed:
             return False
         handle = await self._service(attempt)
-        if handle is not None and await self._io(self._ctx.service.members, handle):
+        if (
+            handle is not None
+            and not self._starter.payload_ended(attempt.id)
+            and await self._io(self._ctx.service.members, handle)
+        ):
             return False
         with self._batcher.cohort(1).ticket() as ticket:
             await self._observe_record(attempt.record, ticket)

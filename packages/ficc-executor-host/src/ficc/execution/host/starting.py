@@ -125,6 +125,9 @@ class Starter(AttemptWork):
         self._starting: dict[str, asyncio.Task[None]] = {}
         self._abort: set[str] = set()
         self._exit_watches: set[int] = set()
+        self._payload_ended: set[str] = set()
+        """Attempts whose gated payload process ended within the last looks (see
+        `_look_after_payload`)."""
         """pidfds of released services' main processes and payloads (see `_watch`)."""
         self._beat: asyncio.Future[None] | None = None
         """The next shared observation instant of starts (see `_next_observation`)."""
@@ -146,6 +149,11 @@ class Starter(AttemptWork):
     def running(self, attempt_id: str) -> bool:
         """Whether this attempt's start pipeline still runs (it owns the service)."""
         return attempt_id in self._starting
+
+    def payload_ended(self, attempt_id: str) -> bool:
+        """Whether the gated payload process of this attempt ended moments ago, so a
+        provider may already have its exit while the service still runs."""
+        return attempt_id in self._payload_ended
 
     def abort(self, attempt_id: str) -> None:
         """Hand a stop to a running start pipeline: it stops the service and returns."""
@@ -263,12 +271,16 @@ class Starter(AttemptWork):
         down), but only a moment after the process ended: its runtime reaps it first.
         The monitor's own tick (TICK_SECONDS) would otherwise find it.
         """
-        for _ in range(AFTER_EXIT_LOOKS):
-            self._monitor.wake()
-            await asyncio.sleep(self._settings.observe_interval)
-            record = await self._db(self._ctx.ledger.get, attempt_id)
-            if record is None or record.status.state != "running":
-                return
+        self._payload_ended.add(attempt_id)
+        try:
+            for _ in range(AFTER_EXIT_LOOKS):
+                self._monitor.wake()
+                await asyncio.sleep(self._settings.observe_interval)
+                record = await self._db(self._ctx.ledger.get, attempt_id)
+                if record is None or record.status.state != "running":
+                    return
+        finally:
+            self._payload_ended.discard(attempt_id)
 
     def _unwatch(self, fd: int) -> None:
         if fd in self._exit_watches:
