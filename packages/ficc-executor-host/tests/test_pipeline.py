@@ -1805,6 +1805,39 @@ def test_a_barrier_that_dies_after_the_gate_is_never_released(world: World) -> N
     assert (status.state, status.reason) == ("failed", "barrier_exited")
 
 
+@pytest.mark.parametrize(
+    ("failure", "reason"),
+    [
+        (HostError("ledger_full", "no space left for the write"), "ledger_full"),
+        (RuntimeError("a bug"), "internal_error"),
+    ],
+)
+def test_a_release_whose_start_cannot_be_recorded_is_unknown_and_stopped(
+    world: World, failure: Exception, reason: str
+) -> None:
+    """The marker is written, then `Started` cannot be recorded (a full `state_dir`, a
+    bug): the payload may have run, so the outcome is `unknown` (never `failed`, which
+    reads "never ran") and the service is stopped, not left running unwatched."""
+    fence = world.admit(world.plan(argv=("/bin/sleep", "1000")))
+    ledger = world.ctx.ledger
+    apply = ledger.apply
+
+    def started_fails(f: Fence, event: lifecycle.AnyEvent) -> Any:
+        if isinstance(event, lifecycle.Started):
+            raise failure
+        return apply(f, event)
+
+    ledger.apply = started_fails  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.apply
+    status = world.record(fence.attempt_id).status
+    assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert (status.state, status.reason) == ("unknown", reason)
+    assert service_idle(world, fence.attempt_id)
+
+
 def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:
     """The control for the two tests below: the stand-in gate reaches the marker."""
     fence = world.admit(world.plan())

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pwd
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -62,6 +66,36 @@ def test_symlinked_directory(initialized: pathlib.Path, tmp_path: pathlib.Path) 
     link = tmp_path / "link"
     link.symlink_to(initialized)
     unsafe(link, "symbolic link")
+
+
+@pytest.mark.parametrize("suffix", ["/", "/.", "/./"])
+def test_a_trailing_slash_never_follows_a_symlinked_directory(
+    initialized: pathlib.Path, tmp_path: pathlib.Path, suffix: str
+) -> None:
+    link = tmp_path / "link"
+    link.symlink_to(initialized)
+    before = snapshot_of(initialized)
+    with pytest.raises(hs.Unsafe) as info:
+        acquire(f"{link}{suffix}", HOST)
+    assert "symbolic link" in str(info.value)
+    with pytest.raises(hs.Unsafe):
+        inspect_store(f"{link}{suffix}", HOST)
+    assert snapshot_of(initialized) == before
+
+
+def test_a_symlink_on_the_way_is_never_followed(
+    initialized: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Whoever owns the directory holding a link on the way could re-point it: the
+    path is walked one component at a time and a link anywhere is refused."""
+    (tmp_path / "hop").symlink_to(initialized.parent)
+    unsafe(tmp_path / "hop" / initialized.name, "on the way")
+
+
+@pytest.mark.parametrize("bad", [None, "", "dir\x00name", 7])
+def test_a_directory_that_is_not_a_path_is_an_invalid_argument(bad: object) -> None:
+    with pytest.raises(hs.InvalidArgument):
+        acquire(bad, HOST)  # type: ignore[arg-type]
 
 
 def test_symlinked_state_json(initialized: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -173,3 +207,52 @@ def test_temp_remnants_are_ignored(initialized: pathlib.Path) -> None:
         assert s.get("op-1").revision == 1
         s.advance("op-1", 1, "cancelled")
     assert remnant.read_bytes() == b"garbage from a killed writer"  # neither read nor cleaned
+
+
+@contextlib.contextmanager
+def as_nobody() -> Iterator[None]:
+    """File access as the `nobody` account (the effective UID), then root again."""
+    os.seteuid(NOBODY)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+
+
+@pytest.fixture
+def nobodys_store() -> Iterator[pathlib.Path]:
+    """A state directory of `nobody`, initialized by `nobody`, below /var/tmp (sticky)
+    in a root-owned directory that `nobody` may pass through but not read (0711)."""
+    base = pathlib.Path(tempfile.mkdtemp(dir="/var/tmp", prefix="ficc-hs-"))
+    try:
+        os.chmod(base, 0o711)
+        state = base / "state"
+        state.mkdir(mode=0o700)
+        os.chown(state, NOBODY, -1)
+        with as_nobody(), acquire(state, HOST) as s:
+            s.begin("op-1", plan(1))
+        yield state
+    finally:
+        shutil.rmtree(base)
+
+
+@chowns
+def test_a_non_root_user_passes_an_ancestor_it_cannot_read(nobodys_store: pathlib.Path) -> None:
+    with as_nobody():
+        with acquire(nobodys_store, HOST) as s:
+            assert s.get("op-1").revision == 1
+        assert inspect_store(str(nobodys_store), HOST) is not None
+
+
+@chowns
+@pytest.mark.parametrize("name", ["state.json", "host.lock"])
+def test_a_private_file_of_another_user_is_unsafe_for_a_non_root_user(
+    nobodys_store: pathlib.Path, name: str
+) -> None:
+    os.chown(nobodys_store / name, NOBODY + 1, -1)
+    with as_nobody():
+        with pytest.raises(hs.Unsafe) as info:
+            acquire(nobodys_store, HOST)
+        assert "cannot be opened by this user" in str(info.value)
+        with pytest.raises(hs.Unsafe):
+            inspect_store(str(nobodys_store), HOST)

@@ -20,6 +20,7 @@ import pytest
 import ficc.hoststate as hs
 import ficc.hoststate.session as session_module
 from ficc.hoststate import Status, acquire
+from ficc.hoststate.cli import inspect_store
 from hs_support import HOST, plan
 
 
@@ -211,3 +212,37 @@ def test_full_filesystem_fails_closed(tiny_fs: pathlib.Path) -> None:
         op, created = s.begin("op-20", plan(20))
         assert created
         assert op.revision == 1
+
+
+@pytest.mark.root("it mounts a tiny tmpfs to fill")
+def test_a_lost_marker_that_cannot_be_written_again_is_a_clean_refusal(
+    tiny_fs: pathlib.Path,
+) -> None:
+    """The marker lost to a crash after the first save is written again by acquire; on
+    a full filesystem that fails, and the refusal is a HostStateError, not an OSError."""
+    with acquire(tiny_fs, HOST) as s:
+        s.begin("op-1", plan(1))
+    os.truncate(tiny_fs / "host.lock", 0)  # as a crash between the save and the marker
+    filler = fill(tiny_fs)
+    with pytest.raises(hs.Unsafe) as info:
+        acquire(tiny_fs, HOST)
+    assert "cannot be written again" in str(info.value)
+    os.unlink(filler)
+    with acquire(tiny_fs, HOST) as s:  # space freed: the marker is repaired
+        assert s.get("op-1").revision == 1
+
+
+@pytest.mark.root("it remounts a tmpfs read-only")
+def test_a_read_only_store_is_a_clean_refusal(tiny_fs: pathlib.Path) -> None:
+    """acquire needs host.lock for writing (the lock and the marker): on a read-only
+    filesystem it refuses with a HostStateError naming the cause; inspect still reads."""
+    with acquire(tiny_fs, HOST) as s:
+        s.begin("op-1", plan(1))
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+    try:
+        with pytest.raises(hs.Unsafe) as info:
+            acquire(tiny_fs, HOST)
+        assert "writable filesystem" in str(info.value)
+        assert inspect_store(str(tiny_fs), HOST) is not None
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(tiny_fs)], check=True)

@@ -113,6 +113,14 @@ def test_unknown_top_level_field(store: pathlib.Path) -> None:
     refused(store, reseal(body), hs.Corrupt, "unknown field")
 
 
+def test_a_deeply_nested_field_is_corrupt_not_a_crash(store: pathlib.Path) -> None:
+    """An unknown field nested 5,000 levels deep (10 KB, a valid checksum) exhausts the
+    decoder's recursion: it is `Corrupt` like any other bad snapshot."""
+    deep = b"[" * 5000 + b"]" * 5000
+    body = body_of(GOOD).replace(b'"format"', b'"extra":' + deep + b',"format"')
+    refused(store, reseal(body), hs.Corrupt, "not a valid snapshot")
+
+
 def test_unknown_record_field(store: pathlib.Path) -> None:
     body = body_of(GOOD).replace(b'{"id":"b",', b'{"comment":"x","id":"b",')
     refused(store, reseal(body), hs.Corrupt, "unknown field")

@@ -21,13 +21,14 @@ import stat
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import Corrupt, Unsafe
+from .errors import Corrupt, InvalidArgument, Unsafe
 from .fstype import check_local
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOINHERIT", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # opening a planted FIFO must not hang
 _BINARY = getattr(os, "O_BINARY", 0)
+_PATH = getattr(os, "O_PATH", os.O_RDONLY)  # walks directories it may not read
 _IOV_MAX = 1024
 
 Buffer = bytes | bytearray | memoryview
@@ -43,15 +44,19 @@ class Root:
     @classmethod
     def open(cls, directory: str | os.PathLike[str]) -> Root:
         """Open an existing directory; it is never created here."""
-        path = os.fspath(directory)
+        try:
+            path = os.fspath(directory)
+        except TypeError:
+            raise InvalidArgument(
+                f"the state directory must be a path, not {type(directory).__name__}"
+            ) from None
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidArgument(f"the state directory {path!r} is not a usable path")
         if sys.platform == "win32":
             if os.path.islink(path) or not os.path.isdir(path):
                 raise Unsafe(f"state directory {path} is a link or not a directory")
             return cls(path, None)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC)
-        except OSError as exc:
-            raise _open_error(path, exc) from None
+        fd = _open_directory(path)
         root = cls(path, fd)
         try:
             check_local(fd, f"state directory {path}")
@@ -70,7 +75,13 @@ class Root:
 
     def open_lock_file(self) -> int:
         """`host.lock` for reading and writing, created (0600) if absent, never truncated."""
-        fd = self._open("host.lock", os.O_RDWR | os.O_CREAT)
+        try:
+            fd = self._open("host.lock", os.O_RDWR | os.O_CREAT)
+        except OSError as exc:  # a read-only or full filesystem
+            raise Unsafe(
+                f"cannot open host.lock in {self.path} for writing: {exc.strerror}; the"
+                " state directory must be on a writable filesystem with free space"
+            ) from None
         assert fd is not None  # O_CREAT: absence is impossible
         return fd
 
@@ -139,6 +150,8 @@ class Root:
                 raise Unsafe(
                     f"{name} in {self.path} is a directory; restore the real file"
                 ) from None
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                raise _denied(self._require_fd(), name, f"{name} in {self.path}") from None
             raise
         try:
             _check_file(os.fstat(fd), f"{name} in {self.path}")
@@ -224,17 +237,58 @@ def write_in_place(fd: int, data: bytes) -> None:
     os.fsync(fd)
 
 
-def _open_error(path: str, exc: OSError) -> Unsafe:
+def _open_directory(path: str) -> int:
+    """Open the state directory one component at a time from `/` (or the working
+    directory), never following a symbolic link: neither a trailing `/` nor a link
+    anywhere on the way (which whoever owns its directory could re-point) can
+    redirect it. The directories on the way are opened with O_PATH, so one this user
+    may pass through but not read is no obstacle."""
+    absolute = os.path.abspath(path)  # with no link on the way, `..` means the same
+    fd = os.open("/", _PATH | os.O_DIRECTORY | _CLOEXEC)
+    walked = ""
+    try:
+        names = [n for n in absolute.split("/") if n]
+        for index, name in enumerate(names):
+            walked += "/" + name
+            last = index == len(names) - 1
+            flags = (os.O_RDONLY if last else _PATH) | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC
+            try:
+                nxt = os.open(name, flags, dir_fd=fd)
+            except OSError as exc:
+                raise _open_error(path, exc, walked) from None
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _denied(dir_fd: int, name: str, what: str) -> Unsafe:
+    """A file this user may not open: say whose it is, as the owner check would."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError as exc:
+        return Unsafe(f"cannot open {what}: {exc.strerror}")
+    return Unsafe(
+        f"{what} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) cannot be"
+        f" opened by this user (uid {os.geteuid()}); chown it to root, mode 0600"
+    )
+
+
+def _open_error(path: str, exc: OSError, walked: str | None = None) -> Unsafe:
     if exc.errno == errno.ENOENT:
         return Unsafe(
             f"state directory {path} does not exist; bootstrap must create it (owned by"
             " root, mode 0700): it is never created here"
         )
     if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-        what = "a symbolic link" if os.path.islink(path) else "not a directory"
+        where = path if walked is None else walked
+        what = "a symbolic link" if os.path.islink(where) else "not a directory"
+        on_the_way = "" if where == os.path.abspath(path) else f" ({where} on the way)"
         return Unsafe(
-            f"state directory {path} is {what}; configure the real directory path"
-            " (symlinks are never followed)"
+            f"state directory {path}{on_the_way} is {what}; configure the real directory"
+            " path (symlinks are never followed, on the way neither)"
         )
     return Unsafe(f"cannot open state directory {path}: {exc.strerror}")
 
@@ -286,7 +340,7 @@ def _check_ancestors(fd: int, path: str) -> None:
         return
     euid = os.geteuid()
     child = os.fstat(fd)
-    current = os.open("..", os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, dir_fd=fd)
+    current = os.open("..", _PATH | os.O_DIRECTORY | _CLOEXEC, dir_fd=fd)
     try:
         while True:
             st = os.fstat(current)
@@ -299,7 +353,7 @@ def _check_ancestors(fd: int, path: str) -> None:
                     f" {stat.S_IMODE(st.st_mode):04o}) lets others replace the state"
                     " directory; fix its owner/permissions or move the state directory"
                 )
-            parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC, dir_fd=current)
+            parent = os.open("..", _PATH | os.O_DIRECTORY | _CLOEXEC, dir_fd=current)
             os.close(current)
             current, child = parent, st
     finally:

@@ -15,7 +15,7 @@ import weakref
 from types import TracebackType
 
 from . import marker
-from .errors import CapacityExceeded, Closed, Corrupt, HostMismatch, Poisoned
+from .errors import CapacityExceeded, Closed, Corrupt, HostMismatch, Poisoned, Unsafe
 from .lock import check_platform, lock_exclusive
 from .model import (
     Operation,
@@ -93,7 +93,14 @@ def _load(root: Root, lock_fd: int, host_id: str) -> tuple[Image, list[Operation
         return Image(host_id, []), [], False
     image, operations = Image.load(data, host_id)
     if marked_for is None:  # crashed between the first snapshot and the marker
-        write_in_place(lock_fd, marker.encode(host_id))
+        try:
+            write_in_place(lock_fd, marker.encode(host_id))
+        except OSError as exc:  # a read-only or full filesystem
+            raise Unsafe(
+                f"{root.path}/{LOCK_FILE} lost its marker (a crash after the first save)"
+                f" and it cannot be written again: {exc.strerror}; free space on that"
+                " filesystem or make it writable, then acquire again"
+            ) from None
     return image, operations, True
 
 

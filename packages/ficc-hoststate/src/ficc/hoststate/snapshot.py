@@ -102,7 +102,7 @@ def decode(data: bytes, host_id: str) -> list[Operation]:
 def _parse(body: bytes) -> _Body:
     try:
         envelope = _ENVELOPE_DECODER.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise Corrupt(f"state.json is not a valid snapshot: {exc}") from None
     if envelope.format != FORMAT:
         raise Corrupt(f"state.json has format {envelope.format!r}, expected {FORMAT!r}")
@@ -113,7 +113,7 @@ def _parse(body: bytes) -> _Body:
         )
     try:
         return _BODY_DECODER.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise Corrupt(f"state.json is not a valid snapshot: {exc}") from None
 
 

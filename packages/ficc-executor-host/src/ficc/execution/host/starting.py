@@ -31,6 +31,9 @@ Decisions:
 - Device-open results are taken from the latest `ready` or `payload` observation.
 - A provider start or observe that timed out leaves the outcome `unknown`
   (`provider_timeout`), never a replay.
+- Anything that fails once the release marker is there (recording `Started`
+  included, say on a full `state_dir`) stops the service and leaves the outcome
+  `unknown` with the failure's code, never `failed`: the payload may have run.
 """
 
 from __future__ import annotations
@@ -183,12 +186,27 @@ class Starter(AttemptWork):
             return  # the monitor stops it; nothing was created
         attempt = await self._attempt(record)
         try:
-            await self._start_pipeline(attempt, ticket)
+            try:
+                await self._start_pipeline(attempt, ticket)
+            except (_Aborted, _Uncertain):
+                raise
+            except Exception as error:
+                if await self._io(_released, attempt):
+                    # The payload may have run: never a `failed` that reads "never ran".
+                    _log.exception("attempt %s: start failed after the release", attempt.id)
+                    code = error.code if isinstance(error, HostError) else INTERNAL_ERROR
+                    raise _Uncertain(code) from error
+                raise
         except _Aborted:
             await self.stop_service(attempt)
         except _Uncertain as uncertain:
             await self.stop_service(attempt)
-            await self._apply(record, lifecycle.OutcomeLost(reason=uncertain.reason))
+            if not await self._apply(record, lifecycle.OutcomeLost(reason=uncertain.reason)):
+                _log.error(
+                    "attempt %s: its service is stopped but its outcome (unknown) could not"
+                    " be recorded; it stays `starting` until the daemon restarts",
+                    attempt.id,
+                )
         except HostError as error:
             await self.stop_service(attempt)
             if not await self._lease_still_current(attempt.id):
@@ -411,7 +429,8 @@ class Starter(AttemptWork):
         if _ended(barrier):
             raise _barrier_exited()
         await self._io(_write_marker, attempt)
-        await self._apply(record, lifecycle.Started())
+        # Raises: a released payload whose start is not on record is an unknown outcome.
+        await self._db(self._ctx.ledger.apply, record.fence, lifecycle.Started())
 
     def _check_abort(self, attempt: _Attempt) -> None:
         if attempt.id in self._abort:
@@ -432,6 +451,11 @@ class Starter(AttemptWork):
 
 
 # --- blocking helpers (run in worker threads) ---------------------------------------
+
+
+def _released(attempt: _Attempt) -> bool:
+    """Whether the release marker is there (the payload may have run)."""
+    return os.path.lexists(f"{attempt.paths.control}/{RELEASE_MARKER}")
 
 
 def _write_marker(attempt: _Attempt) -> None:
