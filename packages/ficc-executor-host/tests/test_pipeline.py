@@ -944,20 +944,22 @@ def test_a_service_emptied_by_the_lease_reaper_at_the_deadline_is_expired_not_un
     assert (status.state, status.reason, status.exit_code) == ("expired", "lease_expired", None)
 
 
-def _ended_before_the_runner_looked(world: World, code: int) -> Fence:
+def _ended_before_the_runner_looked(world: World, code: int, *, leftover: bool = False) -> Fence:
     """A running attempt whose payload already exited with `code` (its exit report
-    written, its service empty) while no runner was watching."""
-    payload = ("/bin/sh", "-c", f"exit {code}")
-    fence = world.admit(world.plan(environment=HOLD, argv=payload))
+    written) while no runner was watching; its service is empty, or with `leftover`
+    still has a process the payload left behind."""
+    script = f"sleep 1000 & exit {code}" if leftover else f"exit {code}"
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sh", "-c", script)))
     _released_by_hand(world, fence)
     status_dir = world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider"
     handle = world.ctx.service.adopt(world.service_name(fence.attempt_id))
     assert handle is not None
 
     def ended() -> bool:
-        return (status_dir / "exit").exists() and not world.ctx.service.members(handle)
+        members = world.ctx.service.members(handle)
+        return (status_dir / "exit").exists() and bool(members) == leftover
 
-    asyncio.run(until(ended, "the payload exited and its service emptied"))
+    asyncio.run(until(ended, "the payload exited (its service as expected)"))
     return fence
 
 
@@ -983,17 +985,7 @@ def test_a_stop_right_after_the_payload_ended_keeps_its_exit_while_the_service_r
     """The gated process ended and its exit is reported, but the service still has a
     process (as while Podman tears a container down): a stop in the moments after the
     end looks once before it kills, and the payload keeps its exit."""
-    payload = ("/bin/sh", "-c", "sleep 1000 & exit 3")
-    fence = world.admit(world.plan(environment=HOLD, argv=payload))
-    _released_by_hand(world, fence)
-    status_dir = world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider"
-    handle = world.ctx.service.adopt(world.service_name(fence.attempt_id))
-    assert handle is not None
-
-    def reported() -> bool:
-        return (status_dir / "exit").exists() and bool(world.ctx.service.members(handle))
-
-    asyncio.run(until(reported, "the payload exited, a process of its service still runs"))
+    fence = _ended_before_the_runner_looked(world, 3, leftover=True)
     world.ctx.ledger.apply(fence, lifecycle.StopRequested())
 
     async def stop() -> None:
