@@ -112,7 +112,7 @@ def test_a_nonzero_exit_fails_the_attempt_with_that_code(e2e: PodmanWorld) -> No
     e2e.wait_ready(plan)
     e2e.start(plan)
     done = e2e.wait_settled(plan)
-    assert (done.state, done.exit_code) == ("failed", 7), done
+    assert (done.state, done.exit_code) == ("failed", 7), (done, e2e.collect(plan, "stderr").data)
     assert e2e.collect(plan, "stdout").data == b"before-exit\n"
     released = e2e.release(plan)
     assert (released.state, released.outcome, released.exit_code) == ("released", "failed", 7)

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
-from daemon_support import unit_environment
 
 from ficc.execution.client import Client
 from ficc.execution.plan import Payload, Plan
@@ -85,7 +84,7 @@ def podman_host(slots: int = 1, slot_bytes: int = podman.SLOT_BYTES) -> Iterator
     offer is scaled so that every slot can hold an attempt at once. All removed after."""
     with podman.podman_world(
         podman.Sources(ROOT), "cgroupfs", slot_bytes, slots=slots, name="ficc-bp6",
-        offer_per_slot=True, environment=unit_environment(),
+        offer_per_slot=True,
     ) as world:  # fmt: skip
         yield world
 

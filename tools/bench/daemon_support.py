@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import shlex
 import socket
 import sys
 import time
@@ -272,20 +271,6 @@ def _config(
     )
 
 
-UNIT = ROOT / "packages/ficc-executor-host/packaging/ficc-executor-host.service"
-
-
-def unit_environment() -> dict[str, str]:
-    """The `Environment=` assignments of the packaged unit (glibc reads them at start)."""
-    values: dict[str, str] = {}
-    for line in UNIT.read_text().splitlines():
-        if line.startswith("Environment="):
-            for assignment in shlex.split(line.removeprefix("Environment=")):
-                name, _, value = assignment.partition("=")
-                values[name] = value
-    return values
-
-
 @contextlib.contextmanager
 def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
     """A started daemon with these slots; stopped (SIGTERM) and removed afterwards."""
@@ -299,7 +284,7 @@ def bench_host(slots: Sequence[SlotPlan]) -> Iterator[BenchHost]:
         filesystems = slot_filesystems(base, sizes, SLOT_INODES)
         config = _config(base, accounts, provider, slots, filesystems)
         layout = configs.Layout.write(base, config, filesystems)
-        process = DaemonProcess.of(layout, provider, environment=unit_environment())
+        process = DaemonProcess.of(layout, provider)  # the shipped unit's settings
         process.start()
         try:
             yield BenchHost(base, layout, provider, accounts, process, layout.slot_paths)

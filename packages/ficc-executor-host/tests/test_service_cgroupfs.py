@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import signal
+import stat
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -335,3 +336,19 @@ def test_the_idle_check_reads_state_and_uids_and_fails_closed() -> None:
     )
     assert procfs.state_and_uids(sample) == (b"S", (1001, 1002, 1003, 1004))
     assert procfs.state_and_uids(b"Name:\tsleep\nGid:\t5\t5\t5\t5\n") is None
+
+
+def test_a_cgroup_is_made_0755_under_the_units_umask(tmp_path: Path) -> None:
+    """The shipped unit's UMask=0077 must not leave an attempt's cgroup 0700: the slot
+    account's rootless runtime has to traverse it. A parent an earlier daemon left 0700
+    is repaired too."""
+    fresh, old = tmp_path / "fresh", tmp_path / "old"
+    old.mkdir(mode=0o700)
+    previous = os.umask(0o077)
+    try:
+        assert cgroups.make_dir(str(fresh), exclusive=True)
+        assert not cgroups.make_dir(str(old), exclusive=False)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o755
+    assert stat.S_IMODE(old.stat().st_mode) == 0o755

@@ -40,6 +40,7 @@ from ficc.execution.plan import InputObject, Plan, digest_of, plan_digest
 from ficc_testkit.accounts import Account, run_as
 from ficc_testkit.configs import Layout
 from ficc_testkit.plans import make_plan, new_id
+from ficc_testkit.unit import UNIT, UnitSettings, shipped_settings, shipped_unit_file
 from ficc_testkit.waits import WAIT_TIMEOUT, now_ms, wait_for
 from ficc_testkit.wheels import InstalledProvider
 
@@ -60,10 +61,13 @@ class DaemonFailed(AssertionError):
 class DaemonProcess:
     """`python -m ficc.execution serve` as a child process, ready when it says READY=1.
 
-    `run_dir` holds the notify socket (and the log, unless `log_path` is given);
-    `python` is the interpreter whose installed ficc-executor-host runs; `environment`
-    is added to this process's environment; `new_session` puts the daemon in a session
-    of its own (a terminal's Ctrl-C then reaches only the caller, which stops it).
+    The process gets what the shipped unit gives it (`settings`, read from the unit
+    file: its umask, a clean environment, its limits, `python -I`, `/` as its working
+    directory), never the test's own umask or environment. `run_dir` holds the notify
+    socket (and the log, unless `log_path` is given); `python` is the interpreter whose
+    installed ficc-executor-host runs; `environment` is added to the unit's;
+    `new_session` puts the daemon in a session of its own (a terminal's Ctrl-C then
+    reaches only the caller, which stops it).
     """
 
     def __init__(
@@ -76,7 +80,9 @@ class DaemonProcess:
         python: str = sys.executable,
         environment: Mapping[str, str] | None = None,
         new_session: bool = False,
+        settings: UnitSettings | None = None,
     ) -> None:
+        self.settings = settings or shipped_settings()
         self.config_path = config_path
         self.provider_site = provider_site
         self.python = python
@@ -102,11 +108,13 @@ class DaemonProcess:
         self.notify_path.unlink(missing_ok=True)
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind(str(self.notify_path))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
-        env.update(self.environment)
-        env["NOTIFY_SOCKET"] = str(self.notify_path)
-        command = [self.python, "-m", "ficc.execution", "serve"]
-        command += ["--config", str(self.config_path), "--provider-path", str(self.provider_site)]
+        settings = self.settings
+        notify_socket = {"NOTIFY_SOCKET": str(self.notify_path)}
+        env = settings.process_environment({**self.environment, **notify_socket})
+        command = settings.command(
+            self.python, "serve", "--config", str(self.config_path),
+            "--provider-path", str(self.provider_site),
+        )  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command,
@@ -114,6 +122,8 @@ class DaemonProcess:
                 stdout=log,
                 stderr=log,
                 env=env,
+                cwd="/",
+                umask=settings.umask,
                 start_new_session=self.new_session,
             )
         self._notify = notify
@@ -199,19 +209,8 @@ class DaemonProcess:
 
 # --- the daemon as the systemd service ----------------------------------------------------
 
-UNIT = "ficc-executor-host.service"
 SYSTEMCTL = "/usr/bin/systemctl"
 UNIT_DIR = Path("/etc/systemd/system")
-
-
-def shipped_unit_file(root: Path | None = None) -> Path:
-    """The unit file ficc-executor-host ships: in the repository at `root`, else where
-    its installed wheel put it (`share/ficc-executor-host/` under the environment)."""
-    if root is not None:
-        packaged = root / "packages" / "ficc-executor-host" / "packaging" / UNIT
-        if packaged.exists():
-            return packaged
-    return Path(sys.prefix) / "share" / "ficc-executor-host" / UNIT
 
 
 def show_unit(unit: str, *keys: str) -> dict[str, str]:

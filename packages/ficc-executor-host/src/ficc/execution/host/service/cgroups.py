@@ -316,14 +316,22 @@ def is_real_dir(path: str) -> bool:
 
 
 def make_dir(path: str, exclusive: bool) -> bool:
-    """mkdir a cgroup; returns True if it was created now. Refuses a non-directory."""
+    """mkdir a cgroup with mode 0755; returns True if it was created now. Refuses a
+    non-directory.
+
+    The mode is set after mkdir because the daemon's umask (UMask=0077 in its unit)
+    would leave 0700, and the slot account's rootless runtime must traverse the
+    attempt's cgroups to reach its own. A shared parent that already exists gets the
+    mode too: an earlier daemon may have made it 0700."""
     try:
         os.mkdir(path, 0o755)
-        return True
+        created = True
     except FileExistsError:
         if exclusive or not is_real_dir(path):
             raise
-        return False
+        created = False
+    os.chmod(path, 0o755, follow_symlinks=False)  # noqa: S103  (traverse and read only)
+    return created
 
 
 def walk_nodes(top: str) -> Iterator[str]:
