@@ -117,7 +117,8 @@ def test_log_lines_are_json_with_rfc3339_times_and_the_version(daemon: Daemon) -
                for e in events)  # fmt: skip
     (starting,) = [e for e in events if e["event"] == "starting"]
     assert starting["version"] == VERSION
-    assert starting["protocol_version"] == metadata.version("ficc-protocol")
+    assert starting["ficc_protocol_version"] == metadata.version("ficc-protocol")
+    assert starting["protocol"] == 1
     # not under systemd: no syslog priority prefix, every line is plain JSON
     assert all(line.startswith("{") for line in daemon.process.log_path.read_text().splitlines())
 

@@ -167,3 +167,31 @@ def test_release_kills_what_a_dead_daemon_left_of_the_slot_account(daemon: Daemo
         if stray.poll() is None:
             stray.kill()
             stray.wait()
+
+
+def test_a_runtime_that_fails_before_the_release_is_heard_in_the_daemons_log(
+    daemon: Daemon,
+) -> None:
+    """A start that fails before the payload runs logs what the runtime printed, at
+    error priority with the attempt's ID: release deletes the attempt's stderr, and
+    `barrier_exited` alone does not say why."""
+    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_HOLD="fail")
+    rows(daemon.prepare([plan]))
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    attempt(daemon.start_attempt(plan))
+    done = settled_clean(daemon, plan)
+    assert (done.state, done.reason) == ("failed", "barrier_exited"), done
+    daemon.release(plan)
+
+    said = [line for line in daemon.process.events() if line.get("event") == "runtime_error"]
+    assert len(said) == 1, said
+    (line,) = said
+    assert (line["level"], line["attempt_id"], line["code"]) == (
+        "error", plan.attempt_id, "barrier_exited",
+    )  # fmt: skip
+    assert line["runtime_stderr"] == (
+        "ficc-test-barrier: preparing the runtime\n"
+        "ficc-test-barrier: OCI runtime error: the runtime refused to create the container"
+    )
+    assert "OCI runtime error" in line["message"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -371,3 +372,39 @@ def test_a_daemon_crash_or_restart_during_a_job_gives_unknown_and_no_second_run(
     released = e2e.release(plan)
     assert (released.state, released.outcome) == ("released", "unknown")
     assert f"ficc-{plan.attempt_id}" not in (containers / "containers.json").read_text()
+
+
+def test_the_smoke_test_command_runs_one_job_and_leaves_nothing_behind(e2e: PodmanWorld) -> None:
+    """`ficc-executor smoke-test --config FILE`, an administrator's first job, runs a job
+    through the running daemon as the transport account with the configured image, says
+    each step and passes; its attempt is released (the slot is free again)."""
+    before = {a.attempt_id for a in e2e.driver.snapshot().attempts}
+    command = [shutil.which("ficc-executor") or "ficc-executor", "smoke-test"]
+    shown = subprocess.run(
+        [*command, "--config", str(e2e.layout.config_path), "--timeout", "120"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    for step in ("snapshot:", "prepare: admitted", "ready:", "start: accepted", "run: the payload"):
+        assert any(step in line for line in lines), (step, shown.stdout)
+    assert "payload said: ficc smoke test: the payload ran" in shown.stdout
+    assert lines[-1] == "smoke test passed"
+    (new,) = [a for a in e2e.driver.snapshot().attempts if a.attempt_id not in before]
+    assert (new.state, new.outcome, new.cleanup_confirmed) == ("released", "succeeded", True)
+    assert not list(e2e.base.glob(f"slots/*/ficc/{new.attempt_id}")), "the attempt's directory"
+
+
+def test_the_smoke_test_reports_a_failed_job_and_still_releases_it(e2e: PodmanWorld) -> None:
+    before = {a.attempt_id for a in e2e.driver.snapshot().attempts}
+    command = [shutil.which("ficc-executor") or "ficc-executor", "smoke-test"]
+    shown = subprocess.run(
+        [*command, "--config", str(e2e.layout.config_path), "--", "/bin/sh", "-c", "exit 3"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 1, shown.stdout + shown.stderr
+    (failed,) = [line for line in shown.stdout.splitlines() if "FAILED: run:" in line]
+    assert "the attempt ended failed" in failed and "exit code 3" in failed, shown.stdout
+    assert shown.stdout.splitlines()[-1] == "smoke test FAILED"
+    (new,) = [a for a in e2e.driver.snapshot().attempts if a.attempt_id not in before]
+    assert (new.state, new.outcome) == ("released", "failed")

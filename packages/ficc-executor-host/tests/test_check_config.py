@@ -233,16 +233,22 @@ def test_check_config_refuses_what_serve_refuses_with_the_same_message(
     assert shown["error"] == {"code": code, "message": message}
 
 
-def test_an_intact_ledger_passes_and_one_a_daemon_holds_is_not_opened_twice(
+def test_an_intact_ledger_passes_and_one_a_daemon_holds_is_refused_as_serve_would(
     host: Path, provider_site: Path
 ) -> None:
+    """check-config answers "would serve start?": with the ledger held by a running
+    daemon it would not (ledger_busy), so the check must not pass."""
     doc = document(host, pin(provider_site), {})
     config = write(host, doc)
     ledger = open_ledger(parse_config(json.dumps(doc).encode(), ".json"))  # holds its lock
     try:
         held = check(config, provider_site)
-        assert held.returncode == 0, held.stderr
-        assert "ledger: held by a running daemon" in held.stdout
+        assert held.returncode == 1, held.stdout
+        code, _, message = held.stderr.strip().partition(": ")
+        assert code == "ledger_busy"
+        assert "serve would refuse to start" in message
+        refused = _serve_refusal(config, provider_site)
+        assert refused["code"] == code
     finally:
         ledger.close()
     free = check(config, provider_site)

@@ -54,6 +54,7 @@ def slot_filesystems(base: Path, sizes: Sequence[int], storage_inodes: int) -> l
     images, mounts = base / "slot-images", base / "slots"
     images.mkdir(mode=0o700, exist_ok=True)
     mounts.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(mounts, 0o755)  # noqa: S103 - as the administrator makes it; not the umask's
     made: list[SlotFilesystem] = []
     try:
         for i, size in enumerate(sizes):

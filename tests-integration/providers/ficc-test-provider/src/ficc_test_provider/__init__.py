@@ -391,12 +391,19 @@ class Driver:
 
 # The barrier of the `service` runtime, run by /bin/sh as the slot account:
 #   $1 release marker, $2 status directory, $3 hold (1: report no PID until a file
-#   `go` appears in the status directory, so tests can keep an attempt `starting`),
+#   `go` appears in the status directory, so tests can keep an attempt `starting`;
+#   fail: print a runtime's refusal on stderr and exit before the release, as a
+#   runtime that cannot create the container does),
 #   then N, N positive devices, M, M negative devices, then the payload argv.
 #   Device results are "1 PATH" (opened) or "0 PATH" (refused).
 BARRIER_SCRIPT = """\
 marker=$1 status=$2 hold=$3
 shift 3
+if [ "$hold" = fail ]; then
+  echo "ficc-test-barrier: preparing the runtime" >&2
+  echo "ficc-test-barrier: OCI runtime error: the runtime refused to create the container" >&2
+  exit 125
+fi
 mkdir -p "$status" || exit 121
 : > "$status/devices.tmp" || exit 121
 for kind in positive negative; do
@@ -421,7 +428,8 @@ exit "$code"
 """
 STATUS_DIRECTORY = ".ficc-test-provider"
 HOLD_VARIABLE = "FICC_TEST_PROVIDER_HOLD"
-"""A plan whose payload environment sets this to "1" is held before its PID is reported."""
+"""A plan whose payload environment sets this to "1" is held before its PID is reported;
+"fail" makes its barrier print a runtime's refusal on stderr and exit before release."""
 LATE_VARIABLE = "FICC_TEST_PROVIDER_LATE"
 """A plan whose payload environment sets this to "1" gets one late `observe` reply: the
 first look that finds the PID but no exit report creates `observing` in the status
@@ -497,10 +505,11 @@ class ServiceDriver(Driver):
                 )
             positive = [device.path for device in devices]
             job = context.plan.job
-            hold = job.payload.environment.get(HOLD_VARIABLE) == "1"
+            hold = job.payload.environment.get(HOLD_VARIABLE, "0")
             argv = [
                 shell, "-c", BARRIER_SCRIPT, "ficc-test-barrier",
-                context.release_marker, self._status(context), "1" if hold else "0",
+                context.release_marker, self._status(context),
+                hold if hold in ("1", "fail") else "0",
                 str(len(positive)), *positive, str(len(self.negative)), *self.negative,
                 *job.payload.argv,
             ]  # fmt: skip

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import difflib
 import errno
 import importlib
 import json
@@ -38,7 +39,7 @@ from typing import Any, Protocol
 import msgspec
 
 from ficc.execution.client import Client, ClientError, ConnectFailed
-from ficc.execution.host import logs, metrics, notify, provision
+from ficc.execution.host import logs, metrics, notify, provision, smoke
 from ficc.execution.host.config import (
     Config,
     check_accounts,
@@ -47,13 +48,14 @@ from ficc.execution.host.config import (
     load_config,
 )
 from ficc.execution.host.errors import HostError
+from ficc.execution.host.notify import systemd_is_init
 from ficc.execution.host.peercred import socket_paths
 from ficc.execution.host.providers.digest import GROUP, compute_digest
 from ficc.execution.host.server import Dispatcher, ServerLimits, serve, stderr_log
-from ficc.execution.protocol import MetricsRequest, SnapshotRequest
+from ficc.execution.protocol import PROTOCOL_VERSION, MetricsRequest, SnapshotRequest
 from ficc.execution.wire import AttemptStatus, ErrorReply, MetricsReply, SnapshotReply
 
-EXIT_OK, EXIT_REFUSED, EXIT_TRANSPORT, EXIT_DEGRADED = 0, 1, 3, 4
+EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_TRANSPORT, EXIT_DEGRADED = 0, 1, 2, 3, 4
 _DAEMON_MODULE = "ficc.execution.host.daemon"
 _PROTOCOL_MAIN = "ficc.execution.__main__"
 _MAX_PAGES = 100_000  # 6.4 million attempts: a bound so a cursor bug cannot loop forever
@@ -87,9 +89,13 @@ def console_main() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["request"]:
-        return _request(args_list[1:])
+    if args_list[:1] in (["request"], ["upload"]):
+        return _protocol_command(args_list[0], args_list[1:])
     parser = _parser()
+    unknown = _unknown_command(parser, args_list)
+    if unknown is not None:
+        print(unknown, file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(args_list)
     try:
         result: int = args.run(args)
@@ -110,13 +116,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return result
 
 
-def _request(argv: list[str]) -> int:
-    """`request` belongs to ficc-protocol (a controller may vendor it without the host)."""
+def _protocol_command(name: str, argv: list[str]) -> int:
+    """`request` and `upload` belong to ficc-protocol (a controller may vendor them
+    without the host); here they are the same commands under `ficc-executor`."""
     if argv[:1] == ["--version"]:
         print(version_line())
         return EXIT_OK
     protocol_main = importlib.import_module(_PROTOCOL_MAIN)
+    if name == "upload":
+        return int(protocol_main.main(["upload", *argv]))
     return int(protocol_main.request_command(argv, prog=f"{PROG} request"))
+
+
+def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """For a mistyped command, the refusal with the closest known commands ("did you
+    mean"), which argparse alone does not offer; None when the command is known."""
+    if not argv or argv[0].startswith("-"):
+        return None
+    known = [
+        name
+        for action in parser._subparsers._group_actions  # type: ignore[union-attr]
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    ]
+    if argv[0] in known:
+        return None
+    close = difflib.get_close_matches(argv[0], known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return (
+        f"{PROG}: unknown command {argv[0]!r}{hint} (the commands: {', '.join(sorted(known))};"
+        f" `{PROG} --help` says what each does)"
+    )
 
 
 def _command(commands: Any, name: str, help_text: str, description: str) -> argparse.ArgumentParser:
@@ -223,10 +253,16 @@ def _parser() -> argparse.ArgumentParser:
     digest.set_defaults(run=_provider_digest)
 
     provision.add_parser(commands, version_line())
+    smoke.add_parser(commands, version_line())
 
     commands.add_parser(
         "request",
         help="send one reviewed JSON request from stdin (see `request --help`)",
+        add_help=False,
+    )
+    commands.add_parser(
+        "upload",
+        help="stage a streamed input of a prepared attempt from a file (see `upload --help`)",
         add_help=False,
     )
     return parser
@@ -312,7 +348,8 @@ def _log_starting() -> None:
             "starting",
             pid=os.getpid(),
             version=found["ficc-executor-host"],
-            protocol_version=found["ficc-protocol"],
+            ficc_protocol_version=found["ficc-protocol"],
+            protocol=PROTOCOL_VERSION,
             python=platform.python_version(),
         )
     )
@@ -523,10 +560,14 @@ def transport_failure(exc: ClientError, path: str) -> str:
             " root), and owner-<uid>.sock belongs to that local owner"
         )
     elif cause is None or cause in (errno.ENOENT, errno.ECONNREFUSED):
-        line += (
-            f"\nhint: no daemon is listening on {path}. Is it running? "
+        why_not = (
             "`systemctl status ficc-executor-host` and "
-            "`journalctl -u ficc-executor-host -p warning` show why not; "
+            "`journalctl -u ficc-executor-host -p warning` show why not"
+            if systemd_is_init()
+            else "start it with `ficc-executor serve --config PATH` (its log is its stderr)"
+        )
+        line += (
+            f"\nhint: no daemon is listening on {path}. Is it running? {why_not}; "
             "`ficc-executor check-config --config PATH` checks its configuration"
         )
     return line

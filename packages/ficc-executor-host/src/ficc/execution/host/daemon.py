@@ -226,8 +226,9 @@ def check_ledger_present(config: Config) -> tuple[bool, bool]:
 def check_ledger(config: Config) -> str:
     """The ledger checks `serve` makes before it listens, changing nothing: a ledger that
     existed is still there, opens, passes its integrity check and belongs to this
-    installation. Returns what was found; a ledger a running daemon holds is not
-    opened a second time (that daemon checked it when it started). On a full
+    installation. Returns what was found. A ledger another process holds is refused
+    `ledger_busy`, as serve would refuse it: the check answers "would serve start?",
+    and with a daemon already on this state_dir it would not. On a full
     filesystem the check cannot open the ledger without spending its reserve, which it
     must not do: if the reserve is there, `serve` will spend it and check the ledger
     itself, so that is no refusal; without one, `serve` could not open it either."""
@@ -246,7 +247,13 @@ def check_ledger(config: Config) -> str:
             )
         if error.code != "ledger_busy":
             raise
-        return "held by a running daemon (checked when that daemon started)"
+        raise HostError(
+            "ledger_busy",
+            f"a running daemon (or another process) holds the ledger in {config.state_dir},"
+            " so serve would refuse to start: stop that daemon first if this configuration is"
+            " to replace it; if it is the daemon you meant to run, it is already running"
+            " (`ficc-executor status --config PATH`)",
+        ) from error
     return "ok"
 
 

@@ -103,3 +103,9 @@ class Heartbeat:
 
 
 __all__ = ["ENV", "Heartbeat", "notify", "ready", "stopping", "watchdog", "watchdog_interval"]
+
+
+def systemd_is_init() -> bool:
+    """Whether this host was booted with systemd as its init (sd_booted(3)'s test), so
+    advice may name `systemctl` and `journalctl`."""
+    return os.path.isdir("/run/systemd/system")

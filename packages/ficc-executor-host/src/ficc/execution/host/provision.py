@@ -98,13 +98,27 @@ def _prepare_mount_point(mount: str) -> None:
     path = pathlib.Path(mount)
     if not path.is_absolute() or os.path.normpath(mount) != mount:
         raise HostError("provision_failed", f"{mount} is not a normalized absolute path")
-    path.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _make_traversable(path)
     if path.is_symlink() or not path.is_dir():
         raise HostError("provision_failed", f"{mount} is not a directory")
     if os.path.ismount(mount):
         raise HostError("provision_failed", f"something is already mounted on {mount}")
     if any(path.iterdir()):
         raise HostError("provision_failed", f"{mount} is not empty; use an empty directory")
+
+
+def _make_traversable(path: pathlib.Path) -> None:
+    """mkdir -p with mode 0755 for each directory made here, whatever the umask (a
+    hardened root shell's 0077 would leave them 0700, and the slot accounts must
+    traverse them to their slots). Existing directories are left as they are."""
+    missing = []
+    for directory in (path, *path.parents):
+        if directory.exists() or directory.is_symlink():
+            break
+        missing.append(directory)
+    for directory in reversed(missing):
+        directory.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(directory, 0o755, follow_symlinks=False)  # noqa: S103  (traverse only)
 
 
 def _fits(mount: str, storage_bytes: int, storage_inodes: int) -> int:
@@ -147,7 +161,10 @@ def create_image_slot(
         os.close(os.open(name, flags, 0o600, dir_fd=parent_fd))
     except FileExistsError:
         raise HostError(
-            "provision_failed", f"{image} already exists; choose a new file or remove it"
+            "provision_failed",
+            f"{image} already exists. If it is a slot this command made and only its mount"
+            f" is missing, mount it again: ficc-executor provision-slot --remount --image"
+            f" {image} --mount {mount}; otherwise choose a new file",
         ) from None
     finally:
         os.close(parent_fd)
@@ -214,6 +231,30 @@ def create_device_slot(
         _run("umount", mount)
         raise HostError("provision_failed", f"{device} lacks {lacking} bytes for storage_bytes")
     return _finish(mount, device, storage_bytes, storage_inodes, loop=False)
+
+
+def remount_slot(source: str, mount: str, *, loop: bool) -> Provisioned:
+    """Mount an existing slot filesystem again (its mount failed at boot, or it was
+    unmounted): the same options as when it was made, nothing formatted. The image's
+    directory is checked as when it was made; the daemon then checks the filesystem's
+    UUID against the configuration, so mounting the wrong one is refused there."""
+    if loop:
+        parent, name = os.path.split(source)
+        if not source.startswith("/") or os.path.normpath(source) != source or not name:
+            raise HostError("provision_failed", f"{source} is not a normalized absolute path")
+        os.close(open_trusted_directory(parent, "--image", "provision_failed"))
+        if not os.path.isfile(source) or os.path.islink(source):
+            raise HostError("provision_failed", f"{source} is not an existing image file")
+    elif not os.path.exists(source) or not stat.S_ISBLK(os.stat(source).st_mode):
+        raise HostError("provision_failed", f"{source} is not a block device")
+    _prepare_mount_point(mount)
+    if loop:
+        _loop_mount(source, mount)
+    else:
+        _run("mount", "-t", "ext4", "-o", MOUNT_OPTIONS, source, mount)
+    st = os.statvfs(mount)
+    usable = (st.f_blocks - (st.f_bfree - st.f_bavail)) * st.f_frsize
+    return _finish(mount, source, usable, st.f_files, loop=loop)
 
 
 def _has_signature(device: str) -> bool:
@@ -301,8 +342,13 @@ def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # t
     source.add_argument("--image", help="image file to create (a host without a spare disk)")
     source.add_argument("--device", help="block device to format (a partition or LV)")
     parser.add_argument("--mount", required=True, help="the slot path (an empty directory)")
-    parser.add_argument("--bytes", required=True, type=_size, help="storage_bytes, e.g. 20G")
-    parser.add_argument("--inodes", required=True, type=int, help="storage_inodes")
+    parser.add_argument("--bytes", type=_size, help="storage_bytes, e.g. 20G (to make one)")
+    parser.add_argument("--inodes", type=int, help="storage_inodes (to make one)")
+    parser.add_argument(
+        "--remount", action="store_true",
+        help="mount an existing slot filesystem again (its mount failed or was undone);"
+        " formats nothing",
+    )  # fmt: skip
     parser.add_argument(
         "--persist", choices=("fstab", "unit", "none"), default="none",
         help="make the mount survive a reboot (default: none)",
@@ -314,6 +360,16 @@ def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # t
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.remount:
+            slot = remount_slot(args.image or args.device, args.mount, loop=bool(args.image))
+            remounted = {"path": slot.mount, "filesystem_uuid": slot.filesystem_uuid}
+            if args.json:
+                print(json.dumps({"remounted": remounted, "source": slot.source}))
+            else:
+                print(f"slot filesystem {slot.filesystem_uuid} mounted again on {slot.mount}")
+            return 0
+        if args.bytes is None or args.inodes is None:
+            raise HostError("provision_failed", "--bytes and --inodes are required to make a slot")
         if args.image:
             slot = create_image_slot(args.image, args.mount, args.bytes, args.inodes)
         else:

@@ -138,8 +138,10 @@ def _check_mount_root(slot: SlotSpec, key: str, mount: procfs.Mount) -> None:
             "slot_filesystem",
             key,
             f"{slot.path} is not the root of its own filesystem (it is inside {where})",
-            "mount a filesystem made for this slot there "
-            "(`ficc-executor provision-slot`, see docs/operations.md)",
+            "if its filesystem exists but is not mounted (a mount that failed at boot), mount"
+            " it again: `systemctl start` its mount unit, `mount` its /etc/fstab line, or"
+            " `ficc-executor provision-slot --remount --image IMAGE --mount PATH`; for a new"
+            " slot, make one with `ficc-executor provision-slot` (docs/operations.md)",
         )
 
 

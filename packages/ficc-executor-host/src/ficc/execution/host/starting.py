@@ -51,7 +51,7 @@ from typing import Any
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, layout, lifecycle, procfs, sdk
+from ficc.execution.host import gate, layout, lifecycle, procfs, runtime_errors, sdk
 from ficc.execution.host.attempts import (
     INTERNAL_ERROR,
     AttemptWork,
@@ -211,11 +211,33 @@ class Starter(AttemptWork):
             await self.stop_service(attempt)
             if not await self._lease_still_current(attempt.id):
                 return  # the reaper may have ended the service at the deadline: expiry
+            await self._log_runtime_error(attempt, error)
             await self._refused(record, lifecycle.StartFailed(reason=error.code), error)
         except Exception:
             _log.exception("attempt %s: start failed unexpectedly", attempt.id)
             await self.stop_service(attempt)
             await self._apply(record, lifecycle.StartFailed(reason=INTERNAL_ERROR))
+
+    async def _log_runtime_error(self, attempt: _Attempt, error: HostError) -> None:
+        """The runtime's own words for a start that failed before the release (the log
+        holds nothing of the payload then), at error priority: release deletes them."""
+        said = await self._io(runtime_errors.stderr_tail, attempt.layout, attempt.id)
+        if not said:
+            return
+        _log.error(
+            "attempt %s: start failed (%s); the runtime printed: %s",
+            attempt.id,
+            error.code,
+            said,
+            extra={
+                "fields": {
+                    "event": "runtime_error",
+                    "attempt_id": attempt.id,
+                    "code": error.code,
+                    "runtime_stderr": said,
+                }
+            },
+        )
 
     async def _start_pipeline(self, attempt: _Attempt, ticket: Ticket) -> None:
         try:
