@@ -28,9 +28,10 @@ from typing import Any
 
 from ficc.execution import plan as planlib
 from ficc.execution.client import Client, ClientError
+from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.config import Config, load_config
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.peercred import SocketKind, socket_paths
+from ficc.execution.host.peercred import socket_paths
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,
