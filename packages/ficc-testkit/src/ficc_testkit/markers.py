@@ -3,12 +3,6 @@
 A marked test that the machine cannot run is skipped with its reason, except under
 `FICC_CI=1`, where it fails: the CI run is the place the real tests must run, and a
 skip there would hide that they did not.
-
-Every test process also takes the shipped unit's umask (0077) before any test runs:
-the tests that drive the runner, the service backends or the ledger in-process are the
-daemon's code, and must run under the umask it has in production, not the kinder one
-of a developer's shell. (Daemons the kit starts get all of the unit's settings:
-`ficc_testkit.unit`.)
 """
 
 from __future__ import annotations
@@ -17,8 +11,6 @@ import os
 import shutil
 
 import pytest
-
-from ficc_testkit.unit import shipped_settings
 
 #: marker name -> (what it means, a check that returns why the test cannot run or None)
 MARKERS = {
@@ -42,9 +34,7 @@ def _missing(name: str) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Declare the markers, so `--strict-markers` and `-m` know them; take the shipped
-    unit's umask (see the module docstring)."""
-    os.umask(shipped_settings().umask)
+    """Declare the markers, so `--strict-markers` and `-m` know them."""
     for text in [*MARKERS.values(), SLOW]:
         config.addinivalue_line("markers", text)
 
