@@ -9,7 +9,8 @@ Debian's busybox-static) and its applet links, so the image is small, needs no
 dynamic loader. The rootfs layer is byte-identical for the same busybox (fixed
 mtimes and owners), but `podman import` stamps the image config with the time of
 the build, so the image ID and the archive's SHA-256 change with every build: pin
-the values this command prints for the archive you actually ship.
+the values this command prints for the archive you actually ship. The image is removed
+from root's Podman store again once the archive is written.
 """
 
 from __future__ import annotations
@@ -99,12 +100,16 @@ def build(out_dir: pathlib.Path, tag: str) -> dict[str, str]:
     subprocess.run(
         [*PODMAN, "save", "--format", "oci-archive", "-o", str(archive), tag], check=True
     )
-    image_id = subprocess.run(
-        [*PODMAN, "image", "inspect", "--format", "{{.Id}}", tag],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    try:
+        image_id = subprocess.run(
+            [*PODMAN, "image", "inspect", "--format", "{{.Id}}", tag],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    finally:
+        # The archive is the product: leave nothing in root's own Podman store.
+        subprocess.run([*PODMAN, "rmi", "--force", tag], check=False, capture_output=True)
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     rootfs.unlink()
     return {

@@ -54,9 +54,9 @@ class Slot:
     gid: int
 
 
-def build_image(out: Path) -> dict[str, str]:
+def build_image(out: Path, tag: str | None = None) -> dict[str, str]:
     """The busybox test image as an OCI archive (the test kit's, from this checkout)."""
-    return podman.build_image(podman.Sources(REPO), out)
+    return podman.build_image(podman.Sources(REPO), out, tag)
 
 
 @dataclass

@@ -103,16 +103,16 @@ class Sources:
 # --- the image and the provider ---------------------------------------------------------
 
 
-def build_image(sources: Sources, out: Path) -> dict[str, str]:
-    """The busybox test image as an OCI archive; root's own copy is removed again."""
+def build_image(sources: Sources, out: Path, tag: str | None = None) -> dict[str, str]:
+    """The busybox test image as an OCI archive (the builder removes root's own copy)."""
     spec = importlib.util.spec_from_file_location("ficc_testimage", sources.image_builder)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    tag = f"localhost/ficc-pe2e-{secrets.token_hex(4)}:1"
-    built: dict[str, str] = module.build(out, tag)
-    subprocess.run(["podman", "rmi", "-f", tag], check=False, capture_output=True)
+    built: dict[str, str] = module.build(
+        out, tag or f"localhost/ficc-pe2e-{secrets.token_hex(4)}:1"
+    )
     return built
 
 
