@@ -124,13 +124,19 @@ def _typecheck(session: nox.Session) -> None:
         )
 
 
-def _build(session: nox.Session) -> None:
-    """Build every wheel and sdist, then prove each wheel installs and imports alone."""
+def _build_dist(session: nox.Session) -> pathlib.Path:
+    """Every distribution's wheel and sdist, afresh in dist/."""
     dist = ROOT / "dist"
     shutil.rmtree(dist, ignore_errors=True)
     for name in _present():
         with session.chdir(PACKAGES / name):
             session.run("hatchling", "build", "-t", "wheel", "-t", "sdist", "-d", str(dist))
+    return dist
+
+
+def _build(session: nox.Session) -> None:
+    """Build every wheel and sdist, then prove each wheel installs and imports alone."""
+    dist = _build_dist(session)
     for name in _present():
         _check_wheel_alone(session, dist, name)
 
@@ -292,6 +298,16 @@ def build(session: nox.Session) -> None:
     """Wheel and sdist for every distribution; each wheel installs and imports alone."""
     session.install(*BUILD_TOOLS)
     _build(session)
+
+
+@nox.session
+def dist(session: nox.Session) -> None:
+    """The wheels (and sdists) an administrator installs, in dist/ (docs/operations.md)."""
+    session.install(*BUILD_TOOLS)
+    built = _build_dist(session)
+    for wheel in sorted(built.glob("*.whl")):
+        session.log(f"built {wheel}")
+    session.log(f"copy {built}/*.whl to each host and install them (docs/operations.md, 2.)")
 
 
 @nox.session

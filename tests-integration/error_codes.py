@@ -260,9 +260,14 @@ HOST_ONLY: dict[str, str] = {
             "status_cursor",
             "slot_account",
             "provision_failed",
+            "smoke_no_daemon",
+            "smoke_no_free_slot",
+            "smoke_no_image",
+            "smoke_provider_unavailable",
+            "smoke_slot_class",
         ),
-        "startup or command refusal: the daemon (or `status`, `provision-slot`) stops"
-        " before serving",
+        "startup or command refusal: the daemon (or `status`, `provision-slot`,"
+        " `smoke-test`) stops before serving",
     ),
     **dict.fromkeys(
         (

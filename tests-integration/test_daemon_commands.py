@@ -184,7 +184,8 @@ def test_a_provider_whose_configure_fails_is_unavailable_everywhere(broken_daemo
         "check-config", "--config", str(daemon.layout.config_path),
         "--provider-path", str(daemon.provider.site),
     )  # fmt: skip
-    assert checked.returncode == 4
+    assert checked.returncode == 5  # the running daemon holds the ledger: reported first
+    assert "ledger: held by a running daemon" in checked.stdout
     assert "provider test: unavailable: provider_configure_failed" in checked.stderr
     logged = [e for e in daemon.process.events() if "unavailable" in str(e.get("message"))]
     assert [e["level"] for e in logged] == ["error"]

@@ -29,10 +29,11 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from ficc.execution.plan import InputObject
+from ficc.execution.plan import InputObject, decode_plan
 from ficc.execution.wire import ReadRow
 from ficc_testkit.accounts import processes_of
 from ficc_testkit.digests import digest_of
@@ -42,6 +43,7 @@ from ficc_testkit.waits import now_ms, wait_for
 from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
 
 pytestmark = NEEDS_PODMAN
+REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -409,3 +411,30 @@ def test_the_smoke_test_reports_a_failed_job_and_still_releases_it(e2e: PodmanWo
     assert shown.stdout.splitlines()[-1] == "smoke test FAILED"
     (new,) = [a for a in e2e.driver.snapshot().attempts if a.attempt_id not in before]
     assert (new.state, new.outcome) == ("released", "failed")
+
+
+def test_the_documented_first_job_plan_runs_with_the_podman_provider(e2e: PodmanWorld) -> None:
+    """docs/examples/podman-first-job.json, with its `<...>` fields filled in from the
+    host as the docs say, is a plan the reference provider runs."""
+    template = json.loads((REPOSITORY / "docs" / "examples" / "podman-first-job.json").read_text())
+    snapshot = e2e.driver.snapshot()
+    config = e2e.layout.config
+    template.update(
+        deployment_id=config.deployment_id, node_id=config.node_id,
+        project_id=(snapshot.offer.limits.projects or [os.urandom(16).hex()])[0],
+        job_id=os.urandom(16).hex(), attempt_id=os.urandom(16).hex(),
+        offer_revision=snapshot.offer.revision,
+    )  # fmt: skip
+    template["job"]["slot_class"] = config.slots[0].slot_class
+    runtime = template["job"]["runtime"]
+    runtime.update(package_digest=e2e.provider.digest, image_digest=e2e.image["image_id"])
+    assert "<" not in json.dumps(template), "a field the docs mark to fill in was left"
+    plan = decode_plan(json.dumps(template).encode())
+    e2e.plans.append(plan)
+    e2e.prepare(plan)
+    e2e.wait_ready(plan)
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.exit_code) == ("succeeded", 0), done
+    assert e2e.collect(plan, "stdout").data.startswith(b"hello from the first job\n")
+    assert e2e.release(plan).state == "released"

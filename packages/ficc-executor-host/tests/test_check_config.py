@@ -233,22 +233,24 @@ def test_check_config_refuses_what_serve_refuses_with_the_same_message(
     assert shown["error"] == {"code": code, "message": message}
 
 
-def test_an_intact_ledger_passes_and_one_a_daemon_holds_is_refused_as_serve_would(
+def test_an_intact_ledger_passes_and_one_a_daemon_holds_is_reported_as_serve_would_refuse(
     host: Path, provider_site: Path
 ) -> None:
-    """check-config answers "would serve start?": with the ledger held by a running
-    daemon it would not (ledger_busy), so the check must not pass."""
+    """With the ledger held by a running daemon, serve would refuse (ledger_busy): the
+    check says so (exit 5) instead of passing, and still checks the rest."""
     doc = document(host, pin(provider_site), {})
     config = write(host, doc)
     ledger = open_ledger(parse_config(json.dumps(doc).encode(), ".json"))  # holds its lock
     try:
         held = check(config, provider_site)
-        assert held.returncode == 1, held.stdout
-        code, _, message = held.stderr.strip().partition(": ")
-        assert code == "ledger_busy"
-        assert "serve would refuse to start" in message
+        assert held.returncode == 5, held.stdout + held.stderr
+        assert "ledger: held by a running daemon: serve would refuse to start now" in held.stdout
+        assert "provider test: available" in held.stdout
+        assert "(ledger_busy)" in held.stdout.splitlines()[-1]
+        shown = json.loads(check(config, provider_site, "--json").stdout)
+        assert shown["result"] == "ledger_busy"
         refused = _serve_refusal(config, provider_site)
-        assert refused["code"] == code
+        assert refused["code"] == "ledger_busy"
     finally:
         ledger.close()
     free = check(config, provider_site)

@@ -56,6 +56,8 @@ from ficc.execution.protocol import PROTOCOL_VERSION, MetricsRequest, SnapshotRe
 from ficc.execution.wire import AttemptStatus, ErrorReply, MetricsReply, SnapshotReply
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_TRANSPORT, EXIT_DEGRADED = 0, 1, 2, 3, 4
+EXIT_LEDGER_HELD = 5
+"""check-config: the configuration is in order, but a running daemon holds the ledger."""
 _DAEMON_MODULE = "ficc.execution.host.daemon"
 _PROTOCOL_MAIN = "ficc.execution.__main__"
 _MAX_PAGES = 100_000  # 6.4 million attempts: a bound so a cursor bug cannot loop forever
@@ -200,7 +202,8 @@ def _parser() -> argparse.ArgumentParser:
         "and each provider's pin and configure(), with the same messages serve gives; "
         "nothing is changed. Exit 0: "
         "serve would start with every provider available; 1: serve would refuse to "
-        "start; 4: serve would start, but a provider would be unavailable.",
+        "start; 4: serve would start, but a provider would be unavailable; 5: all is in "
+        "order, but a running daemon holds the ledger, so serve would refuse now.",
     )
     check.add_argument("--config", required=True, help="the administrator's configuration file")
     _provider_path(check)
@@ -387,8 +390,11 @@ def _report_check(
 ) -> int:
     """Print the outcome (text or JSON) and choose the exit status."""
     unavailable = [(pid, error) for pid, error in providers if error is not None]
+    held = ledger == importlib.import_module(_DAEMON_MODULE).LEDGER_HELD
     if refusal is not None:
         status, result = EXIT_REFUSED, "refused"
+    elif held:
+        status, result = EXIT_LEDGER_HELD, "ledger_busy"
     elif unavailable and not args.allow_unavailable_providers:
         status, result = EXIT_DEGRADED, "provider_unavailable"
     else:
@@ -414,7 +420,12 @@ def _report_check(
     for pid, error in providers:
         shown = "available" if error is None else f"unavailable: {error.code}: {error.message}"
         print(f"provider {pid}: {shown}", file=sys.stderr if error else sys.stdout)
-    print(f"{args.config}: {'ok' if status == EXIT_OK else 'a provider is unavailable'}")
+    verdict = {
+        EXIT_OK: "ok",
+        EXIT_DEGRADED: "a provider is unavailable",
+        EXIT_LEDGER_HELD: "in order, but a running daemon holds the ledger (ledger_busy)",
+    }[status]
+    print(f"{args.config}: {verdict}")
     return status
 
 

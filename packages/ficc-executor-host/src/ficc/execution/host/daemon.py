@@ -44,6 +44,7 @@ from ficc.execution.protocol import Sender
 from ficc.execution.wire import AnyReply
 
 __all__ = [
+    "LEDGER_HELD",
     "LEDGER_MARKER",
     "Daemon",
     "RunnerLike",
@@ -226,9 +227,9 @@ def check_ledger_present(config: Config) -> tuple[bool, bool]:
 def check_ledger(config: Config) -> str:
     """The ledger checks `serve` makes before it listens, changing nothing: a ledger that
     existed is still there, opens, passes its integrity check and belongs to this
-    installation. Returns what was found. A ledger another process holds is refused
-    `ledger_busy`, as serve would refuse it: the check answers "would serve start?",
-    and with a daemon already on this state_dir it would not. On a full
+    installation. Returns what was found; a ledger another process holds is not opened a
+    second time (that daemon checked it when it started), and is answered LEDGER_HELD,
+    because serve would refuse to start while it is held. On a full
     filesystem the check cannot open the ledger without spending its reserve, which it
     must not do: if the reserve is there, `serve` will spend it and check the ledger
     itself, so that is no refusal; without one, `serve` could not open it either."""
@@ -247,14 +248,16 @@ def check_ledger(config: Config) -> str:
             )
         if error.code != "ledger_busy":
             raise
-        raise HostError(
-            "ledger_busy",
-            f"a running daemon (or another process) holds the ledger in {config.state_dir},"
-            " so serve would refuse to start: stop that daemon first if this configuration is"
-            " to replace it; if it is the daemon you meant to run, it is already running"
-            " (`ficc-executor status --config PATH`)",
-        ) from error
+        return LEDGER_HELD
     return "ok"
+
+
+LEDGER_HELD = (
+    "held by a running daemon: serve would refuse to start now (ledger_busy); the rest of"
+    " the configuration is checked. Stop that daemon before starting one with this"
+    " configuration (an upgrade checks the new release this way while the old one runs)"
+)
+"""check_ledger's answer when another process holds the ledger (check-config exit 5)."""
 
 
 def _has_reserve(state_dir: str) -> bool:
