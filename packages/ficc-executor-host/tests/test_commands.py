@@ -419,7 +419,9 @@ SUBCOMMANDS = [
     "metrics",
     "provider-digest",
     "provision-slot",
+    "smoke-test",
     "request",
+    "upload",
 ]
 
 
@@ -440,6 +442,23 @@ def test_one_help_lists_every_subcommand() -> None:
         check=False, timeout=60,
     )  # fmt: skip
     assert module.stdout.replace("python -m ficc.execution", "ficc-executor") == shown.stdout
+
+
+def test_a_mistyped_command_gets_the_closest_ones() -> None:
+    shown = run_command("stauts", "--config", "/etc/ficc/x.toml")
+    assert shown.returncode == 2
+    assert "unknown command 'stauts'; did you mean 'status'?" in shown.stderr
+    far = run_command("frobnicate")
+    assert far.returncode == 2
+    assert "did you mean" not in far.stderr
+    assert "smoke-test" in far.stderr  # the list of commands instead
+
+
+def test_upload_is_a_subcommand_of_the_console_command() -> None:
+    shown = run_command("upload", "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert "--plan" in shown.stdout
+    assert "--input" in shown.stdout
 
 
 def test_request_help_is_under_the_console_command_name() -> None:

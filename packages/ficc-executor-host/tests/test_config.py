@@ -555,6 +555,9 @@ def test_check_host_refuses_a_missing_slot_directory(host_root: Path) -> None:
     error = refusal(lambda: check_host(parse(document(str(host_root)))))
     assert error.code == "host_path_missing"
     assert error.message.startswith("slots[1].path: ")
+    # the advice is to make the slot's filesystem, never a plain directory
+    assert "ficc-executor provision-slot --image IMAGE --mount PATH" in error.message
+    assert "create it" not in error.message
 
 
 @needs_root

@@ -12,6 +12,7 @@ import json
 import os
 import pwd
 import secrets
+import stat
 import subprocess
 import sys
 import tempfile
@@ -174,6 +175,59 @@ def test_a_mount_that_failed_at_boot_leaves_an_empty_directory_that_is_refused(
     assert os.path.isdir(mount)
     error = refusal(lambda: check_host(host.config()))
     assert error.code == "slot_filesystem"
+
+
+def test_the_advice_for_a_failed_mount_works_when_followed(host: Host) -> None:
+    """The refusal of an unmounted slot names `provision-slot --remount`; following it
+    (with the image the slot was made from) mounts the same filesystem again, which then
+    passes every check; provision-slot without --remount refuses the existing image and
+    names --remount."""
+    made = host.slots[0]
+    provision.remove_slot(made.mount)
+    error = refusal(lambda: check_host(host.config()))
+    assert "provision-slot --remount --image IMAGE --mount PATH" in error.message
+    fresh = _provision_slot("--image", made.source, "--mount", made.mount,
+                            "--bytes", "20M", "--inodes", "1500")  # fmt: skip
+    assert fresh.returncode == 1
+    assert f"provision-slot --remount --image {made.source} --mount {made.mount}" in fresh.stderr
+    previous = os.umask(0o077)  # the root shell of a hardened host
+    try:
+        again = _provision_slot("--remount", "--image", made.source, "--mount", made.mount,
+                                "--json")  # fmt: skip
+    finally:
+        os.umask(previous)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["remounted"]["filesystem_uuid"] == made.filesystem_uuid
+    check_host(host.config())
+    twice = _provision_slot("--remount", "--image", made.source, "--mount", made.mount)
+    assert twice.returncode == 1
+    assert "something is already mounted" in twice.stderr
+
+
+def test_provision_makes_missing_mount_point_parents_traversable_under_umask_0077(
+    host: Host,
+) -> None:
+    base = host.root / "extra-umask"
+    base.mkdir()
+    os.chmod(base, 0o755)
+    mount = base / "deep" / "slots" / "s9"
+    previous = os.umask(0o077)
+    try:
+        made = provision.create_image_slot(str(host.root / "images" / "s9.img"), str(mount),
+                                           BYTES, INODES)  # fmt: skip
+    finally:
+        os.umask(previous)
+    try:
+        for directory in (base / "deep", base / "deep" / "slots"):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o755, directory
+        assert made.mount == str(mount)
+    finally:
+        provision.remove_slot(str(mount), made.source)
+
+
+def _provision_slot(*arguments: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "ficc.execution", "provision-slot", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
 def test_another_filesystem_mounted_in_its_place_is_refused_by_identity(host: Host) -> None:

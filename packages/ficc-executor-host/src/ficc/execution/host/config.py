@@ -503,6 +503,18 @@ def _open_unchanged_child(parent_fd: int, name: str, key: str, where: str, code:
     return fd
 
 
+def _create_advice(key: str) -> str:
+    """What to do about a missing directory: a slot's path is a filesystem of its own,
+    which a plain directory would never satisfy."""
+    if key.startswith("slots[") and key.endswith("].path"):
+        return (
+            "a slot is a filesystem of its own: make it with `ficc-executor provision-slot"
+            " --image IMAGE --mount PATH --bytes N --inodes N` (or, if provision-slot made it"
+            " before, mount it again with `provision-slot --remount`), or fix the path"
+        )
+    return "create it (owned by root) or fix the path"
+
+
 def open_trusted_directory(path: str, key: str, code: str, mode: int | None = None) -> int:
     """Open the absolute directory `path` so that nobody but root could have redirected it.
 
@@ -523,9 +535,7 @@ def open_trusted_directory(path: str, key: str, code: str, mode: int | None = No
         fd = fsutil.open_dir(path, open_child=open_child, check=check)
     except FileNotFoundError:
         missing = "host_path_missing" if code == "host_path_unsafe" else "config_missing"
-        raise _refuse(
-            missing, key, f"{path} does not exist", "create it (owned by root) or fix the path"
-        ) from None
+        raise _refuse(missing, key, f"{path} does not exist", _create_advice(key)) from None
     except OSError as error:
         fix = (
             "run the command as root" if error.errno in (errno.EACCES, errno.EPERM) else "check it"
