@@ -263,6 +263,7 @@ HOST_ONLY: dict[str, str] = {
             "smoke_no_daemon",
             "smoke_no_free_slot",
             "smoke_no_image",
+            "smoke_offer_closed",
             "smoke_provider_unavailable",
             "smoke_slot_class",
         ),

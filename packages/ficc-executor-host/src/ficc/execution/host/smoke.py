@@ -32,6 +32,7 @@ from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.config import Config, load_config
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import socket_paths
+from ficc.execution.host.records import OFFER_ALLOWS
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,
@@ -102,6 +103,14 @@ def choose_plan(config: Config, snapshot: SnapshotReply, args: argparse.Namespac
             "smoke_provider_unavailable",
             f"provider {provider_id!r} is not available on this host (it failed its pin or"
             " its configuration check): `ficc-executor check-config --config PATH` says why",
+        )
+    offer = snapshot.offer
+    if not {"admit", "start"} <= OFFER_ALLOWS[offer.control]:
+        raise HostError(
+            "smoke_offer_closed",
+            f"the offer is {offer.control}, so no job is admitted or started: set it to"
+            f" active first (a `set_offer` with expected_revision {offer.revision} and"
+            ' control "active" through `ficc-executor request --socket .../admin.sock`)',
         )
     slot_class = args.slot_class or config.slots[0].slot_class
     classes = {c.class_: c for c in snapshot.capacity.slot_classes}
