@@ -38,7 +38,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import batching, gate, lifecycle, provision, slotfs, starting
+from ficc.execution.host import batching, gate, handlers, lifecycle, provision, slotfs, starting
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -64,7 +64,8 @@ from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.host.starting import AFTER_EXIT_LOOKS
-from ficc.execution.protocol import Fence, OfferLimits, Resources
+from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
+from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels
 
 pytestmark = pytest.mark.root(
@@ -1164,6 +1165,110 @@ def test_a_reaped_service_whose_observe_times_out_is_expired_not_unknown(world: 
     assert (status.state, status.reason) == ("expired", "lease_expired")
 
 
+# --- the renewal and the reaper at the deadline --------------------------------------
+
+
+class _ReaperRace(NamedTuple):
+    """What a renewal sent while the reaper decided at the old deadline came to."""
+
+    answer: AttemptRow | ErrorRow
+    reaped: bool
+    alive: bool
+    status: lifecycle.Status
+
+
+def _renewal_against_the_reaper(world: World, step: str | None) -> _ReaperRace:
+    """A held payload runs with its deadline handed to the reaper. A reaper pass runs
+    with its clock at that deadline (the daemon's clock is still before it, as for a
+    renewal received a moment before the deadline); the renewal is sent through the
+    handler at the reaper's `step` ("due": it has read the deadline and found it due;
+    "intent": its intent is there, the second reading not yet made), or, for None, once
+    the pass is over. The monitor then settles whatever follows."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    name = world.service_name(attempt_id)
+    handle = world.ctx.service.adopt(name)
+    assert handle is not None
+    asyncio.run(until(lambda: world.ctx.service.members(handle), "the payload runs"))
+    lease = world.record(attempt_id).lease
+    assert lease is not None
+    boot_id, deadline = lease.boot_id, lease.deadline_boottime_ns
+    directory = str(world.state / "deadlines")
+    at_step, go = threading.Event(), threading.Event()
+    written = reaper.write_deadline
+
+    def write_then_go(*args: Any) -> None:
+        written(*args)
+        go.set()  # the reaper goes on once the daemon moved the deadline
+
+    def pause_at(reached: str, _name: str) -> None:
+        if reached == step:
+            at_step.set()
+            assert go.wait(30), "the renewal never moved the deadline"
+
+    renewal = Renewal(attempt_id, fence.generation, fence.plan_digest, 2, 10**13)
+    request = RenewRequest(version=1, id=plans.new_id(), leases=[renewal])
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await runner._deadlines.set(await runner._attempt(world.record(attempt_id)))
+            reaper.write_deadline = write_then_go  # type: ignore[assignment]
+            loop = asyncio.get_running_loop()
+            reaping = loop.run_in_executor(
+                None,
+                functools.partial(reaper.reap_once, directory, boot_id, deadline, hook=pause_at),
+            )
+            if step is None:
+                await reaping
+            else:
+                await loop.run_in_executor(None, at_step.wait, 30)
+            reply = await handlers.renew(world.ctx, runner, Sender.TRANSPORT, request)
+            await reaping
+            outcome["answer"] = reply.results[0]  # type: ignore[union-attr]
+            outcome["reaped"] = reaper.reaped(directory, name)
+            outcome["alive"] = bool(world.ctx.service.members(handle))
+            if outcome["reaped"] or not outcome["alive"]:
+                await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        reaper.write_deadline = written  # type: ignore[assignment]
+    return _ReaperRace(status=world.record(attempt_id).status, **outcome)
+
+
+def test_a_renewal_after_the_reaper_killed_is_refused_and_the_attempt_ends_expired(
+    world: World,
+) -> None:
+    """The reaper decided at the old deadline before the renewal moved it: the renewal
+    is refused `lease_expired` (never answered OK), and the attempt the reaper stopped
+    ends `expired`, not `unknown`."""
+    race = _renewal_against_the_reaper(world, None)
+    assert race.reaped
+    assert not race.alive
+    assert isinstance(race.answer, ErrorRow), race.answer
+    assert race.answer.error.code == "lease_expired"
+    assert (race.status.state, race.status.reason) == ("expired", "lease_expired")
+
+
+@pytest.mark.parametrize("step", ["due", "intent"])
+def test_a_renewal_while_the_reaper_decides_at_the_old_deadline_is_honoured(
+    world: World, step: str
+) -> None:
+    """The renewal moves the deadline after the reaper found the old one due, before
+    (`due`) or after (`intent`) the reaper made its intent known: the renewal is
+    answered OK only because the reaper then judges by the new deadline; the payload
+    runs on, and no evidence of a kill is left."""
+    race = _renewal_against_the_reaper(world, step)
+    assert isinstance(race.answer, AttemptRow), race.answer
+    assert race.answer.lease_sequence == 2
+    assert not race.reaped
+    assert race.alive
+    assert race.status.state == "running"
+
+
 def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_reaper(
     world: World,
 ) -> None:
@@ -1750,9 +1855,9 @@ def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
     ledger = world.ctx.ledger
     authorize = ledger.authorize_release
 
-    def stopped_first(f: Fence, now: Any, ceiling: Any = None) -> str | None:
+    def stopped_first(f: Fence, now: Any, ceiling: Any = None, **release: Any) -> str | None:
         ledger.apply(f, lifecycle.StopRequested())
-        return authorize(f, now, ceiling)
+        return authorize(f, now, ceiling, **release)
 
     ledger.authorize_release = stopped_first  # type: ignore[method-assign]
     try:

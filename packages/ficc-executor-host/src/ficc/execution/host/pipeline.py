@@ -145,11 +145,12 @@ class Runner(AttemptWork):
         if outcome is not None:
             raise outcome
 
-    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> None:
+    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         """Give renewed deadlines to the reaper before the renewal is answered, so a
         daemon that hangs right after answering still stops the payload at the deadline
-        the controller was told, also when the renewal shortened it."""
-        await self._deadlines.renewed(records)
+        the controller was told, also when the renewal shortened it. Returns the
+        attempts the reaper had already decided to stop at the old deadline."""
+        return await self._deadlines.renewed(records)
 
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
         """Release these attempts together (one provider call where they share a
@@ -208,6 +209,7 @@ class Runner(AttemptWork):
     async def recover(self) -> None:
         """Startup, before the server listens (see the module docstring)."""
         await self._db(self._ctx.ledger.mark_restarted)
+        await self._deadlines.resume()
         records = await self._all_records()
         self._watch.update(r.attempt_id for r in records if self._needs_watch(r))
         unclean = [
@@ -282,8 +284,16 @@ class Runner(AttemptWork):
     def abort_start(self, attempt_id: str) -> None:
         self._starter.abort(attempt_id)
 
-    async def expire(self, record: AttemptRecord) -> None:
-        await self._apply(record, lifecycle.LeaseExpired())
+    async def expire(self, record: AttemptRecord) -> bool:
+        """Record the expiry if the lease has run out as the recording transaction sees
+        it (a renewal may have come after the monitor read `record`); False: it has
+        not, and nothing may be stopped."""
+        try:
+            applied = await self._db(self._ctx.ledger.expire, record.fence, self._ctx.clock)
+        except HostError as error:
+            _log.info("attempt %s: lease_expired not recorded (%s)", record.attempt_id, error)
+            return False
+        return applied is not None
 
     async def stop(self, record: AttemptRecord) -> None:
         attempt = await self._attempt(record)
@@ -305,6 +315,8 @@ class Runner(AttemptWork):
         the outcome (one look, as a tick would have taken)."""
         if attempt.record.status.state != "running" or attempt.id in self._killed:
             return False
+        if await self._deadlines.reaped(attempt):
+            return False  # the reaper stopped it at its deadline: it did not end by itself
         handle = await self._service(attempt)
         if (
             handle is not None
@@ -337,7 +349,7 @@ class Runner(AttemptWork):
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
             if alive or await self._lease_was_current(record.attempt_id, looked):
-                await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
+                await self._lost(attempt, PROVIDER_TIMEOUT, alive=alive)
             return
         await self._note_storage(attempt)
         try:
@@ -357,7 +369,18 @@ class Runner(AttemptWork):
             return
         if not alive and await self._lease_was_current(record.attempt_id, looked):
             # The service was gone before the provider looked, and it reports no exit.
-            await self._apply(record, lifecycle.OutcomeLost(reason="outcome_unreadable"))
+            await self._lost(attempt, "outcome_unreadable", alive=alive)
+
+    async def _lost(self, attempt: _Attempt, reason: str, *, alive: bool) -> None:
+        """An outcome that cannot be read is `unknown`, unless the lease reaper left its
+        evidence of a kill at the deadline on a service found empty: that attempt was
+        stopped at its deadline (a renewal came too late for the reaper, and was
+        refused), so its lease is recorded as expired and it ends `expired`."""
+        if not alive and await self._deadlines.reaped(attempt):
+            await self._apply(attempt.record, lifecycle.LeaseExpired())
+            self._monitor.wake()
+            return
+        await self._apply(attempt.record, lifecycle.OutcomeLost(reason=reason))
 
     async def _lease_was_current(self, attempt_id: str, when: Now) -> bool:
         """Whether the lease (as stored now) was current at `when`. The lease reaper
