@@ -80,6 +80,7 @@ from ficc.execution.wire import (
 )
 from ficc_testkit import plans
 from ficc_testkit.plans import new_id
+from lease_support import SteppedClock
 
 pytestmark = pytest.mark.root("the daemon needs root: root-owned state, slot accounts, cgroups")
 
@@ -111,6 +112,8 @@ class FakeRunner:
         self.ctx = ctx
         self.calls: list[tuple[str, tuple[str, ...]]] = []
         self.release_error: HostError | None = None
+        self.reaped: frozenset[str] = frozenset()
+        """Attempts whose service the reaper had stopped before their renewal moved it."""
 
     def admitted(self, attempt_ids: Sequence[str]) -> None:
         self.calls.append(("admitted", tuple(attempt_ids)))
@@ -128,8 +131,9 @@ class FakeRunner:
         self.calls.append(("release", tuple(attempt_ids)))
         return [self.release_error] * len(attempt_ids)
 
-    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> None:
+    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         self.calls.append(("leases_renewed", tuple(r.attempt_id for r in records)))
+        return self.reaped & {r.attempt_id for r in records}
 
     async def recover(self) -> None:
         self.calls.append(("recover", ()))
@@ -492,6 +496,102 @@ def test_renew_sequences_and_duplicates(host: Host) -> None:
     assert row_code(host.send(RenewRequest(version=1, id=new_id(), leases=[other]))) == (
         "unknown_attempt"
     )
+
+
+def test_a_renewal_the_reaper_came_before_is_refused_and_expires_the_attempt(host: Host) -> None:
+    """The runner reports that the reaper had already decided to stop the service at
+    the old deadline: that row is refused `lease_expired` (never OK), its expiry is
+    recorded and the runner is told to stop it; the other row is renewed."""
+    reaped, other = make_plan(), make_plan()
+    host.prepare(reaped, other)
+    for plan in (reaped, other):
+        host.ready(plan)
+    host.send(fences_request(StartRequest, reaped, other))
+    host.runner.reaped = frozenset({reaped.attempt_id})
+    leases = [first_lease(p, 120_000, sequence=2) for p in (reaped, other)]
+    reply = host.send(RenewRequest(version=1, id=new_id(), leases=leases))
+    assert row_code(reply, 0) == "lease_expired"
+    assert row_ok(reply, 1).lease_sequence == 2
+    status = host.ctx.ledger.get(reaped.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.stop_pending) == ("starting", "expired")
+    assert host.runner.named("stop_requested") == [(reaped.attempt_id,)]
+
+
+def _clock_passes_while_queued(host: Host, ahead_s: int) -> SteppedClock:
+    """The host's clock becomes a stepped one; the next request's first wait for the
+    ledger thread lasts `ahead_s` seconds (as behind a busy ledger thread)."""
+    clock = SteppedClock()
+    host.ctx.clock = clock  # type: ignore[assignment]
+    workers = host.ctx.workers
+    db = workers.db
+
+    async def queued(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        workers.db = db  # type: ignore[method-assign]
+        clock.advance(ahead_s)
+        return await db(fn, *args, **kwargs)
+
+    workers.db = queued  # type: ignore[method-assign]
+    return clock
+
+
+def test_a_lease_that_runs_out_while_the_renewal_waits_for_the_ledger_is_not_revived(
+    host: Host,
+) -> None:
+    plan = make_plan()
+    host.prepare(plan, expires_in_ms=60_000)
+    _clock_passes_while_queued(host, 120)
+    renewal = first_lease(plan, 3_600_000, sequence=2)
+    reply = host.send(RenewRequest(version=1, id=new_id(), leases=[renewal]))
+    assert row_code(reply) == "lease_expired"
+    assert host.ctx.ledger.get(plan.attempt_id).lease.sequence == 1  # type: ignore[union-attr]
+
+
+def test_a_lease_that_runs_out_while_the_start_waits_for_the_ledger_refuses_it(
+    host: Host,
+) -> None:
+    plan = make_plan()
+    host.prepare(plan, expires_in_ms=60_000)
+    host.ready(plan)
+    _clock_passes_while_queued(host, 120)
+    assert row_code(host.send(fences_request(StartRequest, plan))) == "lease_expired"
+    assert host.runner.named("start_requested") == []
+
+
+def test_a_lease_that_runs_out_while_an_input_request_waits_for_the_ledger_closes_it(
+    host: Host,
+) -> None:
+    data = b"payload"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan, expires_in_ms=60_000)
+    stage(host, plan)
+    _clock_passes_while_queued(host, 120)
+    assert status_of(host, plan, obj).error.code == "lease_expired"
+    _clock_passes_while_queued(host, 240)
+    assert row_code(write(host, write_row(plan, obj, 0, data))) == "lease_expired"
+
+
+def test_a_chunk_whose_lease_runs_out_before_its_commit_is_not_committed(host: Host) -> None:
+    """The rows were authorized with the lease current; the chunk's commit, after its
+    bytes were written and synced, comes once the deadline has passed: the commit
+    transaction judges the lease again and refuses it."""
+    data = b"payload"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan, expires_in_ms=60_000)
+    stage(host, plan)
+    clock = SteppedClock()
+    host.ctx.clock = clock  # type: ignore[assignment]
+    workers = host.ctx.workers
+    blocking = workers.db_blocking
+
+    def late_commit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        clock.advance(120)
+        return blocking(fn, *args, **kwargs)
+
+    workers.db_blocking = late_commit  # type: ignore[method-assign]
+    assert row_code(write(host, write_row(plan, obj, 0, data))) == "lease_expired"
+    assert host.ctx.ledger.inputs(plan.attempt_id)[0].offset == 0
 
 
 def test_start_needs_ready_and_starts_once(host: Host) -> None:

@@ -67,6 +67,7 @@ from ficc.execution.host.starting import AFTER_EXIT_LOOKS
 from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
 from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels
+from lease_support import SteppedClock
 
 pytestmark = pytest.mark.root(
     "the runner tests need root (cgroups, a slot account, root-owned installs)"
@@ -1867,6 +1868,98 @@ def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
     status = world.record(fence.attempt_id).status
     assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
     assert (status.state, status.reason) == ("cancelled", "stopped")
+
+
+def test_a_lease_that_runs_out_while_the_release_waits_for_the_ledger_never_releases(
+    world: World,
+) -> None:
+    """The gate passed with the lease current; the release then waits for the ledger
+    thread (busy with input commits, say) until past the deadline. The lease is judged
+    inside the transaction that would write the marker: never released, `expired`."""
+    fence = world.admit(world.plan())
+    clock = SteppedClock()
+    world.ctx.clock = clock  # type: ignore[assignment]
+    ledger = world.ctx.ledger
+    authorize = ledger.authorize_release
+
+    def waited(f: Fence, when: Any, ceiling: Any = None, **release: Any) -> str | None:
+        clock.advance(1200)  # the lease was 600 s
+        return authorize(f, when, ceiling, **release)
+
+    ledger.authorize_release = waited  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.authorize_release
+    status = world.record(fence.attempt_id).status
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+def test_a_marker_that_appears_only_after_the_deadline_is_refused_and_expires(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline passes while the marker is being written: the clock is read again
+    once it is there, the start is never recorded, and the attempt ends `expired`."""
+    fence = world.admit(world.plan())
+    clock = SteppedClock()
+    world.ctx.clock = clock  # type: ignore[assignment]
+    write_marker = gate.write_release_marker
+
+    def slow_marker(*args: Any, **kwargs: Any) -> None:
+        write_marker(*args, **kwargs)
+        clock.advance(1200)
+
+    monkeypatch.setattr(gate, "write_release_marker", slow_marker)
+    ledger = world.ctx.ledger
+    apply = ledger.apply
+    events: list[str] = []
+
+    def recorded(f: Fence, event: lifecycle.AnyEvent) -> Applied:
+        events.append(event.name)
+        return apply(f, event)
+
+    ledger.apply = recorded  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.apply
+    status = world.record(fence.attempt_id).status
+    assert "started" not in events
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+def test_an_expiry_judged_on_records_read_before_a_renewal_is_not_recorded(
+    world: World,
+) -> None:
+    """The monitor read the records, then a renewal moved the deadline, then the
+    monitor's clock passed the old deadline: the expiry's own transaction sees the
+    renewed lease, records nothing and stops nothing."""
+    fence = world.admit(world.plan(), lease_seconds=60)
+    clock = SteppedClock()
+    world.ctx.clock = clock  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        watched = runner.watched
+
+        async def renewed_after_the_read() -> list[AttemptRecord]:
+            records = await watched()
+            rows = [(fence, Terms(sequence=2, expires_at_ms=10**13))]
+            (row,) = world.ctx.ledger.renew_batch(rows, clock, 3600)
+            assert isinstance(row, Applied), row
+            clock.advance(120)
+            return records
+
+        runner.watched = renewed_after_the_read  # type: ignore[method-assign]
+        try:
+            await runner.monitor.tick()
+        finally:
+            await runner.close()
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.stop_pending) == ("prepared", None)
 
 
 def test_a_barrier_that_dies_after_the_gate_is_never_released(world: World) -> None:
