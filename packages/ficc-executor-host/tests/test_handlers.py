@@ -736,6 +736,21 @@ def stage(host: Host, plan: planlib.Plan) -> None:
     host.ctx.slots[record.slot_id].stager.prepare_attempt(plan.attempt_id)
 
 
+def test_an_empty_stream_is_reported_before_its_empty_write_then_completed_by_it(
+    host: Host,
+) -> None:
+    empty = stream(b"", "empty.bin")
+    plan = make_plan(inputs=[empty])
+    host.prepare(plan)
+    stage(host, plan)
+    before = status_of(host, plan, empty)
+    assert isinstance(before, InputRow), before
+    assert (before.offset, before.bytes, before.complete) == (0, 0, False)
+    written = row_ok(write(host, write_row(plan, empty, 0, b"")))
+    assert (written.offset, written.complete) == (0, True)
+    assert status_of(host, plan, empty).complete
+
+
 def test_input_upload_resumes_after_a_lost_acknowledgement(host: Host) -> None:
     first, second = b"a" * 1000 + b"b" * 500, b"second object"
     obj, other = stream(first, "first.bin"), stream(second, "second.bin")

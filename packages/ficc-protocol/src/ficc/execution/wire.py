@@ -152,9 +152,14 @@ class InputRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     ok: Literal[True] = True
 
     def __post_init__(self) -> None:
+        """Complete exactly when the offset reaches the declared bytes, except for an
+        empty object: at offset 0 of 0 bytes it is complete only once its one empty
+        write sealed it, and `input_status` reports it before that write too."""
         if self.offset > self.bytes:
             raise ValueError("offset is past the declared bytes")
-        if self.complete != (self.offset == self.bytes):
+        if self.complete and self.offset != self.bytes:
+            raise ValueError("complete only once offset reaches the declared bytes")
+        if not self.complete and self.offset == self.bytes and self.bytes != 0:
             raise ValueError("complete exactly when offset reaches the declared bytes")
 
 
