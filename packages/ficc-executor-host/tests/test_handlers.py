@@ -33,7 +33,7 @@ from ficc.execution.host import lifecycle as lc
 from ficc.execution.host import procfs
 from ficc.execution.host.config import Config, check_directories, parse_config
 from ficc.execution.host.context import HostContext, ProviderRuntime
-from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, service_backend
+from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, check_ledger, service_backend
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
@@ -1078,6 +1078,31 @@ def test_the_ledger_is_created_once_and_never_silently_recreated(host_root: Path
     with pytest.raises(HostError) as caught:
         Daemon.open(config, runner_factory=FakeRunner, host_check=check_directories)
     assert caught.value.code == "ledger_missing"
+
+
+def test_a_slot_removed_under_an_unreleased_attempt_refuses_the_start(host_root: Path) -> None:
+    """The ledger holds an attempt on slot1; the configuration lost slot1. The daemon
+    (and `check-config`'s ledger check) refuse, naming the slot and what to do; once
+    the attempt is released, the slot may go."""
+    first = Host(make_config(host_root))
+    kept, removed = make_plan(), make_plan()
+    first.prepare(kept, removed)
+    assert first.ctx.ledger.get(removed.attempt_id).slot_id == "slot1"  # type: ignore[union-attr]
+    first.close()
+    smaller = make_config(host_root, slots=1)
+    with pytest.raises(HostError) as refused:
+        Daemon.open(smaller, runner_factory=FakeRunner, host_check=check_directories)
+    assert refused.value.code == "slot_removed"
+    assert "slot1" in refused.value.message
+    assert "put each back" in refused.value.message
+    with pytest.raises(HostError) as checked:
+        check_ledger(smaller)
+    assert checked.value.code == "slot_removed"
+    again = Host(make_config(host_root))
+    again.apply(removed, lc.StopRequested(), lc.CleanupConfirmed())
+    assert row_ok(again.send(fences_request(ReleaseRequest, removed))).state == "released"
+    again.close()
+    Host(smaller).close()
 
 
 def test_the_initial_offer_control_is_applied_on_creation(host_root: Path) -> None:
