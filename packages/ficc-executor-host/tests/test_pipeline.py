@@ -38,7 +38,16 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import batching, gate, handlers, lifecycle, provision, slotfs, starting
+from ficc.execution.host import (
+    attempts,
+    batching,
+    gate,
+    handlers,
+    lifecycle,
+    provision,
+    slotfs,
+    starting,
+)
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -972,6 +981,43 @@ def _settle(world: World, attempt_id: str) -> lifecycle.Status:
 
     asyncio.run(monitor())
     return world.record(attempt_id).status
+
+
+def test_an_unverifiable_storage_binding_is_never_handed_to_observe_stop_or_release(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the storage binding of a running attempt can no longer be verified (as for
+    probe, prepare and start), no provider call gets it: the outcome is lost
+    (`storage_unverified`), the service is stopped without the provider's stop, and
+    the release is refused (`layout_unsafe`, the reservation kept) until it verifies."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    calls = {m: world.installed.calls(m, attempt_id) for m in ("observe", "stop", "release")}
+    verified = attempts._verified_storage
+
+    def unverifiable(attempt: Any) -> Any:
+        raise HostError("storage_unverified", "not on the slot's reserved filesystem")
+
+    monkeypatch.setattr(attempts, "_verified_storage", unverifiable)
+
+    async def scenario() -> list[HostError | None]:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+            refused = await runner.release_batch([attempt_id])
+            assert world.installed.calls("release", attempt_id) == calls["release"]
+            monkeypatch.setattr(attempts, "_verified_storage", verified)
+            return [*refused, *await runner.release_batch([attempt_id])]
+
+    refused, released = asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "storage_unverified")
+    assert world.installed.calls("observe", attempt_id) == calls["observe"]
+    assert world.installed.calls("stop", attempt_id) == calls["stop"]
+    assert isinstance(refused, HostError)
+    assert refused.code == "layout_unsafe"
+    assert released is None
+    assert world.installed.calls("release", attempt_id) == calls["release"] + 1
 
 
 def test_a_stop_after_the_payload_ended_by_itself_keeps_its_exit_code(world: World) -> None:

@@ -185,7 +185,7 @@ class Runner(AttemptWork):
         if record.slot_id is None or record.status.reason in NO_RESOURCE_REASONS:
             return
         attempt = await self._attempt(record)
-        context = await self._later_context(attempt)  # the binding, verified while it exists
+        context = await self._release_context(attempt)
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
         if first and not self._batcher.in_flight.running(attempt.id):
@@ -205,6 +205,21 @@ class Runner(AttemptWork):
             await self._io(self._ctx.service.remove, handle)
         self._watch.discard(attempt.id)
         self._killed.discard(attempt.id)
+
+    async def _release_context(self, attempt: _Attempt) -> sdk.Context:
+        """The release's context; a storage binding that cannot be verified refuses the
+        release (`layout_unsafe`, the reservation stays) instead of asking the provider
+        to release a path the daemon cannot vouch for."""
+        try:
+            return await self._later_context(attempt)
+        except HostError as error:
+            if error.code != "storage_unverified":
+                raise
+            raise HostError(
+                ErrorCode.LAYOUT_UNSAFE,
+                f"{error.message}; the provider is not asked to release it: investigate the"
+                " attempt directory, then release again",
+            ) from error
 
     async def recover(self) -> None:
         """Startup, before the server listens (see the module docstring)."""
@@ -339,7 +354,14 @@ class Runner(AttemptWork):
 
     async def _observe_record(self, record: AttemptRecord, ticket: Ticket) -> None:
         attempt = await self._attempt(record)
-        context = await self._later_context(attempt)
+        try:
+            context = await self._later_context(attempt)
+        except HostError as error:
+            # No provider is asked about a storage binding the daemon cannot vouch for:
+            # the outcome cannot be read (the monitor then stops the service).
+            _log.warning("attempt %s: not observed: %s", attempt.id, error)
+            await self._apply(record, lifecycle.OutcomeLost(reason=error.code))
+            return
         handle = await self._service(attempt)
         # Looked at before the provider is asked: a payload may end while the provider
         # answers, and only a service already empty before the question proves that its

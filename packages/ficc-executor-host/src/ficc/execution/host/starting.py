@@ -226,7 +226,7 @@ class Starter(AttemptWork):
             for capability in inputs:
                 await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
             handle = await self._create_service(attempt, result)
-            context = await self._later_context(attempt, verify=True, inputs=inputs)
+            context = await self._later_context(attempt, inputs=inputs)
         except BaseException:
             ticket.close()  # the batch's other rows need not wait for this one's stop
             raise
@@ -444,12 +444,16 @@ class Starter(AttemptWork):
             raise _Aborted()
 
     async def stop_service(self, attempt: _Attempt) -> None:
-        """Kill the service tree (provider stop first, best effort); never raises."""
+        """Kill the service tree (provider stop first, best effort, and only with a
+        verified storage binding); never raises."""
         try:
             context = await self._later_context(attempt)
             stopped = await self._batcher.call(attempt.provider, "stop", context)
             if not stopped.ok:
                 _log.warning("attempt %s: provider stop: %s", attempt.id, stopped.message)
+        except HostError as error:
+            _log.warning("attempt %s: provider stop skipped: %s", attempt.id, error)
+        try:
             handle = await self._service(attempt)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
