@@ -1143,6 +1143,95 @@ def test_a_payload_whose_observe_hangs_past_its_timeout_is_stopped_at_once(
     assert (status.state, status.reason) == ("unknown", "provider_timeout")
 
 
+@pytest.mark.parametrize("method", ["probe", "prepare"])
+def test_a_preparation_whose_provider_call_hangs_past_its_timeout_fails_it(
+    world: World, method: str
+) -> None:
+    """A probe or prepare row held past the provider timeout fails the attempt
+    `provider_timeout` at the timeout (nothing ran: no replay, no start); its cleanup
+    is confirmed only once the held call returned."""
+    fence = world.admit(world.plan(environment={HANG: f"{method}:hold"}))
+    attempt_id = fence.attempt_id
+    storage = world.attempt_dir(attempt_id) / "storage"
+    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0)
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=short)) as runner:
+            runner.admitted([attempt_id])
+            await until(lambda: world.record(attempt_id).status.state == "failed", "failed")
+            assert (storage / f"held-{method}").exists()
+            assert not world.record(attempt_id).status.cleanup_confirmed
+            (storage / f"go-{method}").touch()
+            await until(settled_and_clean(world, attempt_id), "cleaned after the call returned")
+            assert await runner.release_batch([attempt_id]) == [None]
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("failed", "provider_timeout")
+    assert world.installed.calls("start", attempt_id) == 0
+
+
+def test_a_release_whose_provider_call_hangs_past_its_timeout_keeps_the_reservation(
+    world: World,
+) -> None:
+    """The release row takes longer than the provider timeout: the release is refused
+    `provider_timeout` (the handler then keeps the reservation). Once the call has
+    returned, the same release with a provider that answers in time goes through."""
+    fence = world.admit(world.plan(environment={HANG: "release:1"}))
+    attempt_id = fence.attempt_id
+    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0)
+    patient = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0)
+
+    async def scenario() -> tuple[list[HostError | None], list[HostError | None]]:
+        async with running(Runner(world.ctx, settings=short)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+            runner.stop_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "cancelled and cleaned")
+            timed_out = await runner.release_batch([attempt_id])
+            batcher = runner._batcher
+            await until(lambda: not batcher.in_flight.running(attempt_id), "the call returned")
+        async with running(Runner(world.ctx, settings=patient)) as runner:
+            return timed_out, await runner.release_batch([attempt_id])
+
+    timed_out, released = asyncio.run(scenario())
+    (refusal,) = timed_out
+    assert isinstance(refusal, HostError)
+    assert refusal.code == "provider_timeout"
+    assert released == [None]
+    assert world.installed.calls("release", attempt_id) == 2
+
+
+@pytest.mark.parametrize("contradicted", ["/dev/null", "/dev/zero"])
+def test_a_device_open_result_contradicting_the_prepared_devices_never_releases(
+    world: World, monkeypatch: pytest.MonkeyPatch, contradicted: str
+) -> None:
+    """The runner's device-open results, as the start pipeline reads them from observe,
+    say the prepared positive device was refused (or the negative one opened): the
+    start fails `gate_device` and the payload is never released."""
+    fence = world.admit(world.plan(devices=("null",)))
+    observation = starting._observation
+
+    def contradicting(result: Any) -> Any:
+        seen = observation(result)
+        if seen.devices is None:
+            return seen
+        devices = [
+            msgspec.structs.replace(d, opened=not d.opened) if d.path == contradicted else d
+            for d in seen.devices
+        ]
+        assert any(d.path == contradicted for d in devices), devices
+        return msgspec.structs.replace(seen, devices=devices)
+
+    monkeypatch.setattr(starting, "_observation", contradicting)
+    _start_with_passing_gate(world, fence, lambda: None)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("failed", "gate_device")
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert world.installed.calls("start", fence.attempt_id) == 1
+
+
 async def _nothing_more() -> None:
     pass
 

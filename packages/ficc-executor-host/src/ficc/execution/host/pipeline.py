@@ -58,11 +58,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
+import msgspec
+
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import lifecycle, metrics, sdk, slotfs
+from ficc.execution.host import layout, lifecycle, metrics, sdk, slotfs
 from ficc.execution.host.attempts import (
     AttemptWork,
     Settings,
@@ -207,12 +210,16 @@ class Runner(AttemptWork):
         self._killed.discard(attempt.id)
 
     async def _release_context(self, attempt: _Attempt) -> sdk.Context:
-        """The release's context; a storage binding that cannot be verified refuses the
-        release (`layout_unsafe`, the reservation stays) instead of asking the provider
-        to release a path the daemon cannot vouch for."""
+        """The release's context. A storage directory an earlier release of this
+        attempt already freed (`free_payload_data`) is named by its path alone: nothing
+        is left there to verify or to act on. A binding that exists and cannot be
+        verified refuses the release (`layout_unsafe`, the reservation stays) instead of
+        asking the provider to release a path the daemon cannot vouch for."""
         try:
             return await self._later_context(attempt)
         except HostError as error:
+            if error.code == ErrorCode.NOT_FOUND and await self._io(_storage_freed, attempt):
+                return await self._freed_context(attempt)
             if error.code != "storage_unverified":
                 raise
             raise HostError(
@@ -220,6 +227,12 @@ class Runner(AttemptWork):
                 f"{error.message}; the provider is not asked to release it: investigate the"
                 " attempt directory, then release again",
             ) from error
+
+    async def _freed_context(self, attempt: _Attempt) -> sdk.Context:
+        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+        prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
+        storage = sdk.StorageBinding(path=attempt.paths.storage)
+        return self._context(attempt, storage, (), prepared)
 
     async def recover(self) -> None:
         """Startup, before the server listens (see the module docstring)."""
@@ -474,3 +487,21 @@ class Runner(AttemptWork):
         if status.state in lifecycle.ACTIVE:
             return True
         return status.state in lifecycle.SETTLED and not status.cleanup_confirmed
+
+
+def _storage_freed(attempt: _Attempt) -> bool:
+    """Whether the attempt's storage directory is gone from its (checked) attempt
+    directory, or the attempt directory itself is gone: freed by an earlier release."""
+    try:
+        attempt_fd = attempt.layout.open_attempt(attempt.id)
+    except HostError as error:
+        if error.code == ErrorCode.NOT_FOUND:
+            return True
+        raise
+    try:
+        os.stat(layout.STORAGE.name, dir_fd=attempt_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    finally:
+        os.close(attempt_fd)
+    return False
