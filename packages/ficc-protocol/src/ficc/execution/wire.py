@@ -94,10 +94,11 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     `outcome` is null until the attempt reaches a terminal state, then equals it and
     is kept when `state` becomes `released`. `ready` is meaningful only while
     `prepared` (false while inputs stage and the provider prepares). `lease_sequence`
-    is 0 and
-    `lease_expires_at_ms` null for records that never held a lease (no-resource
-    rejections). `slot` is null when no slot is reserved. A payload that fills its
-    slot fails with reason `storage_exhausted` and the two storage flags.
+    is 0 and `lease_expires_at_ms` null for records that were never sent a lease
+    (`reject_absent` rejections); a prepare row refused before any provider call
+    reports the first lease it was sent (sequence 1, its effective expiry). `slot` is
+    null when no slot is reserved. A payload that fills its slot fails with reason
+    `storage_exhausted` and the two storage flags.
     """
 
     attempt_id: Identity
