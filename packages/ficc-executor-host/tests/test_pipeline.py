@@ -1538,6 +1538,28 @@ def test_release_of_an_admission_rejection_calls_no_provider(world: World) -> No
 # --- restart ----------------------------------------------------------------------------------
 
 
+def test_a_restarted_daemon_starts_a_reaper_for_a_deadline_left_behind(world: World) -> None:
+    """A deadline file written by an earlier daemon, and no reaper running (it died, or
+    exited): recovery starts one, whatever follows (no new deadline may ever come)."""
+    directory = str(world.state / "deadlines")
+    reaper.prepare_directory(directory)
+    now = world.clock.now()
+    reaper.write_deadline(
+        directory, "ficc-work-left-behind", now.boot_id, now.boottime_ns + 10**12, []
+    )
+    assert not reaper.reaper_running(directory)
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        try:
+            await runner.recover()
+            await until(lambda: reaper.reaper_running(directory), "a reaper runs")
+        finally:
+            await runner.close()
+
+    asyncio.run(scenario())
+
+
 def test_recover_turns_starting_into_unknown_stops_the_service_and_never_starts_again(
     world: World,
 ) -> None:

@@ -50,8 +50,20 @@ class Deadlines(HostWork):
     def _keeper(self) -> reaper.Keeper:
         if self._reaper is None:
             directory = os.path.join(self._ctx.config.state_dir, "deadlines")
-            self._reaper = reaper.Keeper(directory)
+            self._reaper = reaper.Keeper(directory, place=self._place)
         return self._reaper
+
+    def _place(self, pid: int) -> None:
+        """Move a reaper just started into a cgroup of its own (see the service
+        backend's `place_reaper`); if that fails it still enforces from the daemon's
+        cgroup, and the failure is logged."""
+        try:
+            placed = self._ctx.service.place_reaper(pid)
+        except (OSError, HostError) as error:
+            _log.error("the lease reaper (pid %d) stays in the daemon's cgroup: %s", pid, error)
+            return
+        if placed:
+            _log.info("the lease reaper (pid %d) runs in %s", pid, ", ".join(placed))
 
     async def set(self, attempt: _Attempt) -> None:
         """Hand the lease deadline to the reaper before the service exists, so the

@@ -46,8 +46,10 @@ lease rules do, and one mechanism serves both backends: under `supervisor=system
 it kills the unit's cgroups and systemd sees the unit's processes die.
 
 The reaper runs in a new session outside every attempt's cgroup, so stopping an
-attempt never stops it; under systemd it stays in the daemon's unit, where a daemon
-stop also stops every attempt unit (`BindsTo=`).
+attempt never stops it. Under `supervisor=cgroupfs` the daemon moves it into a cgroup
+of its own (`<base>/lease-reaper`, `Keeper(place=...)`), so freezing or killing the
+daemon's cgroup leaves it enforcing; under systemd it stays in the daemon's unit,
+where a daemon stop also stops every attempt unit (`BindsTo=`).
 """
 
 from __future__ import annotations
@@ -226,9 +228,16 @@ def spawn(directory: str, interpreter: str = sys.executable) -> subprocess.Popen
 class Keeper:
     """The daemon's handle on the reaper: writes deadlines, keeps a reaper running."""
 
-    def __init__(self, directory: str, interpreter: str = sys.executable) -> None:
+    def __init__(
+        self,
+        directory: str,
+        interpreter: str = sys.executable,
+        place: Callable[[int], None] | None = None,
+    ) -> None:
         self.directory = directory
         self._interpreter = interpreter
+        self._place = place
+        """Moves a reaper just started out of the daemon's cgroup (never raises)."""
         self._child: subprocess.Popen[bytes] | None = None
         self._spawned = 0.0
         self._prepared = False
@@ -259,6 +268,8 @@ class Keeper:
         if not reaper_running(self.directory):
             self._spawned = time.monotonic()  # before the child's own clock starts
             self._child = spawn(self.directory, self._interpreter)
+            if self._place is not None:
+                self._place(self._child.pid)
 
 
 # --- the reaper's side ------------------------------------------------------------------
