@@ -396,7 +396,7 @@ def test_random_schedules_keep_every_lease_promise(
     with capsys.disabled():
         print("lease schedules covered: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
     if SEED != DEFAULT_SEED:
-        return  # another seed reproduces a failure; coverage is the CI seed's promise
+        return  # another seed reproduces a failure; coverage is checked at the default one
     for interleaving in (
         "started",
         "reaper decided",
