@@ -1102,7 +1102,16 @@ def test_a_slot_removed_under_an_unreleased_attempt_refuses_the_start(host_root:
     again.apply(removed, lc.StopRequested(), lc.CleanupConfirmed())
     assert row_ok(again.send(fences_request(ReleaseRequest, removed))).state == "released"
     again.close()
-    Host(smaller).close()
+    without = Host(smaller)
+    try:
+        # Released, then its slot removed: its logs are unavailable, never "empty and
+        # complete" as for a record that never ran.
+        f = fence(removed)
+        read = Read(f.attempt_id, f.generation, f.plan_digest, "stdout", 0, 1024)
+        reply = without.send(CollectRequest(version=1, id=new_id(), reads=[read]))
+        assert row_code(reply) == "object_unavailable"
+    finally:
+        without.close()
 
 
 def test_the_initial_offer_control_is_applied_on_creation(host_root: Path) -> None:
