@@ -1375,6 +1375,36 @@ def _renewal_against_the_reaper(world: World, step: str | None) -> _ReaperRace:
     return _ReaperRace(status=world.record(attempt_id).status, **outcome)
 
 
+def test_a_service_the_reaper_stopped_is_expired_even_before_the_ledger_says_so(
+    world: World,
+) -> None:
+    """The reaper decided at the deadline it holds and emptied the service, and the
+    monitor looks before anything recorded the expiry (the lease in the ledger still
+    reads current, as when a renewal was committed but not yet refused): its evidence
+    makes the attempt `expired`, not `unknown` (`outcome_unreadable`)."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    handle = world.ctx.service.adopt(world.service_name(attempt_id))
+    assert handle is not None
+    asyncio.run(until(lambda: world.ctx.service.members(handle), "the payload runs"))
+    lease = world.record(attempt_id).lease
+    assert lease is not None
+    directory = str(world.state / "deadlines")
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await runner._deadlines.set(await runner._attempt(world.record(attempt_id)))
+            await asyncio.get_running_loop().run_in_executor(
+                None, reaper.reap_once, directory, lease.boot_id, lease.deadline_boottime_ns
+            )
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
 def test_a_renewal_after_the_reaper_killed_is_refused_and_the_attempt_ends_expired(
     world: World,
 ) -> None:

@@ -445,6 +445,30 @@ def test_a_file_the_reaper_cannot_read_is_reported_and_the_others_are_reaped(
     assert "a.deadline" in capfd.readouterr().err
 
 
+def test_a_renewal_waits_for_a_reaper_deciding_and_gives_up_on_one_that_never_does(
+    tmp_path: Path,
+) -> None:
+    """The daemon moves a deadline while the reaper's intent is there: it waits for the
+    decision; an intent that outlasts the patience (a stopped or dead reaper) is
+    `ReaperUndecided` (the renewal is then refused `lease_reaper_unavailable`)."""
+    boot_id, now = _boot()
+    directory = str(tmp_path)
+    reaper.write_deadline(directory, "svc", boot_id, now, [])
+    intent = tmp_path / f".svc{reaper.INTENT}"
+    intent.touch()
+    waited: list[float] = []
+
+    def reaper_decides_against(seconds: float) -> None:
+        waited.append(seconds)
+        intent.unlink()  # the reaper read the new deadline: not due, no kill
+
+    assert reaper.move(directory, "svc", boot_id, now + 10**9, [], pause=reaper_decides_against)
+    assert waited
+    intent.touch()
+    with pytest.raises(reaper.ReaperUndecided):
+        reaper.move(directory, "svc", boot_id, now + 2 * 10**9, [], patience=0.0)
+
+
 def test_remove_refuses_a_non_empty_service(
     service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
 ) -> None:
