@@ -136,7 +136,14 @@ ENTRIES: tuple[Entry, ...] = (
         " for this suite",
         unit=f"{HOST_TESTS}/test_pipeline.py::test_a_hung_provider_call_leaves_its_rows_timed_out",
     ),
-    _socket("slot_unknown", "row", "release after the slot left the configuration (restart)"),
+    Entry(
+        "slot_unknown",
+        "never",
+        "-",
+        "a daemon whose ledger holds an unreleased attempt on a slot the configuration no"
+        " longer has refuses to start (`slot_removed`), so no request meets such a record",
+        unit="tests-integration/test_daemon_error_codes.py::test_a_removed_slot_refuses_the_start",
+    ),
     _socket("service_not_empty", "row", "release after a process joined the attempt's cgroup"),
     # --- streamed inputs --------------------------------------------------------------
     _socket("inputs_preparing", "row", "input_status right after admission (retried race)"),
@@ -242,6 +249,7 @@ HOST_ONLY: dict[str, str] = {
             "ledger_installation_mismatch",
             "ledger_missing",
             "ledger_schema",
+            "slot_removed",
             "ledger_unsafe",
             "unsupported_filesystem",
             "invalid_installation_id",

@@ -10,7 +10,7 @@ second slot is a 12 MiB tmpfs, so `slot_full` is a real full filesystem. After e
 test every attempt is stopped, confirmed clean and released, so each test finds both
 slots free (the first free slot of the class is `s0`, on the ordinary filesystem); at
 the end, no request of the module may have been answered `internal`. The two tests
-that restart a daemon (`slot_unknown`, `input_changed`) use their own, from conftest.
+that restart a daemon (a removed slot, `input_changed`) use their own, from conftest.
 
 Three codes only exist in a race the daemon cannot be made to lose on purpose
 (`inputs_preparing`, `input_busy`, `lease_expired`): those tests repeat the race with
@@ -64,6 +64,7 @@ from ficc.execution.wire import AttemptRow, ErrorRow, ReadsReply
 from ficc_testkit.accounts import Accounts
 from ficc_testkit.digests import digest_of, fake
 from ficc_testkit.driver import (
+    DaemonFailed,
     DaemonProcess,
     StreamedInput,
     attempt,
@@ -1002,23 +1003,32 @@ def test_service_not_empty(d: Daemon) -> None:
     assert attempt(d.release(plan)).state == "released"
 
 
-def test_slot_unknown(daemon: Daemon) -> None:
-    """A record whose slot left the configuration across a restart cannot be released:
-    the daemon will not guess where its files are. (Its own daemon: it rewrites the
-    configuration.)"""
+def test_a_removed_slot_refuses_the_start(daemon: Daemon) -> None:
+    """A record whose slot left the configuration across a restart: the daemon will
+    not guess where its files are, nor answer it as a record that never ran (empty
+    logs, complete); it refuses to start and says what to do. With the slot back, it
+    starts and the attempt is released. (Its own daemon: it rewrites the configuration.)"""
     plan = daemon.plan()
     (row,) = rows(daemon.prepare([plan]))
     assert attempt(row).slot == "s0"
     settled_clean(daemon, plan)
-    document = dict(daemon.layout.document)
+    kept = dict(daemon.layout.document)
+    document = dict(kept)
     document["slots"] = [s for s in document["slots"] if s["id"] != "s0"]
     for limits in ("ceiling", "initial_offer"):
         document[limits] = {**document[limits], "slots": 1}
     daemon.stop()
     daemon.layout.rewrite(document)
     daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+    with pytest.raises(DaemonFailed) as refused:
+        daemon.start()
+    message = str(refused.value)
+    assert "slot_removed" in message, message
+    assert "put each back" in message, message
+    daemon.layout.rewrite(kept)
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
     daemon.start()
-    assert error_of(daemon.release(plan))[0] == "slot_unknown"
+    assert attempt(daemon.release(plan)).state == "released"
 
 
 # --- collect ----------------------------------------------------------------------------

@@ -77,3 +77,35 @@ def test_upload_refuses_a_file_that_is_not_the_declared_object(
     assert done.returncode == 2
     assert "SHA-256 is not the digest the plan declares" in done.stderr
     assert input_row(daemon.input_status(plan, item)).offset == 0  # nothing was sent
+
+
+def test_upload_stages_an_empty_streamed_input_beside_a_full_one(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """A plan with an empty streamed input (as the golden streamed plan has): the tool
+    asks `input_status` first, which reports the empty object at offset 0 and not
+    yet complete; its one empty write completes it, and the attempt becomes ready."""
+    empty = StreamedInput(b"", name="empty.bin")
+    full = StreamedInput(os.urandom(4096), name="frames.tar")
+    plan = daemon.plan(inputs=[empty, full])
+    rows(daemon.prepare([plan]))
+    before = _staged(daemon, plan, empty)
+    assert (before.offset, before.bytes, before.complete) == (0, 0, False)  # type: ignore[attr-defined]
+    (tmp_path / "plan.json").write_bytes(encode_plan(plan))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "frames.tar").write_bytes(full.data)
+    command = [*UPLOAD, "--socket", daemon.admin, "--plan", str(tmp_path / "plan.json")]
+    for item in (empty, full):
+        done = subprocess.run(
+            [*command, "--input", item.name, str(tmp_path / item.name)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert '"complete":true' in done.stdout
+    after = input_row(daemon.input_status(plan, empty))
+    assert (after.offset, after.complete) == (0, True)
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True)

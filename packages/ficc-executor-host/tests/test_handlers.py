@@ -33,7 +33,7 @@ from ficc.execution.host import lifecycle as lc
 from ficc.execution.host import procfs
 from ficc.execution.host.config import Config, check_directories, parse_config
 from ficc.execution.host.context import HostContext, ProviderRuntime
-from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, service_backend
+from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, check_ledger, service_backend
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
@@ -80,6 +80,7 @@ from ficc.execution.wire import (
 )
 from ficc_testkit import plans
 from ficc_testkit.plans import new_id
+from lease_support import SteppedClock
 
 pytestmark = pytest.mark.root("the daemon needs root: root-owned state, slot accounts, cgroups")
 
@@ -111,6 +112,8 @@ class FakeRunner:
         self.ctx = ctx
         self.calls: list[tuple[str, tuple[str, ...]]] = []
         self.release_error: HostError | None = None
+        self.reaped: frozenset[str] = frozenset()
+        """Attempts whose service the reaper had stopped before their renewal moved it."""
 
     def admitted(self, attempt_ids: Sequence[str]) -> None:
         self.calls.append(("admitted", tuple(attempt_ids)))
@@ -128,8 +131,9 @@ class FakeRunner:
         self.calls.append(("release", tuple(attempt_ids)))
         return [self.release_error] * len(attempt_ids)
 
-    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> None:
+    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         self.calls.append(("leases_renewed", tuple(r.attempt_id for r in records)))
+        return self.reaped & {r.attempt_id for r in records}
 
     async def recover(self) -> None:
         self.calls.append(("recover", ()))
@@ -494,6 +498,102 @@ def test_renew_sequences_and_duplicates(host: Host) -> None:
     )
 
 
+def test_a_renewal_the_reaper_came_before_is_refused_and_expires_the_attempt(host: Host) -> None:
+    """The runner reports that the reaper had already decided to stop the service at
+    the old deadline: that row is refused `lease_expired` (never OK), its expiry is
+    recorded and the runner is told to stop it; the other row is renewed."""
+    reaped, other = make_plan(), make_plan()
+    host.prepare(reaped, other)
+    for plan in (reaped, other):
+        host.ready(plan)
+    host.send(fences_request(StartRequest, reaped, other))
+    host.runner.reaped = frozenset({reaped.attempt_id})
+    leases = [first_lease(p, 120_000, sequence=2) for p in (reaped, other)]
+    reply = host.send(RenewRequest(version=1, id=new_id(), leases=leases))
+    assert row_code(reply, 0) == "lease_expired"
+    assert row_ok(reply, 1).lease_sequence == 2
+    status = host.ctx.ledger.get(reaped.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.stop_pending) == ("starting", "expired")
+    assert host.runner.named("stop_requested") == [(reaped.attempt_id,)]
+
+
+def _clock_passes_while_queued(host: Host, ahead_s: int) -> SteppedClock:
+    """The host's clock becomes a stepped one; the next request's first wait for the
+    ledger thread lasts `ahead_s` seconds (as behind a busy ledger thread)."""
+    clock = SteppedClock()
+    host.ctx.clock = clock  # type: ignore[assignment]
+    workers = host.ctx.workers
+    db = workers.db
+
+    async def queued(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        workers.db = db  # type: ignore[method-assign]
+        clock.advance(ahead_s)
+        return await db(fn, *args, **kwargs)
+
+    workers.db = queued  # type: ignore[method-assign]
+    return clock
+
+
+def test_a_lease_that_runs_out_while_the_renewal_waits_for_the_ledger_is_not_revived(
+    host: Host,
+) -> None:
+    plan = make_plan()
+    host.prepare(plan, expires_in_ms=60_000)
+    _clock_passes_while_queued(host, 120)
+    renewal = first_lease(plan, 3_600_000, sequence=2)
+    reply = host.send(RenewRequest(version=1, id=new_id(), leases=[renewal]))
+    assert row_code(reply) == "lease_expired"
+    assert host.ctx.ledger.get(plan.attempt_id).lease.sequence == 1  # type: ignore[union-attr]
+
+
+def test_a_lease_that_runs_out_while_the_start_waits_for_the_ledger_refuses_it(
+    host: Host,
+) -> None:
+    plan = make_plan()
+    host.prepare(plan, expires_in_ms=60_000)
+    host.ready(plan)
+    _clock_passes_while_queued(host, 120)
+    assert row_code(host.send(fences_request(StartRequest, plan))) == "lease_expired"
+    assert host.runner.named("start_requested") == []
+
+
+def test_a_lease_that_runs_out_while_an_input_request_waits_for_the_ledger_closes_it(
+    host: Host,
+) -> None:
+    data = b"payload"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan, expires_in_ms=60_000)
+    stage(host, plan)
+    _clock_passes_while_queued(host, 120)
+    assert status_of(host, plan, obj).error.code == "lease_expired"
+    _clock_passes_while_queued(host, 240)
+    assert row_code(write(host, write_row(plan, obj, 0, data))) == "lease_expired"
+
+
+def test_a_chunk_whose_lease_runs_out_before_its_commit_is_not_committed(host: Host) -> None:
+    """The rows were authorized with the lease current; the chunk's commit, after its
+    bytes were written and synced, comes once the deadline has passed: the commit
+    transaction judges the lease again and refuses it."""
+    data = b"payload"
+    obj = stream(data)
+    plan = make_plan(inputs=[obj])
+    host.prepare(plan, expires_in_ms=60_000)
+    stage(host, plan)
+    clock = SteppedClock()
+    host.ctx.clock = clock  # type: ignore[assignment]
+    workers = host.ctx.workers
+    blocking = workers.db_blocking
+
+    def late_commit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        clock.advance(120)
+        return blocking(fn, *args, **kwargs)
+
+    workers.db_blocking = late_commit  # type: ignore[method-assign]
+    assert row_code(write(host, write_row(plan, obj, 0, data))) == "lease_expired"
+    assert host.ctx.ledger.inputs(plan.attempt_id)[0].offset == 0
+
+
 def test_start_needs_ready_and_starts_once(host: Host) -> None:
     plan = make_plan()
     host.prepare(plan)
@@ -634,6 +734,21 @@ def stage(host: Host, plan: planlib.Plan) -> None:
     assert record is not None
     assert record.slot_id is not None
     host.ctx.slots[record.slot_id].stager.prepare_attempt(plan.attempt_id)
+
+
+def test_an_empty_stream_is_reported_before_its_empty_write_then_completed_by_it(
+    host: Host,
+) -> None:
+    empty = stream(b"", "empty.bin")
+    plan = make_plan(inputs=[empty])
+    host.prepare(plan)
+    stage(host, plan)
+    before = status_of(host, plan, empty)
+    assert isinstance(before, InputRow), before
+    assert (before.offset, before.bytes, before.complete) == (0, 0, False)
+    written = row_ok(write(host, write_row(plan, empty, 0, b"")))
+    assert (written.offset, written.complete) == (0, True)
+    assert status_of(host, plan, empty).complete
 
 
 def test_input_upload_resumes_after_a_lost_acknowledgement(host: Host) -> None:
@@ -963,6 +1078,40 @@ def test_the_ledger_is_created_once_and_never_silently_recreated(host_root: Path
     with pytest.raises(HostError) as caught:
         Daemon.open(config, runner_factory=FakeRunner, host_check=check_directories)
     assert caught.value.code == "ledger_missing"
+
+
+def test_a_slot_removed_under_an_unreleased_attempt_refuses_the_start(host_root: Path) -> None:
+    """The ledger holds an attempt on slot1; the configuration lost slot1. The daemon
+    (and `check-config`'s ledger check) refuse, naming the slot and what to do; once
+    the attempt is released, the slot may go."""
+    first = Host(make_config(host_root))
+    kept, removed = make_plan(), make_plan()
+    first.prepare(kept, removed)
+    assert first.ctx.ledger.get(removed.attempt_id).slot_id == "slot1"  # type: ignore[union-attr]
+    first.close()
+    smaller = make_config(host_root, slots=1)
+    with pytest.raises(HostError) as refused:
+        Daemon.open(smaller, runner_factory=FakeRunner, host_check=check_directories)
+    assert refused.value.code == "slot_removed"
+    assert "slot1" in refused.value.message
+    assert "put each back" in refused.value.message
+    with pytest.raises(HostError) as checked:
+        check_ledger(smaller)
+    assert checked.value.code == "slot_removed"
+    again = Host(make_config(host_root))
+    again.apply(removed, lc.StopRequested(), lc.CleanupConfirmed())
+    assert row_ok(again.send(fences_request(ReleaseRequest, removed))).state == "released"
+    again.close()
+    without = Host(smaller)
+    try:
+        # Released, then its slot removed: its logs are unavailable, never "empty and
+        # complete" as for a record that never ran.
+        f = fence(removed)
+        read = Read(f.attempt_id, f.generation, f.plan_digest, "stdout", 0, 1024)
+        reply = without.send(CollectRequest(version=1, id=new_id(), reads=[read]))
+        assert row_code(reply) == "object_unavailable"
+    finally:
+        without.close()
 
 
 def test_the_initial_offer_control_is_applied_on_creation(host_root: Path) -> None:

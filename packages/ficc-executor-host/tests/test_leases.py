@@ -292,3 +292,25 @@ def test_a_recorded_lease_with_a_malformed_boot_id_is_refused_on_decode() -> Non
             msgspec.json.decode(
                 good.replace(BOOT.encode(), msgspec.json.encode(bad)[1:-1]), type=Lease
             )
+
+
+# --- what the docs promise -----------------------------------------------------------
+
+_REPO = Path(__file__).resolve().parents[3]
+
+
+def _promise(path: Path) -> str:
+    """The quoted lease promise that follows "word for word" in a document."""
+    text = path.read_text()
+    after = text[text.index("word for word") :].split("\n")[1:]
+    start = next(i for i, line in enumerate(after) if line.strip().startswith(">"))
+    block = [line.strip() for line in after[start:]]
+    quoted = block[: block.index("")] if "" in block else block
+    return " ".join(line.lstrip("> ").strip() for line in quoted)
+
+
+def test_the_readme_and_operations_make_the_same_lease_promise() -> None:
+    readme = _promise(_REPO / "packages" / "ficc-executor-host" / "README.md")
+    operations = _promise(_REPO / "docs" / "operations.md")
+    assert readme == operations
+    assert "lease_expired" in readme

@@ -67,9 +67,16 @@ def record(attempt_id: str, state: str, **changes: Any) -> AttemptRecord:
 class Recorder:
     """MonitorOps that records calls; `expired` attempt IDs have no current lease."""
 
-    def __init__(self, records: list[AttemptRecord], expired: set[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        records: list[AttemptRecord],
+        expired: set[str] = frozenset(),
+        renewed: set[str] = frozenset(),
+    ) -> None:
         self.records = records
         self.expired = expired
+        self.renewed = renewed
+        """Expired when read, renewed before the expiry's transaction: not recorded."""
         self.calls: list[tuple[str, Any]] = []
         self.failing: set[str] = set()
 
@@ -82,8 +89,9 @@ class Recorder:
     def start_running(self, attempt_id: str) -> bool:
         return False
 
-    async def expire(self, record: AttemptRecord) -> None:
+    async def expire(self, record: AttemptRecord) -> bool:
         self.calls.append(("expire", record.attempt_id))
+        return record.attempt_id not in self.renewed
 
     def abort_start(self, attempt_id: str) -> None:
         self.calls.append(("abort", attempt_id))
@@ -116,6 +124,18 @@ def test_a_tick_expires_before_stopping_and_observes_running_attempts_in_one_bat
     assert ("stop", "b") in ops.calls
     assert ("cleanup", "e") in ops.calls
     assert [c for c in ops.calls if c[0] == "observe"] == [("observe", ("a", "c"))]
+
+
+def test_an_expiry_the_ledger_does_not_record_stops_nothing() -> None:
+    """The tick judged the lease on records read earlier; the expiry's own transaction
+    found it renewed since: neither the stop nor the start's abort may follow."""
+    ops = Recorder(
+        [record("r", "running"), record("p", "prepared"), record("s", "starting")],
+        expired={"r", "p", "s"},
+        renewed={"r", "p", "s"},
+    )
+    asyncio.run(Monitor(ops).tick())
+    assert sorted(ops.calls) == [("expire", "p"), ("expire", "r"), ("expire", "s")]
 
 
 def test_one_failing_action_does_not_stop_the_others() -> None:

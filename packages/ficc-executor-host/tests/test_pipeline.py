@@ -38,7 +38,16 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import batching, gate, lifecycle, provision, slotfs, starting
+from ficc.execution.host import (
+    attempts,
+    batching,
+    gate,
+    handlers,
+    lifecycle,
+    provision,
+    slotfs,
+    starting,
+)
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
@@ -64,8 +73,10 @@ from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.host.starting import AFTER_EXIT_LOOKS
-from ficc.execution.protocol import Fence, OfferLimits, Resources
+from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
+from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels
+from lease_support import SteppedClock
 
 pytestmark = pytest.mark.root(
     "the runner tests need root (cgroups, a slot account, root-owned installs)"
@@ -972,6 +983,43 @@ def _settle(world: World, attempt_id: str) -> lifecycle.Status:
     return world.record(attempt_id).status
 
 
+def test_an_unverifiable_storage_binding_is_never_handed_to_observe_stop_or_release(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the storage binding of a running attempt can no longer be verified (as for
+    probe, prepare and start), no provider call gets it: the outcome is lost
+    (`storage_unverified`), the service is stopped without the provider's stop, and
+    the release is refused (`layout_unsafe`, the reservation kept) until it verifies."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    calls = {m: world.installed.calls(m, attempt_id) for m in ("observe", "stop", "release")}
+    verified = attempts._verified_storage
+
+    def unverifiable(attempt: Any) -> Any:
+        raise HostError("storage_unverified", "not on the slot's reserved filesystem")
+
+    monkeypatch.setattr(attempts, "_verified_storage", unverifiable)
+
+    async def scenario() -> list[HostError | None]:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+            refused = await runner.release_batch([attempt_id])
+            assert world.installed.calls("release", attempt_id) == calls["release"]
+            monkeypatch.setattr(attempts, "_verified_storage", verified)
+            return [*refused, *await runner.release_batch([attempt_id])]
+
+    refused, released = asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "storage_unverified")
+    assert world.installed.calls("observe", attempt_id) == calls["observe"]
+    assert world.installed.calls("stop", attempt_id) == calls["stop"]
+    assert isinstance(refused, HostError)
+    assert refused.code == "layout_unsafe"
+    assert released is None
+    assert world.installed.calls("release", attempt_id) == calls["release"] + 1
+
+
 def test_a_stop_after_the_payload_ended_by_itself_keeps_its_exit_code(world: World) -> None:
     fence = _ended_before_the_runner_looked(world, 3)
     world.ctx.ledger.apply(fence, lifecycle.StopRequested())
@@ -1095,6 +1143,95 @@ def test_a_payload_whose_observe_hangs_past_its_timeout_is_stopped_at_once(
     assert (status.state, status.reason) == ("unknown", "provider_timeout")
 
 
+@pytest.mark.parametrize("method", ["probe", "prepare"])
+def test_a_preparation_whose_provider_call_hangs_past_its_timeout_fails_it(
+    world: World, method: str
+) -> None:
+    """A probe or prepare row held past the provider timeout fails the attempt
+    `provider_timeout` at the timeout (nothing ran: no replay, no start); its cleanup
+    is confirmed only once the held call returned."""
+    fence = world.admit(world.plan(environment={HANG: f"{method}:hold"}))
+    attempt_id = fence.attempt_id
+    storage = world.attempt_dir(attempt_id) / "storage"
+    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0)
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=short)) as runner:
+            runner.admitted([attempt_id])
+            await until(lambda: world.record(attempt_id).status.state == "failed", "failed")
+            assert (storage / f"held-{method}").exists()
+            assert not world.record(attempt_id).status.cleanup_confirmed
+            (storage / f"go-{method}").touch()
+            await until(settled_and_clean(world, attempt_id), "cleaned after the call returned")
+            assert await runner.release_batch([attempt_id]) == [None]
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("failed", "provider_timeout")
+    assert world.installed.calls("start", attempt_id) == 0
+
+
+def test_a_release_whose_provider_call_hangs_past_its_timeout_keeps_the_reservation(
+    world: World,
+) -> None:
+    """The release row takes longer than the provider timeout: the release is refused
+    `provider_timeout` (the handler then keeps the reservation). Once the call has
+    returned, the same release with a provider that answers in time goes through."""
+    fence = world.admit(world.plan(environment={HANG: "release:1"}))
+    attempt_id = fence.attempt_id
+    short = Settings(tick=0.05, provider_timeout=0.5, start_timeout=30.0)
+    patient = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0)
+
+    async def scenario() -> tuple[list[HostError | None], list[HostError | None]]:
+        async with running(Runner(world.ctx, settings=short)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+            runner.stop_requested([attempt_id])
+            await until(settled_and_clean(world, attempt_id), "cancelled and cleaned")
+            timed_out = await runner.release_batch([attempt_id])
+            batcher = runner._batcher
+            await until(lambda: not batcher.in_flight.running(attempt_id), "the call returned")
+        async with running(Runner(world.ctx, settings=patient)) as runner:
+            return timed_out, await runner.release_batch([attempt_id])
+
+    timed_out, released = asyncio.run(scenario())
+    (refusal,) = timed_out
+    assert isinstance(refusal, HostError)
+    assert refusal.code == "provider_timeout"
+    assert released == [None]
+    assert world.installed.calls("release", attempt_id) == 2
+
+
+@pytest.mark.parametrize("contradicted", ["/dev/null", "/dev/zero"])
+def test_a_device_open_result_contradicting_the_prepared_devices_never_releases(
+    world: World, monkeypatch: pytest.MonkeyPatch, contradicted: str
+) -> None:
+    """The runner's device-open results, as the start pipeline reads them from observe,
+    say the prepared positive device was refused (or the negative one opened): the
+    start fails `gate_device` and the payload is never released."""
+    fence = world.admit(world.plan(devices=("null",)))
+    observation = starting._observation
+
+    def contradicting(result: Any) -> Any:
+        seen = observation(result)
+        if seen.devices is None:
+            return seen
+        devices = [
+            msgspec.structs.replace(d, opened=not d.opened) if d.path == contradicted else d
+            for d in seen.devices
+        ]
+        assert any(d.path == contradicted for d in devices), devices
+        return msgspec.structs.replace(seen, devices=devices)
+
+    monkeypatch.setattr(starting, "_observation", contradicting)
+    _start_with_passing_gate(world, fence, lambda: None)
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason) == ("failed", "gate_device")
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert world.installed.calls("start", fence.attempt_id) == 1
+
+
 async def _nothing_more() -> None:
     pass
 
@@ -1162,6 +1299,140 @@ def test_a_reaped_service_whose_observe_times_out_is_expired_not_unknown(world: 
     fence = _reaped_while_no_runner_watched(world, {HANG: "observe:hold"})
     status = _cleaned_only_after_the_held_observe(world, fence.attempt_id, "expired")
     assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+# --- the renewal and the reaper at the deadline --------------------------------------
+
+
+class _ReaperRace(NamedTuple):
+    """What a renewal sent while the reaper decided at the old deadline came to."""
+
+    answer: AttemptRow | ErrorRow
+    reaped: bool
+    alive: bool
+    status: lifecycle.Status
+
+
+def _renewal_against_the_reaper(world: World, step: str | None) -> _ReaperRace:
+    """A held payload runs with its deadline handed to the reaper. A reaper pass runs
+    with its clock at that deadline (the daemon's clock is still before it, as for a
+    renewal received a moment before the deadline); the renewal is sent through the
+    handler at the reaper's `step` ("due": it has read the deadline and found it due;
+    "intent": its intent is there, the second reading not yet made), or, for None, once
+    the pass is over. The monitor then settles whatever follows."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    name = world.service_name(attempt_id)
+    handle = world.ctx.service.adopt(name)
+    assert handle is not None
+    asyncio.run(until(lambda: world.ctx.service.members(handle), "the payload runs"))
+    lease = world.record(attempt_id).lease
+    assert lease is not None
+    boot_id, deadline = lease.boot_id, lease.deadline_boottime_ns
+    directory = str(world.state / "deadlines")
+    at_step, go = threading.Event(), threading.Event()
+    written = reaper.write_deadline
+
+    def write_then_go(*args: Any) -> None:
+        written(*args)
+        go.set()  # the reaper goes on once the daemon moved the deadline
+
+    def pause_at(reached: str, _name: str) -> None:
+        if reached == step:
+            at_step.set()
+            assert go.wait(30), "the renewal never moved the deadline"
+
+    renewal = Renewal(attempt_id, fence.generation, fence.plan_digest, 2, 10**13)
+    request = RenewRequest(version=1, id=plans.new_id(), leases=[renewal])
+    outcome: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await runner._deadlines.set(await runner._attempt(world.record(attempt_id)))
+            reaper.write_deadline = write_then_go  # type: ignore[assignment]
+            loop = asyncio.get_running_loop()
+            reaping = loop.run_in_executor(
+                None,
+                functools.partial(reaper.reap_once, directory, boot_id, deadline, hook=pause_at),
+            )
+            if step is None:
+                await reaping
+            else:
+                await loop.run_in_executor(None, at_step.wait, 30)
+            reply = await handlers.renew(world.ctx, runner, Sender.TRANSPORT, request)
+            await reaping
+            outcome["answer"] = reply.results[0]  # type: ignore[union-attr]
+            outcome["reaped"] = reaper.reaped(directory, name)
+            outcome["alive"] = bool(world.ctx.service.members(handle))
+            if outcome["reaped"] or not outcome["alive"]:
+                await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        reaper.write_deadline = written  # type: ignore[assignment]
+    return _ReaperRace(status=world.record(attempt_id).status, **outcome)
+
+
+def test_a_service_the_reaper_stopped_is_expired_even_before_the_ledger_says_so(
+    world: World,
+) -> None:
+    """The reaper decided at the deadline it holds and emptied the service, and the
+    monitor looks before anything recorded the expiry (the lease in the ledger still
+    reads current, as when a renewal was committed but not yet refused): its evidence
+    makes the attempt `expired`, not `unknown` (`outcome_unreadable`)."""
+    fence = world.admit(world.plan(environment=HOLD, argv=("/bin/sleep", "1000")))
+    _released_by_hand(world, fence)
+    attempt_id = fence.attempt_id
+    handle = world.ctx.service.adopt(world.service_name(attempt_id))
+    assert handle is not None
+    asyncio.run(until(lambda: world.ctx.service.members(handle), "the payload runs"))
+    lease = world.record(attempt_id).lease
+    assert lease is not None
+    directory = str(world.state / "deadlines")
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            await runner._deadlines.set(await runner._attempt(world.record(attempt_id)))
+            await asyncio.get_running_loop().run_in_executor(
+                None, reaper.reap_once, directory, lease.boot_id, lease.deadline_boottime_ns
+            )
+            await until(settled_and_clean(world, attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+    status = world.record(attempt_id).status
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+def test_a_renewal_after_the_reaper_killed_is_refused_and_the_attempt_ends_expired(
+    world: World,
+) -> None:
+    """The reaper decided at the old deadline before the renewal moved it: the renewal
+    is refused `lease_expired` (never answered OK), and the attempt the reaper stopped
+    ends `expired`, not `unknown`."""
+    race = _renewal_against_the_reaper(world, None)
+    assert race.reaped
+    assert not race.alive
+    assert isinstance(race.answer, ErrorRow), race.answer
+    assert race.answer.error.code == "lease_expired"
+    assert (race.status.state, race.status.reason) == ("expired", "lease_expired")
+
+
+@pytest.mark.parametrize("step", ["due", "intent"])
+def test_a_renewal_while_the_reaper_decides_at_the_old_deadline_is_honoured(
+    world: World, step: str
+) -> None:
+    """The renewal moves the deadline after the reaper found the old one due, before
+    (`due`) or after (`intent`) the reaper made its intent known: the renewal is
+    answered OK only because the reaper then judges by the new deadline; the payload
+    runs on, and no evidence of a kill is left."""
+    race = _renewal_against_the_reaper(world, step)
+    assert isinstance(race.answer, AttemptRow), race.answer
+    assert race.answer.lease_sequence == 2
+    assert not race.reaped
+    assert race.alive
+    assert race.status.state == "running"
 
 
 def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_reaper(
@@ -1295,6 +1566,28 @@ def test_release_of_an_admission_rejection_calls_no_provider(world: World) -> No
 
 
 # --- restart ----------------------------------------------------------------------------------
+
+
+def test_a_restarted_daemon_starts_a_reaper_for_a_deadline_left_behind(world: World) -> None:
+    """A deadline file written by an earlier daemon, and no reaper running (it died, or
+    exited): recovery starts one, whatever follows (no new deadline may ever come)."""
+    directory = str(world.state / "deadlines")
+    reaper.prepare_directory(directory)
+    now = world.clock.now()
+    reaper.write_deadline(
+        directory, "ficc-work-left-behind", now.boot_id, now.boottime_ns + 10**12, []
+    )
+    assert not reaper.reaper_running(directory)
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        try:
+            await runner.recover()
+            await until(lambda: reaper.reaper_running(directory), "a reaper runs")
+        finally:
+            await runner.close()
+
+    asyncio.run(scenario())
 
 
 def test_recover_turns_starting_into_unknown_stops_the_service_and_never_starts_again(
@@ -1750,9 +2043,9 @@ def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
     ledger = world.ctx.ledger
     authorize = ledger.authorize_release
 
-    def stopped_first(f: Fence, now: Any, ceiling: Any = None) -> str | None:
+    def stopped_first(f: Fence, now: Any, ceiling: Any = None, **release: Any) -> str | None:
         ledger.apply(f, lifecycle.StopRequested())
-        return authorize(f, now, ceiling)
+        return authorize(f, now, ceiling, **release)
 
     ledger.authorize_release = stopped_first  # type: ignore[method-assign]
     try:
@@ -1762,6 +2055,98 @@ def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
     status = world.record(fence.attempt_id).status
     assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
     assert (status.state, status.reason) == ("cancelled", "stopped")
+
+
+def test_a_lease_that_runs_out_while_the_release_waits_for_the_ledger_never_releases(
+    world: World,
+) -> None:
+    """The gate passed with the lease current; the release then waits for the ledger
+    thread (busy with input commits, say) until past the deadline. The lease is judged
+    inside the transaction that would write the marker: never released, `expired`."""
+    fence = world.admit(world.plan())
+    clock = SteppedClock()
+    world.ctx.clock = clock  # type: ignore[assignment]
+    ledger = world.ctx.ledger
+    authorize = ledger.authorize_release
+
+    def waited(f: Fence, when: Any, ceiling: Any = None, **release: Any) -> str | None:
+        clock.advance(1200)  # the lease was 600 s
+        return authorize(f, when, ceiling, **release)
+
+    ledger.authorize_release = waited  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.authorize_release
+    status = world.record(fence.attempt_id).status
+    assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+def test_a_marker_that_appears_only_after_the_deadline_is_refused_and_expires(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline passes while the marker is being written: the clock is read again
+    once it is there, the start is never recorded, and the attempt ends `expired`."""
+    fence = world.admit(world.plan())
+    clock = SteppedClock()
+    world.ctx.clock = clock  # type: ignore[assignment]
+    write_marker = gate.write_release_marker
+
+    def slow_marker(*args: Any, **kwargs: Any) -> None:
+        write_marker(*args, **kwargs)
+        clock.advance(1200)
+
+    monkeypatch.setattr(gate, "write_release_marker", slow_marker)
+    ledger = world.ctx.ledger
+    apply = ledger.apply
+    events: list[str] = []
+
+    def recorded(f: Fence, event: lifecycle.AnyEvent) -> Applied:
+        events.append(event.name)
+        return apply(f, event)
+
+    ledger.apply = recorded  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.apply
+    status = world.record(fence.attempt_id).status
+    assert "started" not in events
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+
+
+def test_an_expiry_judged_on_records_read_before_a_renewal_is_not_recorded(
+    world: World,
+) -> None:
+    """The monitor read the records, then a renewal moved the deadline, then the
+    monitor's clock passed the old deadline: the expiry's own transaction sees the
+    renewed lease, records nothing and stops nothing."""
+    fence = world.admit(world.plan(), lease_seconds=60)
+    clock = SteppedClock()
+    world.ctx.clock = clock  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        watched = runner.watched
+
+        async def renewed_after_the_read() -> list[AttemptRecord]:
+            records = await watched()
+            rows = [(fence, Terms(sequence=2, expires_at_ms=10**13))]
+            (row,) = world.ctx.ledger.renew_batch(rows, clock, 3600)
+            assert isinstance(row, Applied), row
+            clock.advance(120)
+            return records
+
+        runner.watched = renewed_after_the_read  # type: ignore[method-assign]
+        try:
+            await runner.monitor.tick()
+        finally:
+            await runner.close()
+
+    asyncio.run(scenario())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.stop_pending) == ("prepared", None)
 
 
 def test_a_barrier_that_dies_after_the_gate_is_never_released(world: World) -> None:

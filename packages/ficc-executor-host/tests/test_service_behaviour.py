@@ -279,7 +279,8 @@ def test_the_reaper_kills_a_service_at_its_deadline_and_a_renewal_moves_it(
 ) -> None:
     """One pass of the reaper, with the boot clock given: before the deadline nothing
     happens; a rewritten (renewed) deadline is the one that counts; at it the whole
-    tree dies and the deadline file goes once the tree is empty."""
+    tree dies, the reaper leaves its evidence, and the deadline file stays (the daemon
+    drops both) but guards nothing once the tree is empty."""
     name = f"{prefix}-reaped"
     handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
     wait_for(member_count_is(service, handle, 3))
@@ -298,10 +299,13 @@ def test_the_reaper_kills_a_service_at_its_deadline_and_a_renewal_moves_it(
     assert len(service.members(handle)) == 3
     left = reaper.reap_once(str(directory), boot_id, now + 3 * 10**9)[0]
     wait_for(lambda: not service.members(handle))
-    if left:  # the kill was not yet complete on that pass; the next pass drops the file
+    if left:  # the kill was not yet complete on that pass; the next pass finds it empty
         assert reaper.reap_once(str(directory), boot_id, now + 3 * 10**9)[0] == 0
-    assert not list(directory.glob("*.deadline"))
+    assert reaper.reaped(str(directory), name)
+    assert [p.name for p in directory.glob("*.deadline")] == [f"{name}.deadline"]
     assert not slot_tasks(slot[0])
+    keeper.drop(name)
+    assert not [p for p in directory.iterdir() if p.name != reaper.LOCK]
     keeper.drop(name)  # idempotent
     service.stop(handle)
     service.remove(handle)
@@ -322,7 +326,7 @@ def test_a_spawned_reaper_outlives_its_parent_and_exits_when_nothing_is_left(
     wait_for(lambda: not service.members(handle))
     assert not slot_tasks(slot[0])
     wait_for(lambda: not reaper.reaper_running(keeper.directory))
-    assert not list(Path(keeper.directory).glob("*.deadline"))
+    assert reaper.reaped(keeper.directory, name)
     service.stop(handle)
     service.remove(handle)
 
@@ -344,7 +348,7 @@ def test_a_reaper_with_nothing_left_lingers_and_guards_the_next_deadline(
         boot_id, now = _boot()
         reaper.write_deadline(str(directory), name, boot_id, now, service.planned_cgroups(name))
         wait_for(lambda: not service.members(handle))
-        wait_for(lambda: not list(directory.glob("*.deadline")))
+        wait_for(lambda: reaper.reaped(str(directory), name))
         assert not running.done()
         subprocess.run(["rm", "-rf", str(directory)], check=True)
         assert running.result(timeout=20) == 0
@@ -419,7 +423,50 @@ def test_a_deadline_of_another_boot_or_unreadable_is_due_at_once(tmp_path: Path)
     assert reaper.parse("not json") is None
     (tmp_path / "x.deadline").write_text("garbage")
     assert reaper.reap_once(str(tmp_path), boot_id, now) == (0, reaper.POLL_SECONDS)
-    assert not (tmp_path / "x.deadline").exists()
+    assert reaper.reaped(str(tmp_path), "x")
+    assert (tmp_path / "x.deadline").exists()  # never deleted by the reaper
+
+
+def test_a_file_the_reaper_cannot_read_is_reported_and_the_others_are_reaped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """An `OSError` on one deadline file (here: a directory where a file should be)
+    is reported and that file stays guarded for the next pass; every other file is
+    reaped on the same pass, and no deadline file is ever deleted by the reaper."""
+    boot_id, now = _boot()
+    (tmp_path / "a.deadline").mkdir()
+    reaper.write_deadline(str(tmp_path), "b", boot_id, now, [])
+    left, _wait = reaper.reap_once(str(tmp_path), boot_id, now)
+    assert left == 1  # "a" is tried again; "b" guards nothing any more
+    assert reaper.reaped(str(tmp_path), "b")
+    assert not reaper.reaped(str(tmp_path), "a")
+    assert (tmp_path / "a.deadline").is_dir()
+    assert (tmp_path / "b.deadline").is_file()
+    assert "a.deadline" in capfd.readouterr().err
+
+
+def test_a_renewal_waits_for_a_reaper_deciding_and_gives_up_on_one_that_never_does(
+    tmp_path: Path,
+) -> None:
+    """The daemon moves a deadline while the reaper's intent is there: it waits for the
+    decision; an intent that outlasts the patience (a stopped or dead reaper) is
+    `ReaperUndecided` (the renewal is then refused `lease_reaper_unavailable`)."""
+    boot_id, now = _boot()
+    directory = str(tmp_path)
+    reaper.write_deadline(directory, "svc", boot_id, now, [])
+    intent = tmp_path / f".svc{reaper.INTENT}"
+    intent.touch()
+    waited: list[float] = []
+
+    def reaper_decides_against(seconds: float) -> None:
+        waited.append(seconds)
+        intent.unlink()  # the reaper read the new deadline: not due, no kill
+
+    assert reaper.move(directory, "svc", boot_id, now + 10**9, [], pause=reaper_decides_against)
+    assert waited
+    intent.touch()
+    with pytest.raises(reaper.ReaperUndecided):
+        reaper.move(directory, "svc", boot_id, now + 2 * 10**9, [], patience=0.0)
 
 
 def test_remove_refuses_a_non_empty_service(

@@ -10,12 +10,15 @@ cgroup it made even on failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import stat
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -352,3 +355,77 @@ def test_a_cgroup_is_made_0755_under_the_units_umask(tmp_path: Path) -> None:
         os.umask(previous)
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o755
     assert stat.S_IMODE(old.stat().st_mode) == 0o755
+
+
+# --- the lease reaper's own cgroup ------------------------------------------------------
+
+_DAEMON = """
+import sys, time
+from ficc.execution.host.service import reaper
+from ficc.execution.host.service.cgroupfs import CgroupfsService
+base, directory, name, boot_id, deadline = sys.argv[1:6]
+sys.stdin.readline()  # the test has moved this process into the daemon's cgroup
+service = CgroupfsService(base)
+keeper = reaper.Keeper(directory, place=service.place_reaper)
+keeper.set(name, boot_id, int(deadline), service.planned_cgroups(name))
+print(keeper._child.pid, flush=True)
+time.sleep(1000)
+"""
+
+
+def _freezer(service: CgroupfsService) -> tuple[str, str, str, str]:
+    """(mount, freeze file, frozen value, thawed value) of this machine's freezer."""
+    for hierarchy in service.layout.hierarchies:
+        if hierarchy.key == cgroups.UNIFIED:
+            return hierarchy.mount, "cgroup.freeze", "1", "0"
+        if "freezer" in hierarchy.controllers:
+            return hierarchy.mount, "freezer.state", "FROZEN", "THAWED"
+    pytest.skip("no freezer on this machine")
+
+
+def test_a_frozen_daemon_cgroup_leaves_the_lease_reaper_enforcing(
+    service: CgroupfsService, slot: tuple[int, int], tmp_path: Path
+) -> None:
+    """A stand-in daemon in a cgroup of its own hands a deadline 2 s away to the reaper
+    it starts; then its cgroup is frozen. The reaper was moved into the base's
+    `lease-reaper` cgroup, so it still stops the service at the deadline."""
+    name = f"ficc-work-frozen-{secrets.token_hex(3)}"
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    wait_for(lambda: len(service.members(handle)) == 3)
+    mount, freeze, frozen, thawed = _freezer(service)
+    daemon_cgroup = Path(mount) / f"ficc-t-daemon-{os.getpid()}-{secrets.token_hex(3)}"
+    daemon_cgroup.mkdir()
+    directory = tmp_path / "deadlines"
+    base = service.planned_supervisor_cgroup("x").split("/")[1]
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    deadline = time.clock_gettime_ns(time.CLOCK_BOOTTIME) + 2 * 10**9
+    arguments = [base, str(directory), name, boot_id, str(deadline)]
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", _DAEMON, *arguments],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reaper_pid = 0
+    try:
+        (daemon_cgroup / "cgroup.procs").write_text(str(daemon.pid))
+        assert daemon.stdin is not None
+        assert daemon.stdout is not None
+        daemon.stdin.write("go\n")
+        daemon.stdin.flush()
+        reaper_pid = int(daemon.stdout.readline())
+        (daemon_cgroup / freeze).write_text(frozen)
+        wait_for(lambda: (daemon_cgroup / freeze).read_text().strip() == frozen)
+        wait_for(lambda: not service.members(handle), "the reaper's stop", timeout=10)
+        placed = Path(f"/proc/{reaper_pid}/cgroup").read_text()
+        assert f"/{base}/{cgroupfs.REAPER_CGROUP}" in placed, placed
+        assert daemon_cgroup.name not in placed, placed
+    finally:
+        (daemon_cgroup / freeze).write_text(thawed)
+        daemon.kill()
+        daemon.wait()
+        if reaper_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(reaper_pid, signal.SIGKILL)
+        wait_for(lambda: not (daemon_cgroup / "cgroup.procs").read_text().strip())
+        daemon_cgroup.rmdir()

@@ -182,6 +182,18 @@ def test_input_row_constraints(changes: dict[str, Any], where: str) -> None:
     assert _refused(doc, "input_write").path == where
 
 
+@pytest.mark.parametrize("complete", [False, True])
+def test_an_empty_object_is_reported_before_and_after_its_empty_write(complete: bool) -> None:
+    """`input_status` of a declared empty stream before its empty write: offset 0 of 0
+    bytes, not yet complete (the upload tool then sends the empty write)."""
+    doc = _doc("input_write")
+    doc["results"][0].update({"offset": 0, "bytes": 0, "complete": complete})
+    reply = decode_reply(msgspec.json.encode(doc), "input_status")
+    row = reply.results[0]  # type: ignore[union-attr]
+    assert isinstance(row, InputRow)
+    assert (row.offset, row.bytes, row.complete) == (0, 0, complete)
+
+
 def test_input_row_keeps_u63_offsets_exact() -> None:
     reply = decode_reply(encode_reply(EXAMPLES["input_write"]), "input_status")
     row = reply.results[0]  # type: ignore[union-attr]

@@ -94,10 +94,11 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     `outcome` is null until the attempt reaches a terminal state, then equals it and
     is kept when `state` becomes `released`. `ready` is meaningful only while
     `prepared` (false while inputs stage and the provider prepares). `lease_sequence`
-    is 0 and
-    `lease_expires_at_ms` null for records that never held a lease (no-resource
-    rejections). `slot` is null when no slot is reserved. A payload that fills its
-    slot fails with reason `storage_exhausted` and the two storage flags.
+    is 0 and `lease_expires_at_ms` null for records that were never sent a lease
+    (`reject_absent` rejections); a prepare row refused before any provider call
+    reports the first lease it was sent (sequence 1, its effective expiry). `slot` is
+    null when no slot is reserved. A payload that fills its slot fails with reason
+    `storage_exhausted` and the two storage flags.
     """
 
     attempt_id: Identity
@@ -152,9 +153,14 @@ class InputRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     ok: Literal[True] = True
 
     def __post_init__(self) -> None:
+        """Complete exactly when the offset reaches the declared bytes, except for an
+        empty object: at offset 0 of 0 bytes it is complete only once its one empty
+        write sealed it, and `input_status` reports it before that write too."""
         if self.offset > self.bytes:
             raise ValueError("offset is past the declared bytes")
-        if self.complete != (self.offset == self.bytes):
+        if self.complete and self.offset != self.bytes:
+            raise ValueError("complete only once offset reaches the declared bytes")
+        if not self.complete and self.offset == self.bytes and self.bytes != 0:
             raise ValueError("complete exactly when offset reaches the declared bytes")
 
 

@@ -205,22 +205,23 @@ class AttemptWork(HostWork):
         self,
         attempt: _Attempt,
         *,
-        verify: bool = False,
         inputs: Sequence[sdk.InputCapability] = (),
     ) -> sdk.Context:
         """Context for start/observe/stop/release: with the persisted prepared result and
-        the verified storage binding. With `verify` (start) a binding that cannot be
-        verified refuses; otherwise (stopping, cleaning up) the context falls back to
-        the storage path alone, so cleanup never waits on a damaged layout."""
+        the storage binding verified, as for probe and prepare. A binding that cannot be
+        verified is never handed to a provider: `storage_unverified` (start and release
+        refuse, observe records the outcome as lost, a stop kills the service without
+        the provider's stop), so no provider acts on a path the daemon cannot vouch for."""
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
         prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
         try:
             storage = await self._io(_verified_storage, attempt)
-        except (HostError, OSError) as error:
-            if verify:
-                raise
-            _log.warning("attempt %s: storage binding not verified: %s", attempt.id, error)
-            storage = sdk.StorageBinding(path=attempt.paths.storage)
+        except OSError as error:
+            raise HostError(
+                "storage_unverified",
+                f"the storage binding of attempt {attempt.id} cannot be verified ({error});"
+                " check the slot's filesystem and the attempt directory",
+            ) from error
         return self._context(attempt, storage, inputs, prepared)
 
     async def _inputs(self, attempt: _Attempt) -> list[sdk.InputCapability]:

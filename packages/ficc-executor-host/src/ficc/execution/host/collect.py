@@ -177,6 +177,15 @@ def _row(ctx: HostContext, read: Read, item: _Found) -> ReadResult:
             raise item
         record, plan = item
         slot = ctx.slots.get(record.slot_id or "")
+        if slot is None and record.slot_id is not None:
+            # It held a slot the configuration no longer has (released before the slot
+            # was removed): it may have run, so it is never answered as a record that
+            # never did (empty logs, complete).
+            raise HostError(
+                ErrorCode.OBJECT_UNAVAILABLE,
+                f"attempt {record.attempt_id} ran on slot {record.slot_id}, which is no longer"
+                f" in the configuration; {read.object} cannot be read",
+            )
         return read_object(Layout(slot) if slot is not None else None, record, plan, read)
     except HostError as error:
         return error_row(error.code, error.message)

@@ -237,7 +237,11 @@ def check_ledger(config: Config) -> str:
     if not has_ledger:
         return "none yet (serve creates it on its first start)"
     try:
-        Ledger.open(config.state_dir, config.installation_id, spend_reserve=False).close()
+        ledger = Ledger.open(config.state_dir, config.installation_id, spend_reserve=False)
+        try:
+            check_slots_kept(config, ledger)
+        finally:
+            ledger.close()
     except HostError as error:
         if error.code == ErrorCode.LEDGER_FULL and _has_reserve(config.state_dir):
             return (
@@ -282,6 +286,7 @@ def open_ledger(config: Config) -> Ledger:
             config.initial_offer.control,
         )
     try:
+        check_slots_kept(config, ledger)
         ledger.bound_space(config.space_bounds())
         if not has_marker:
             _write_marker(config.state_dir, ledger.bindings().ledger_id)
@@ -289,6 +294,23 @@ def open_ledger(config: Config) -> Ledger:
         ledger.close()
         raise
     return ledger
+
+
+def check_slots_kept(config: Config, ledger: Ledger) -> None:
+    """Refuse to start (`slot_removed`) while the ledger holds an unreleased attempt on
+    a slot the configuration no longer has: its files, its account's processes and its
+    release are found only through the slot's configuration, and without it the
+    daemon would answer that attempt as if it never ran (empty logs, no cleanup)."""
+    occupied, _ = ledger.reservations()
+    missing = sorted(occupied - {s.id for s in config.slots})
+    if missing:
+        raise HostError(
+            "slot_removed",
+            f"the ledger holds unreleased attempts on slot(s) {', '.join(missing)}, which"
+            " the configuration no longer has: put each back (same id, path, account and"
+            " filesystem) and start the daemon, release those attempts, then remove the"
+            " slot from the configuration",
+        )
 
 
 def _write_marker(state_dir: str, ledger_id: str) -> None:

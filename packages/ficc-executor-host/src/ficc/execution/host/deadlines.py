@@ -2,11 +2,17 @@
 
 The start pipeline hands an attempt's lease deadline to the reaper before its service
 exists (`set`), so the service is stopped at the deadline even when this daemon is
-dead or hung; a renewal hands on the deadline it moved before it is answered, and each
-monitor tick any other that moved (`sync`),
-and keeps a reaper running while any live service has one; cleanup takes a settled
-attempt's deadline back (`drop`). What the reaper kills is the service backend's
-`planned_cgroups(name)`, known before the service exists.
+dead or hung; a renewal hands on the deadline it moved before it is answered
+(`renewed`), and each monitor tick any other that moved (`sync`), and keeps a reaper
+running while any live service has one (also from the daemon's start, `resume`);
+cleanup takes a settled attempt's deadline back (`drop`). What the reaper kills is the
+service backend's `planned_cgroups(name)`, known before the service exists.
+
+The reaper is the enforcer of record: a moved deadline counts only once the reaper is
+known to judge by it (`reaper.move`). When the reaper had already decided to kill at
+the old deadline, the renewal is refused `lease_expired` and the attempt ends
+`expired`; the reaper's evidence (`reaped`) also tells the monitor that a service
+found empty was stopped at its deadline, not lost.
 """
 
 from __future__ import annotations
@@ -44,8 +50,20 @@ class Deadlines(HostWork):
     def _keeper(self) -> reaper.Keeper:
         if self._reaper is None:
             directory = os.path.join(self._ctx.config.state_dir, "deadlines")
-            self._reaper = reaper.Keeper(directory)
+            self._reaper = reaper.Keeper(directory, place=self._place)
         return self._reaper
+
+    def _place(self, pid: int) -> None:
+        """Move a reaper just started into a cgroup of its own (see the service
+        backend's `place_reaper`); if that fails it still enforces from the daemon's
+        cgroup, and the failure is logged."""
+        try:
+            placed = self._ctx.service.place_reaper(pid)
+        except (OSError, HostError) as error:
+            _log.error("the lease reaper (pid %d) stays in the daemon's cgroup: %s", pid, error)
+            return
+        if placed:
+            _log.info("the lease reaper (pid %d) runs in %s", pid, ", ".join(placed))
 
     async def set(self, attempt: _Attempt) -> None:
         """Hand the lease deadline to the reaper before the service exists, so the
@@ -83,31 +101,61 @@ class Deadlines(HostWork):
         """Follow moved deadlines (each monitor tick) and keep a reaper running while
         any live service has a deadline; a failure is logged and tried again next tick."""
         error = await self._sync(records)
-        if error is not None:
+        if isinstance(error, OSError):
             _log.error("the lease reaper's deadlines could not be updated: %s", error)
 
-    async def renewed(self, records: Sequence[AttemptRecord]) -> None:
-        """Hand renewed deadlines to the reaper before the renewal is answered; refuse
-        the answer (`lease_reaper_unavailable`) when they cannot be written, for the
-        reaper would stop the payload at the old deadline. The ledger keeps the
-        renewal, so the same renewal sent again writes the files again."""
+    async def renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
+        """Hand renewed deadlines to the reaper before the renewal is answered; the
+        attempts whose service the reaper had already decided to stop at the old
+        deadline are returned (their renewal must be refused `lease_expired`).
+
+        Refuses the answer (`lease_reaper_unavailable`) when the files cannot be
+        written or the reaper's decision cannot be known, for the reaper may stop the
+        payload at the old deadline. The ledger keeps the renewal, so the same renewal
+        sent again writes the files again."""
         error = await self._sync(records)
-        if error is not None:
+        if isinstance(error, OSError):
             raise HostError(
                 "lease_reaper_unavailable",
                 f"the renewal is recorded, but the lease reaper's deadline could not be"
-                f" written ({error}), so the payload may still be stopped at the old"
+                f" moved ({error}), so the payload may still be stopped at the old"
                 " deadline: free space in state_dir (or fix its deadlines/ directory),"
                 " then send the same renewal again",
             )
+        return error
 
-    async def _sync(self, records: Sequence[AttemptRecord]) -> OSError | None:
+    async def resume(self) -> None:
+        """At the daemon's start: a reaper runs whenever any deadline file is there, so
+        deadlines written by an earlier daemon stay guarded whatever follows."""
+        keeper = self._keeper()
+
+        def ensure() -> None:
+            if reaper.any_deadline(keeper.directory):
+                keeper.ensure()
+
+        try:
+            await self._io(ensure)
+        except OSError as error:
+            _log.error("the lease reaper could not be started: %s", error)
+
+    async def reaped(self, attempt: _Attempt) -> bool:
+        """Whether the reaper stopped this attempt's service at its lease deadline."""
+        directory = self._keeper().directory
+        try:
+            found: bool = await self._io(reaper.reaped, directory, attempt.service)
+            return found
+        except OSError as error:
+            _log.warning("attempt %s: reaper evidence unreadable: %s", attempt.id, error)
+            return False
+
+    async def _sync(self, records: Sequence[AttemptRecord]) -> OSError | frozenset[str]:
         """One writer at a time, and each moved deadline is read again from the ledger
         under the lock: `records` may be older than a renewal another writer has
-        already handed over, and the file must never go back to a stale deadline."""
+        already handed over, and the file must never go back to a stale deadline.
+        Returns the attempts the reaper had already decided to stop, or the error."""
         async with self._lock:  # also when none is known yet: a first `set` may be writing
             if not self._deadlines:
-                return None
+                return frozenset()
             moved_ids = [r.attempt_id for r in records if self._moved(r)]
             fresh = await self._db(self._records, moved_ids) if moved_ids else []
             moved = [
@@ -117,24 +165,27 @@ class Deadlines(HostWork):
             ]
             keeper = self._keeper()
 
-            def write() -> None:
-                for _attempt_id, service, lease in moved:
-                    reaper.write_deadline(
+            def write() -> frozenset[str]:
+                keeper.ensure()  # first: a reaper that died deciding is replaced
+                return frozenset(
+                    attempt_id
+                    for attempt_id, service, lease in moved
+                    if not reaper.move(
                         keeper.directory,
                         service,
                         lease.boot_id,
                         lease.deadline_boottime_ns,
                         self._ctx.service.planned_cgroups(service),
                     )
-                keeper.ensure()
+                )
 
             try:
-                await self._io(write)
+                late: frozenset[str] = await self._io(write)
             except OSError as error:
                 return error
             for attempt_id, service, lease in moved:
                 self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
-            return None
+            return late
 
     def _records(self, attempt_ids: Sequence[str]) -> list[AttemptRecord]:
         """The current records of `attempt_ids` (a ledger-thread call)."""

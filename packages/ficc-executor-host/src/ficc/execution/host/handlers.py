@@ -112,7 +112,9 @@ class RunnerPort(Protocol):
     def start_requested(self, attempt_ids: Sequence[str]) -> None: ...
     def stop_requested(self, attempt_ids: Sequence[str]) -> None: ...
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]: ...
-    async def leases_renewed(self, records: Sequence[ledgerlib.AttemptRecord]) -> None: ...
+    async def leases_renewed(
+        self, records: Sequence[ledgerlib.AttemptRecord]
+    ) -> frozenset[str]: ...
 
 
 Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
@@ -475,18 +477,51 @@ def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
 async def renew(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: RenewRequest
 ) -> AnyReply:
-    """Renew leases by `leases.renew`, in one transaction; the lease reaper holds the
-    new deadlines before the reply says they hold."""
-    now = ctx.clock.now()
+    """Renew leases by `leases.renew`, in one transaction judged at one clock reading
+    inside it; the lease reaper holds the new deadlines before the reply says they
+    hold. A row whose service the reaper had already decided to stop at the old
+    deadline is refused `lease_expired`, and its attempt ends `expired`."""
     rows = [(r.fence, r) for r in request.leases]
 
     def commit() -> _Read:
-        results = ctx.ledger.renew_batch(rows, now, ctx.config.maximum_lease_seconds)
+        results = ctx.ledger.renew_batch(rows, ctx.clock, ctx.config.maximum_lease_seconds)
         return _with_staged(ctx.ledger, _records_of(results))
 
     read = await ctx.workers.db(commit)
-    await runner.leases_renewed([r for r in read.results if isinstance(r, ledgerlib.AttemptRecord)])
-    return _reply(request, await attempt_rows(ctx, read.results, read.staged))
+    renewed = [r for r in read.results if isinstance(r, ledgerlib.AttemptRecord)]
+    reaped = await runner.leases_renewed(renewed)
+    results = read.results
+    if reaped:
+        results = await _reaped_first(ctx, runner, results, reaped)
+    return _reply(request, await attempt_rows(ctx, results, read.staged))
+
+
+async def _reaped_first(
+    ctx: HostContext,
+    runner: RunnerPort,
+    results: list[ledgerlib.AttemptRecord | HostError],
+    reaped: frozenset[str],
+) -> list[ledgerlib.AttemptRecord | HostError]:
+    """The rows of attempts the reaper stopped at the deadline the renewal came too late
+    for: `LeaseExpired` is recorded (the monitor then records `expired`) and each row
+    answers `lease_expired`."""
+    fences = {
+        r.attempt_id: r.fence
+        for r in results
+        if isinstance(r, ledgerlib.AttemptRecord) and r.attempt_id in reaped
+    }
+    rows = [(fence, lifecycle.LeaseExpired()) for fence in fences.values()]
+    await ctx.workers.db(ctx.ledger.apply_batch, rows)
+    runner.stop_requested(list(fences))
+    refusal = HostError(
+        ErrorCode.LEASE_EXPIRED,
+        "the lease reaper had already stopped the attempt at its earlier deadline when"
+        " this renewal arrived; the attempt ends expired: release it when it is terminal",
+    )
+    return [
+        refusal if isinstance(r, ledgerlib.AttemptRecord) and r.attempt_id in fences else r
+        for r in results
+    ]
 
 
 def _changed(results: Sequence[ledgerlib.Applied | HostError]) -> list[str]:
@@ -497,10 +532,10 @@ def _changed(results: Sequence[ledgerlib.Applied | HostError]) -> list[str]:
 async def start(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: StartRequest
 ) -> AnyReply:
-    """Record `starting` durably, then let the runner start exactly those attempts."""
-    now = ctx.clock.now()
+    """Record `starting` durably (the lease judged inside that transaction), then let
+    the runner start exactly those attempts."""
     ceiling = ceiling_limits(ctx.config)
-    results = await ctx.workers.db(ctx.ledger.start_batch, request.attempts, now, ceiling)
+    results = await ctx.workers.db(ctx.ledger.start_batch, request.attempts, ctx.clock, ceiling)
     started = _changed(results)
     if started:
         runner.start_requested(started)
@@ -616,11 +651,13 @@ def _staging_record(
 
 
 def _authorized(
-    ctx: HostContext, rows: Sequence[ObjectRef | AnyInputWrite], now: leases.Now
+    ctx: HostContext, rows: Sequence[ObjectRef | AnyInputWrite]
 ) -> list[ledgerlib.AttemptRecord | HostError]:
     """Fence, state, lease and offer checks for each input row. One ledger-thread call,
-    so records, inputs and offer are read with no write in between."""
+    so records, inputs and offer are read with no write in between, and the clock is
+    read there, after the request's wait for the ledger thread."""
     results: list[ledgerlib.AttemptRecord | HostError] = []
+    now = ctx.clock.now()
     records = ctx.ledger.fenced([row.fence for row in rows])
     known = [r.attempt_id for r in records if isinstance(r, ledgerlib.AttemptRecord)]
     facts = _StagingFacts(now, ctx.ledger.inputs_of(known), ctx.ledger.offer().control)
@@ -668,8 +705,7 @@ async def input_status(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: InputStatusRequest
 ) -> AnyReply:
     """The durable next offset of each object (the stager's state is the committed one)."""
-    now = ctx.clock.now()
-    records = await ctx.workers.db(_authorized, ctx, request.objects, now)
+    records = await ctx.workers.db(_authorized, ctx, request.objects)
 
     def status(ref: ObjectRef, record: ledgerlib.AttemptRecord | HostError) -> InputResult:
         try:
@@ -700,12 +736,12 @@ async def input_write(
     The server's `receive_request` gives a `ReceivedInputWriteRequest` (chunks decoded
     piece by piece straight from the frame, which is let go once every row is written),
     or an `InputWriteRequest` for a document whose base64 is spelled with JSON escapes;
-    both offer checked chunks in pieces to the stager."""
-    now = ctx.clock.now()
+    both offer checked chunks in pieces to the stager. The lease is judged when the
+    rows are authorized and again inside each chunk's commit transaction."""
     writes: Sequence[AnyInputWrite] = request.writes
     results: list[InputResult | None] = [None] * len(writes)
     try:
-        records = await ctx.workers.db(_authorized, ctx, writes, now)
+        records = await ctx.workers.db(_authorized, ctx, writes)
         by_attempt: dict[str, list[int]] = {}
         for index, write in enumerate(writes):
             by_attempt.setdefault(write.attempt_id, []).append(index)
@@ -733,7 +769,9 @@ async def _write_one(
     fence = write.fence
 
     def commit(state: StreamState) -> None:
-        ctx.workers.db_blocking(ctx.ledger.commit_stream, fence, state, write.offset)
+        ctx.workers.db_blocking(
+            ctx.ledger.commit_stream, fence, state, write.offset, when=ctx.clock
+        )
 
     try:
         stager = _stager(ctx, record)

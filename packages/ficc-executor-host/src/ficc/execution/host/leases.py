@@ -9,7 +9,11 @@ cannot extend a deadline already stored, a suspend consumes lease time, and afte
 reboot (or a restarted daemon on a new boot) no old lease is current.
 
 The current time is passed in as a `Now` value (see `clock.BootClock` for the real
-one), so every rule here is a pure function that tests can drive with any clock.
+one), so every rule here is a pure function that tests can drive with any clock. A
+decision that is recorded (a renewal, a start, the release, an input commit, an
+expiry) reads the clock inside the ledger transaction that records it, so it is
+judged at one instant against the record as that transaction sees it: the ledger
+takes a `Clock` (or, in tests, a fixed `Now`) and reads it there (`reading`).
 Refusal codes: `lease_expired`, `lease_sequence`.
 """
 
@@ -35,6 +39,17 @@ class Now(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     boot_id: BootId
     boottime_ns: Nanoseconds
     wall_ns: int  # may be anything the wall clock says, even before 1970
+
+
+class Clock(Protocol):
+    """Anything that reads `Now` (the real one is `clock.BootClock`)."""
+
+    def now(self) -> Now: ...
+
+
+def reading(when: Now | Clock) -> Now:
+    """The reading of `when`: a fixed `Now` as it is, a clock read now."""
+    return when if isinstance(when, Now) else when.now()
 
 
 class Lease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

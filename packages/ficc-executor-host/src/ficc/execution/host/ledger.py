@@ -64,7 +64,7 @@ from ficc.execution.host import (
 )
 from ficc.execution.host.admission import AdmissionRejection
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.leases import Lease, Now
+from ficc.execution.host.leases import Clock, Lease, Now
 from ficc.execution.host.ledger_schema import ADMITTED, SCHEMA_VERSION
 from ficc.execution.host.records import (
     OFFER_ALLOWS,
@@ -992,7 +992,7 @@ class Ledger:
 
     @_spending_reserve
     def start_batch(
-        self, fences: Sequence[Fence], now: Now, ceiling: OfferLimits | None = None
+        self, fences: Sequence[Fence], when: Now | Clock, ceiling: OfferLimits | None = None
     ) -> list[Applied | HostError]:
         """Record `start` for up to 64 attempts. A row whose `changed` is true is the one
         and only start of that attempt: the caller starts it; otherwise it must not.
@@ -1002,9 +1002,11 @@ class Ledger:
         project and runtime are allowed, and its limits fit within what the offer leaves
         after the attempts already starting or running (`offer_changed` otherwise). A
         `set_offer` since admission that still covers the attempt does not refuse it.
+        The lease is judged at `when` read inside the transaction.
         """
         _check_batch(fences)
         with self._write() as ordinal:
+            now = leases.reading(when)
             offer = self._offer()
             started = self._started_usage()
             records = self._records(fence.attempt_id for fence in fences)
@@ -1032,23 +1034,36 @@ class Ledger:
             return results
 
     def authorize_release(
-        self, fence: Fence, now: Now, ceiling: OfferLimits | None = None
+        self,
+        fence: Fence,
+        when: Now | Clock,
+        ceiling: OfferLimits | None = None,
+        *,
+        release: Callable[[], None] | None = None,
     ) -> str | None:
-        """Check start authority again at the moment the release marker would be written.
+        """Check start authority again at the moment the release marker is written, and
+        write it (`release`) in the same step.
 
-        A stop recorded or a lease run out by `now` refuses the release (`stop_pending`,
-        `lease_expired`) and records nothing: the monitor stops the service and records
-        the outcome. Checked in this transaction, so a stop committed at any point
-        before it is never followed by the marker.
+        A stop recorded or a lease run out at `when` (read inside this transaction)
+        refuses the release (`stop_pending`, `lease_expired`) and records nothing: the
+        monitor stops the service and records the outcome. Checked in this transaction,
+        so a stop or a renewal committed at any point before it is seen, and none can
+        come between the check and `release`, which runs on the ledger thread inside
+        the transaction once every check passed. The clock is read again after
+        `release`: a marker that appeared only once the deadline had passed is refused
+        all the same (`lease_expired`; the reaper and the monitor stop the payload at
+        its deadline, and the attempt ends `expired`).
 
         Authority is unchanged when the offer is still at the revision the start was
         accepted under; a later revision keeps it only if it is `active` and still
         covers the attempt beside the other started ones. Otherwise the attempt ends
         `cancelled` in this same transaction, with the reason returned (`offer_closed`:
         paused, stopped or draining since; `offer_changed`: no longer covered), and
-        the payload must never be released. None: release it.
+        the payload must never be released. None: released (or, without `release`,
+        it may be).
         """
         with self._write() as ordinal:
+            now = leases.reading(when)
             records = self._records([fence.attempt_id])
             record = _fenced_in(records, fence)
             if isinstance(record, HostError):
@@ -1062,17 +1077,22 @@ class Ledger:
                 "SELECT start_offer_revision FROM attempts WHERE attempt_id = ?",
                 (fence.attempt_id,),
             ).fetchone()
-            if since == offer.revision:
+            reason = None
+            if since != offer.revision:
+                reason = self._lost_authority(record, offer, ceiling)
+            if reason is not None:
+                result = self._apply_one(
+                    fence, lifecycle.StartCancelled(reason=reason), ordinal, records
+                )
+                if isinstance(result, HostError):
+                    raise result
+                return reason
+            if release is None:
                 return None
-            reason = self._lost_authority(record, offer, ceiling)
-            if reason is None:
-                return None
-            result = self._apply_one(
-                fence, lifecycle.StartCancelled(reason=reason), ordinal, records
-            )
-            if isinstance(result, HostError):
-                raise result
-            return reason
+            release()
+            if not lease_is_current(record.lease, leases.reading(when)):
+                return str(ErrorCode.LEASE_EXPIRED)
+            return None
 
     def _lost_authority(
         self, record: AttemptRecord, offer: Offer, ceiling: OfferLimits | None
@@ -1166,16 +1186,39 @@ class Ledger:
     # -- leases ---------------------------------------------------------------------
 
     @_spending_reserve
+    def expire(self, fence: Fence, when: Now | Clock) -> Applied | None:
+        """Record `LeaseExpired` if the lease has run out at `when`, read inside this
+        transaction; None (nothing recorded) when the lease is current, say renewed
+        after the monitor read the record. Only then may the caller stop the work."""
+        with self._write() as ordinal:
+            records = self._records([fence.attempt_id])
+            record = _fenced_in(records, fence)
+            if isinstance(record, HostError):
+                raise record
+            if lease_is_current(record.lease, leases.reading(when)):
+                return None
+            result = self._apply_one(fence, lifecycle.LeaseExpired(), ordinal, records)
+            if isinstance(result, HostError):
+                raise result
+            return result
+
+    @_spending_reserve
     def renew_batch(
-        self, rows: Sequence[tuple[Fence, leases.Renewal]], now: Now, maximum_lease_seconds: int
+        self,
+        rows: Sequence[tuple[Fence, leases.Renewal]],
+        when: Now | Clock,
+        maximum_lease_seconds: int,
     ) -> list[Applied | HostError]:
         """Renew up to 64 leases in one transaction, by the rules of `leases.renew`.
 
         An identical duplicate (same sequence and expiry) keeps the original deadline;
-        any other sequence must be strictly higher; an expired lease is never revived.
+        any other sequence must be strictly higher; an expired lease is never revived:
+        every row is judged at `when` read inside the transaction, so a lease that ran
+        out while the request waited for the ledger is not renewed.
         """
         _check_batch(rows)
         with self._write() as ordinal:
+            now = leases.reading(when)
             offer = self._offer()
             terms = _RenewTerms(now, maximum_lease_seconds, offer, ordinal)
             records = self._records(fence.attempt_id for fence, _ in rows)
@@ -1228,15 +1271,18 @@ class Ledger:
         expected_offset: int,
         new_offset: int,
         identity: fsutil.FileIdentity | None = None,
+        *,
+        when: Now | Clock | None = None,
     ) -> InputRecord:
         """Advance an object's durable offset after its bytes are synced (compare-and-set).
 
         The object is complete exactly when the offset reaches its declared size;
         completeness is derived, never claimed. `identity` is the sealed file's, given
-        with the final chunk.
+        with the final chunk. With `when` (every client write), the lease must be
+        current at `when` read inside this transaction (`lease_expired`).
         """
         with self._write() as ordinal:
-            current = self._staging_input(fence, object_id, expected_offset)
+            current = self._staging_input(fence, object_id, expected_offset, when)
             if not expected_offset <= new_offset <= current.bytes:
                 raise HostError(
                     ErrorCode.INPUT_SIZE_MISMATCH,
@@ -1257,16 +1303,24 @@ class Ledger:
             )
 
     @_spending_reserve
-    def commit_stream(self, fence: Fence, state: StreamState, expected_offset: int) -> InputRecord:
+    def commit_stream(
+        self,
+        fence: Fence,
+        state: StreamState,
+        expected_offset: int,
+        *,
+        when: Now | Clock | None = None,
+    ) -> InputRecord:
         """Commit what `Stager.write` reports (pass this as its `commit`).
 
         A failed object is recorded as failed and, in the same transaction, the attempt
         fails (`input_digest_mismatch` or `storage_failed`): it can never start, and it
-        follows the normal cleanup and release path.
+        follows the normal cleanup and release path. `when`: as for
+        `commit_input_offset` (a failure is recorded whatever the lease).
         """
         if state.failed is None:
             return self.commit_input_offset(
-                fence, state.id, expected_offset, state.offset, state.identity
+                fence, state.id, expected_offset, state.offset, state.identity, when=when
             )
         reason = (
             "input_digest_mismatch"
@@ -1288,13 +1342,26 @@ class Ledger:
                 raise result
             return msgspec.structs.replace(current, failed=state.failed, complete=False)
 
-    def _staging_input(self, fence: Fence, object_id: str, expected_offset: int) -> InputRecord:
-        """The object, if the attempt is still staging and the offset is still expected."""
+    def _staging_input(
+        self,
+        fence: Fence,
+        object_id: str,
+        expected_offset: int,
+        when: Now | Clock | None = None,
+    ) -> InputRecord:
+        """The object, if the attempt is still staging (with a lease current at `when`,
+        when given) and the offset is still expected."""
         record = self._fenced(fence)
         if record.status.state != "prepared" or record.status.ready or record.status.preparing:
             raise HostError(
                 ErrorCode.INVALID_STATE,
                 f"inputs are written only while staging; the attempt is {record.status.state}",
+            )
+        if when is not None and not lease_is_current(record.lease, leases.reading(when)):
+            raise HostError(
+                ErrorCode.LEASE_EXPIRED,
+                "the lease ran out before this chunk was committed; inputs are closed:"
+                " release the attempt when it is terminal",
             )
         current = self._input(fence.attempt_id, object_id)
         if current.failed is not None:

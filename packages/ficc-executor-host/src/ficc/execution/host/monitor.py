@@ -7,7 +7,9 @@ module never touches the ledger, a provider or the service itself.
 
 Order of a tick, per attempt:
 1. a lease past its deadline is recorded (`LeaseExpired`: a prepared attempt becomes
-   `expired`, a starting or running one gets `stop_pending`);
+   `expired`, a starting or running one gets `stop_pending`), judged again at a clock
+   reading inside the transaction that records it: a lease renewed after this tick
+   read its record is not expired, and then nothing of it is stopped;
 2. a pending stop (stop request or expiry) kills the service; while the start
    pipeline still runs, the stop is handed to it instead (it owns the service until
    it returns), and the monitor records `Stopped` on a later tick;
@@ -76,7 +78,10 @@ class MonitorOps(Protocol):
 
     def start_running(self, attempt_id: str) -> bool: ...
 
-    async def expire(self, record: AttemptRecord) -> None: ...
+    async def expire(self, record: AttemptRecord) -> bool:
+        """Record the expiry if the lease ran out as the recording transaction sees it;
+        False (nothing recorded, nothing to stop): it was renewed meanwhile."""
+        ...
 
     def abort_start(self, attempt_id: str) -> None: ...
 
@@ -144,7 +149,8 @@ class Monitor:
     async def _expire_then_act(self, record: AttemptRecord, actions: list[Action]) -> None:
         for action in actions:
             if action is Action.EXPIRE:
-                await self._ops.expire(record)
+                if not await self._ops.expire(record):
+                    return  # renewed after the records were read: nothing to stop
             elif action is Action.ABORT_START:
                 self._ops.abort_start(record.attempt_id)
             elif action is Action.STOP:

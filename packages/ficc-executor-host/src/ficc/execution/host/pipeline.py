@@ -58,11 +58,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
+import msgspec
+
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import lifecycle, metrics, sdk, slotfs
+from ficc.execution.host import layout, lifecycle, metrics, sdk, slotfs
 from ficc.execution.host.attempts import (
     AttemptWork,
     Settings,
@@ -145,11 +148,12 @@ class Runner(AttemptWork):
         if outcome is not None:
             raise outcome
 
-    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> None:
+    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         """Give renewed deadlines to the reaper before the renewal is answered, so a
         daemon that hangs right after answering still stops the payload at the deadline
-        the controller was told, also when the renewal shortened it."""
-        await self._deadlines.renewed(records)
+        the controller was told, also when the renewal shortened it. Returns the
+        attempts the reaper had already decided to stop at the old deadline."""
+        return await self._deadlines.renewed(records)
 
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
         """Release these attempts together (one provider call where they share a
@@ -184,7 +188,7 @@ class Runner(AttemptWork):
         if record.slot_id is None or record.status.reason in NO_RESOURCE_REASONS:
             return
         attempt = await self._attempt(record)
-        context = await self._later_context(attempt)  # the binding, verified while it exists
+        context = await self._release_context(attempt)
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
         if first and not self._batcher.in_flight.running(attempt.id):
@@ -205,9 +209,35 @@ class Runner(AttemptWork):
         self._watch.discard(attempt.id)
         self._killed.discard(attempt.id)
 
+    async def _release_context(self, attempt: _Attempt) -> sdk.Context:
+        """The release's context. A storage directory an earlier release of this
+        attempt already freed (`free_payload_data`) is named by its path alone: nothing
+        is left there to verify or to act on. A binding that exists and cannot be
+        verified refuses the release (`layout_unsafe`, the reservation stays) instead of
+        asking the provider to release a path the daemon cannot vouch for."""
+        try:
+            return await self._later_context(attempt)
+        except HostError as error:
+            if error.code == ErrorCode.NOT_FOUND and await self._io(_storage_freed, attempt):
+                return await self._freed_context(attempt)
+            if error.code != "storage_unverified":
+                raise
+            raise HostError(
+                ErrorCode.LAYOUT_UNSAFE,
+                f"{error.message}; the provider is not asked to release it: investigate the"
+                " attempt directory, then release again",
+            ) from error
+
+    async def _freed_context(self, attempt: _Attempt) -> sdk.Context:
+        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+        prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
+        storage = sdk.StorageBinding(path=attempt.paths.storage)
+        return self._context(attempt, storage, (), prepared)
+
     async def recover(self) -> None:
         """Startup, before the server listens (see the module docstring)."""
         await self._db(self._ctx.ledger.mark_restarted)
+        await self._deadlines.resume()
         records = await self._all_records()
         self._watch.update(r.attempt_id for r in records if self._needs_watch(r))
         unclean = [
@@ -282,8 +312,16 @@ class Runner(AttemptWork):
     def abort_start(self, attempt_id: str) -> None:
         self._starter.abort(attempt_id)
 
-    async def expire(self, record: AttemptRecord) -> None:
-        await self._apply(record, lifecycle.LeaseExpired())
+    async def expire(self, record: AttemptRecord) -> bool:
+        """Record the expiry if the lease has run out as the recording transaction sees
+        it (a renewal may have come after the monitor read `record`); False: it has
+        not, and nothing may be stopped."""
+        try:
+            applied = await self._db(self._ctx.ledger.expire, record.fence, self._ctx.clock)
+        except HostError as error:
+            _log.info("attempt %s: lease_expired not recorded (%s)", record.attempt_id, error)
+            return False
+        return applied is not None
 
     async def stop(self, record: AttemptRecord) -> None:
         attempt = await self._attempt(record)
@@ -305,6 +343,8 @@ class Runner(AttemptWork):
         the outcome (one look, as a tick would have taken)."""
         if attempt.record.status.state != "running" or attempt.id in self._killed:
             return False
+        if await self._deadlines.reaped(attempt):
+            return False  # the reaper stopped it at its deadline: it did not end by itself
         handle = await self._service(attempt)
         if (
             handle is not None
@@ -327,7 +367,14 @@ class Runner(AttemptWork):
 
     async def _observe_record(self, record: AttemptRecord, ticket: Ticket) -> None:
         attempt = await self._attempt(record)
-        context = await self._later_context(attempt)
+        try:
+            context = await self._later_context(attempt)
+        except HostError as error:
+            # No provider is asked about a storage binding the daemon cannot vouch for:
+            # the outcome cannot be read (the monitor then stops the service).
+            _log.warning("attempt %s: not observed: %s", attempt.id, error)
+            await self._apply(record, lifecycle.OutcomeLost(reason=error.code))
+            return
         handle = await self._service(attempt)
         # Looked at before the provider is asked: a payload may end while the provider
         # answers, and only a service already empty before the question proves that its
@@ -337,7 +384,7 @@ class Runner(AttemptWork):
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
             if alive or await self._lease_was_current(record.attempt_id, looked):
-                await self._apply(record, lifecycle.OutcomeLost(reason=PROVIDER_TIMEOUT))
+                await self._lost(attempt, PROVIDER_TIMEOUT, alive=alive)
             return
         await self._note_storage(attempt)
         try:
@@ -357,7 +404,18 @@ class Runner(AttemptWork):
             return
         if not alive and await self._lease_was_current(record.attempt_id, looked):
             # The service was gone before the provider looked, and it reports no exit.
-            await self._apply(record, lifecycle.OutcomeLost(reason="outcome_unreadable"))
+            await self._lost(attempt, "outcome_unreadable", alive=alive)
+
+    async def _lost(self, attempt: _Attempt, reason: str, *, alive: bool) -> None:
+        """An outcome that cannot be read is `unknown`, unless the lease reaper left its
+        evidence of a kill at the deadline on a service found empty: that attempt was
+        stopped at its deadline (a renewal came too late for the reaper, and was
+        refused), so its lease is recorded as expired and it ends `expired`."""
+        if not alive and await self._deadlines.reaped(attempt):
+            await self._apply(attempt.record, lifecycle.LeaseExpired())
+            self._monitor.wake()
+            return
+        await self._apply(attempt.record, lifecycle.OutcomeLost(reason=reason))
 
     async def _lease_was_current(self, attempt_id: str, when: Now) -> bool:
         """Whether the lease (as stored now) was current at `when`. The lease reaper
@@ -429,3 +487,21 @@ class Runner(AttemptWork):
         if status.state in lifecycle.ACTIVE:
             return True
         return status.state in lifecycle.SETTLED and not status.cleanup_confirmed
+
+
+def _storage_freed(attempt: _Attempt) -> bool:
+    """Whether the attempt's storage directory is gone from its (checked) attempt
+    directory, or the attempt directory itself is gone: freed by an earlier release."""
+    try:
+        attempt_fd = attempt.layout.open_attempt(attempt.id)
+    except HostError as error:
+        if error.code == ErrorCode.NOT_FOUND:
+            return True
+        raise
+    try:
+        os.stat(layout.STORAGE.name, dir_fd=attempt_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    finally:
+        os.close(attempt_fd)
+    return False

@@ -14,12 +14,14 @@ Decisions:
   The release marker is never written once a stop is pending or the lease is gone.
 - A start that fails once its lease has run out is left to the monitor, which records
   the expiry (the reaper may have ended the service).
-- Start authority is checked again in the ledger right before the marker is written
-  (`Ledger.authorize_release`, in one transaction with the stop and lease checks, so a
-  stop committed before it never lets the marker through): an offer paused, stopped
-  or drained since the start
-  was accepted, or one that no longer covers the attempt, ends it `cancelled`
-  (reason `offer_closed` / `offer_changed`) and the payload is never released.
+- Start authority is checked again in the ledger as the marker is written
+  (`Ledger.authorize_release`: the stop, lease and offer checks at one clock reading
+  inside one transaction, the marker written inside it, so no stop or renewal comes
+  between the check and the marker, and the clock read again after it: a marker that
+  appeared past the deadline is refused, the attempt ends `expired`): an offer
+  paused, stopped or drained since the start was accepted, or one that no longer
+  covers the attempt, ends it `cancelled` (reason `offer_closed` / `offer_changed`)
+  and the payload is never released.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
   cannot have run. Its pidfd is opened before the gate and looked at again right
   before the marker is written, so a barrier that died after the gate is never
@@ -246,7 +248,7 @@ class Starter(AttemptWork):
             for capability in inputs:
                 await self._io(attempt.slot.stager.verify_identity, attempt.id, capability)
             handle = await self._create_service(attempt, result)
-            context = await self._later_context(attempt, verify=True, inputs=inputs)
+            context = await self._later_context(attempt, inputs=inputs)
         except BaseException:
             ticket.close()  # the batch's other rows need not wait for this one's stop
             raise
@@ -433,24 +435,29 @@ class Starter(AttemptWork):
             os.close(evidence)
 
     async def _release_payload(self, attempt: _Attempt, barrier: int) -> None:
-        """The last checks, then the marker, then `Started` (in that order only).
+        """The last checks and the marker in one ledger transaction, then `Started`.
         `barrier` is a pidfd of the gated barrier: one that already ended is never
         released (its exit would be taken for the payload's)."""
         self._check_abort(attempt)
-        record = await self._db(self._ctx.ledger.get, attempt.id)
-        if record is None or record.status.stop_pending is not None:
-            raise _Aborted()
-        if not self.lease_current(record):
-            raise _Aborted()  # the monitor records the expiry and stops
-        ceiling = ceiling_limits(self._ctx.config)
-        now = self._ctx.clock.now()
-        lost = await self._db(self._ctx.ledger.authorize_release, record.fence, now, ceiling)
+        record = attempt.record
+
+        def release() -> None:
+            """On the ledger thread, inside `authorize_release`'s transaction."""
+            if _ended(barrier):
+                raise _barrier_exited()
+            _write_marker(attempt)
+
+        authorize = functools.partial(
+            self._ctx.ledger.authorize_release,
+            record.fence,
+            self._ctx.clock,
+            ceiling_limits(self._ctx.config),
+            release=release,
+        )
+        lost = await self._db(authorize)
         if lost is not None:
             _log.warning("attempt %s: not released (%s)", attempt.id, lost)
             raise _Aborted()  # the service is stopped; the monitor records the outcome
-        if _ended(barrier):
-            raise _barrier_exited()
-        await self._io(_write_marker, attempt)
         # Raises: a released payload whose start is not on record is an unknown outcome.
         await self._db(self._ctx.ledger.apply, record.fence, lifecycle.Started())
 
@@ -459,12 +466,16 @@ class Starter(AttemptWork):
             raise _Aborted()
 
     async def stop_service(self, attempt: _Attempt) -> None:
-        """Kill the service tree (provider stop first, best effort); never raises."""
+        """Kill the service tree (provider stop first, best effort, and only with a
+        verified storage binding); never raises."""
         try:
             context = await self._later_context(attempt)
             stopped = await self._batcher.call(attempt.provider, "stop", context)
             if not stopped.ok:
                 _log.warning("attempt %s: provider stop: %s", attempt.id, stopped.message)
+        except HostError as error:
+            _log.warning("attempt %s: provider stop skipped: %s", attempt.id, error)
+        try:
             handle = await self._service(attempt)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)

@@ -75,6 +75,9 @@ from ficc.execution.host.service.launch import (
 
 SUPERVISOR = "supervisor"
 PAYLOAD = "payload"
+REAPER_CGROUP = "lease-reaper"
+"""The lease reaper's own cgroup under the base (not a service name: those are
+`ficc-work-...`)."""
 
 
 class CgroupfsService:
@@ -435,6 +438,23 @@ class CgroupfsService:
     def planned_cgroups(self, name: str) -> list[str]:
         check_name(name)
         return [os.path.join(h.mount, self._base, name) for h in self._layout.hierarchies]
+
+    def place_reaper(self, pid: int) -> list[str]:
+        """`<base>/lease-reaper` in every hierarchy: outside the daemon's cgroup (a
+        freeze or a kill of that cgroup leaves the reaper running) and outside every
+        attempt's (stopping an attempt never stops it)."""
+        placed = []
+        for hierarchy in self._layout.hierarchies:
+            base = os.path.join(hierarchy.mount, self._base)
+            cgroups.make_dir(base, exclusive=False)
+            self._inherit_cpuset(hierarchy.key, base)
+            node = os.path.join(base, REAPER_CGROUP)
+            cgroups.make_dir(node, exclusive=False)
+            self._inherit_cpuset(hierarchy.key, node)
+            with open(os.path.join(node, "cgroup.procs"), "w", encoding="ascii") as procs:
+                procs.write(str(pid))
+            placed.append(node)
+        return placed
 
     def adopt(self, name: str) -> ServiceHandle | None:
         check_name(name)

@@ -266,3 +266,10 @@ class SystemService(Protocol):
         """Every cgroup directory service `name` has or will have (existing or not):
         what the lease reaper kills at the deadline, known before the service exists."""
         ...
+
+    def place_reaper(self, pid: int) -> list[str]:
+        """Move the lease reaper (`pid`, just started by the daemon) out of the daemon's
+        cgroup, so freezing or stopping the daemon's cgroup leaves it enforcing; returns
+        the cgroups it now runs in (empty: it stays where it started). cgroupfs: its
+        own cgroup beside the attempts'; systemd: it stays in the daemon's unit."""
+        ...

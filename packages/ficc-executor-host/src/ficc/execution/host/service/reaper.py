@@ -14,12 +14,29 @@ each attempt's deadline also lives outside the daemon:
   imports, no socket, no D-Bus, no database) polls that directory every 0.25 s and,
   at a deadline or for a file of another boot, kills everything in the service's
   cgroups (`cgroup.kill` where the kernel has it, else freeze, SIGKILL each member
-  through a pidfd, thaw), then deletes the file once those cgroups are empty;
+  through a pidfd, thaw). It never deletes a deadline file: the daemon drops it (and
+  the reaper's evidence) once the attempt's cleanup is confirmed;
+- the reaper is the enforcer of record, and a renewal must never be answered OK
+  while the reaper kills at the old deadline. So a kill is decided in two steps the
+  daemon can see: the reaper first creates `.<service>.reaping` (its intent), then
+  reads the deadline file again; if that second reading is still due it renames the
+  intent to `<service>.reaped` (the evidence, kept until the daemon drops it) and
+  kills, else it removes the intent and kills nothing. The daemon rewrites the
+  deadline file first and looks for the intent and the evidence after (`move`): one
+  of the two always sees the other's step, so either the reaper judges by the new
+  deadline, or the daemon learns the reaper has already decided (the renewal is
+  refused `lease_expired` and the attempt ends `expired`). An intent still there is
+  waited for (a reaper decides in microseconds) up to `SETTLE_PATIENCE`;
+- a file the reaper cannot read or act on (any `OSError`) is reported on its
+  standard error (the daemon's, so the journal under systemd) and tried again on
+  the next pass; the other files are reaped all the same;
 - the reaper holds an exclusive flock on `<directory>/reaper.lock` for its life. The
   daemon starts one whenever that lock is free (a new deadline, every monitor tick)
   and the reaper it started last is not still coming up, and the reaper exits once no
-  deadline file has been left for `LINGER_SECONDS`: attempts that follow each other
-  share one reaper instead of paying an interpreter start each, on the start path.
+  deadline is left to guard for `LINGER_SECONDS` (a reaped file whose cgroups are
+  empty guards nothing): attempts that follow each other share one reaper instead of
+  paying an interpreter start each, on the start path. The daemon also starts one at
+  its own start whenever any deadline file is there.
 
 Why a reaper and not systemd's `RuntimeMaxSec=`: systemd 252 cannot change
 `RuntimeMaxSec=` of a running unit (`set-property` accepts resource-control settings
@@ -29,8 +46,10 @@ lease rules do, and one mechanism serves both backends: under `supervisor=system
 it kills the unit's cgroups and systemd sees the unit's processes die.
 
 The reaper runs in a new session outside every attempt's cgroup, so stopping an
-attempt never stops it; under systemd it stays in the daemon's unit, where a daemon
-stop also stops every attempt unit (`BindsTo=`).
+attempt never stops it. Under `supervisor=cgroupfs` the daemon moves it into a cgroup
+of its own (`<base>/lease-reaper`, `Keeper(place=...)`), so freezing or killing the
+daemon's cgroup leaves it enforcing; under systemd it stays in the daemon's unit,
+where a daemon stop also stops every attempt unit (`BindsTo=`).
 """
 
 from __future__ import annotations
@@ -50,6 +69,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 SUFFIX = ".deadline"
+REAPED = ".reaped"
+"""`<service>.reaped`: the reaper decided the deadline passed and killed the service."""
+INTENT = ".reaping"
+"""`.<service>.reaping`: the reaper is deciding; the daemon waits for the decision."""
 LOCK = "reaper.lock"
 POLL_SECONDS = 0.25
 LINGER_SECONDS = 5.0
@@ -61,8 +84,15 @@ LOCK_PATIENCE = 1.0
 holds it for a moment, another reaper for good."""
 CGROUP_ROOT = "/sys/fs/cgroup/"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+SETTLE_PATIENCE = 2.0
+"""How long the daemon waits for a reaper's intent to become a decision (`move`)."""
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _MAX_FILE = 1 << 16
+
+
+class ReaperUndecided(TimeoutError):
+    """The reaper's intent on a deadline stayed past `SETTLE_PATIENCE` (a stopped or
+    dead reaper): the daemon cannot know whether it kills at the old deadline."""
 
 
 # --- the daemon's side ----------------------------------------------------------------
@@ -93,11 +123,66 @@ def write_deadline(
     os.replace(temporary, os.path.join(directory, name + SUFFIX))
 
 
-def drop_deadline(directory: str, name: str) -> None:
-    """Forget service `name` (its service is stopped and confirmed empty)."""
+def move(
+    directory: str,
+    name: str,
+    boot_id: str,
+    deadline_ns: int,
+    cgroups: list[str],
+    *,
+    patience: float = SETTLE_PATIENCE,
+    pause: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Move the deadline of a live service (a renewal); True once the reaper is known to
+    judge by the new one, False when it had already decided to kill by an earlier one.
+
+    The deadline is written before the reaper's steps are looked at, in that order (see
+    the module docstring). `ReaperUndecided` when an intent outlasts `patience`.
+    """
+    write_deadline(directory, name, boot_id, deadline_ns, cgroups)
+    return not settled_reaped(directory, name, patience=patience, pause=pause)
+
+
+def settled_reaped(
+    directory: str,
+    name: str,
+    *,
+    patience: float = SETTLE_PATIENCE,
+    pause: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Whether the reaper decided to kill service `name`, once no decision is under way:
+    the intent is looked at first, then the evidence (the intent becomes the evidence by
+    a rename, so in the other order a decision made in between would be missed)."""
     _check_name(name)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(directory, name + SUFFIX))
+    intent = os.path.join(directory, f".{name}{INTENT}")
+    give_up = time.monotonic() + patience
+    while os.path.lexists(intent):
+        if time.monotonic() >= give_up:
+            raise ReaperUndecided(
+                f"the lease reaper has been deciding on {name} for over {patience}s"
+            )
+        pause(0.005)
+    return reaped(directory, name)
+
+
+def reaped(directory: str, name: str) -> bool:
+    """Whether the reaper stopped service `name` at its deadline (its evidence is there)."""
+    _check_name(name)
+    return os.path.lexists(os.path.join(directory, name + REAPED))
+
+
+def drop_deadline(directory: str, name: str) -> None:
+    """Forget service `name` (its service is stopped and confirmed empty): its deadline
+    file, then the reaper's intent and evidence."""
+    _check_name(name)
+    for path in (name + SUFFIX, f".{name}{INTENT}", name + REAPED):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, path))
+
+
+def any_deadline(directory: str) -> bool:
+    """Whether any deadline file is there (the daemon starts a reaper at its start)."""
+    return any(entry.endswith(SUFFIX) for entry in _listing(directory))
 
 
 def prepare_directory(directory: str) -> None:
@@ -127,12 +212,12 @@ def reaper_running(directory: str) -> bool:
 
 def spawn(directory: str, interpreter: str = sys.executable) -> subprocess.Popen[bytes]:
     """Start a reaper for `directory` in its own session, detached from the daemon's
-    descriptors; it outlives the daemon. A second reaper exits at once (lock taken)."""
+    descriptors but its standard error (its reports reach the daemon's log); it
+    outlives the daemon. A second reaper exits at once (lock taken)."""
     return subprocess.Popen(
         [interpreter, "-I", "-S", os.path.abspath(__file__), directory],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
         close_fds=True,
         cwd="/",
         env={},
@@ -143,9 +228,16 @@ def spawn(directory: str, interpreter: str = sys.executable) -> subprocess.Popen
 class Keeper:
     """The daemon's handle on the reaper: writes deadlines, keeps a reaper running."""
 
-    def __init__(self, directory: str, interpreter: str = sys.executable) -> None:
+    def __init__(
+        self,
+        directory: str,
+        interpreter: str = sys.executable,
+        place: Callable[[int], None] | None = None,
+    ) -> None:
         self.directory = directory
         self._interpreter = interpreter
+        self._place = place
+        """Moves a reaper just started out of the daemon's cgroup (never raises)."""
         self._child: subprocess.Popen[bytes] | None = None
         self._spawned = 0.0
         self._prepared = False
@@ -176,6 +268,8 @@ class Keeper:
         if not reaper_running(self.directory):
             self._spawned = time.monotonic()  # before the child's own clock starts
             self._child = spawn(self.directory, self._interpreter)
+            if self._place is not None:
+                self._place(self._child.pid)
 
 
 # --- the reaper's side ------------------------------------------------------------------
@@ -288,34 +382,116 @@ def _kill_member(pid: int, node: str) -> None:
         os.close(pidfd)
 
 
-def reap_once(directory: str, boot_id: str, now_ns: int) -> tuple[int, float]:
-    """One pass: kill every due service, drop its file once empty.
+def reap_once(
+    directory: str,
+    boot_id: str,
+    now_ns: int,
+    *,
+    hook: Callable[[str, str], None] | None = None,
+) -> tuple[int, float]:
+    """One pass: kill every due service (see the module docstring for the decision).
 
-    Returns (deadline files left, seconds until the next deadline or the poll interval).
+    Returns (deadline files left to guard, seconds until the next deadline or the poll
+    interval). A file whose handling fails with an `OSError` is reported and counted as
+    left (it is tried again next pass); the others are reaped all the same.
+    `hook(step, name)` (a test's) runs once a first reading found the deadline due
+    (step "due") and once the intent is there, before the second reading ("intent").
     """
     left, wait = 0, POLL_SECONDS
-    for entry in os.listdir(directory):
-        if not entry.endswith(SUFFIX):
+    for entry in _listing(directory):
+        if not entry.endswith(SUFFIX) or entry.startswith("."):
             continue
-        path = os.path.join(directory, entry)
+        name = entry[: -len(SUFFIX)]
         try:
-            parsed = parse(_read(path))
-        except FileNotFoundError:
-            continue
-        if parsed is None:
-            parsed = ("", 0, [])  # unreadable: treat as due, it guards nothing we can read
-        entry_boot, deadline, cgroups = parsed
-        left += 1
-        if not due(entry_boot, deadline, boot_id, now_ns):
-            wait = min(wait, (deadline - now_ns) / 1e9)
-            continue
-        for top in cgroups:
-            kill_tree(top)
-        if not any(members(top) for top in cgroups):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            left -= 1
+            guarding, until = _reap_entry(directory, name, boot_id, now_ns, hook)
+        except (OSError, ValueError) as error:
+            _report(f"lease reaper: {entry}: {error}; trying again on the next pass")
+            guarding, until = True, POLL_SECONDS
+        left += guarding
+        wait = min(wait, until)
     return left, max(0.0, wait)
+
+
+def _reap_entry(
+    directory: str,
+    name: str,
+    boot_id: str,
+    now_ns: int,
+    hook: Callable[[str, str], None] | None,
+) -> tuple[bool, float]:
+    """(still guarding, seconds until its deadline) for service `name`."""
+    path = os.path.join(directory, name + SUFFIX)
+    evidence = os.path.join(directory, name + REAPED)
+    first = _deadline_of(path)
+    if first is None:
+        return False, POLL_SECONDS  # dropped by the daemon meanwhile
+    if os.path.lexists(evidence):  # decided earlier: kill what is left, nothing else
+        return _kill(first[2]), POLL_SECONDS
+    if not due(first[0], first[1], boot_id, now_ns):
+        return True, (first[1] - now_ns) / 1e9
+    if hook is not None:
+        hook("due", name)
+    intent = os.path.join(directory, f".{name}{INTENT}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(intent, flags, 0o600)
+    try:
+        if hook is not None:
+            hook("intent", name)
+        # Read again after the intent: a deadline the daemon moved before it looked for
+        # the intent is seen here.
+        second = _deadline_of(path)
+        if second is None:
+            os.unlink(intent)
+            return False, POLL_SECONDS
+        if not due(second[0], second[1], boot_id, now_ns):
+            os.unlink(intent)
+            return True, (second[1] - now_ns) / 1e9
+        entry_boot, deadline, cgroups = second
+        judged = {"boot_id": entry_boot, "deadline_boottime_ns": deadline, "at": now_ns}
+        os.write(fd, json.dumps(judged, sort_keys=True).encode("ascii"))
+    finally:
+        os.close(fd)
+    os.rename(intent, evidence)
+    return _kill(cgroups), POLL_SECONDS
+
+
+def _deadline_of(path: str) -> tuple[str, int, list[str]] | None:
+    """The parsed deadline file, None once the daemon dropped it. A malformed one is
+    due at once and guards nothing the reaper can read (the daemon writes every file
+    whole, by a rename, so only damage makes one)."""
+    try:
+        parsed = parse(_read(path))
+    except FileNotFoundError:
+        return None
+    return parsed if parsed is not None else ("", 0, [])
+
+
+def _guarding(directory: str) -> bool:
+    """Whether any deadline file still guards something (a look that acts on nothing,
+    for a reaper about to exit without its lock)."""
+    for entry in _listing(directory):
+        if not entry.endswith(SUFFIX) or entry.startswith("."):
+            continue
+        name = entry[: -len(SUFFIX)]
+        if not os.path.lexists(os.path.join(directory, name + REAPED)):
+            return True
+        parsed = _deadline_of(os.path.join(directory, entry))
+        if parsed is not None and any(members(top) for top in parsed[2]):
+            return True
+    return False
+
+
+def _kill(cgroups: list[str]) -> bool:
+    """Kill every member of `cgroups`; whether any is still there."""
+    for top in cgroups:
+        kill_tree(top)
+    return any(members(top) for top in cgroups)
+
+
+def _report(message: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
 
 
 def run(directory: str, linger: float = LINGER_SECONDS) -> int:
@@ -331,17 +507,16 @@ def run(directory: str, linger: float = LINGER_SECONDS) -> int:
         return 0  # another reaper runs
     idle_since = time.monotonic()
     while True:
-        try:
-            left, wait = reap_once(directory, boot_id, time.clock_gettime_ns(time.CLOCK_BOOTTIME))
-        except FileNotFoundError:
+        if not os.path.isdir(directory):
             return 0
+        left, wait = reap_once(directory, boot_id, time.clock_gettime_ns(time.CLOCK_BOOTTIME))
         if left:
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since >= linger:
             # Release, then look once more: a deadline written meanwhile either saw the
             # lock held (and is seen now) or found it free and started a new reaper.
             fcntl.flock(lock, fcntl.LOCK_UN)
-            if not any(e.endswith(SUFFIX) for e in _listing(directory)):
+            if not _guarding(directory):
                 return 0
             if not _take_lock(lock):
                 return 0
@@ -371,7 +546,7 @@ def _take_lock(
 def _listing(directory: str) -> list[str]:
     try:
         return os.listdir(directory)
-    except FileNotFoundError:
+    except OSError:
         return []
 
 

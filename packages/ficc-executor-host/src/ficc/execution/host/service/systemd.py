@@ -677,6 +677,11 @@ class SystemdService:
     def planned_supervisor_cgroup(self, name: str) -> str:
         return f"{unit_cgroup(self._slice, name)}/{PAYLOAD}"
 
+    def place_reaper(self, pid: int) -> list[str]:
+        """The reaper stays in the daemon's unit (its own unit is not built yet): a
+        stopped or crashed unit stops every attempt unit with it (`BindsTo=`)."""
+        return []
+
     def planned_cgroups(self, name: str) -> list[str]:
         path = unit_cgroup(self._slice, name)
         return [h.mount + path for h in self._layout.hierarchies if not h.key.startswith("name=")]
