@@ -41,7 +41,7 @@ EXPORTS: dict[str, list[str]] = {
         "InputResult", "InputRow", "InputsReply", "MetricsReply", "Offer", "OfferReply",
         "Outcome",
         "ProviderInfo", "ReadResult", "ReadRow", "ReadsReply", "Reply", "SlotClass",
-        "SnapshotReply", "State", "decode_reply", "encode_reply", "error_reply", "error_row",
+        "SnapshotReply", "State", "Usage", "decode_reply", "encode_reply", "error_reply", "error_row",
         "read_envelope",
     ],
     "frames": ["HEADER", "REPLY_MAX", "REQUEST_MAX", "FrameDecoder", "FrameError", "encode_frame"],
