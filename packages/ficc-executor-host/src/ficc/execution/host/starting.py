@@ -290,6 +290,7 @@ class Starter(AttemptWork):
         The monitor's own tick (TICK_SECONDS) would otherwise find it.
         """
         self._payload_ended.add(attempt_id)
+        self._walls.ended.setdefault(attempt_id, self._ctx.clock.now().boottime_ns)
         try:
             for _ in range(AFTER_EXIT_LOOKS):
                 self._monitor.wake()
@@ -429,6 +430,7 @@ class Starter(AttemptWork):
         if _ended(barrier):
             raise _barrier_exited()
         await self._io(_write_marker, attempt)
+        self._walls.released[attempt.id] = self._ctx.clock.now().boottime_ns
         # Raises: a released payload whose start is not on record is an unknown outcome.
         await self._db(self._ctx.ledger.apply, record.fence, lifecycle.Started())
 
