@@ -15,21 +15,28 @@ here and with `systemd` inside the systemd container (tools/systemd/run.py).
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ficc.execution.plan import Plan
-from ficc.execution.wire import AttemptRow, Usage
-from ficc_testkit.podman import PodmanWorld
+from ficc.execution.protocol import MetricsRequest
+from ficc.execution.wire import AttemptRow, MetricsReply, Usage
+from ficc_testkit.plans import new_id
+from ficc_testkit.podman import SLOT_CLASS, PodmanWorld
 from ficc_testkit.units import MIB
 from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
 
 pytestmark = NEEDS_PODMAN
 
+COMMAND = Path(sys.executable).parent / "ficc-executor"
 SPIN_SECONDS = 1
 HOG_BYTES = 64 * MIB
 BOMB_LIMIT = 160 * MIB
@@ -61,7 +68,9 @@ def _table(world: PodmanWorld, figure: str, payload: str, read: object, expected
 
 def _finished(world: PodmanWorld, plan: Plan) -> tuple[AttemptRow, Usage]:
     """Run `plan` to its end; the settled row with its (final) usage."""
-    world.run_to_running(plan)
+    world.prepare(plan)
+    world.wait_ready(plan)
+    world.start(plan)
     world.wait_settled(plan)
     row = world.usage(plan)
     assert isinstance(row.usage, Usage), row
@@ -69,8 +78,17 @@ def _finished(world: PodmanWorld, plan: Plan) -> tuple[AttemptRow, Usage]:
     return row, row.usage
 
 
+def _shown_bytes(n: int) -> list[str]:
+    """How `ficc-executor status` shows a byte count (`12.3 MiB`), as words."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return [f"{n / size:.1f}", unit]
+    return [str(n), "B"]
+
+
 def _cpu_us(used: Usage) -> int:
-    assert isinstance(used.cpu_user_us, int) and isinstance(used.cpu_system_us, int), used
+    assert isinstance(used.cpu_user_us, int), used
+    assert isinstance(used.cpu_system_us, int), used
     return used.cpu_user_us + used.cpu_system_us
 
 
@@ -88,7 +106,8 @@ def test_a_cpu_spinner_costs_its_cpu_second_and_is_read_live(usage: PodmanWorld)
     usage.wait_settled(plan)
     row = usage.usage(plan)
     used = row.usage
-    assert isinstance(used, Usage) and used.final
+    assert isinstance(used, Usage)
+    assert used.final
     assert (row.state, row.exit_code) == ("succeeded", 0), row
     times = usage.collect(plan, "stdout").data.decode()
     children = re.findall(r"(\d+)m([\d.]+)s", times.splitlines()[-1])
@@ -98,13 +117,14 @@ def test_a_cpu_spinner_costs_its_cpu_second_and_is_read_live(usage: PodmanWorld)
            f"{spun_us} (the spinner's own, by `times`) .. +{PODMAN_CPU_US}")  # fmt: skip
     assert spun_us >= 500_000, f"the spinner got only {spun_us} us of CPU in a second"
     assert spun_us <= cpu <= spun_us + PODMAN_CPU_US, (spun_us, used)
-    assert used.wall_ms is not None and used.wall_ms >= SPIN_SECONDS * 1000, used
+    assert used.wall_ms is not None
+    assert used.wall_ms >= SPIN_SECONDS * 1000, used
     _table(usage, "wall_ms", "spinner, 1 s wall", used.wall_ms, ">= 1000")
     assert used.oom_kills == 0
 
 
 def test_a_memory_hog_peaks_at_least_at_what_it_holds(usage: PodmanWorld) -> None:
-    script = f"awk 'BEGIN {{ s = sprintf(\"%{HOG_BYTES}s\", \"\"); print length(s) }}'"
+    script = f'awk \'BEGIN {{ s = sprintf("%{HOG_BYTES}s", ""); print length(s) }}\''
     row, used = _finished(usage, usage.plan(script))
     assert (row.state, row.exit_code) == ("succeeded", 0), row
     assert usage.collect(usage.plans[-1], "stdout").data == f"{HOG_BYTES}\n".encode()
@@ -125,8 +145,30 @@ def test_a_memory_bomb_is_oom_killed_and_says_so(usage: PodmanWorld) -> None:
            used.memory_peak_bytes, f"<= {BOMB_LIMIT} (the limit)")  # fmt: skip
     assert (row.state, row.outcome, row.reason) == ("failed", "failed", "memory_exhausted"), row
     assert row.exit_code == 137, row
-    assert used.oom_kills is not None and used.oom_kills >= 1, used
-    assert used.memory_peak_bytes is not None and used.memory_peak_bytes <= BOMB_LIMIT
+    assert used.oom_kills is not None
+    assert used.oom_kills >= 1, used
+    assert used.memory_peak_bytes is not None
+    assert used.memory_peak_bytes <= BOMB_LIMIT
+    found = _metrics(usage)
+    kills = found[("ficc_slot_class_oom_kills_total", (("class", SLOT_CLASS),))]
+    failed = found[
+        ("ficc_slot_class_attempts_total", (("class", SLOT_CLASS), ("outcome", "failed")))
+    ]
+    _table(usage, "ficc_slot_class_oom_kills_total", "after the bomb", kills, ">= 1")
+    assert kills >= used.oom_kills
+    assert failed >= 1
+    assert found[("ficc_slot_class_cpu_seconds_total", (("class", SLOT_CLASS),))] > 0
+
+
+def _metrics(world: PodmanWorld) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The daemon's metrics as Prometheus parses them (administrator's request)."""
+    reply = world.driver.as_admin(MetricsRequest(version=1, id=new_id()))
+    assert isinstance(reply, MetricsReply), reply
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(reply.text)
+        for sample in family.samples
+    }
 
 
 def test_a_writer_leaves_its_bytes_and_files_in_the_slot(usage: PodmanWorld) -> None:
@@ -138,15 +180,20 @@ def test_a_writer_leaves_its_bytes_and_files_in_the_slot(usage: PodmanWorld) -> 
     assert usage.release(first).state == "released"
     write = (
         f"mkdir /work/out && for i in $(seq {WRITTEN_FILES}); do"
-        f" awk 'BEGIN {{ printf \"%s\", sprintf(\"%{MIB}s\", \"\") }}' > /work/out/f$i; done"
+        f' awk \'BEGIN {{ printf "%s", sprintf("%{MIB}s", "") }}\' > /work/out/f$i; done'
     )
     plan = usage.plan(write)
     row, used = _finished(usage, plan)
     assert row.slot == slot, "the writer went to another slot than the empty run"
     assert (row.state, row.exit_code) == ("succeeded", 0), row
-    assert isinstance(empty.storage_bytes, int) and isinstance(used.storage_bytes, int)
-    assert isinstance(empty.storage_inodes, int) and isinstance(used.storage_inodes, int)
-    grew, files = used.storage_bytes - empty.storage_bytes, used.storage_inodes - empty.storage_inodes
+    assert isinstance(empty.storage_bytes, int)
+    assert isinstance(used.storage_bytes, int)
+    assert isinstance(empty.storage_inodes, int)
+    assert isinstance(used.storage_inodes, int)
+    grew, files = (
+        used.storage_bytes - empty.storage_bytes,
+        used.storage_inodes - empty.storage_inodes,
+    )
     _table(usage, "storage_bytes (minus an empty run's)", "8 files of 1 MiB", grew,
            f"{WRITTEN_BYTES} .. +{SLOT_SLACK_BYTES}")  # fmt: skip
     _table(usage, "storage_inodes (minus an empty run's)", "8 files of 1 MiB and their directory",
@@ -166,19 +213,34 @@ def test_a_forking_payload_peaks_at_its_processes(usage: PodmanWorld) -> None:
     _table(usage, "processes_peak", f"a shell and {FORKS} sleeps", used.processes_peak,
            f">= {FORKS + 1}, <= 128 (the plan's limit)" if has_peak else "absent")  # fmt: skip
     if has_peak:
-        assert used.processes_peak is not None and FORKS + 1 <= used.processes_peak <= 128, used
+        assert used.processes_peak is not None
+        assert FORKS + 1 <= used.processes_peak <= 128, used
     else:
         assert used.processes_peak is None, used
 
 
 def test_the_figures_survive_a_daemon_restart_and_the_release(usage: PodmanWorld) -> None:
-    plan = usage.plan("awk 'BEGIN { s = sprintf(\"%8000000s\", \"\") }'; echo done")
+    plan = usage.plan('awk \'BEGIN { s = sprintf("%8000000s", "") }\'; echo done')
     _, recorded = _finished(usage, plan)
-    assert _cpu_us(recorded) > 0 and recorded.memory_peak_bytes
+    assert _cpu_us(recorded) > 0
+    assert recorded.memory_peak_bytes
     usage.restart_cleanly()
     assert usage.usage(plan).usage == recorded
     assert usage.release(plan).state == "released"
     after = usage.usage(plan)
-    assert after.state == "released" and after.usage == recorded
+    assert after.state == "released"
+    assert after.usage == recorded
     assert usage.observe(plan).usage is msgspec.UNSET  # not asked: no usage
+    config = str(usage.layout.config_path)
+    status = subprocess.run([str(COMMAND), "status", "--config", config, "--json"],
+                            capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    listed = {
+        a["attempt_id"]: a for page in json.loads(status.stdout)["pages"] for a in page["attempts"]
+    }
+    assert listed[plan.attempt_id]["usage"] == msgspec.to_builtins(recorded)
+    table = subprocess.run([str(COMMAND), "status", "--config", config],
+                           capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
+    (line,) = [x for x in table.stdout.splitlines() if x.startswith(plan.attempt_id)]
+    cpu = f"{_cpu_us(recorded) / 1_000_000:.2f}"
+    assert line.split()[-5:] == [cpu, "s", *_shown_bytes(recorded.memory_peak_bytes), "0"], line
     _table(usage, "every figure", "after a restart and the release", "unchanged", "unchanged")

@@ -383,12 +383,16 @@ def to_running(led: Ledger, plan: planlib.Plan) -> None:
 def test_usage_is_recorded_with_the_event_that_settles_and_only_once(ledger: Ledger) -> None:
     plan = make_plan()
     admitted(ledger, plan)
-    assert ledger.usage_of([plan.attempt_id]) == {plan.attempt_id: RecordedUsage(False, ResourceUsage())}
+    assert ledger.usage_of([plan.attempt_id]) == {
+        plan.attempt_id: RecordedUsage(False, ResourceUsage())
+    }
     to_running(ledger, plan)
     ledger.apply(fence(plan), lc.StorageExhausted(log_cut_short=False), USED)  # not settled
     assert not ledger.usage_of([plan.attempt_id])[plan.attempt_id].recorded
     ledger.apply(fence(plan), lc.Finished(exit_code=137, oom_killed=True), USED)
-    assert ledger.usage_of([plan.attempt_id, new_id()]) == {plan.attempt_id: RecordedUsage(True, USED)}
+    assert ledger.usage_of([plan.attempt_id, new_id()]) == {
+        plan.attempt_id: RecordedUsage(True, USED)
+    }
     assert not ledger.record_usage(fence(plan), ResourceUsage(oom_kills=7))  # never rewritten
     ledger.apply(fence(plan), lc.CleanupConfirmed())
     ledger.apply(fence(plan), lc.Release())
@@ -436,7 +440,9 @@ def test_a_ledger_of_schema_two_gains_usage_unrecorded_for_every_record(state_di
     try:
         assert reopened.page(None)[0] == before
         found = reopened.usage_of([old.attempt_id, running.attempt_id])
-        assert found == dict.fromkeys([old.attempt_id, running.attempt_id], RecordedUsage(False, ResourceUsage()))
+        assert found == dict.fromkeys(
+            [old.attempt_id, running.attempt_id], RecordedUsage(False, ResourceUsage())
+        )
         reopened.apply(fence(running), lc.Finished(exit_code=0), USED)  # the new columns work
         assert reopened.usage_of([running.attempt_id])[running.attempt_id].recorded
     finally:

@@ -1341,7 +1341,8 @@ def test_recover_turns_starting_into_unknown_stops_the_service_and_never_starts_
     # the wall time is not known to this daemon (it never saw a release)
     recorded = world.ctx.ledger.usage_of([attempt_id])[attempt_id]
     assert recorded.recorded
-    assert recorded.usage.cpu_user_us is not None and recorded.usage.processes_peak is not None
+    assert recorded.usage.cpu_user_us is not None
+    assert recorded.usage.processes_peak is not None
     assert recorded.usage.wall_ms is None
 
 
@@ -1871,13 +1872,18 @@ def test_what_a_released_payload_used_is_recorded_when_its_exit_is(world: World)
     recorded = ledger.usage_of([fence.attempt_id])[fence.attempt_id]
     assert recorded == RecordedUsage(True, finished)
     used = recorded.usage
-    assert used.cpu_user_us is not None and used.cpu_system_us is not None
+    assert used.cpu_user_us is not None
+    assert used.cpu_system_us is not None
     assert used.cpu_user_us + used.cpu_system_us >= 300_000, used
-    assert used.memory_peak_bytes is not None and used.memory_peak_bytes > 0
+    assert used.memory_peak_bytes is not None
+    assert used.memory_peak_bytes > 0
     assert used.oom_kills == 0
-    assert used.storage_bytes is not None and used.storage_bytes > 0
-    assert used.storage_inodes is not None and used.storage_inodes > 0
-    assert used.wall_ms is not None and 300 <= used.wall_ms < 60_000, used
+    assert used.storage_bytes is not None
+    assert used.storage_bytes > 0
+    assert used.storage_inodes is not None
+    assert used.storage_inodes > 0
+    assert used.wall_ms is not None
+    assert 300 <= used.wall_ms < 60_000, used
 
 
 def test_a_ready_observation_with_the_pid_is_gated_without_waiting_for_payload(

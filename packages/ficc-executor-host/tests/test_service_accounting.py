@@ -88,7 +88,9 @@ def test_v1_reads_each_hierarchy_and_sums_oom_kills_over_the_subtree(tmp_path: P
     _files(Path(nodes["cpuacct"]), {"cpuacct.usage_user": "1250011999\n",
                                     "cpuacct.usage_sys": "40512000\n"})  # fmt: skip
     memory = Path(nodes["memory"])
-    _files(memory, {"memory.max_usage_in_bytes": "67379200\n", "memory.oom_control": V1_OOM_CONTROL})
+    _files(
+        memory, {"memory.max_usage_in_bytes": "67379200\n", "memory.oom_control": V1_OOM_CONTROL}
+    )
     _files(memory / "supervisor", {"memory.oom_control": V1_OOM_CONTROL.replace("1", "2")})
     _files(memory / "payload", {"memory.oom_control": V1_OOM_CONTROL})
     _files(Path(nodes["pids"]), {"pids.peak": "17\n"})

@@ -614,18 +614,22 @@ def test_usage_counts_the_trees_cpu_memory_processes_and_oom_kills(
     wait_for(lambda: Path(spec.stdout).read_text().endswith("\n"))
     assert Path(spec.stdout).read_text() == f"status={128 + signal.SIGKILL}\n"
     used = service.usage(handle)
-    assert used.cpu_user_us is not None and used.cpu_system_us is not None
+    assert used.cpu_user_us is not None
+    assert used.cpu_system_us is not None
     assert used.cpu_user_us + used.cpu_system_us >= 500_000, used
-    assert used.memory_peak_bytes is not None and 32 << 20 < used.memory_peak_bytes <= 64 << 20
+    assert used.memory_peak_bytes is not None
+    assert 32 << 20 < used.memory_peak_bytes <= 64 << 20
     assert used.oom_kills == 1, used
     peak_file = node(handle, "pids") / "pids.peak"
     if peak_file.exists():  # the kernel keeps it from 6.12 on
-        assert used.processes_peak is not None and used.processes_peak >= 5, used
+        assert used.processes_peak is not None
+        assert used.processes_peak >= 5, used
     else:
         assert used.processes_peak is None
     service.stop(handle)
     after = service.usage(handle)  # still readable once stopped, until remove
-    assert after.oom_kills == 1 and after.cpu_user_us is not None
+    assert after.oom_kills == 1
+    assert after.cpu_user_us is not None
     assert after.cpu_user_us >= used.cpu_user_us
     service.remove(handle)
 

@@ -27,7 +27,8 @@ def test_an_old_request_is_read_as_not_asking_and_keeps_its_bytes(action: str) -
     data = _published(f"request-{action}.json")
     request = decode_request(data)
     assert isinstance(request, ObserveRequest | SnapshotRequest)
-    assert request.usage is msgspec.UNSET and not request.wants_usage
+    assert request.usage is msgspec.UNSET
+    assert not request.wants_usage
     assert b"usage" not in data
     assert FILES[f"vectors/request-{action}.json"] == data  # the golden vector is unchanged
 
@@ -60,8 +61,10 @@ def test_a_row_with_usage_round_trips_and_unknown_figures_stay_absent() -> None:
     reply = decode_reply(data, "observe", rows=1)
     assert isinstance(reply, AttemptsReply)
     (row,) = reply.results
-    assert isinstance(row, AttemptRow) and isinstance(row.usage, Usage)
-    assert row.usage.final and row.usage.cpu_user_us == 12_400_000
+    assert isinstance(row, AttemptRow)
+    assert isinstance(row.usage, Usage)
+    assert row.usage.final
+    assert row.usage.cpu_user_us == 12_400_000
     partial = msgspec.structs.replace(row, usage=Usage(final=False, oom_kills=0))
     encoded = json.loads(encode_reply(msgspec.structs.replace(reply, results=[partial])))
     assert encoded["results"][0]["usage"] == {"final": False, "oom_kills": 0}

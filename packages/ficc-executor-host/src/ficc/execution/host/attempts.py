@@ -32,8 +32,8 @@ from ficc.execution.host.layout import AttemptPaths, provider_context, service_n
 from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import RowResult
-from ficc.execution.host.sdk import Observation
 from ficc.execution.host.records import ResourceUsage
+from ficc.execution.host.sdk import Observation
 from ficc.execution.host.service.interface import CgroupUsage, ServiceHandle, SystemService
 
 __all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings", "Shared", "WallTimes"]

@@ -878,8 +878,7 @@ async def snapshot(
         offer=wire_offer(offer),
         capacity=capacity,
         attempts=[
-            _listed(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0)), used)
-            for r in records
+            _listed(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0)), used) for r in records
         ],
         next=cursor,
     )
@@ -924,6 +923,12 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
         records += count
     occupied, used = ctx.ledger.reservations()
     capacity = _capacity(ctx, occupied, used)
+    classes = {slot.id: slot.slot_class for slot in ctx.config.slots}
+    by_class: dict[tuple[str, str], metricslib.ClassUse] = {}
+    for slot_id, outcome, count, cpu_us, oom_kills in ctx.ledger.usage_tally():
+        key = (classes.get(slot_id, "unconfigured"), outcome)
+        use = metricslib.ClassUse(count, cpu_us, oom_kills)
+        by_class[key] = by_class[key] + use if key in by_class else use
     return metricslib.LedgerFacts(
         version=host_version(),
         attempts=attempts,
@@ -935,6 +940,7 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
         },
         ledger_records=records,
         ledger_bytes=_ledger_bytes(ctx.config.state_dir),
+        by_class=by_class,
     )
 
 

@@ -3,12 +3,12 @@
 Both backends read the same files, the same way (`read_usage`), from the nodes of the
 attempt's service:
 
-| figure | cgroup v1 | cgroup v2 |
-|---|---|---|
-| CPU user/system | `cpuacct.usage_user`, `cpuacct.usage_sys` (ns) | `cpu.stat` `user_usec`, `system_usec` |
-| peak memory | `memory.max_usage_in_bytes` | `memory.peak` (kernel 5.19 or newer) |
-| OOM kills | `memory.oom_control` `oom_kill`, summed over the subtree | `memory.events` `oom_kill` |
-| peak processes | `pids.peak` (kernel 6.12 or newer) | `pids.peak` |
+- CPU user/system: v1 `cpuacct.usage_user`, `cpuacct.usage_sys` (nanoseconds); v2
+  `cpu.stat` `user_usec`, `system_usec`;
+- peak memory: v1 `memory.max_usage_in_bytes`; v2 `memory.peak` (kernel 5.19 or newer);
+- OOM kills: v1 `memory.oom_control` `oom_kill`, summed over the subtree; v2
+  `memory.events` `oom_kill`;
+- peak processes: `pids.peak` on both (kernel 6.12 or newer).
 
 Every counter but one is hierarchical, so the service's own node counts its whole
 tree (the provider's supervisor and the payload below it). The exception is v1's
@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from ficc.execution.host.service import cgroups
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import CgroupUsage
-
 
 # --- pure parsers ---------------------------------------------------------------------
 
