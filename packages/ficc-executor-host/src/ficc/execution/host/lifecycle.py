@@ -28,6 +28,12 @@ Decisions the protocol leaves to the host, made here:
 - A stop or lease expiry of a `starting`/`running` attempt is recorded as
   `stop_pending`; the state changes only when the monitor confirms the stop
   (`Stopped`), or the payload's own exit is observed first (`Finished`, which wins).
+- An observed exit ends `failed` with reason `storage_exhausted` when the payload ran
+  its slot full, else `memory_exhausted` when it exited nonzero after the kernel's
+  out-of-memory killer killed a process of its service (`Finished.oom_killed`, from
+  the service's own counters), else `exited` (failed unless the exit code is 0). A
+  payload that exited 0 although one of its processes was OOM-killed succeeded: its
+  usage still counts the kill.
 - Start authority is checked twice: when the start is requested, and again just
   before the release marker is written (`StartCancelled`: `starting` -> `cancelled`
   with the reason, the payload never released).

@@ -33,6 +33,13 @@ Decisions (see also docs/operations.md):
   `unknown` (`outcome_unreadable`); a payload that ends while the provider answers is
   read at the next look. An empty service found once the lease was over is left to
   the expiry (the lease reaper empties services at their deadline).
+- What an attempt used (`usage`): read from its service's cgroups (`accounting`), the
+  slot's statvfs and the release and end instants this daemon saw, just before the
+  event that settles it (an exit, a confirmed stop, a lost outcome) and recorded with
+  it in one transaction; an attempt settled without a reading (a restart, a failed or
+  cancelled start) gets one at its cleanup, before the service is stopped. An OOM
+  kill counted there makes a nonzero exit `memory_exhausted`. While the payload runs,
+  `usage_now` reads the same figures live for `observe`/`snapshot`.
 - A payload that ended by itself before this daemon killed anything keeps its exit,
   also when a stop or the deadline came before the monitor noticed: the stop looks
   once before it kills, when the service is empty or the gated payload process ended
