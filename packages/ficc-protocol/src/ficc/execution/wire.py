@@ -105,7 +105,8 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     - `processes_peak`: the most processes (tasks) at once;
     - `storage_bytes`, `storage_inodes`: the slot filesystem's bytes and inodes in use
       when the payload finished (logs and the attempt's own files included);
-    - `wall_ms`: from the release of the payload to its observed exit, milliseconds.
+    - `wall_ms`: from the release of the payload to its observed exit (or to its stop),
+      milliseconds; absent when this host's daemon did not see the release (a restart).
     """
 
     final: bool
