@@ -41,6 +41,7 @@ from ficc.execution.wire import (
     ProviderInfo,
     SlotClass,
     SnapshotReply,
+    Usage,
     error_reply,
 )
 from ficc_testkit.units import MIB
@@ -145,14 +146,17 @@ def test_status_table_shows_bindings_offer_capacity_providers_and_attempts() -> 
     header = next(line for line in lines if line.startswith("ATTEMPT"))
     assert header.split() == [
         "ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT", "LEASE", "SLOT",
+        "CPU", "PEAK", "MEM", "OOM",
     ]  # fmt: skip
     attempt_lines = [line for line in lines if line[:32].isalnum() and len(line) > 32]
     rows = {line.split()[0]: line.split() for line in attempt_lines}
     assert len(rows) == 4
-    assert rows[f"{1:032x}"][1:] == ["1", "prepared", "no", "-", "-", "-", "90", "s", "small-0"]
+    assert rows[f"{1:032x}"][1:] == [
+        "1", "prepared", "no", "-", "-", "-", "90", "s", "small-0", "-", "-", "-",
+    ]  # fmt: skip
     assert rows[f"{2:032x}"][2:4] == ["running", "yes"]
     assert rows[f"{3:032x}"][1:] == [
-        "1", "released", "no", "failed", "gate_namespace", "-", "-", "-",
+        "1", "released", "no", "failed", "gate_namespace", "-", "-", "-", "-", "-", "-",
     ]  # fmt: skip
     # a settled attempt's lease no longer matters, even while its deadline is ahead
     assert rows[f"{4:032x}"][7] == "-"
@@ -161,6 +165,25 @@ def test_status_table_shows_bindings_offer_capacity_providers_and_attempts() -> 
     for line in attempt_lines:
         assert line[column - 2 : column] == "  "
         assert line[column] != " "
+
+
+def test_status_table_shows_cpu_peak_memory_and_oom_kills() -> None:
+    """Recorded figures as they are, a live reading marked `~`, unknown ones `-`."""
+    oom = Usage(final=True, cpu_user_us=1_250_000, cpu_system_us=40_000,
+                memory_peak_bytes=160 << 20, oom_kills=1)  # fmt: skip
+    live = Usage(final=False, cpu_user_us=500_000, cpu_system_us=0, memory_peak_bytes=3 << 30)
+    attempts = [
+        status_row(
+            1, state="failed", outcome="failed", reason="memory_exhausted", exit_code=137, usage=oom
+        ),
+        status_row(2, state="running", ready=True, usage=live),
+        status_row(3, state="unknown", outcome="unknown", usage=Usage(final=True, oom_kills=0)),
+    ]
+    lines = format_status([page(attempts, None)], now_ms=NOW_MS).splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line[:32].isalnum()}
+    assert rows[f"{1:032x}"][-5:] == ["1.29", "s", "160.0", "MiB", "1"]
+    assert rows[f"{2:032x}"][-5:] == ["~0.50", "s", "~3.0", "GiB", "-"]
+    assert rows[f"{3:032x}"][-3:] == ["-", "-", "0"]
 
 
 def test_status_table_without_attempts_says_so() -> None:

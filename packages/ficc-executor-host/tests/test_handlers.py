@@ -37,7 +37,7 @@ from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, check_ledger, serv
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
-from ficc.execution.host.records import AttemptRecord
+from ficc.execution.host.records import AttemptRecord, ResourceUsage
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.systemd import SystemdService
 from ficc.execution.protocol import (
@@ -75,6 +75,7 @@ from ficc.execution.wire import (
     InputsReply,
     OfferReply,
     SnapshotReply,
+    Usage,
     decode_reply,
     encode_reply,
 )
@@ -114,6 +115,8 @@ class FakeRunner:
         self.release_error: HostError | None = None
         self.reaped: frozenset[str] = frozenset()
         """Attempts whose service the reaper had stopped before their renewal moved it."""
+        self.live: dict[str, ResourceUsage] = {}
+        """What `usage_now` reads for an attempt (absent: the service is not readable)."""
 
     def admitted(self, attempt_ids: Sequence[str]) -> None:
         self.calls.append(("admitted", tuple(attempt_ids)))
@@ -134,6 +137,10 @@ class FakeRunner:
     async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         self.calls.append(("leases_renewed", tuple(r.attempt_id for r in records)))
         return self.reaped & {r.attempt_id for r in records}
+
+    async def usage_now(self, records: Sequence[AttemptRecord]) -> dict[str, ResourceUsage]:
+        self.calls.append(("usage_now", tuple(r.attempt_id for r in records)))
+        return {r.attempt_id: self.live[r.attempt_id] for r in records if r.attempt_id in self.live}
 
     async def recover(self) -> None:
         self.calls.append(("recover", ()))
@@ -657,6 +664,45 @@ def test_mixed_batches_answer_each_row_as_alone(host: Host) -> None:
     assert renewed[1:] == ["unknown_attempt", "fence_mismatch", "invalid_state"]
     assert renewed[0].lease_sequence == 2
     assert renewed[0] == answers(observe(*fences))[0]  # what was committed
+
+
+def test_usage_is_shown_only_when_asked_live_while_running_then_final(host: Host) -> None:
+    running, waiting, rejected = make_plan(), make_plan(), make_plan(provider="other")
+    host.prepare(running, waiting, rejected)
+    host.ready(running)
+    row_ok(host.send(fences_request(StartRequest, running)))
+    host.apply(running, lc.Started())
+    host.runner.live[running.attempt_id] = ResourceUsage(cpu_user_us=5, storage_bytes=4096)
+
+    def observe(*, usage: bool | None) -> list[Any]:
+        asked = {} if usage is None else {"usage": usage}
+        request = ObserveRequest(version=1, id=new_id(), attempts=[fence(p) for p in
+                                 (running, waiting, rejected)], **asked)  # fmt: skip
+        reply = host.send(request)
+        assert (b'"usage"' in encode_reply(reply)) is bool(usage)
+        return [row.usage for row in reply.results]
+
+    assert observe(usage=None) == [msgspec.UNSET] * 3
+    assert observe(usage=False) == [msgspec.UNSET] * 3
+    assert host.runner.named("usage_now") == []  # nothing read when not asked
+    assert observe(usage=True) == [
+        Usage(final=False, cpu_user_us=5, storage_bytes=4096),  # live, unknowns absent
+        Usage(final=False),  # never started: nothing yet
+        Usage(final=True),  # rejected at admission: nothing ran, nothing will
+    ]
+    assert host.runner.named("usage_now") == [(running.attempt_id, waiting.attempt_id)]
+    used = ResourceUsage(cpu_user_us=7, cpu_system_us=1, oom_kills=1, wall_ms=30)
+    host.ctx.ledger.apply(fence(running), lc.Finished(exit_code=137, oom_killed=True), used)
+    host.runner.live.clear()
+    final = Usage(final=True, cpu_user_us=7, cpu_system_us=1, oom_kills=1, wall_ms=30)
+    assert observe(usage=True)[0] == final
+    listed = host.send(SnapshotRequest(version=1, id=new_id(), usage=True)).attempts
+    assert {a.attempt_id: a.usage for a in listed}[running.attempt_id] == final
+    plain = host.send(SnapshotRequest(version=1, id=new_id()))
+    assert all(a.usage is msgspec.UNSET for a in plain.attempts)
+    assert b'"usage"' not in encode_reply(plain)
+    row = row_ok(host.send(fences_request(ObserveRequest, running)))
+    assert (row.state, row.reason, row.exit_code) == ("failed", "memory_exhausted", 137)
 
 
 def test_stop_and_release(host: Host) -> None:

@@ -39,6 +39,8 @@ from ficc.execution.host.ledger import (
     Ledger,
     Now,
     PrepareRow,
+    RecordedUsage,
+    ResourceUsage,
     SlotSpec,
 )
 from ficc.execution.protocol import Fence, OfferLimits, Resources
@@ -318,8 +320,22 @@ SCHEMA_TWO_COLUMNS = (
 )
 
 
+SCHEMA_THREE_COLUMNS = ("usage_recorded", *ledger_schema.USAGE_COLUMNS)
+
+
+def as_schema_two(state_dir: Path) -> None:
+    """Turn a closed ledger into what a release before usage wrote (schema version 2)."""
+    old = raw_path(state_dir)
+    for column in SCHEMA_THREE_COLUMNS:
+        old.execute(f"ALTER TABLE attempts DROP COLUMN {column}")
+    old.execute("UPDATE meta SET schema_version = 2")
+    old.commit()
+    old.close()
+
+
 def as_schema_one(state_dir: Path) -> None:
     """Turn a closed ledger into what the first release wrote (schema version 1)."""
+    as_schema_two(state_dir)
     old = raw_path(state_dir)
     for column in SCHEMA_TWO_COLUMNS:
         old.execute(f"ALTER TABLE attempts DROP COLUMN {column}")
@@ -344,6 +360,93 @@ def test_a_ledger_made_before_the_added_columns_is_upgraded(state_dir: Path) -> 
     retry = make_plan(job_id=job, generation=2)
     assert isinstance(admit_acknowledging(reopened, retry, first.attempt_id), Admitted)
     reopened.close()
+
+
+USED = ResourceUsage(
+    cpu_user_us=1_250_000,
+    cpu_system_us=40_000,
+    memory_peak_bytes=64 << 20,
+    oom_kills=1,
+    processes_peak=9,
+    storage_bytes=3 << 20,
+    storage_inodes=12,
+    wall_ms=1_500,
+)
+
+
+def to_running(led: Ledger, plan: planlib.Plan) -> None:
+    to_ready(led, plan)
+    led.start_batch([fence(plan)], NOW)
+    led.apply(fence(plan), lc.Started())
+
+
+def test_usage_is_recorded_with_the_event_that_settles_and_only_once(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    assert ledger.usage_of([plan.attempt_id]) == {
+        plan.attempt_id: RecordedUsage(False, ResourceUsage())
+    }
+    to_running(ledger, plan)
+    ledger.apply(fence(plan), lc.StorageExhausted(log_cut_short=False), USED)  # not settled
+    assert not ledger.usage_of([plan.attempt_id])[plan.attempt_id].recorded
+    ledger.apply(fence(plan), lc.Finished(exit_code=137, oom_killed=True), USED)
+    assert ledger.usage_of([plan.attempt_id, new_id()]) == {
+        plan.attempt_id: RecordedUsage(True, USED)
+    }
+    assert not ledger.record_usage(fence(plan), ResourceUsage(oom_kills=7))  # never rewritten
+    ledger.apply(fence(plan), lc.CleanupConfirmed())
+    ledger.apply(fence(plan), lc.Release())
+    assert ledger.usage_of([plan.attempt_id])[plan.attempt_id] == RecordedUsage(True, USED)
+
+
+def test_usage_recorded_after_settling_needs_a_settled_attempt(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    to_running(ledger, plan)
+    with pytest.raises(HostError) as refused:
+        ledger.record_usage(fence(plan), USED)
+    assert refused.value.code == "invalid_state"
+    ledger.apply(fence(plan), lc.OutcomeLost(reason="provider_timeout"))
+    partial = ResourceUsage(cpu_user_us=5, storage_bytes=4096)  # what could be read
+    assert ledger.record_usage(fence(plan), partial)
+    assert ledger.usage_of([plan.attempt_id])[plan.attempt_id] == RecordedUsage(True, partial)
+    with pytest.raises(HostError) as mismatch:
+        ledger.record_usage(Fence(plan.attempt_id, 2, fence(plan).plan_digest), USED)
+    assert mismatch.value.code == "fence_mismatch"
+
+
+def test_usage_is_tallied_per_slot_and_outcome(ledger: Ledger) -> None:
+    done, lost = make_plan(), make_plan()
+    for plan in (done, lost):
+        admitted(ledger, plan)
+        to_running(ledger, plan)
+    ledger.apply(fence(done), lc.Finished(exit_code=0), USED)
+    ledger.apply(fence(lost), lc.OutcomeLost(reason="provider_timeout"))
+    tally = {(outcome, n, cpu, oom) for _, outcome, n, cpu, oom in ledger.usage_tally()}
+    assert tally == {("succeeded", 1, 1_290_000, 1), ("unknown", 1, 0, 0)}
+
+
+def test_a_ledger_of_schema_two_gains_usage_unrecorded_for_every_record(state_dir: Path) -> None:
+    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    old, running = make_plan(), make_plan()
+    admitted(led, old)
+    to_unknown_released(led, old)
+    admitted(led, running)
+    to_running(led, running)
+    before = led.page(None)[0]
+    led.close()
+    as_schema_two(state_dir)
+    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    try:
+        assert reopened.page(None)[0] == before
+        found = reopened.usage_of([old.attempt_id, running.attempt_id])
+        assert found == dict.fromkeys(
+            [old.attempt_id, running.attempt_id], RecordedUsage(False, ResourceUsage())
+        )
+        reopened.apply(fence(running), lc.Finished(exit_code=0), USED)  # the new columns work
+        assert reopened.usage_of([running.attempt_id])[running.attempt_id].recorded
+    finally:
+        reopened.close()
 
 
 def test_state_dir_must_be_private(state_dir: Path, tmp_path: Path) -> None:
@@ -1554,7 +1657,7 @@ def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
         migrated.close()
     db = sqlite3.connect(state_dir / LEDGER_FILE)
     try:
-        assert db.execute("SELECT schema_version FROM meta").fetchone() == (2,)
+        assert db.execute("SELECT schema_version FROM meta").fetchone() == (3,)
     finally:
         db.close()
 

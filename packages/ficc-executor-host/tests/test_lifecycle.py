@@ -338,6 +338,21 @@ def test_a_full_slot_fails_the_job_whatever_its_exit_code(code: int, pending: st
     assert (done.storage_exhausted, done.log_cut_short) == (True, True)
 
 
+@pytest.mark.parametrize("pending", [None, "cancelled", "expired"])
+def test_an_oom_killed_payload_fails_with_memory_exhausted(pending: str | None) -> None:
+    running = msgspec.structs.replace(STATUSES["running"], stop_pending=pending)
+    done = lc.apply(running, lc.Finished(exit_code=137, oom_killed=True)).status
+    assert (done.state, done.outcome, done.reason) == ("failed", "failed", "memory_exhausted")
+    assert (done.exit_code, done.stop_pending) == (137, None)
+    # a payload that survived an OOM kill of one of its processes keeps its own exit
+    kept = lc.apply(running, lc.Finished(exit_code=0, oom_killed=True)).status
+    assert (kept.state, kept.reason) == ("succeeded", "exited")
+    # a full slot is the first reason
+    full = lc.apply(running, lc.StorageExhausted(log_cut_short=False)).status
+    both = lc.apply(full, lc.Finished(exit_code=137, oom_killed=True)).status
+    assert both.reason == "storage_exhausted"
+
+
 def test_a_full_slot_keeps_the_outcome_of_a_stop_and_its_flags_survive_release() -> None:
     stopping = lc.apply(STATUSES["stopping"], lc.StorageExhausted(log_cut_short=True)).status
     stopped = lc.apply(stopping, lc.Stopped()).status

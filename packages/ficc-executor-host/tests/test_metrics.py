@@ -80,3 +80,32 @@ def test_label_values_are_escaped() -> None:
     text = metrics.render(facts, metrics.Counters())
     (family,) = [f for f in text_string_to_metric_families(text) if f.name == "ficc_build_info"]
     assert family.samples[0].labels == {"version": 'a"b\\c\nd'}
+
+
+def test_what_each_slot_class_used_becomes_counters() -> None:
+    facts = metrics.LedgerFacts(
+        **{
+            **FACTS.__dict__,
+            "by_class": {
+                ("small", "succeeded"): metrics.ClassUse(3, 2_500_000, 0),
+                ("small", "failed"): metrics.ClassUse(1, 500_000, 2),
+                ("big", "unknown"): metrics.ClassUse(1, 0, 0),
+            },
+        }
+    )
+    text = metrics.render(facts, metrics.Counters())
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("ficc_slot_class_attempts", "ficc_slot_class_cpu_seconds",
+                 "ficc_slot_class_oom_kills"):  # fmt: skip
+        assert families[name].type == "counter"
+    found = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in families.values()
+        for s in family.samples
+    }
+    small = frozenset({("class", "small")})
+    assert found[("ficc_slot_class_cpu_seconds_total", small)] == 3.0
+    assert found[("ficc_slot_class_oom_kills_total", small)] == 2
+    assert found[("ficc_slot_class_attempts_total", small | {("outcome", "failed")})] == 1
+    assert found[("ficc_slot_class_attempts_total", small | {("outcome", "succeeded")})] == 3
+    assert found[("ficc_slot_class_cpu_seconds_total", frozenset({("class", "big")}))] == 0

@@ -63,6 +63,7 @@ from ficc.execution.host.ledger import (
     HostFacts,
     Ledger,
     PrepareRow,
+    RecordedUsage,
     SlotSpec,
 )
 from ficc.execution.host.pipeline import RELEASE_MARKER, Runner, Settings
@@ -1629,6 +1630,13 @@ def test_recover_turns_starting_into_unknown_stops_the_service_and_never_starts_
     assert service_idle(world, attempt_id)
     assert world.installed.calls("start", attempt_id) == 1, "start was called again"
     assert not (world.attempt_dir(attempt_id) / "control" / RELEASE_MARKER).exists()
+    # what the service used is recorded by the cleanup, before it stopped the service;
+    # the wall time is not known to this daemon (it never saw a release)
+    recorded = world.ctx.ledger.usage_of([attempt_id])[attempt_id]
+    assert recorded.recorded
+    assert recorded.usage.cpu_user_us is not None
+    assert recorded.usage.processes_peak is not None
+    assert recorded.usage.wall_ms is None
 
 
 # --- batching provider rows (a recording driver: pure batching logic) -----------------------
@@ -2199,10 +2207,10 @@ def test_a_release_whose_start_cannot_be_recorded_is_unknown_and_stopped(
     ledger = world.ctx.ledger
     apply = ledger.apply
 
-    def started_fails(f: Fence, event: lifecycle.AnyEvent) -> Any:
+    def started_fails(f: Fence, event: lifecycle.AnyEvent, usage: Any = None) -> Any:
         if isinstance(event, lifecycle.Started):
             raise failure
-        return apply(f, event)
+        return apply(f, event, usage)
 
     ledger.apply = started_fails  # type: ignore[method-assign]
     try:
@@ -2222,6 +2230,45 @@ def test_with_unchanged_authority_the_payload_is_released(world: World) -> None:
     status = world.record(fence.attempt_id).status
     assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
     assert (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
+
+
+def test_what_a_released_payload_used_is_recorded_when_its_exit_is(world: World) -> None:
+    """The exit and what the attempt used are one transaction: CPU and memory from its
+    service's cgroups, the slot's bytes and inodes, and the wall time from the release
+    to the exit (the payload spins for 0.3 s of CPU)."""
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    fence = world.admit(world.plan(argv=("/usr/bin/python3", "-I", "-S", "-c", spin)))
+    ledger = world.ctx.ledger
+    apply = ledger.apply
+    seen: list[tuple[str, Any]] = []
+
+    def recording(f: Fence, event: lifecycle.AnyEvent, usage: Any = None) -> Any:
+        seen.append((event.name, usage))
+        return apply(f, event, usage)
+
+    ledger.apply = recording  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.apply
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.reason, status.exit_code) == ("succeeded", "exited", 0)
+    (finished,) = [usage for name, usage in seen if name == "finished"]
+    recorded = ledger.usage_of([fence.attempt_id])[fence.attempt_id]
+    assert recorded == RecordedUsage(True, finished)
+    used = recorded.usage
+    assert used.cpu_user_us is not None
+    assert used.cpu_system_us is not None
+    assert used.cpu_user_us + used.cpu_system_us >= 300_000, used
+    assert used.memory_peak_bytes is not None
+    assert used.memory_peak_bytes > 0
+    assert used.oom_kills == 0
+    assert used.storage_bytes is not None
+    assert used.storage_bytes > 0
+    assert used.storage_inodes is not None
+    assert used.storage_inodes > 0
+    assert used.wall_ms is not None
+    assert 300 <= used.wall_ms < 60_000, used
 
 
 def test_a_ready_observation_with_the_pid_is_gated_without_waiting_for_payload(

@@ -642,6 +642,45 @@ def assert_oom_counted(handle: ServiceHandle) -> None:
     assert 32 << 20 < peak <= 64 << 20
 
 
+def test_usage_counts_the_trees_cpu_memory_processes_and_oom_kills(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """A child spins for 0.5 s of CPU, three sleepers fork, a 96 MiB child is OOM-killed
+    under a 64 MiB limit; the tree stays (the shell sleeps), so both backends still
+    have its cgroups. What `usage` reads live is what the kernel counted."""
+    spin = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
+    hog = "b = bytearray(96 << 20)"
+    script = (
+        f'{PYTHON} -I -S -c "{spin}"; for i in 1 2 3; do sleep 1000 & done; '
+        f'{PYTHON} -I -S -c "{hog}"; echo status=$?; exec sleep 1000'
+    )
+    spec = make_spec(
+        tmp_path, slot, ["/bin/sh", "-c", script], name=f"{prefix}-usage", memory_bytes=64 << 20
+    )
+    handle = service.create(spec)
+    wait_for(lambda: Path(spec.stdout).read_text().endswith("\n"))
+    assert Path(spec.stdout).read_text() == f"status={128 + signal.SIGKILL}\n"
+    used = service.usage(handle)
+    assert used.cpu_user_us is not None
+    assert used.cpu_system_us is not None
+    assert used.cpu_user_us + used.cpu_system_us >= 500_000, used
+    assert used.memory_peak_bytes is not None
+    assert 32 << 20 < used.memory_peak_bytes <= 64 << 20
+    assert used.oom_kills == 1, used
+    peak_file = node(handle, "pids") / "pids.peak"
+    if peak_file.exists():  # the kernel keeps it from 6.12 on
+        assert used.processes_peak is not None
+        assert used.processes_peak >= 5, used
+    else:
+        assert used.processes_peak is None
+    service.stop(handle)
+    after = service.usage(handle)  # still readable once stopped, until remove
+    assert after.oom_kills == 1
+    assert after.cpu_user_us is not None
+    assert after.cpu_user_us >= used.cpu_user_us
+    service.remove(handle)
+
+
 def test_memory_limit_oom_kills_a_child_and_the_tree_keeps_the_counters(
     service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
 ) -> None:

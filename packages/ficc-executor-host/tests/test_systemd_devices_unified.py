@@ -29,7 +29,7 @@ import pytest
 
 from ficc.execution.host import gate, procfs
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.service import bpfdevices, cgroups, systemd_devices
+from ficc.execution.host.service import accounting, bpfdevices, cgroups, systemd_devices
 from ficc.execution.host.service.interface import (
     DeviceAccess,
     DeviceRule,
@@ -284,3 +284,35 @@ def test_the_gate_judges_the_live_payload_cgroup_below_a_unit(units: list[str]) 
     refused = gate.check_devices(evidence, expectation(null[:2]))
     assert [failure.code for failure in refused] == ["gate_device"]
     subprocess.run(["systemctl", "kill", "--signal=SIGKILL", unit], check=False)
+
+
+def test_usage_reads_a_real_v2_units_counters_and_omits_what_its_tree_lacks(
+    units: list[str],
+) -> None:
+    """What a service used, read by `accounting` from a real unit's cgroup2 files: the
+    CPU time the kernel keeps in every v2 cgroup; peak memory, OOM kills and peak
+    processes only where their controller is enabled (not here: absent, never zero)."""
+    spin = "i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; echo spun; exec sleep 600"
+    out = Path(f"/run/ficc-t-usage-{secrets.token_hex(4)}")
+    node = start(units, [], ["/bin/sh", "-c", spin], f"StandardOutput=file:{out}")
+    layout = cgroups.Layout(2, (cgroups.Hierarchy("unified", "/sys/fs/cgroup", 2, frozenset()),))
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text() == "spun\n"):
+        assert time.monotonic() < deadline, "the unit never finished spinning"
+        time.sleep(0.05)
+    try:
+        used = accounting.read_usage(layout, {"unified": node})
+        user, system = accounting.v2_cpu(Path(node, "cpu.stat").read_text())
+        assert used.cpu_user_us is not None
+        assert used.cpu_system_us is not None
+        assert used.cpu_user_us + used.cpu_system_us >= 100_000, used
+        assert user is not None
+        assert system is not None
+        assert user >= used.cpu_user_us  # the kernel's own file, read after: never less
+        assert system >= used.cpu_system_us
+        for figure, name in (("memory_peak_bytes", "memory.peak"), ("oom_kills", "memory.events"),
+                             ("processes_peak", "pids.peak")):  # fmt: skip
+            present = Path(node, name).exists()
+            assert (getattr(used, figure) is not None) == present, (figure, used)
+    finally:
+        out.unlink(missing_ok=True)

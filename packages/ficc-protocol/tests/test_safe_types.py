@@ -199,6 +199,29 @@ def test_a_plan_built_in_python_with_bad_types_gets_no_digest() -> None:
         plan_digest(bad)
 
 
+@pytest.mark.parametrize("how", ["constructor", "replace"])
+def test_a_plan_built_in_python_that_breaks_a_rule_gets_no_digest(how: str) -> None:
+    """An upper-case attempt ID: refused when built, and by the encoder and the digest
+    even when it was built where checks are deferred (as a request's decoder does)."""
+    good = ex.plan(1)
+    fields = {name: getattr(good, name) for name in good.__struct_fields__}
+
+    def build() -> Plan:
+        if how == "constructor":
+            return Plan(**{**fields, "attempt_id": "Z" * 32})
+        return msgspec.structs.replace(good, attempt_id="Z" * 32)
+
+    with pytest.raises(ValueError, match=r"attempt_id"):
+        build()
+    with deferred_checks():
+        bad = build()
+    for refuse in (encode_plan, plan_digest):
+        with pytest.raises(msgspec.ValidationError, match=r"attempt_id"):
+            refuse(bad)
+        with deferred_checks(), pytest.raises(msgspec.ValidationError, match=r"attempt_id"):
+            refuse(bad)
+
+
 def test_building_a_plan_that_breaks_a_rule_fails_at_once() -> None:
     good = ex.plan(1)
     with pytest.raises(ValueError, match=r"an absolute path"):

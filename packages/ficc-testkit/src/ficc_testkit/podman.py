@@ -315,6 +315,10 @@ class PodmanWorld:
         """The attempt's record."""
         return attempt(self.driver.observe(plan))
 
+    def usage(self, plan: Plan) -> AttemptRow:
+        """The attempt's record with what it used (`observe` with `usage: true`)."""
+        return attempt(self.driver.observe(plan, usage=True))
+
     def start(self, plan: Plan) -> AttemptRow:
         """Start the attempt."""
         return attempt(self.driver.start_attempt(plan))

@@ -442,6 +442,42 @@ def example_replies() -> dict[str, wire.AnyReply]:
     }
 
 
+def usage_examples() -> dict[str, tuple[Request, wire.AnyReply]]:
+    """`observe` and `snapshot` asking for `usage: true`, and their replies: a live
+    reading of a running attempt and the final figures of a finished one."""
+    plan = example_plan(streamed=True)
+    base: dict[str, Any] = {"version": 1, "id": _REQUEST_ID}
+    final = wire.Usage(
+        final=True,
+        cpu_user_us=12_400_000,
+        cpu_system_us=800_000,
+        memory_peak_bytes=1_288_490_188,
+        oom_kills=0,
+        processes_peak=37,
+        storage_bytes=734_003_200,
+        storage_inodes=412,
+        wall_ms=13_710,
+    )
+    live = wire.Usage(final=False, cpu_user_us=2_100_000, cpu_system_us=90_000,
+                      memory_peak_bytes=402_653_184, oom_kills=0, processes_peak=12)  # fmt: skip
+    finished = {"outcome": "succeeded", "reason": "exited", "exit_code": 0}
+    observe = _attempt(plan, "succeeded", **finished, stdout_bytes=15, usage=final)
+    snapshot = example_replies()["snapshot"]
+    assert isinstance(snapshot, wire.SnapshotReply)
+    return {
+        "observe": (
+            ObserveRequest(**base, attempts=[_fence(plan)], usage=True),
+            wire.AttemptsReply(**base, results=[wire.AttemptRow(**observe)]),
+        ),
+        "snapshot": (
+            SnapshotRequest(**base, after=None, usage=True),
+            msgspec.structs.replace(
+                snapshot, attempts=[wire.AttemptStatus(**_attempt(plan, "running", usage=live))]
+            ),
+        ),
+    }
+
+
 def _pretty(data: bytes) -> bytes:
     """A document as reviewers read it: sorted keys, two-space indent, UTF-8."""
     text = json.dumps(json.loads(data), indent=2, sort_keys=True, ensure_ascii=False)
@@ -464,6 +500,12 @@ def files() -> dict[str, bytes]:
         rows = requests[action].row_count if action in requests else None
         wire.decode_reply(data, action if action != "error" else "observe", rows=rows or None)
         out[f"{VECTORS}/reply-{action}.json"] = _pretty(data)
+    for action, (request, reply) in usage_examples().items():
+        _, data = validate_request(request)
+        out[f"{VECTORS}/usage-request-{action}.json"] = _pretty(data)
+        data = wire.encode_reply(reply)
+        wire.decode_reply(data, action, rows=request.row_count or None)
+        out[f"{VECTORS}/usage-reply-{action}.json"] = _pretty(data)
     return out
 
 

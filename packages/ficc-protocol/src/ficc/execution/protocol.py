@@ -391,9 +391,19 @@ class StartRequest(_FenceBatch, frozen=True, kw_only=True, tag="start"):
 
 
 class ObserveRequest(_FenceBatch, frozen=True, kw_only=True, tag="observe"):
-    """Read the host's record of 1..64 attempts; changes nothing."""
+    """Read the host's record of 1..64 attempts; changes nothing.
 
-    pass
+    `usage: true` asks for each row's `usage` (what the attempt used); without it (or
+    with `false`) the rows are exactly what they always were. The field is omitted
+    unless set, so a request made without it keeps its bytes.
+    """
+
+    usage: bool | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether the reply's rows carry `usage`."""
+        return self.usage is True
 
 
 class StopRequest(_FenceBatch, frozen=True, kw_only=True, tag="stop"):
@@ -541,9 +551,18 @@ class ReconcileAbsentRequest(_PlanBatch, frozen=True, kw_only=True, tag="reconci
 
 
 class SnapshotRequest(Request, frozen=True, kw_only=True, tag="snapshot"):
-    """Bindings, bounds, offer, capacity and one page of attempts after `after`."""
+    """Bindings, bounds, offer, capacity and one page of attempts after `after`.
+
+    `usage: true` asks for each listed attempt's `usage`, as in `observe`.
+    """
 
     after: Identity | None = None
+    usage: bool | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether the listed attempts carry `usage`."""
+        return self.usage is True
 
 
 class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):

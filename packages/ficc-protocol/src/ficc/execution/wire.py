@@ -61,6 +61,7 @@ REASONS: dict[str, str] = {
     "storage_exhausted": "the payload ran its slot's filesystem out of bytes or inodes",
     "slot_filesystem": "the slot's filesystem was not mounted as required when used",
     "slot_identity": "another filesystem than the slot's was mounted on its path",
+    "memory_exhausted": "the kernel's out-of-memory killer killed a process of the payload",
     "executor_restarted": "the executor restarted while the outcome was uncertain",
     "cleanup_failed": "cleanup could not be confirmed",
 }
@@ -86,6 +87,37 @@ class ErrorRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     error: Error
     ok: Literal[False] = False
+
+
+class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What an attempt used, read from the kernel's counters of the service the host
+    made for it (never from the provider or the payload).
+
+    `final` is true once the figures are the ones recorded durably when the attempt
+    ended (they never change after that, through release and restarts), false for a
+    live reading while the payload runs (or before anything ran). Every figure is
+    omitted when the host could not read it (no such counter on this kernel, the
+    service already gone, nothing ran): an absent figure is unknown, never zero.
+
+    - `cpu_user_us`, `cpu_system_us`: CPU time in user and kernel mode, microseconds;
+    - `memory_peak_bytes`: the most memory the service held at once;
+    - `oom_kills`: processes the kernel's out-of-memory killer killed in the service;
+    - `processes_peak`: the most processes (tasks) at once;
+    - `storage_bytes`, `storage_inodes`: the slot filesystem's bytes and inodes in use
+      when the payload finished (logs and the attempt's own files included);
+    - `wall_ms`: from the release of the payload to its observed exit (or to its stop),
+      milliseconds; absent when this host's daemon did not see the release (a restart).
+    """
+
+    final: bool
+    cpu_user_us: Count | msgspec.UnsetType = msgspec.UNSET
+    cpu_system_us: Count | msgspec.UnsetType = msgspec.UNSET
+    memory_peak_bytes: Count | msgspec.UnsetType = msgspec.UNSET
+    oom_kills: Count | msgspec.UnsetType = msgspec.UNSET
+    processes_peak: Count | msgspec.UnsetType = msgspec.UNSET
+    storage_bytes: Count | msgspec.UnsetType = msgspec.UNSET
+    storage_inodes: Count | msgspec.UnsetType = msgspec.UNSET
+    wall_ms: Count | msgspec.UnsetType = msgspec.UNSET
 
 
 class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -122,6 +154,9 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     log_cut_short: bool | msgspec.UnsetType = msgspec.UNSET
     """Present (true) only when the slot ran out of bytes while the logs were open:
     stdout or stderr may end before the payload stopped writing."""
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET
+    """Present only when the request asked for it (`usage: true` in observe or
+    snapshot): what the attempt used, see `Usage`."""
 
     def __post_init__(self) -> None:
         if self.state in TERMINAL and self.outcome != self.state:
@@ -528,6 +563,7 @@ __all__ = [
     "SlotClass",
     "SnapshotReply",
     "State",
+    "Usage",
     "decode_reply",
     "encode_reply",
     "error_reply",

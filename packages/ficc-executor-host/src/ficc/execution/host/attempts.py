@@ -23,7 +23,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import layout, leases, lifecycle, sdk
+from ficc.execution.host import layout, leases, lifecycle, sdk, slotfs
 from ficc.execution.host.batching import PROVIDER_TIMEOUT, Batcher
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
@@ -32,10 +32,11 @@ from ficc.execution.host.layout import AttemptPaths, provider_context, service_n
 from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import RowResult
+from ficc.execution.host.records import ResourceUsage
 from ficc.execution.host.sdk import Observation
-from ficc.execution.host.service.interface import ServiceHandle
+from ficc.execution.host.service.interface import CgroupUsage, ServiceHandle, SystemService
 
-__all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings", "Shared"]
+__all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings", "Shared", "WallTimes"]
 
 _log = logging.getLogger(__name__)
 
@@ -118,6 +119,28 @@ class HostWork:
         return await self._ctx.workers.io(fn, *args)
 
 
+@dataclasses.dataclass(eq=False)
+class WallTimes:
+    """Boot-clock instants (ns) of each payload's release and of its end, as this daemon
+    saw them: what an attempt's `wall_ms` is measured between. Kept in memory only: a
+    payload that outlives its daemon ends `unknown`, and its wall time is not known."""
+
+    released: dict[str, int] = dataclasses.field(default_factory=dict)
+    ended: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def wall_ms(self, attempt_id: str, now_ns: int) -> int | None:
+        """From release to the payload's end (or to `now_ns` while it runs); None when
+        this daemon did not see the release."""
+        released = self.released.get(attempt_id)
+        if released is None:
+            return None
+        return max(0, self.ended.get(attempt_id, now_ns) - released) // 1_000_000
+
+    def forget(self, attempt_id: str) -> None:
+        self.released.pop(attempt_id, None)
+        self.ended.pop(attempt_id, None)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Shared:
     """The parts every part of the runner works with; one of each per runner."""
@@ -128,6 +151,7 @@ class Shared:
     monitor: Monitor
     handles: dict[str, ServiceHandle]
     """attempt ID -> the service this daemon created for it (until its release)."""
+    walls: WallTimes = dataclasses.field(default_factory=WallTimes)
 
 
 class AttemptWork(HostWork):
@@ -140,11 +164,18 @@ class AttemptWork(HostWork):
         self._batcher = shared.batcher
         self._monitor = shared.monitor
         self._handles = shared.handles
+        self._walls = shared.walls
 
-    async def _apply(self, record: AttemptRecord, event: lifecycle.AnyEvent) -> bool:
-        """Record an event; False (logged) when the lifecycle refuses it."""
+    async def _apply(
+        self,
+        record: AttemptRecord,
+        event: lifecycle.AnyEvent,
+        usage: ResourceUsage | None = None,
+    ) -> bool:
+        """Record an event (with the usage it settles with); False (logged) when the
+        lifecycle refuses it."""
         try:
-            await self._db(self._ctx.ledger.apply, record.fence, event)
+            await self._db(self._ctx.ledger.apply, record.fence, event, usage)
         except HostError as error:
             _log.info("attempt %s: %s not recorded (%s)", record.attempt_id, event.name, error)
             return False
@@ -159,6 +190,15 @@ class AttemptWork(HostWork):
         the message that says what went wrong (a provider's refusal text, say)."""
         _log.warning("attempt %s: %s: %s", record.attempt_id, event.name, error)
         await self._apply(record, event)
+
+    async def _usage(self, attempt: _Attempt, handle: ServiceHandle | None) -> ResourceUsage:
+        """What the attempt used up to now: its service's counters (none without a
+        service), the slot's bytes and inodes in use, and the wall time since release."""
+        wall = self._walls.wall_ms(attempt.id, self._ctx.clock.now().boottime_ns)
+        used: ResourceUsage = await self._io(
+            _read_usage, self._ctx.service, handle, attempt.slot.path, wall
+        )
+        return used
 
     def lease_current(self, record: AttemptRecord) -> bool:
         lease = record.lease
@@ -256,6 +296,30 @@ def _verified_storage(attempt: _Attempt) -> sdk.StorageBinding:
         inode=st.st_ino,
         bytes=limits.storage_bytes,
         inodes=limits.storage_inodes,
+    )
+
+
+def _read_usage(
+    service: SystemService, handle: ServiceHandle | None, slot: str, wall_ms: int | None
+) -> ResourceUsage:
+    """The blocking part of `AttemptWork._usage`. What cannot be read is None (logged:
+    a counter that fails to read is worth an operator's look, never a guess)."""
+    counters = CgroupUsage()
+    if handle is not None:
+        try:
+            counters = service.usage(handle)
+        except (HostError, OSError) as error:
+            _log.warning("service %s: usage not readable: %s", handle.name, error)
+    storage: tuple[int | None, int | None] = (None, None)
+    try:
+        storage = slotfs.in_use(slot)
+    except OSError as error:
+        _log.warning("slot %s: usage not readable: %s", slot, error)
+    return ResourceUsage(
+        **msgspec.structs.asdict(counters),
+        storage_bytes=storage[0],
+        storage_inodes=storage[1],
+        wall_ms=wall_ms,
     )
 
 

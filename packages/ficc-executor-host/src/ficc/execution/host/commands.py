@@ -53,7 +53,7 @@ from ficc.execution.host.peercred import socket_paths
 from ficc.execution.host.providers.digest import GROUP, compute_digest
 from ficc.execution.host.server import Dispatcher, ServerLimits, serve, stderr_log
 from ficc.execution.protocol import PROTOCOL_VERSION, MetricsRequest, SnapshotRequest
-from ficc.execution.wire import AttemptStatus, ErrorReply, MetricsReply, SnapshotReply
+from ficc.execution.wire import AttemptStatus, ErrorReply, MetricsReply, SnapshotReply, Usage
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_TRANSPORT, EXIT_DEGRADED = 0, 1, 2, 3, 4
 EXIT_LEDGER_HELD = 5
@@ -645,12 +645,13 @@ def _metrics(args: argparse.Namespace) -> int:
 
 
 async def fetch_snapshots(client: Client) -> list[SnapshotReply] | ErrorReply:
-    """Every snapshot page, following `next` until it is null (or the first refusal)."""
+    """Every snapshot page with what each attempt used (`usage: true`), following `next`
+    until it is null (or the first refusal)."""
     pages: list[SnapshotReply] = []
     after: str | None = None
     for _ in range(_MAX_PAGES):
         reply = await client.request(
-            SnapshotRequest(version=1, id=secrets.token_hex(16), after=after)
+            SnapshotRequest(version=1, id=secrets.token_hex(16), after=after, usage=True)
         )
         if isinstance(reply, ErrorReply):
             return reply
@@ -721,7 +722,7 @@ def format_status(
 
 
 _ATTEMPT_HEADERS = ["ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT"]
-_ATTEMPT_HEADERS += ["LEASE", "SLOT"]
+_ATTEMPT_HEADERS += ["LEASE", "SLOT", "CPU", "PEAK MEM", "OOM"]
 
 
 def _attempt_row(a: AttemptStatus, now_ms: int) -> list[str]:
@@ -735,7 +736,24 @@ def _attempt_row(a: AttemptStatus, now_ms: int) -> list[str]:
         "-" if a.exit_code is None else str(a.exit_code),
         "-" if a.outcome is not None else _lease(a.lease_expires_at_ms, now_ms),
         a.slot or "-",
+        *_usage_cells(a.usage),
     ]
+
+
+def _usage_cells(usage: Usage | msgspec.UnsetType) -> list[str]:
+    """CPU time (user and system), peak memory and OOM kills; `-` where unknown. A live
+    reading (the payload still runs) is marked with `~`."""
+    if isinstance(usage, msgspec.UnsetType):
+        return ["-", "-", "-"]
+    live = "" if usage.final else "~"
+    user, system = usage.cpu_user_us, usage.cpu_system_us
+    cpu = "-"
+    if isinstance(user, int) and isinstance(system, int):
+        cpu = f"{live}{(user + system) / 1_000_000:.2f} s"
+    peak = usage.memory_peak_bytes
+    memory = f"{live}{_bytes(peak)}" if isinstance(peak, int) else "-"
+    oom = str(usage.oom_kills) if isinstance(usage.oom_kills, int) else "-"
+    return [cpu, memory, oom]
 
 
 def _lease(expires_at_ms: int | None, now_ms: int) -> str:

@@ -49,6 +49,7 @@ from ficc.execution.host import collect as collecting
 from ficc.execution.host import leases, lifecycle, procfs
 from ficc.execution.host import ledger as ledgerlib
 from ficc.execution.host import metrics as metricslib
+from ficc.execution.host import usage as usagelib
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
@@ -93,6 +94,7 @@ from ficc.execution.wire import (
     ProviderInfo,
     SlotClass,
     SnapshotReply,
+    Usage,
     error_reply,
     error_row,
 )
@@ -115,6 +117,9 @@ class RunnerPort(Protocol):
     async def leases_renewed(
         self, records: Sequence[ledgerlib.AttemptRecord]
     ) -> frozenset[str]: ...
+    async def usage_now(
+        self, records: Sequence[ledgerlib.AttemptRecord]
+    ) -> dict[str, ledgerlib.ResourceUsage]: ...
 
 
 Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
@@ -296,6 +301,37 @@ async def _logs_of(
     if not started:
         return {}
     return await ctx.workers.io(lambda: {r.attempt_id: _log_bytes(ctx, r) for r in started})
+
+
+async def usages(
+    ctx: HostContext, runner: RunnerPort, records: Sequence[ledgerlib.AttemptRecord]
+) -> dict[str, Usage]:
+    """Each record's `usage` (see `usage.py`): the ledger's, or read live from the
+    service of a started attempt whose usage is not final yet."""
+    recorded = await ctx.workers.db(ctx.ledger.usage_of, [r.attempt_id for r in records])
+    pending = [r for r in records if not usagelib.is_final(r, recorded.get(r.attempt_id))]
+    live = await runner.usage_now(pending) if pending else {}
+    return {
+        r.attempt_id: usagelib.wire_usage(r, recorded.get(r.attempt_id), live.get(r.attempt_id))
+        for r in records
+    }
+
+
+async def _with_usage(
+    ctx: HostContext,
+    runner: RunnerPort,
+    results: Sequence[ledgerlib.AttemptRecord | HostError],
+    rows: list[AttemptResult],
+) -> list[AttemptResult]:
+    """`rows` (one per result) with each attempt row's `usage`."""
+    records = [r for r in results if isinstance(r, ledgerlib.AttemptRecord)]
+    found = await usages(ctx, runner, records)
+    return [
+        msgspec.structs.replace(row, usage=found[row.attempt_id])
+        if isinstance(row, AttemptRow)
+        else row
+        for row in rows
+    ]
 
 
 def _reply(request: ReceivedRequest, rows: list[AttemptResult]) -> AttemptsReply:
@@ -551,7 +587,10 @@ async def observe(
         return _with_staged(ctx.ledger, ctx.ledger.fenced(request.attempts))
 
     read = await ctx.workers.db(read_rows)
-    return _reply(request, await attempt_rows(ctx, read.results, read.staged))
+    rows = await attempt_rows(ctx, read.results, read.staged)
+    if request.wants_usage:
+        rows = await _with_usage(ctx, runner, read.results, rows)
+    return _reply(request, rows)
 
 
 async def stop(
@@ -864,6 +903,7 @@ async def snapshot(
         _snapshot_state, ctx, request.after
     )
     logs = await _logs_of(ctx, records)
+    used = await usages(ctx, runner, records) if request.wants_usage else {}
     bindings = ctx.ledger.bindings()
     return SnapshotReply(
         version=1,
@@ -876,10 +916,20 @@ async def snapshot(
         offer=wire_offer(offer),
         capacity=capacity,
         attempts=[
-            attempt_status(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0))) for r in records
+            _listed(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0)), used) for r in records
         ],
         next=cursor,
     )
+
+
+def _listed(
+    record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int], used: dict[str, Usage]
+) -> AttemptStatus:
+    """A snapshot's attempt, with its `usage` when the request asked for it."""
+    status = attempt_status(record, staged, logs)
+    if record.attempt_id in used:
+        return msgspec.structs.replace(status, usage=used[record.attempt_id])
+    return status
 
 
 async def set_offer(
@@ -911,6 +961,12 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
         records += count
     occupied, used = ctx.ledger.reservations()
     capacity = _capacity(ctx, occupied, used)
+    classes = {slot.id: slot.slot_class for slot in ctx.config.slots}
+    by_class: dict[tuple[str, str], metricslib.ClassUse] = {}
+    for slot_id, outcome, count, cpu_us, oom_kills in ctx.ledger.usage_tally():
+        key = (classes.get(slot_id, "unconfigured"), outcome)
+        use = metricslib.ClassUse(count, cpu_us, oom_kills)
+        by_class[key] = by_class[key] + use if key in by_class else use
     return metricslib.LedgerFacts(
         version=host_version(),
         attempts=attempts,
@@ -922,6 +978,7 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
         },
         ledger_records=records,
         ledger_bytes=_ledger_bytes(ctx.config.state_dir),
+        by_class=by_class,
     )
 
 

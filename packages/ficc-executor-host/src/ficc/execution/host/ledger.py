@@ -45,7 +45,7 @@ import sqlite3
 import stat
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, Final, NamedTuple, ParamSpec, TypeVar
 
@@ -78,6 +78,8 @@ from ficc.execution.host.records import (
     InputRecord,
     Offer,
     PrepareRow,
+    RecordedUsage,
+    ResourceUsage,
     Row,
     SlotSpec,
     lease_is_current,
@@ -665,6 +667,27 @@ class Ledger:
         records = [ledger_schema.record(r) for r in rows[:limit]]
         return records, (records[-1].attempt_id if len(rows) > limit else None)
 
+    def usage_of(self, attempt_ids: Sequence[str]) -> dict[str, RecordedUsage]:
+        """The recorded usage of each of these attempts (one query; unknown IDs absent)."""
+        ids = list(dict.fromkeys(attempt_ids))
+        if not ids:
+            return {}
+        with self._lock:
+            rows = self._db.execute(
+                f"{ledger_schema.USAGE_SQL} WHERE attempt_id IN ({_marks(len(ids))})", ids
+            ).fetchall()
+        return {str(row[0]): ledger_schema.usage_row(row[1:]) for row in rows}
+
+    def usage_tally(self) -> list[tuple[str, str, int, int, int]]:
+        """(slot, outcome, attempts, CPU microseconds, OOM kills) for every slot and
+        outcome of the records that held a slot and settled (figures not read count 0)."""
+        with self._lock:
+            rows = self._db.execute(ledger_schema.USAGE_TALLY_SQL).fetchall()
+        return [
+            (str(slot), str(outcome), int(n), int(user or 0) + int(system or 0), int(oom or 0))
+            for slot, outcome, n, user, system, oom in rows
+        ]
+
     def tally(self) -> list[tuple[str, str | None, str | None, bool, int]]:
         """(state, outcome, reason, cleanup confirmed, records) for every combination
         present: the figures the metrics report, in one aggregate query."""
@@ -971,24 +994,58 @@ class Ledger:
 
     @_spending_reserve
     def apply_batch(
-        self, rows: Sequence[tuple[Fence, lifecycle.AnyEvent]]
+        self,
+        rows: Sequence[tuple[Fence, lifecycle.AnyEvent]],
+        usage: Mapping[str, ResourceUsage] | None = None,
     ) -> list[Applied | HostError]:
         """Apply lifecycle events to up to 64 attempts in one transaction.
 
-        Use `start_batch` for starts: it computes the lease and authority facts
-        inside the transaction that records the start.
+        `usage` (by attempt ID): what an attempt used, recorded in the same transaction
+        when its event settles it (once: a recorded usage is never overwritten). Use
+        `start_batch` for starts: it computes the lease and authority facts inside the
+        transaction that records the start.
         """
         _check_batch(rows)
         with self._write() as ordinal:
             records = self._records(fence.attempt_id for fence, _ in rows)
-            return [self._apply_one(fence, event, ordinal, records) for fence, event in rows]
+            results = [self._apply_one(fence, event, ordinal, records) for fence, event in rows]
+            for result in results:
+                if isinstance(result, Applied) and result.changed:
+                    used = (usage or {}).get(result.record.attempt_id)
+                    if used is not None and result.record.status.state in lifecycle.SETTLED:
+                        self._record_usage(result.record.attempt_id, used)
+            return results
 
-    def apply(self, fence: Fence, event: lifecycle.AnyEvent) -> Applied:
-        """One event; raises the row's HostError."""
-        result = self.apply_batch([(fence, event)])[0]
+    def apply(
+        self, fence: Fence, event: lifecycle.AnyEvent, usage: ResourceUsage | None = None
+    ) -> Applied:
+        """One event (and the usage it settles with, see `apply_batch`); raises the
+        row's HostError."""
+        used = None if usage is None else {fence.attempt_id: usage}
+        result = self.apply_batch([(fence, event)], used)[0]
         if isinstance(result, HostError):
             raise result
         return result
+
+    @_spending_reserve
+    def record_usage(self, fence: Fence, usage: ResourceUsage) -> bool:
+        """Record what a settled attempt used, unless a usage is already recorded (then
+        nothing changes); whether this call recorded it. For attempts settled without
+        their service at hand (a restart, a failed start): cleanup reads it first."""
+        with self._write():
+            record = self._fenced(fence)
+            if record.status.state not in lifecycle.SETTLED:
+                raise HostError(
+                    ErrorCode.INVALID_STATE,
+                    f"usage is recorded when an attempt ends; it is {record.status.state}",
+                )
+            return self._record_usage(fence.attempt_id, usage)
+
+    def _record_usage(self, attempt_id: str, usage: ResourceUsage) -> bool:
+        cursor = self._db.execute(
+            ledger_schema.RECORD_USAGE_SQL, [*ledger_schema.usage_values(usage), attempt_id]
+        )
+        return cursor.rowcount == 1
 
     @_spending_reserve
     def start_batch(
@@ -1600,6 +1657,8 @@ __all__ = [
     "Now",
     "Offer",
     "PrepareRow",
+    "RecordedUsage",
+    "ResourceUsage",
     "Row",
     "SlotSpec",
 ]

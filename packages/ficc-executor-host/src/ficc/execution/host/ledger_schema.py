@@ -14,7 +14,7 @@ import msgspec
 from ficc.execution.host import lifecycle, records
 from ficc.execution.host.leases import Lease
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 MIGRATIONS: Final = {
     # from version: the statements that bring a ledger to the next version, in one
     # transaction. Columns are only ever added, with values that are true of every
@@ -28,6 +28,18 @@ MIGRATIONS: Final = {
         "ALTER TABLE attempts ADD COLUMN acknowledged_unknown TEXT",
         "ALTER TABLE attempts ADD COLUMN start_offer_revision INTEGER",
         "UPDATE attempts SET effective_expires_at_ms = expires_at_ms WHERE boot_id IS NOT NULL",
+    ),
+    # What each attempt used: unknown (NULL, not recorded) for every earlier record.
+    2: (
+        "ALTER TABLE attempts ADD COLUMN usage_recorded INTEGER NOT NULL DEFAULT 0",
+        "ALTER TABLE attempts ADD COLUMN cpu_user_us INTEGER",
+        "ALTER TABLE attempts ADD COLUMN cpu_system_us INTEGER",
+        "ALTER TABLE attempts ADD COLUMN memory_peak_bytes INTEGER",
+        "ALTER TABLE attempts ADD COLUMN oom_kills INTEGER",
+        "ALTER TABLE attempts ADD COLUMN processes_peak INTEGER",
+        "ALTER TABLE attempts ADD COLUMN storage_bytes_used INTEGER",
+        "ALTER TABLE attempts ADD COLUMN storage_inodes_used INTEGER",
+        "ALTER TABLE attempts ADD COLUMN wall_ms INTEGER",
     ),
 }
 
@@ -83,6 +95,15 @@ CREATE TABLE attempts (
     acknowledged_unknown TEXT,
     start_offer_revision INTEGER,
     prepare_result BLOB,
+    usage_recorded INTEGER NOT NULL DEFAULT 0,
+    cpu_user_us INTEGER,
+    cpu_system_us INTEGER,
+    memory_peak_bytes INTEGER,
+    oom_kills INTEGER,
+    processes_peak INTEGER,
+    storage_bytes_used INTEGER,
+    storage_inodes_used INTEGER,
+    wall_ms INTEGER,
     created INTEGER NOT NULL,
     updated INTEGER NOT NULL
 ) STRICT;
@@ -144,6 +165,36 @@ INSERT_COLUMNS: Final = (
     + records.STORAGE
     + ("devices", "plan", "acknowledged_unknown")
 )
+
+
+USAGE_COLUMNS: Final = tuple(
+    {"storage_bytes": "storage_bytes_used", "storage_inodes": "storage_inodes_used"}.get(n, n)
+    for n in records.USAGE_FIELDS
+)
+"""The column of each `ResourceUsage` figure, in field order (the slot's bytes and
+inodes in use are `*_used`: `storage_bytes` and `storage_inodes` are reservations)."""
+USAGE_SQL: Final = f"SELECT attempt_id, usage_recorded, {', '.join(USAGE_COLUMNS)} FROM attempts"  # noqa: S608
+RECORD_USAGE_SQL: Final = (
+    f"UPDATE attempts SET usage_recorded = 1, {', '.join(f'{c} = ?' for c in USAGE_COLUMNS)}"  # noqa: S608
+    " WHERE attempt_id = ? AND usage_recorded = 0"
+)
+"""Write an attempt's usage once: a recorded usage is never overwritten."""
+USAGE_TALLY_SQL: Final = (
+    "SELECT slot_id, outcome, COUNT(*), SUM(cpu_user_us), SUM(cpu_system_us), SUM(oom_kills)"
+    " FROM attempts WHERE outcome IS NOT NULL AND slot_id IS NOT NULL GROUP BY slot_id, outcome"
+)
+"""Per slot and outcome: attempts, CPU microseconds and OOM kills (the metrics)."""
+
+
+def usage_row(row: tuple[object, ...]) -> records.RecordedUsage:
+    """A row of `USAGE_SQL` without its attempt ID, as a recorded usage."""
+    recorded, *figures = row
+    usage = records.ResourceUsage(**dict(zip(records.USAGE_FIELDS, figures, strict=True)))  # type: ignore[arg-type]
+    return records.RecordedUsage(bool(recorded), usage)
+
+
+def usage_values(usage: records.ResourceUsage) -> list[object]:
+    return [getattr(usage, name) for name in records.USAGE_FIELDS]
 
 
 def literal(value: object) -> str:

@@ -28,6 +28,12 @@ Decisions the protocol leaves to the host, made here:
 - A stop or lease expiry of a `starting`/`running` attempt is recorded as
   `stop_pending`; the state changes only when the monitor confirms the stop
   (`Stopped`), or the payload's own exit is observed first (`Finished`, which wins).
+- An observed exit ends `failed` with reason `storage_exhausted` when the payload ran
+  its slot full, else `memory_exhausted` when it exited nonzero after the kernel's
+  out-of-memory killer killed a process of its service (`Finished.oom_killed`, from
+  the service's own counters), else `exited` (failed unless the exit code is 0). A
+  payload that exited 0 although one of its processes was OOM-killed succeeded: its
+  usage still counts the kill.
 - Start authority is checked twice: when the start is requested, and again just
   before the release marker is written (`StartCancelled`: `starting` -> `cancelled`
   with the reason, the payload never released).
@@ -59,6 +65,7 @@ ADMISSION_REJECTED: Final = "admission_rejected"
 LEGACY_ABSENCE_ACKNOWLEDGED: Final = "legacy_absence_acknowledged"
 EXECUTOR_RESTARTED: Final = "executor_restarted"
 STORAGE_EXHAUSTED: Final = "storage_exhausted"
+MEMORY_EXHAUSTED: Final = "memory_exhausted"
 
 _Reason = Annotated[str, msgspec.Meta(pattern=r"\A[a-z][a-z0-9_.-]{0,79}\Z")]
 _ExitCode = Annotated[int, msgspec.Meta(ge=0, le=255)]
@@ -142,9 +149,11 @@ class StartCancelled(Event, frozen=True, tag="start_cancelled"):
 
 
 class Finished(Event, frozen=True, tag="finished"):
-    """The payload's exit was observed."""
+    """The payload's exit was observed. `oom_killed`: the kernel's out-of-memory killer
+    killed a process of the attempt's service (its counters say so)."""
 
     exit_code: _ExitCode
+    oom_killed: bool = False
 
 
 class StorageExhausted(Event, frozen=True, tag="storage_exhausted"):
@@ -233,7 +242,7 @@ TRANSITIONS: Final[dict[str, dict[str, str | Refuse]]] = {
     "started":           {_S: _R},
     "start_failed":      {_S: "failed"},
     "start_cancelled":   {_S: "cancelled"},
-    "finished":          {_R: "succeeded"},                # failed: exit_code != 0, full slot
+    "finished":          {_R: "succeeded"},   # failed: exit_code != 0, full slot, OOM kill
     "storage_exhausted": {_S: SAME, _R: SAME},              # flags only
     "stop":              {_P: "cancelled", _S: SAME, _R: SAME,  # _S, _R: stop_pending
                           **_SETTLED_SAME, _X: SAME},
@@ -349,6 +358,9 @@ def _effect(status: Status, event: AnyEvent, target: str) -> Status:
         case Finished(exit_code=code) if s.storage_exhausted:
             done = _settle(s, "failed", STORAGE_EXHAUSTED)
             return _with(done, exit_code=code, stop_pending=None)
+        case Finished(exit_code=code, oom_killed=True) if code != 0:
+            done = _settle(s, "failed", MEMORY_EXHAUSTED)
+            return _with(done, exit_code=code, stop_pending=None)
         case Finished(exit_code=code):
             done = _settle(s, "succeeded" if code == 0 else "failed", "exited")
             return _with(done, exit_code=code, stop_pending=None)
@@ -409,6 +421,7 @@ __all__ = [
     "ADMISSION_REJECTED",
     "EXECUTOR_RESTARTED",
     "LEGACY_ABSENCE_ACKNOWLEDGED",
+    "MEMORY_EXHAUSTED",
     "SAME",
     "SETTLED",
     "STATES",

@@ -6,7 +6,9 @@ Two kinds of figures:
   per-connection log lines, and cleanup attempts that did not confirm;
 - read from the durable state when asked (`LedgerFacts`): attempts by state and
   outcome, attempts by recorded reason (lease expiries, gate refusals, ...), free
-  slots by class, provider availability, ledger size.
+  slots by class, provider availability, ledger size, and per slot class what the
+  settled attempts used (CPU seconds and OOM kills, as recorded when each ended) and
+  how they ended.
 
 `render` is pure: facts in, text out. Nothing here opens a listener; the figures leave
 the daemon only through the administrator's `metrics` request.
@@ -80,6 +82,25 @@ class LedgerFacts:
     providers: Mapping[str, str | None]  # id -> None when available, else refusal code
     ledger_records: int
     ledger_bytes: int
+    by_class: Mapping[tuple[str, str], ClassUse] = field(default_factory=dict)
+    """(slot class, outcome) -> what the settled attempts that held such a slot used."""
+
+
+@dataclass(frozen=True)
+class ClassUse:
+    """Settled attempts of one slot class and outcome: how many, and what they used
+    (a figure the host could not read counts as nothing)."""
+
+    attempts: int
+    cpu_us: int
+    oom_kills: int
+
+    def __add__(self, other: ClassUse) -> ClassUse:
+        return ClassUse(
+            self.attempts + other.attempts,
+            self.cpu_us + other.cpu_us,
+            self.oom_kills + other.oom_kills,
+        )
 
 
 def render(facts: LedgerFacts, counters: Counters) -> str:
@@ -125,6 +146,7 @@ def render(facts: LedgerFacts, counters: Counters) -> str:
             for p, code in sorted(facts.providers.items())
         ],
     )
+    _class_usage(out, facts.by_class)
     _family(out, "ficc_ledger_records", "gauge", "Attempt records in the ledger.",
             [({}, facts.ledger_records)])  # fmt: skip
     _family(out, "ficc_ledger_bytes", "gauge", "Size of the ledger files on disk.",
@@ -138,6 +160,36 @@ def render(facts: LedgerFacts, counters: Counters) -> str:
     )
     _histograms(out, counters.latency)
     return "\n".join(out) + "\n"
+
+
+def _class_usage(out: list[str], by_class: Mapping[tuple[str, str], ClassUse]) -> None:
+    """Per slot class: settled attempts by outcome, their CPU seconds and OOM kills.
+    Counters: records are never deleted and a recorded usage never changes."""
+    totals: dict[str, ClassUse] = {}
+    for (slot_class, _), use in by_class.items():
+        totals[slot_class] = totals.get(slot_class, ClassUse(0, 0, 0)) + use
+    _family(
+        out,
+        "ficc_slot_class_attempts_total",
+        "counter",
+        "Settled attempts that held a slot of the class, by outcome.",
+        [({"class": c, "outcome": o}, u.attempts) for (c, o), u in sorted(by_class.items())],
+    )
+    _family(
+        out,
+        "ficc_slot_class_cpu_seconds_total",
+        "counter",
+        "CPU seconds (user and system) the settled attempts of the class used, as recorded"
+        " when each ended.",
+        [({"class": c}, u.cpu_us / 1_000_000) for c, u in sorted(totals.items())],
+    )
+    _family(
+        out,
+        "ficc_slot_class_oom_kills_total",
+        "counter",
+        "Processes the out-of-memory killer killed in the settled attempts of the class.",
+        [({"class": c}, u.oom_kills) for c, u in sorted(totals.items())],
+    )
 
 
 def _histograms(out: list[str], latency: Mapping[str, _Histogram]) -> None:

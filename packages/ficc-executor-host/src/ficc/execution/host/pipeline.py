@@ -33,6 +33,13 @@ Decisions (see also docs/operations.md):
   `unknown` (`outcome_unreadable`); a payload that ends while the provider answers is
   read at the next look. An empty service found once the lease was over is left to
   the expiry (the lease reaper empties services at their deadline).
+- What an attempt used (`usage`): read from its service's cgroups (`accounting`), the
+  slot's statvfs and the release and end instants this daemon saw, just before the
+  event that settles it (an exit, a confirmed stop, a lost outcome) and recorded with
+  it in one transaction; an attempt settled without a reading (a restart, a failed or
+  cancelled start) gets one at its cleanup, before the service is stopped. An OOM
+  kill counted there makes a nonzero exit `memory_exhausted`. While the payload runs,
+  `usage_now` reads the same figures live for `observe`/`snapshot`.
 - A payload that ended by itself before this daemon killed anything keeps its exit,
   also when a stop or the deadline came before the monitor noticed: the stop looks
   once before it kills, when the service is empty or the gated payload process ended
@@ -85,7 +92,8 @@ from ficc.execution.host.leases import Now
 from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.host.monitor import Monitor
 from ficc.execution.host.preparing import Preparer
-from ficc.execution.host.records import lease_is_current
+from ficc.execution.host.records import ResourceUsage, lease_is_current
+from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.starting import Starter
 
 __all__ = ["RELEASE_MARKER", "Runner", "Settings"]
@@ -208,6 +216,7 @@ class Runner(AttemptWork):
             await self._io(self._ctx.service.remove, handle)
         self._watch.discard(attempt.id)
         self._killed.discard(attempt.id)
+        self._walls.forget(attempt.id)
 
     async def _release_context(self, attempt: _Attempt) -> sdk.Context:
         """The release's context. A storage directory an earlier release of this
@@ -334,7 +343,7 @@ class Runner(AttemptWork):
         await self._starter.stop_service(attempt)
         handle = await self._service(attempt)
         if handle is None or not await self._io(self._ctx.service.members, handle):
-            await self._apply(record, lifecycle.Stopped())
+            await self._apply(record, lifecycle.Stopped(), await self._usage(attempt, handle))
 
     async def _ended_by_itself(self, attempt: _Attempt) -> bool:
         """A running payload whose service emptied before this daemon killed anything,
@@ -384,7 +393,8 @@ class Runner(AttemptWork):
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
             if alive or await self._lease_was_current(record.attempt_id, looked):
-                await self._lost(attempt, PROVIDER_TIMEOUT, alive=alive)
+                used = await self._usage(attempt, handle)
+                await self._lost(attempt, PROVIDER_TIMEOUT, alive=alive, usage=used)
             return
         await self._note_storage(attempt)
         try:
@@ -395,27 +405,37 @@ class Runner(AttemptWork):
             exited = (
                 None if handle is None else await self._io(self._ctx.service.exit_status, handle)
             )
+            # What it used is read before its exit is recorded (the service's cgroups
+            # are still there), and recorded with it, in one transaction.
+            used = await self._usage(attempt, handle)
             if exited is not None and exited != seen.exit_code:
                 # The service's own main process disagrees with the provider: neither
                 # can be trusted as the outcome.
-                await self._apply(record, lifecycle.OutcomeLost(reason="outcome_conflict"))
+                conflict = lifecycle.OutcomeLost(reason="outcome_conflict")
+                await self._apply(record, conflict, used)
                 return
-            await self._apply(record, lifecycle.Finished(exit_code=seen.exit_code))
+            oom_killed = bool(used.oom_kills)
+            finished = lifecycle.Finished(exit_code=seen.exit_code, oom_killed=oom_killed)
+            await self._apply(record, finished, used)
             return
         if not alive and await self._lease_was_current(record.attempt_id, looked):
             # The service was gone before the provider looked, and it reports no exit.
-            await self._lost(attempt, "outcome_unreadable", alive=alive)
+            used = await self._usage(attempt, handle)
+            await self._lost(attempt, "outcome_unreadable", alive=alive, usage=used)
 
-    async def _lost(self, attempt: _Attempt, reason: str, *, alive: bool) -> None:
+    async def _lost(
+        self, attempt: _Attempt, reason: str, *, alive: bool, usage: ResourceUsage | None
+    ) -> None:
         """An outcome that cannot be read is `unknown`, unless the lease reaper left its
         evidence of a kill at the deadline on a service found empty: that attempt was
         stopped at its deadline (a renewal came too late for the reaper, and was
-        refused), so its lease is recorded as expired and it ends `expired`."""
+        refused), so its lease is recorded as expired and it ends `expired`. Either way
+        what it used is recorded with the event that settles it."""
         if not alive and await self._deadlines.reaped(attempt):
-            await self._apply(attempt.record, lifecycle.LeaseExpired())
+            await self._apply(attempt.record, lifecycle.LeaseExpired(), usage)
             self._monitor.wake()
             return
-        await self._apply(attempt.record, lifecycle.OutcomeLost(reason=reason))
+        await self._apply(attempt.record, lifecycle.OutcomeLost(reason=reason), usage)
 
     async def _lease_was_current(self, attempt_id: str, when: Now) -> bool:
         """Whether the lease (as stored now) was current at `when`. The lease reaper
@@ -447,6 +467,7 @@ class Runner(AttemptWork):
         attempt = await self._attempt(fresh)
         try:
             handle = await self._service(attempt)
+            await self._record_usage(attempt, handle)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
             if busy or self._batcher.in_flight.running(fresh.attempt_id):
@@ -469,6 +490,40 @@ class Runner(AttemptWork):
         metrics.PROCESS.cleanup_not_confirmed()
         if not fresh.status.quarantined:
             await self._apply(fresh, lifecycle.CleanupFailed())
+
+    async def _record_usage(self, attempt: _Attempt, handle: ServiceHandle | None) -> None:
+        """What a settled attempt used, recorded before its cleanup touches the service
+        if its settling did not record it (a restart, a failed or cancelled start: the
+        service's cgroups are still there). One that never had a service used nothing
+        the host can read: an empty usage is recorded."""
+        recorded = await self._db(self._ctx.ledger.usage_of, [attempt.id])
+        if attempt.id not in recorded or recorded[attempt.id].recorded:
+            return
+        started = attempt.record.status.start_requested
+        used = await self._usage(attempt, handle) if started else ResourceUsage()
+        try:
+            await self._db(self._ctx.ledger.record_usage, attempt.record.fence, used)
+        except HostError as error:  # never a reason to keep a slot: cleanup goes on
+            _log.warning("attempt %s: usage not recorded: %s", attempt.id, error)
+
+    async def usage_now(self, records: Sequence[AttemptRecord]) -> dict[str, ResourceUsage]:
+        """A live reading of what each started, unsettled attempt used so far (the
+        others are left out: their usage is the ledger's)."""
+        live = [r for r in records if r.status.state in ("starting", "running")]
+        readings = await asyncio.gather(*(self._live(r) for r in live), return_exceptions=True)
+        found: dict[str, ResourceUsage] = {}
+        for record, reading in zip(live, readings, strict=True):
+            if isinstance(reading, ResourceUsage):
+                found[record.attempt_id] = reading
+            elif isinstance(reading, BaseException) and not isinstance(reading, Exception):
+                raise reading
+            else:
+                _log.warning("attempt %s: live usage not read: %r", record.attempt_id, reading)
+        return found
+
+    async def _live(self, record: AttemptRecord) -> ResourceUsage:
+        attempt = await self._attempt(record)
+        return await self._usage(attempt, await self._service(attempt))
 
     # --- reading the ledger -------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
 import msgspec
 
@@ -128,6 +128,32 @@ class InputRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             failed=self.failed,
             identity=self.identity,
         )
+
+
+class ResourceUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What an attempt used (`ficc.execution.wire.Usage` without `final`); None: the host
+    could not read it. The ledger keeps one per attempt, recorded once, when it ended."""
+
+    cpu_user_us: int | None = None
+    cpu_system_us: int | None = None
+    memory_peak_bytes: int | None = None
+    oom_kills: int | None = None
+    processes_peak: int | None = None
+    storage_bytes: int | None = None
+    storage_inodes: int | None = None
+    wall_ms: int | None = None
+
+
+USAGE_FIELDS: Final = ResourceUsage.__struct_fields__
+"""The figures, by their ledger column and wire names."""
+
+
+class RecordedUsage(NamedTuple):
+    """An attempt's usage as the ledger holds it: `recorded` once it was written (the
+    figures never change after that), and the figures (all None before)."""
+
+    recorded: bool
+    usage: ResourceUsage
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ Only the mount table line of the slot's own mount is parsed, so a strange mount
 elsewhere (a user's FUSE mount with a name that is not UTF-8) cannot refuse a slot.
 
 `usage` reads how full a slot is; the pipeline uses it to tell that a payload ran its
-slot out of space or inodes.
+slot out of space or inodes. `in_use` reads what is in use, for an attempt's usage.
 """
 
 from __future__ import annotations
@@ -205,6 +205,13 @@ def usage(path: str) -> Usage:
     """Free bytes and inodes an unprivileged writer still has on the slot at `path`."""
     st = os.statvfs(path)
     return Usage(free_bytes=st.f_bavail * st.f_frsize, free_inodes=st.f_favail)
+
+
+def in_use(path: str) -> tuple[int, int]:
+    """(bytes, inodes) in use on the slot's filesystem at `path` (what an attempt's usage
+    reports: everything on it, the attempt's logs and files included)."""
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
 
 
 def mount_of(dir_fd: int, key: str) -> procfs.Mount:

@@ -314,6 +314,7 @@ class Starter(AttemptWork):
         The monitor's own tick (TICK_SECONDS) would otherwise find it.
         """
         self._payload_ended.add(attempt_id)
+        self._walls.ended.setdefault(attempt_id, self._ctx.clock.now().boottime_ns)
         try:
             for _ in range(AFTER_EXIT_LOOKS):
                 self._monitor.wake()
@@ -441,11 +442,14 @@ class Starter(AttemptWork):
         self._check_abort(attempt)
         record = attempt.record
 
+        released_at: list[int] = []
+
         def release() -> None:
             """On the ledger thread, inside `authorize_release`'s transaction."""
             if _ended(barrier):
                 raise _barrier_exited()
             _write_marker(attempt)
+            released_at.append(self._ctx.clock.now().boottime_ns)  # the payload's wall time
 
         authorize = functools.partial(
             self._ctx.ledger.authorize_release,
@@ -458,6 +462,8 @@ class Starter(AttemptWork):
         if lost is not None:
             _log.warning("attempt %s: not released (%s)", attempt.id, lost)
             raise _Aborted()  # the service is stopped; the monitor records the outcome
+        if released_at:
+            self._walls.released[attempt.id] = released_at[0]
         # Raises: a released payload whose start is not on record is an unknown outcome.
         await self._db(self._ctx.ledger.apply, record.fence, lifecycle.Started())
 

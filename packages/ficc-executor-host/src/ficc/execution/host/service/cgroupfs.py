@@ -55,9 +55,10 @@ from typing import Literal
 
 from ficc.execution.host import procfs
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.service import bpfdevices, cgroups, shim
+from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import (
+    CgroupUsage,
     Controls,
     DeviceAccess,
     ServiceHandle,
@@ -395,6 +396,9 @@ class CgroupfsService:
         for node in self._nodes_of(handle).values():
             pids |= cgroups.tree_pids(node)
         return pids
+
+    def usage(self, handle: ServiceHandle) -> CgroupUsage:
+        return accounting.read_usage(self._layout, self._nodes_of(handle))
 
     def _nodes_of(self, handle: ServiceHandle) -> dict[str, str]:
         """The handle's nodes, refused unless each is exactly where this backend puts

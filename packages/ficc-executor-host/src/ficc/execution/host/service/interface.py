@@ -172,6 +172,17 @@ class Controls(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cgroups: dict[str, str]
 
 
+class CgroupUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What a service used so far, from its cgroups' counters (`accounting`); None:
+    this host could not read it."""
+
+    cpu_user_us: int | None = None
+    cpu_system_us: int | None = None
+    memory_peak_bytes: int | None = None
+    oom_kills: int | None = None
+    processes_peak: int | None = None
+
+
 class ServiceHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What the daemon keeps about a running service (it may also persist it).
 
@@ -209,6 +220,12 @@ class SystemService(Protocol):
 
     def members(self, handle: ServiceHandle) -> set[int]:
         """Every PID in the attempt's cgroup tree, in every hierarchy used."""
+        ...
+
+    def usage(self, handle: ServiceHandle) -> CgroupUsage:
+        """What the tree used so far, from the kernel's counters of its cgroups
+        (`accounting`); a figure this host cannot read is None. Readable while the
+        service runs and after it stopped, until `remove`."""
         ...
 
     def exit_status(self, handle: ServiceHandle) -> int | None:

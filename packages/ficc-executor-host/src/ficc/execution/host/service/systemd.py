@@ -52,7 +52,9 @@ Differences from the cgroupfs backend (the shared behaviour tests pin them down)
 `User=` gives the slot account its own primary GID as the one supplementary group;
 systemd removes a unit's cgroups as soon as they are empty, and stops the whole
 tree when the main process fails (its exit status stays readable until `remove`,
-also after a daemon restart). On cgroup v2 the device policy is systemd's own BPF
+also after a daemon restart). What a unit used (`usage`) is read from the same
+cgroup files as in the cgroupfs backend, so once systemd removed them (a failed main
+process) the figures are unknown, never guessed. On cgroup v2 the device policy is systemd's own BPF
 program on the unit's cgroup, read back and decoded by `systemd_devices` (exactly the
 shapes systemd 252 emits); any other program, a second one, or other flags make
 `create` refuse (`service_devices_unenforceable`) rather than run without a verified
@@ -77,10 +79,11 @@ import msgspec
 
 from ficc.execution.host import procfs
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.service import cgroups, shim, systemd_devices
+from ficc.execution.host.service import accounting, cgroups, shim, systemd_devices
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.cgroups import Layout
 from ficc.execution.host.service.interface import (
+    CgroupUsage,
     Controls,
     DeviceAccess,
     DeviceRule,
@@ -654,6 +657,13 @@ class SystemdService:
 
     def members(self, handle: ServiceHandle) -> set[int]:
         return self._files.members(self._as_files(handle))
+
+    def usage(self, handle: ServiceHandle) -> CgroupUsage:
+        """Read from the unit's nodes that exist now (systemd may have created more
+        than the handle names, or already removed some: see the module docstring)."""
+        self._as_files(handle)
+        nodes = {**handle.cgroups, **self._existing_nodes(unit_cgroup(self._slice, handle.name))}
+        return accounting.read_usage(self._layout, nodes)
 
     def exit_status(self, handle: ServiceHandle) -> int | None:
         self._as_files(handle)
