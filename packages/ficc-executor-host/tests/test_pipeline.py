@@ -2110,9 +2110,9 @@ def test_a_marker_that_appears_only_after_the_deadline_is_refused_and_expires(
     apply = ledger.apply
     events: list[str] = []
 
-    def recorded(f: Fence, event: lifecycle.AnyEvent) -> Applied:
+    def recorded(f: Fence, event: lifecycle.AnyEvent, usage: Any = None) -> Applied:
         events.append(event.name)
-        return apply(f, event)
+        return apply(f, event, usage)
 
     ledger.apply = recorded  # type: ignore[method-assign]
     try:
