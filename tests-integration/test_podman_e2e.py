@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,6 +45,8 @@ from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
 
 pytestmark = NEEDS_PODMAN
 REPOSITORY = Path(__file__).resolve().parent.parent
+FICC_EXECUTOR = Path(sys.executable).parent / "ficc-executor"
+"""The console command of the environment the tests run in."""
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -381,7 +384,7 @@ def test_the_smoke_test_command_runs_one_job_and_leaves_nothing_behind(e2e: Podm
     through the running daemon as the transport account with the configured image, says
     each step and passes; its attempt is released (the slot is free again)."""
     before = {a.attempt_id for a in e2e.driver.snapshot().attempts}
-    command = [shutil.which("ficc-executor") or "ficc-executor", "smoke-test"]
+    command = [str(FICC_EXECUTOR), "smoke-test"]
     shown = subprocess.run(
         [*command, "--config", str(e2e.layout.config_path), "--timeout", "120"],
         capture_output=True, text=True, timeout=600, check=False,
@@ -399,7 +402,7 @@ def test_the_smoke_test_command_runs_one_job_and_leaves_nothing_behind(e2e: Podm
 
 def test_the_smoke_test_reports_a_failed_job_and_still_releases_it(e2e: PodmanWorld) -> None:
     before = {a.attempt_id for a in e2e.driver.snapshot().attempts}
-    command = [shutil.which("ficc-executor") or "ficc-executor", "smoke-test"]
+    command = [str(FICC_EXECUTOR), "smoke-test"]
     shown = subprocess.run(
         [*command, "--config", str(e2e.layout.config_path), "--", "/bin/sh", "-c", "exit 3"],
         capture_output=True, text=True, timeout=600, check=False,
