@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -373,22 +374,47 @@ def test_a_refused_row_does_not_fail_the_rest_of_the_batch(w: h.World) -> None:
     assert replies[1]["error"] == "device_unknown"
 
 
+PLANTED = {
+    # Every per-user file rootless Podman (containers/common, containers/image,
+    # containers/storage) looks for under HOME or XDG_CONFIG_HOME.
+    ".config/containers/containers.conf": '[containers]\nseccomp_profile = "unconfined"\n',
+    ".config/containers/containers.conf.d/99-planted.conf": "[containers]\npids_limit = 0\n",
+    ".config/containers/storage.conf": '[storage]\ndriver = "vfs"\n',
+    ".config/containers/mounts.conf": "/etc/hostname:/etc/planted-by-the-slot\n",
+    ".config/containers/registries.conf": 'unqualified-search-registries = ["planted.example"]\n',
+    ".config/containers/registries.conf.d/99-planted.conf": "[aliases]\n",
+    ".config/containers/policy.json": '{"default": [{"type": "reject"}]}\n',
+    ".config/containers/seccomp.json": '{"defaultAction": "SCMP_ACT_ALLOW"}\n',
+    ".config/containers/libpod.conf": 'runtime = "planted"\n',
+    ".config/containers/auth.json": '{"auths": {}}\n',
+    ".local/share/containers/storage.conf": '[storage]\ndriver = "vfs"\n',
+}
+
+
 def test_podman_configuration_in_the_slot_home_is_ignored(w: h.World) -> None:
-    """Anything running as the slot account can write ~/.config/containers: unused."""
-    base = Path(w.slot.path, "ficc-podman")
-    config = base / "home" / ".config" / "containers"
-    config.mkdir(mode=0o700, parents=True, exist_ok=True)
-    (config / "containers.conf").write_text('[containers]\nseccomp_profile = "unconfined"\n')
-    (config / "storage.conf").write_text('[storage]\ndriver = "vfs"\n')
-    for path in (base, *base.rglob("*")):
+    """Anything running as the slot account can write its old HOME (slot-owned): a
+    file planted there for each place rootless Podman reads a user's configuration
+    (mounts.conf would mount a host file into every later container, which the gate
+    refuses, wedging the slot) changes nothing for the next two jobs, and is removed
+    before Podman runs again. Podman's HOME is root's and empty."""
+    slot = SlotAccount(w.slot.uid, w.slot.gid, w.slot.path)
+    home = Path(slot.home)
+    for relative, text in PLANTED.items():
+        path = home / relative
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.write_text(text)
+    for path in (Path(slot.base), *Path(slot.base).rglob("*")):
         os.chown(path, w.slot.uid, w.slot.gid)
         if path.is_dir():
             path.chmod(0o700)
-    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
-    try:
-        _, verdict = h.run_to_payload(attempt)
-        assert verdict.ok, verdict.failures
-    finally:
-        _finish(attempt)
-        (config / "containers.conf").unlink()
-        (config / "storage.conf").unlink()
+    for _ in range(2):
+        attempt = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+        try:
+            _, verdict = h.run_to_payload(attempt)
+            assert verdict.ok, verdict.failures
+        finally:
+            _finish(attempt)
+        assert not home.exists(), "the planted configuration was left in place"
+    st = os.stat(slot.config_home)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode), os.listdir(slot.config_home)) == (0, 0o755, [])
+    assert slot.environment()["HOME"] == slot.config_home

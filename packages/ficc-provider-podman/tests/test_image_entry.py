@@ -6,10 +6,13 @@ import io
 import json
 import secrets
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 from ficc_provider_podman import image_entry
 from harness import build_image
@@ -32,7 +35,10 @@ def test_the_entry_of_a_saved_image_is_what_podman_loads(tmp_path: Path) -> None
     left = subprocess.run(["podman", "image", "exists", tag], check=False)
     assert left.returncode == 1, f"{tag} was left in root's Podman store"
     shown = subprocess.run(
-        ["ficc-podman-image", str(archive)], capture_output=True, text=True, check=False
+        [str(Path(sys.executable).parent / "ficc-podman-image"), str(archive)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["image_id"] == built["image_id"]

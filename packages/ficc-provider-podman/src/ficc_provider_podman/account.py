@@ -16,10 +16,12 @@ leftover and is killed through a pidfd (never a bare PID number), then confirmed
 Per-slot Podman state lives on the slot's reserved filesystem, owned by the account:
 
     <slot>/ficc-podman/          slot uid 0700
-      home/                      HOME (Podman's config and locks)
       storage/                   --root: images and container layers
       tmp/                       TMPDIR: `podman load` unpacks here, never in /var/tmp
-    /run/user/<uid>/             slot uid 0700: XDG_RUNTIME_DIR, --runroot, --tmpdir
+    <slot>/ficc-podman-home/     root 0755, empty: HOME and XDG_{CONFIG,DATA,CACHE}_HOME,
+                                 so no configuration of the account's making is read
+    /run/user/<uid>/             slot uid 0700: XDG_RUNTIME_DIR, --runroot, --tmpdir,
+                                 networks/ (--network-config-dir), reset before each command
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from ficc_provider_podman.config import Config
 from ficc_provider_podman.errors import ProviderError
 
 PODMAN_DIRECTORY = "ficc-podman"
+NETWORKS = "networks"
+"""Podman's `--network-config-dir`, in the account's runtime directory."""
+CONFIG_HOME = "ficc-podman-home"
+"""In the slot's root: the empty, root-owned HOME of every Podman command."""
 RUN_USER = "/run/user"
 PODMAN_TMPDIR = "libpod/tmp"
 """Podman's `--tmpdir`, relative to the account's runtime directory."""
@@ -79,7 +85,18 @@ class SlotAccount:
 
     @property
     def home(self) -> str:
+        """Where earlier releases pointed HOME: slot-owned, so whatever a slot-account
+        process left there is removed before every prepare and never read."""
         return f"{self.base}/home"
+
+    @property
+    def config_home(self) -> str:
+        """HOME and every XDG base directory of every Podman command: root's, 0755,
+        empty, in the slot's root (root's too), so nothing running as the slot account
+        can put configuration where Podman looks for a user's (`~/.config/containers`:
+        containers.conf and its .d, storage.conf, registries.conf and its .d,
+        policy.json, mounts.conf, seccomp.json, libpod.conf, auth.json, ...)."""
+        return f"{self.slot_path}/{CONFIG_HOME}"
 
     @property
     def storage(self) -> str:
@@ -96,12 +113,16 @@ class SlotAccount:
     def environment(self) -> dict[str, str]:
         """The complete environment of every Podman command (nothing inherited).
 
-        CONTAINERS_CONF and CONTAINERS_STORAGE_CONF name root-owned files, so Podman
-        never reads configuration from the slot-owned HOME (~/.config/containers),
-        which anything running as the slot account could have written.
+        CONTAINERS_CONF and CONTAINERS_STORAGE_CONF name root-owned files, and HOME and
+        the XDG configuration, data and cache directories are `config_home` (root's,
+        empty), so Podman reads no configuration that anything running as the slot
+        account could have written.
         """
         return {
-            "HOME": self.home,
+            "HOME": self.config_home,
+            "XDG_CONFIG_HOME": self.config_home,
+            "XDG_DATA_HOME": self.config_home,
+            "XDG_CACHE_HOME": self.config_home,
             "XDG_RUNTIME_DIR": self.runtime_dir,
             "TMPDIR": self.tmp,
             "PATH": "/usr/bin:/bin",
@@ -132,6 +153,10 @@ class SlotAccount:
             f"{self.runtime_dir}/containers",
             "--tmpdir",
             self.podman_tmpdir,
+            # Its default is under the (root's, read-only) config home; jobs run with
+            # --network none, and what is here is forgotten before every command.
+            "--network-config-dir",
+            f"{self.runtime_dir}/{NETWORKS}",
             "--storage-driver",
             "overlay",
             "--events-backend=none",
@@ -139,12 +164,33 @@ class SlotAccount:
         ]
 
     def ensure_directories(self) -> None:
-        """Create (or check) the account's Podman directories; refuses anything odd."""
+        """Create (or check) the account's Podman directories; refuses anything odd.
+        Removes what a slot-account process may have left in the old slot-owned HOME."""
         _ensure_dir(RUN_USER, 0, 0o755, create=True, exact_mode=False)
         _ensure_dir(self.runtime_dir, self.uid, 0o700, gid=self.gid, create=True)
+        _ensure_dir(self.config_home, 0, 0o755, gid=0, create=True)
+        if os.listdir(self.config_home):
+            raise ProviderError(
+                "podman_directory",
+                f"{self.config_home} must be empty (Podman's configuration home); only root"
+                " could have written to it: find out who did, then empty it",
+            )
         _ensure_dir(self.base, self.uid, 0o700, gid=self.gid, create=True)
-        for path in (self.home, self.storage, self.tmp):
+        _remove_tree(self.home)
+        for path in (self.storage, self.tmp):
             _ensure_dir(path, self.uid, 0o700, gid=self.gid, create=True)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove `path` whatever it is (a link is removed, never followed)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def _ensure_dir(
@@ -198,7 +244,7 @@ def run_podman(
             stdin=subprocess.DEVNULL if stdin is None else stdin,
             capture_output=True,
             env=account.environment(),
-            cwd=account.home,
+            cwd=account.config_home,
             user=account.uid,
             group=account.gid,
             extra_groups=[],
@@ -225,7 +271,7 @@ def reset_runtime_state(account: SlotAccount) -> None:
     reboot: every container becomes stopped and can be removed. Images and container
     records in the storage (--root) are untouched.
     """
-    for name in ("containers", "libpod", "runc"):
+    for name in ("containers", "libpod", "runc", NETWORKS):
         shutil.rmtree(f"{account.runtime_dir}/{name}", ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"/dev/shm/libpod_rootless_lock_{account.uid}")  # noqa: S108 (Podman's name)
