@@ -18,11 +18,13 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import select
 import shutil
 import socket
 import tempfile
 import termios
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -810,3 +812,70 @@ def test_a_socket_path_taken_by_something_else_refuses_to_serve(
     assert getattr(error, "code", None) == "socket_unsafe"
     assert not os.path.exists(server.paths["transport"])  # nothing after the refusal
     assert (directory / "admin.sock").read_text() == "not a socket"  # left for the operator
+
+
+# --- request-byte budgets --------------------------------------------------------------
+
+
+def _announce(path: str, length: int) -> socket.socket:
+    """A peer that declares a `length`-byte frame and sends one byte of it."""
+    sock = raw_connect(path)
+    sock.sendall(HEADER.pack(length) + b"{")
+    return sock
+
+
+def test_a_transport_flood_of_trickled_frames_never_starves_the_administrator(
+    directory: Path, fake: FakeDaemon
+) -> None:
+    """Five transport connections announce 12 MiB frames and trickle: four fill the
+    transport pool, the fifth is `busy`. The administrator's snapshots are still
+    served at once from its own pool, and the tricklers lose their reservations (cut
+    off, `too_slow`) long before the read timeout; then the transport is served."""
+    with running_server(directory, fake, read_timeout=30.0) as server:
+        flood = [_announce(server.paths["transport"], REQUEST_MAX) for _ in range(5)]
+        readable, _, _ = select.select(flood, [], [], 30)
+        assert len(readable) == 1, "exactly one announced frame does not fit the pool"
+        (refused,) = readable
+        code, _, _ = error_of(read_reply(refused))
+        assert code == "busy"  # so the other four hold the whole transport pool now
+        flood.remove(refused)
+        worst = 0.0
+        for n in range(10):
+            started = time.monotonic()
+            reply = ask(server.paths["admin"], snapshot(n))
+            worst = max(worst, time.monotonic() - started)
+            assert isinstance(reply, SnapshotReply), reply
+        print(f"administrator's worst snapshot latency during the flood: {worst * 1000:.1f} ms")
+        assert worst < 2.0
+        started = time.monotonic()
+        for sock in flood:
+            assert read_reply(sock) is None  # cut off without a reply
+            sock.close()
+        assert time.monotonic() - started < 10.0
+        assert len(server.events("too_slow")) == 4
+        assert isinstance(ask(server.paths["transport"], snapshot(20)), SnapshotReply)
+
+
+def test_owners_cannot_take_the_administrators_pool(directory: Path, fake: FakeDaemon) -> None:
+    with running_server(directory, fake) as server:
+        owners = [_announce(server.paths["owner"], REQUEST_MAX) for _ in range(2)]
+        readable, _, _ = select.select(owners, [], [], 30)
+        assert len(readable) == 1, "the owners' pool holds one largest frame"
+        assert error_of(read_reply(readable[0]))[0] == "busy"
+        assert isinstance(ask(server.paths["admin"], snapshot(1)), SnapshotReply)
+        for sock in owners:
+            sock.close()
+
+
+def test_a_frame_that_keeps_arriving_is_never_cut_off(directory: Path, fake: FakeDaemon) -> None:
+    """A whole large request, sent in pieces at a steady pace, is read and dispatched."""
+    with running_server(directory, fake) as server:
+        payload = encode_request(snapshot(3))
+        sock = raw_connect(server.paths["transport"])
+        sock.sendall(HEADER.pack(len(payload)))
+        for piece in range(0, len(payload), 16):
+            sock.sendall(payload[piece : piece + 16])
+        reply = read_reply(sock)
+        assert reply is not None
+        assert isinstance(decode_reply(reply, "snapshot"), SnapshotReply)
+        assert not server.events("too_slow")

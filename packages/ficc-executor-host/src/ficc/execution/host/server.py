@@ -50,6 +50,7 @@ from ficc.execution.frames import (
 )
 from ficc.execution.host import logs
 from ficc.execution.host.authority import SocketKind
+from ficc.execution.host.budget import Progress, RequestBudget
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import Endpoint, check_peer, listen, peer_credentials
 from ficc.execution.protocol import Sender, may_send
@@ -63,6 +64,8 @@ SENDERS: dict[SocketKind, Sender] = {
 """The sender a socket's kind stands for: authority comes from the socket only."""
 
 _OFF_LOOP_BYTES = 256 * 1024
+_PROGRESS_SLACK_S = 0.01
+"""How long past the progress deadline a receive may still end before the cut."""
 """Frames larger than this are decoded in a worker thread (base64 + SHA-256 of chunks)."""
 
 _REPLY_ENCODER = msgspec.json.Encoder(order="sorted")
@@ -85,9 +88,12 @@ class Dispatcher(Protocol):
 class ServerLimits:
     """Bounds that keep a slow, busy or malicious peer from holding the daemon.
 
-    `request_budget_bytes` bounds the request bytes buffered over all connections at
-    once (a frame's declared length is reserved before its payload is read), so memory
-    stays bounded however many peers send 12 MiB frames together.
+    `request_budget_bytes` bounds the request bytes the transport's connections buffer
+    at once (a frame's declared length is reserved before its payload is read), so
+    memory stays bounded however many peers send 12 MiB frames together; the local
+    owners share `owner_budget_bytes`, and the administrator's socket has
+    `admin_budget_bytes` of its own, which no other peer can take. A reserved frame
+    must keep arriving (`progress`), or its connection is cut (see `budget`).
     """
 
     max_connections: int = 64
@@ -95,13 +101,24 @@ class ServerLimits:
     read_timeout: float = 30.0
     write_timeout: float = 30.0
     request_budget_bytes: int = 48 * 1024 * 1024
+    owner_budget_bytes: int = REQUEST_MAX
+    admin_budget_bytes: int = REQUEST_MAX
+    progress: Progress = field(default_factory=Progress)
     shutdown_grace: float = 10.0
 
     def __post_init__(self) -> None:
         if min(self.max_connections, self.max_connections_per_socket) < 1:
             raise ValueError("connection bounds must be at least 1")
-        if self.request_budget_bytes < REQUEST_MAX:
-            raise ValueError("the request budget must hold at least one largest request")
+        pools = (self.request_budget_bytes, self.owner_budget_bytes, self.admin_budget_bytes)
+        if min(pools) < REQUEST_MAX:
+            raise ValueError("each request budget must hold at least one largest request")
+
+    def budget(self) -> RequestBudget:
+        return RequestBudget({
+            SocketKind.TRANSPORT: self.request_budget_bytes,
+            SocketKind.LOCAL_OWNER: self.owner_budget_bytes,
+            SocketKind.ADMINISTRATOR: self.admin_budget_bytes,
+        })  # fmt: skip
 
 
 Log = Callable[[dict[str, Any]], None]
@@ -164,7 +181,7 @@ class Server:
         self.log = log
         self._active: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._budget = limits.request_budget_bytes
+        self._budget = limits.budget()
         self._reply_buffers = _ReplyBuffers(_IDLE_REPLY_BUFFERS)
 
     @property
@@ -260,7 +277,7 @@ class Server:
             return _internal(info.request_id, "the executor failed while reading this request")
 
     async def _read_request(self, conn: socket.socket, info: _Connection) -> ReceivedRequest:
-        frame = await self._read_frame(conn)
+        frame = await self._read_frame(conn, info.endpoint.kind)
         try:
             if len(frame) > _OFF_LOOP_BYTES:
                 request = await asyncio.to_thread(self._decode, frame)
@@ -288,8 +305,9 @@ class Server:
         payload = cast(bytes, frame)
         return receive_request(payload, input_chunk_bytes=self.daemon.input_chunk_bytes())
 
-    async def _read_frame(self, conn: socket.socket) -> bytearray:
-        """One frame: header within the read timeout, budget reserved, then the payload.
+    async def _read_frame(self, conn: socket.socket, kind: SocketKind) -> bytearray:
+        """One frame: header within the read timeout, budget reserved from this socket
+        kind's pool, then the payload, which must keep arriving (`budget.Progress`).
 
         The frame decoder checks the header and gives one buffer of exactly the
         declared length, which the payload is received straight into (the request
@@ -302,23 +320,37 @@ class Server:
                 while decoder.expected is None:
                     await _receive_into(conn, decoder)
                 length = decoder.expected
-                if length > self._budget:
+                if not self._budget.take(kind, length):
                     message = _busy("the executor's request buffer")
                     raise _Refused(error_reply(None, ErrorCode.BUSY, message), "busy")
-                self._budget -= length
                 try:
-                    payload = None
-                    while payload is None:
-                        payload = await _receive_into(conn, decoder)
-                    return payload
+                    return await self._payload(conn, decoder)
                 finally:
-                    self._budget += length
+                    self._budget.give(kind, length)
         except FrameError as exc:
             raise _Refused(error_reply(None, exc.code, exc.message), "frame_refused") from None
         except TimeoutError:
             raise _Refused(None, "read_timeout") from None
         except ConnectionError:
             raise _Refused(None, "connection_reset") from None
+
+    async def _payload(self, conn: socket.socket, decoder: FrameDecoder) -> bytearray:
+        """The rest of a reserved frame, cut off (`too_slow`) once it falls behind the
+        progress rule: a peer keeps its reservation only while its bytes arrive."""
+        progress = self.limits.progress
+        started = time.monotonic()
+        payload = None
+        while payload is None:
+            elapsed = time.monotonic() - started
+            if progress.too_slow(decoder.buffered, elapsed):
+                raise _Refused(None, "too_slow")
+            remaining = progress.grace_s + decoder.buffered / progress.min_rate - elapsed
+            try:
+                async with asyncio.timeout(max(remaining, 0.0) + _PROGRESS_SLACK_S):
+                    payload = await _receive_into(conn, decoder)
+            except TimeoutError:
+                raise _Refused(None, "too_slow") from None
+        return payload
 
     async def _dispatch(self, request: ReceivedRequest, info: _Connection) -> AnyReply:
         sender = SENDERS[info.endpoint.kind]
