@@ -110,6 +110,25 @@ def open_dir_at(dir_fd: int, name: str) -> int:
         raise _refusal(dir_fd, name, error, f"directory {name!r}") from error
 
 
+def open_dir_below(dir_fd: int, name: str) -> int:
+    """`open_dir_at`, refused (`storage_unverified`) unless the directory is on the same
+    filesystem as `dir_fd`: checked on the opened descriptor, before anything is
+    written there. Below a slot, another filesystem is a mount over the host's own
+    directories (a tmpfs over `ficc/`, a host directory over `ficc-staging/`), where
+    the slot's disk bound would not hold for what the host writes."""
+    fd = open_dir_at(dir_fd, name)
+    found, parent = os.fstat(fd).st_dev, os.fstat(dir_fd).st_dev
+    if found != parent:
+        os.close(fd)
+        raise HostError(
+            "storage_unverified",
+            f"directory {name!r} is another filesystem mounted inside the slot (device"
+            f" {os.major(found)}:{os.minor(found)}, the slot's is {os.major(parent)}:"
+            f"{os.minor(parent)}); nothing is written there: unmount it, then retry",
+        )
+    return fd
+
+
 def open_dir(
     path: str,
     *,

@@ -190,7 +190,7 @@ class Layout:
             for part in PARTS:
                 uid, gid = (self.uid, self.gid) if part.slot_owned else (_ROOT, _ROOT)
                 os.close(_ensure_dir(attempt_fd, part.name, uid, gid, part.mode))
-            logs_fd = fsutil.open_dir_at(attempt_fd, LOGS.name)
+            logs_fd = fsutil.open_dir_below(attempt_fd, LOGS.name)
             try:
                 for name in (STDOUT, STDERR):
                     _ensure_log(logs_fd, name)
@@ -366,9 +366,11 @@ def _open_checked(
     """Open a directory and refuse it unless owned by `uid` with exactly `mode`.
 
     One exception: a directory this host was killed while creating (see
-    `_finish_half_created`) is finished instead of refused, when `gid` is known.
+    `_finish_half_created`) is finished instead of refused, when `gid` is known. A
+    directory on another filesystem than its parent (a mount inside the slot) is
+    refused (`storage_unverified`).
     """
-    fd = fsutil.open_dir_at(parent_fd, name)
+    fd = fsutil.open_dir_below(parent_fd, name)
     try:
         st = os.fstat(fd)
         if st.st_uid != uid or (mode is not None and stat.S_IMODE(st.st_mode) != mode):
@@ -404,7 +406,7 @@ def _ensure_dir(parent_fd: int, name: str, uid: int, gid: int, mode: int) -> int
         os.mkdir(name, 0o700, dir_fd=parent_fd)
     except FileExistsError:
         return _open_checked(parent_fd, name, uid, mode, gid)
-    fd = fsutil.open_dir_at(parent_fd, name)
+    fd = fsutil.open_dir_below(parent_fd, name)
     try:
         os.fchown(fd, uid, gid)
         os.fchmod(fd, mode)

@@ -62,6 +62,7 @@ from ficc.execution.host.fsutil import (
     identity_of,
     open_dir,
     open_dir_at,
+    open_dir_below,
     open_regular_at,
     require_owner,
     storage_refusal,
@@ -586,7 +587,7 @@ class Stager:
             pass
         else:
             fsync_dir(parent_fd)
-        fd = open_dir_at(parent_fd, name)
+        fd = open_dir_below(parent_fd, name)
         try:
             st = os.fstat(fd)
             require_owner(st, _ROOT, f"staging directory {name!r}")
