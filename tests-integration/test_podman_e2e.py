@@ -441,3 +441,27 @@ def test_the_documented_first_job_plan_runs_with_the_podman_provider(e2e: Podman
     assert (done.state, done.exit_code) == ("succeeded", 0), done
     assert e2e.collect(plan, "stdout").data.startswith(b"hello from the first job\n")
     assert e2e.release(plan).state == "released"
+
+
+def test_a_replaced_input_link_in_the_runtime_layout_fails_start_with_input_changed(
+    e2e: PodmanWorld,
+) -> None:
+    """The staged file is intact, but the provider's hard link of it in its runtime
+    layout was replaced by another file: the provider's check at start refuses it, and
+    the attempt fails `input_changed` (not a generic `provider_failed`); the payload
+    never runs."""
+    data = b"staged input bytes\n"
+    obj = _streamed(data, "data.txt")
+    plan = e2e.plan("echo ran > /work/ran.txt", inputs=[obj], outputs=[("ran", "ran.txt")])
+    e2e.prepare(plan)
+    e2e.stream(plan, obj, data)
+    ready = e2e.wait_ready(plan)
+    link = e2e.attempt_dir(ready) / "provider" / "inputs" / "data.txt"
+    assert link.read_bytes() == data
+    replacement = link.with_name("replacement")
+    shutil.copy2(link, replacement)  # same bytes, mode and owner; another file
+    os.replace(replacement, link)
+    e2e.start(plan)
+    done = e2e.wait_settled(plan)
+    assert (done.state, done.reason) == ("failed", "input_changed"), done
+    assert not (e2e.attempt_dir(done) / "storage" / "ran.txt").exists()

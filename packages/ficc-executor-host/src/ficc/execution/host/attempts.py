@@ -78,9 +78,16 @@ def _decoded(result: RowResult, method: str, kind: type[_R]) -> _R:
         raise HostError("provider_malformed", f"{method} returned {error}") from error
 
 
+PASSED_THROUGH = frozenset({PROVIDER_TIMEOUT, ErrorCode.PROVIDER_UNAVAILABLE, "input_changed"})
+"""Provider refusal codes kept as the attempt's reason: each means to a controller what
+the host's own code means (`input_changed`: a staged input is no longer the file that
+completed, found by the provider's check of its own link). Any other becomes
+`provider_failed` (`probe_failed` for probe), with the provider's message in the log."""
+
+
 def _row_error(result: RowResult, method: str) -> HostError:
     code = result.code or ErrorCode.PROVIDER_FAILED
-    if code not in (PROVIDER_TIMEOUT, ErrorCode.PROVIDER_UNAVAILABLE):
+    if code not in PASSED_THROUGH:
         code = "probe_failed" if method == "probe" else ErrorCode.PROVIDER_FAILED
     return HostError(code, f"provider {method}: {result.message or 'no reply'}")
 
