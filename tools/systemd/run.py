@@ -67,6 +67,7 @@ E2E_FILES = [
     "tests-integration/test_podman_disk.py",
     "tools/testimage/build.py",
     "packages/ficc-provider-podman/packaging/podman.conf",
+    "docs/examples/podman-first-job.json",
 ]
 E2E_TESTS = [
     f"{INSIDE}/tests-integration/test_podman_e2e.py",

@@ -674,10 +674,14 @@ def test_usage_counts_the_trees_cpu_memory_processes_and_oom_kills(
     else:
         assert used.processes_peak is None
     service.stop(handle)
-    after = service.usage(handle)  # still readable once stopped, until remove
-    assert after.oom_kills == 1
-    assert after.cpu_user_us is not None
-    assert after.cpu_user_us >= used.cpu_user_us
+    after = service.usage(handle)
+    if service.backend == "cgroupfs":  # the daemon's cgroups stay until remove
+        assert after.oom_kills == 1
+        assert after.cpu_user_us is not None
+        assert after.cpu_user_us >= used.cpu_user_us
+    else:  # systemd removes a stopped unit's cgroups: the figures are absent, never guessed
+        assert after.oom_kills in (None, 1), after
+        assert after.cpu_user_us is None or after.cpu_user_us >= used.cpu_user_us, after
     service.remove(handle)
 
 
