@@ -182,6 +182,13 @@ def test_a_runtime_that_fails_before_the_release_is_heard_in_the_daemons_log(
     attempt(daemon.start_attempt(plan))
     done = settled_clean(daemon, plan)
     assert (done.state, done.reason) == ("failed", "barrier_exited"), done
+    runtime_said = (
+        "ficc-test-barrier: preparing the runtime\n"
+        "ficc-test-barrier: OCI runtime error: the runtime refused to create the container"
+    )
+    # the controller can show it too: on the row, when it asks for the detail
+    assert attempt(daemon.observe(plan, detail=True)).detail == runtime_said
+    assert attempt(daemon.observe(plan)).detail is msgspec.UNSET
     daemon.release(plan)
 
     said = [line for line in daemon.process.events() if line.get("event") == "runtime_error"]
@@ -190,8 +197,5 @@ def test_a_runtime_that_fails_before_the_release_is_heard_in_the_daemons_log(
     assert (line["level"], line["attempt_id"], line["code"]) == (
         "error", plan.attempt_id, "barrier_exited",
     )  # fmt: skip
-    assert line["runtime_stderr"] == (
-        "ficc-test-barrier: preparing the runtime\n"
-        "ficc-test-barrier: OCI runtime error: the runtime refused to create the container"
-    )
+    assert line["runtime_stderr"] == runtime_said
     assert "OCI runtime error" in line["message"]

@@ -116,6 +116,8 @@ class FakeRunner:
         self.reaped: frozenset[str] = frozenset()
         """Attempts whose service the reaper had stopped before their renewal moved it."""
         self.live: dict[str, ResourceUsage] = {}
+        self.kept_details: dict[str, str] = {}
+        """What `details` answers for an attempt (the runtime's words of a failed start)."""
         """What `usage_now` reads for an attempt (absent: the service is not readable)."""
 
     def admitted(self, attempt_ids: Sequence[str]) -> None:
@@ -137,6 +139,9 @@ class FakeRunner:
     async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         self.calls.append(("leases_renewed", tuple(r.attempt_id for r in records)))
         return self.reaped & {r.attempt_id for r in records}
+
+    def details(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        return {a: self.kept_details[a] for a in attempt_ids if a in self.kept_details}
 
     async def usage_now(self, records: Sequence[AttemptRecord]) -> dict[str, ResourceUsage]:
         self.calls.append(("usage_now", tuple(r.attempt_id for r in records)))
@@ -1327,3 +1332,26 @@ def test_auto_supervisor_picks_cgroupfs_without_systemd_as_pid_1() -> None:
     assert caught.value.code == "service_unsupported"
     # A tool outside any service unit (the conformance kit) binds its units to none.
     assert isinstance(service_backend("systemd", bound_to_daemon=False), SystemdService)
+
+
+def test_detail_is_shown_only_when_asked_and_only_where_the_runner_keeps_one(
+    host: Host,
+) -> None:
+    failed, quiet = make_plan(), make_plan()
+    host.prepare(failed, quiet)
+    host.runner.kept_details[failed.attempt_id] = "runc create failed: permission denied"
+
+    def observe(**asked: bool) -> Any:
+        request = ObserveRequest(version=1, id=new_id(), attempts=[fence(failed), fence(quiet)],
+                                 **asked)  # fmt: skip
+        return host.send(request)
+
+    plain = observe()
+    assert [row.detail for row in plain.results] == [msgspec.UNSET] * 2
+    assert b'"detail"' not in encode_reply(plain)  # an old client's reply is unchanged
+    assert [row.detail for row in observe(detail=False).results] == [msgspec.UNSET] * 2
+    asked = observe(detail=True)
+    assert [row.detail for row in asked.results] == [
+        "runc create failed: permission denied",
+        msgspec.UNSET,  # nothing went wrong in its runtime: no detail
+    ]

@@ -35,7 +35,8 @@ EXPORTS: dict[str, list[str]] = {
         "may_send", "validate_request",
     ],
     "wire": [
-        "METRICS_MAX_CHARS", "REASONS", "TERMINAL", "AnyReply", "AttemptResult", "AttemptRow",
+        "DETAIL_MAX", "METRICS_MAX_CHARS", "REASONS", "TERMINAL", "AnyReply", "AttemptResult",
+        "AttemptRow",
         "AttemptStatus",
         "AttemptsReply", "Capacity", "Control", "Error", "ErrorReply", "ErrorRow",
         "InputResult", "InputRow", "InputsReply", "MetricsReply", "Offer", "OfferReply",

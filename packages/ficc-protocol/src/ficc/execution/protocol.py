@@ -399,11 +399,19 @@ class ObserveRequest(_FenceBatch, frozen=True, kw_only=True, tag="observe"):
     """
 
     usage: bool | msgspec.UnsetType = msgspec.UNSET
+    detail: bool | msgspec.UnsetType = msgspec.UNSET
+    """`detail: true` asks for each row's `detail`: what went wrong, in the runtime's
+    own words, when a start failed before the payload ran. Omitted unless set."""
 
     @property
     def wants_usage(self) -> bool:
         """Whether the reply's rows carry `usage`."""
         return self.usage is True
+
+    @property
+    def wants_detail(self) -> bool:
+        """Whether the reply's rows carry `detail` (where the host has one)."""
+        return self.detail is True
 
 
 class StopRequest(_FenceBatch, frozen=True, kw_only=True, tag="stop"):

@@ -120,6 +120,10 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     wall_ms: Count | msgspec.UnsetType = msgspec.UNSET
 
 
+DETAIL_MAX = 2048
+"""The longest `detail` of an attempt row, in characters."""
+
+
 class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What the host's record says about one attempt.
 
@@ -157,6 +161,12 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     usage: Usage | msgspec.UnsetType = msgspec.UNSET
     """Present only when the request asked for it (`usage: true` in observe or
     snapshot): what the attempt used, see `Usage`."""
+    detail: Annotated[str, msgspec.Meta(max_length=DETAIL_MAX)] | msgspec.UnsetType = msgspec.UNSET
+    """Present only when an observe asked for it (`detail: true`) and the host has one:
+    for a start that failed before the payload ran, the end of what the provider's
+    runtime printed (bounded, control characters shown as `?`), for a controller to
+    show. Kept by the daemon until the attempt's release or a restart; never the
+    payload's output."""
 
     def __post_init__(self) -> None:
         if self.state in TERMINAL and self.outcome != self.state:
@@ -535,6 +545,7 @@ def encode_reply(reply: AnyReply) -> bytes:
 
 
 __all__ = [
+    "DETAIL_MAX",
     "METRICS_MAX_CHARS",
     "REASONS",
     "TERMINAL",

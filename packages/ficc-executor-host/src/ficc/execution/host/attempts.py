@@ -159,6 +159,9 @@ class Shared:
     handles: dict[str, ServiceHandle]
     """attempt ID -> the service this daemon created for it (until its release)."""
     walls: WallTimes = dataclasses.field(default_factory=WallTimes)
+    details: dict[str, str] = dataclasses.field(default_factory=dict)
+    """attempt ID -> what the runtime printed when its start failed before the release
+    (shown on observe rows that ask for `detail`; until the release or a restart)."""
 
 
 class AttemptWork(HostWork):
@@ -172,6 +175,7 @@ class AttemptWork(HostWork):
         self._monitor = shared.monitor
         self._handles = shared.handles
         self._walls = shared.walls
+        self._details = shared.details
 
     async def _apply(
         self,

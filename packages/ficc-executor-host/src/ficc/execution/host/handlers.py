@@ -120,6 +120,7 @@ class RunnerPort(Protocol):
     async def usage_now(
         self, records: Sequence[ledgerlib.AttemptRecord]
     ) -> dict[str, ledgerlib.ResourceUsage]: ...
+    def details(self, attempt_ids: Sequence[str]) -> dict[str, str]: ...
 
 
 Handler = Callable[[HostContext, RunnerPort, Sender, Any], Awaitable[AnyReply]]
@@ -590,7 +591,20 @@ async def observe(
     rows = await attempt_rows(ctx, read.results, read.staged)
     if request.wants_usage:
         rows = await _with_usage(ctx, runner, read.results, rows)
+    if request.wants_detail:
+        rows = _with_detail(runner, rows)
     return _reply(request, rows)
+
+
+def _with_detail(runner: RunnerPort, rows: list[AttemptResult]) -> list[AttemptResult]:
+    """`rows` with each attempt row's `detail`, where the runner keeps one."""
+    kept = runner.details([r.attempt_id for r in rows if isinstance(r, AttemptRow)])
+    return [
+        msgspec.structs.replace(row, detail=kept[row.attempt_id])
+        if isinstance(row, AttemptRow) and row.attempt_id in kept
+        else row
+        for row in rows
+    ]
 
 
 async def stop(

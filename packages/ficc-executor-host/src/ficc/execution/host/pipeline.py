@@ -217,6 +217,7 @@ class Runner(AttemptWork):
         self._watch.discard(attempt.id)
         self._killed.discard(attempt.id)
         self._walls.forget(attempt.id)
+        self._details.pop(attempt.id, None)
 
     async def _release_context(self, attempt: _Attempt) -> sdk.Context:
         """The release's context. A storage directory an earlier release of this
@@ -505,6 +506,10 @@ class Runner(AttemptWork):
             await self._db(self._ctx.ledger.record_usage, attempt.record.fence, used)
         except HostError as error:  # never a reason to keep a slot: cleanup goes on
             _log.warning("attempt %s: usage not recorded: %s", attempt.id, error)
+
+    def details(self, attempt_ids: Sequence[str]) -> dict[str, str]:
+        """What the runtime printed for these attempts' failed starts, where kept."""
+        return {a: self._details[a] for a in attempt_ids if a in self._details}
 
     async def usage_now(self, records: Sequence[AttemptRecord]) -> dict[str, ResourceUsage]:
         """A live reading of what each started, unsettled attempt used so far (the

@@ -77,6 +77,7 @@ from ficc.execution.host.handlers import ceiling_limits
 from ficc.execution.host.layout import RELEASE_MARKER
 from ficc.execution.host.sdk import DeviceOpen
 from ficc.execution.host.service.interface import Controls, ServiceHandle
+from ficc.execution.wire import DETAIL_MAX
 
 __all__ = ["MAX_OBSERVATION_PAUSE", "Starter", "observation_pause"]
 
@@ -226,6 +227,7 @@ class Starter(AttemptWork):
         said = await self._io(runtime_errors.stderr_tail, attempt.layout, attempt.id)
         if not said:
             return
+        self._details[attempt.id] = said[-DETAIL_MAX:]
         _log.error(
             "attempt %s: start failed (%s); the runtime printed: %s",
             attempt.id,
