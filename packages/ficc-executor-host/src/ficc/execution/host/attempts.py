@@ -198,8 +198,10 @@ class AttemptWork(HostWork):
         self, record: AttemptRecord, event: lifecycle.AnyEvent, error: HostError
     ) -> None:
         """Record a failure; the ledger keeps only its code, so the operator's log gets
-        the message that says what went wrong (a provider's refusal text, say)."""
-        _log.warning("attempt %s: %s: %s", record.attempt_id, event.name, error)
+        the message that says what went wrong (a provider's refusal text, with what its
+        runtime printed, say), at error priority: a prepare or start that failed needs
+        the administrator's eyes (`journalctl -u ficc-executor-host -p err`)."""
+        _log.error("attempt %s: %s: %s", record.attempt_id, event.name, error)
         await self._apply(record, event)
 
     async def _usage(self, attempt: _Attempt, handle: ServiceHandle | None) -> ResourceUsage:
