@@ -163,11 +163,16 @@ class SlotAccount:
             f"--log-level={log_level}",
         ]
 
+    def ensure_runtime_dir(self) -> None:
+        """Create (or check) /run/user/<uid>. Every Podman command needs it, and /run
+        is a tmpfs: after a reboot it is gone even for a slot prepared before it."""
+        _ensure_dir(RUN_USER, 0, 0o755, create=True, exact_mode=False)
+        _ensure_dir(self.runtime_dir, self.uid, 0o700, gid=self.gid, create=True)
+
     def ensure_directories(self) -> None:
         """Create (or check) the account's Podman directories; refuses anything odd.
         Removes what a slot-account process may have left in the old slot-owned HOME."""
-        _ensure_dir(RUN_USER, 0, 0o755, create=True, exact_mode=False)
-        _ensure_dir(self.runtime_dir, self.uid, 0o700, gid=self.gid, create=True)
+        self.ensure_runtime_dir()
         _ensure_dir(self.config_home, 0, 0o755, gid=0, create=True)
         if os.listdir(self.config_home):
             raise ProviderError(
@@ -237,6 +242,7 @@ def run_podman(
             f"the slot account {account.uid} still has processes outside a service; "
             "the host must confirm the previous attempt's cleanup first",
         )
+    account.ensure_runtime_dir()
     reset_runtime_state(account)
     try:
         return subprocess.run(
