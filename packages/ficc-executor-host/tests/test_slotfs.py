@@ -11,6 +11,7 @@ import grp
 import json
 import os
 import pwd
+import re
 import secrets
 import stat
 import subprocess
@@ -157,6 +158,24 @@ def test_a_provisioned_slot_with_its_own_account_passes_every_check(host: Host) 
         assert (st.f_blocks - (st.f_bfree - st.f_bavail)) * st.f_frsize >= BYTES
         assert st.f_files >= INODES
         assert os.stat(made.mount).st_uid == 0
+
+
+def test_a_provisioned_image_is_zeroed_whole_so_the_kernel_never_punches_holes_in_it(
+    host: Host,
+) -> None:
+    """mkfs zeroes every inode table and the journal itself: ext4 otherwise zeroes
+    them after the first mount, through the loop device, which punches holes into an
+    image that lives on ext4 (the slot's room would no longer be reserved)."""
+    for i in range(len(host.slots)):
+        image = host.root / "images" / f"s{i}.img"
+        dump = subprocess.run(
+            ["dumpe2fs", str(image)], capture_output=True, text=True, check=True
+        ).stdout
+        groups = [line for line in dump.splitlines() if re.match(r"Group \d+:", line)]
+        assert groups, dump[:400]
+        lazy = [line for line in groups if "ITABLE_ZEROED" not in line]
+        assert lazy == [], f"inode tables left for the kernel to zero: {lazy[:2]}"
+        assert os.stat(image).st_blocks * 512 >= os.stat(image).st_size
 
 
 def test_a_plain_directory_on_a_shared_filesystem_is_refused(host: Host) -> None:
