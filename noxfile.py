@@ -10,6 +10,9 @@ Sessions:
                                        part of integration)
   systemd                              the systemd backend under real systemd in a container
   systemd_unified                      systemd's v2 device programs, systemd in unified mode
+  vm                                   the production host under qemu: deploy, v2 suites,
+                                       one reboot and one power cut (tools/vm)
+  vm_soak                              `-- --cuts N --seed S`: N power cuts
   lint                                 ruff
   typecheck                            mypy --strict on every src/
   build                                wheel + sdist of every distribution, each installed alone
@@ -19,7 +22,8 @@ Sessions:
   bench                                the benchmarks (tools/bench), as ratios
   soak                                 the long reliability loops (R1, R3 at soak size)
   demo                                 one real job end to end (tools/demo.py)
-  ci                                   everything CI needs: all of the above but bench, soak, demo
+  ci                                   everything CI needs: all of the above but bench, soak,
+                                       vm_soak, demo
 
 `nox -s ci` is what the README's test command runs (`tools/dev test`); `.ci/run` runs
 `tools/dev setup`, then that command.
@@ -264,6 +268,23 @@ def systemd_unified(session: nox.Session) -> None:
 
 
 @nox.session
+def vm(session: nox.Session) -> None:
+    """The production host: Debian 12 under qemu with systemd as PID 1 and a unified
+    cgroup v2 tree, deployed by docs/operations.md, the v2 suites run inside, one
+    reboot and one power cut (tools/vm/run.py; its options after `--`)."""
+    session.install(*BUILD_TOOLS)
+    session.run("python", str(ROOT / "tools" / "vm" / "run.py"), *session.posargs)
+
+
+@nox.session(name="vm_soak")
+def vm_soak(session: nox.Session) -> None:
+    """Power cuts at seeded random moments: `nox -s vm_soak -- --cuts N --seed S`
+    (no suites; each cut is checked after the next boot)."""
+    session.install(*BUILD_TOOLS)
+    session.run("python", str(ROOT / "tools" / "vm" / "run.py"), "--suites", "", *session.posargs)
+
+
+@nox.session
 def integration(session: nox.Session) -> None:
     """Tests that cross distributions: real daemon, real socket, real provider."""
     _install_all(session)
@@ -365,7 +386,8 @@ def _install_built_wheels(session: nox.Session) -> None:
 def ci(session: nox.Session) -> None:
     """Everything CI runs: every package's tests against the installed wheels (the
     fast lane first, then the tests that need root or Podman), integration, systemd,
-    upgrade, lint, typecheck, build."""
+    the VM lane (a production host: reboot and power cut), upgrade, lint, typecheck,
+    build."""
     _install_built_wheels(session)
     session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
@@ -375,6 +397,7 @@ def ci(session: nox.Session) -> None:
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
+    session.run("python", str(ROOT / "tools" / "vm" / "run.py"))
     _upgrade(session)
     _lint(session)
     _typecheck(session)

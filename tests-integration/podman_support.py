@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,3 +66,12 @@ def each_test(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[Po
         world.finish(plan)
     for account in world.slots:
         assert processes_of(account.uid) == [], f"{account.name} has processes left"
+
+
+def children_cpu_us(times_output: bytes) -> int:
+    """The CPU time (user plus system, microseconds) of a shell's children, from the
+    last line of its `times` builtin (`0m1.230000s 0m0.010000s`): what the payload's own
+    processes used, measured inside the container, apart from Podman's share."""
+    last = times_output.decode().splitlines()[-1]
+    pairs = re.findall(r"(\d+)m([\d.]+)s", last)
+    return sum(int(minutes) * 60_000_000 + round(float(s) * 1e6) for minutes, s in pairs)

@@ -16,7 +16,7 @@ here and with `systemd` inside the systemd container (tools/systemd/run.py).
 from __future__ import annotations
 
 import json
-import re
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,7 +32,7 @@ from ficc.execution.wire import AttemptRow, MetricsReply, Usage
 from ficc_testkit.plans import new_id
 from ficc_testkit.podman import SLOT_CLASS, PodmanWorld
 from ficc_testkit.units import MIB
-from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
+from podman_support import BACKENDS, NEEDS_PODMAN, children_cpu_us, each_test, podman_world
 
 pytestmark = NEEDS_PODMAN
 
@@ -43,9 +43,11 @@ BOMB_LIMIT = 160 * MIB
 WRITTEN_FILES = 8
 WRITTEN_BYTES = WRITTEN_FILES * MIB
 FORKS = 20
-PODMAN_CPU_US = 1_000_000
+PODMAN_CPU_US = int(os.environ.get("FICC_TEST_PODMAN_CPU_US", "1000000"))
 """What Podman, conmon and the runtime may add to a payload's CPU time in its service
-(measured on this 2-core host at about a quarter of it)."""
+(measured on this 2-core host at about a quarter of a second; under the VM lane's
+software emulation, where Podman itself runs about 20x slower, at 5 to 7 s, so the
+lane sets this higher)."""
 SLOT_SLACK_BYTES = 2 * MIB
 """What a run adds to its slot beyond its payload's files (logs, the provider's files)."""
 SLOT_SLACK_INODES = 64
@@ -109,9 +111,7 @@ def test_a_cpu_spinner_costs_its_cpu_second_and_is_read_live(usage: PodmanWorld)
     assert isinstance(used, Usage)
     assert used.final
     assert (row.state, row.exit_code) == ("succeeded", 0), row
-    times = usage.collect(plan, "stdout").data.decode()
-    children = re.findall(r"(\d+)m([\d.]+)s", times.splitlines()[-1])
-    spun_us = sum(int(minutes) * 60_000_000 + round(float(s) * 1e6) for minutes, s in children)
+    spun_us = children_cpu_us(usage.collect(plan, "stdout").data)
     cpu = _cpu_us(used)
     _table(usage, "cpu_user_us+cpu_system_us", "spinner, 1 s wall", cpu,
            f"{spun_us} (the spinner's own, by `times`) .. +{PODMAN_CPU_US}")  # fmt: skip

@@ -69,15 +69,19 @@ MASKED = [
 HOST_PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager=cgroupfs"]
 
 
-def cache_key() -> str:
-    recipe = {
-        "suite": SUITE,
-        "variant": VARIANT,
-        "mirror": MIRROR,
-        "packages": PACKAGES,
-        "files": FILES,
-        "masked": MASKED,
-    }
+Recipe = dict[str, object]
+"""What decides a rootfs: suite, variant, mirror, packages, files, masked units."""
+CONTAINER: Recipe = {
+    "suite": SUITE,
+    "variant": VARIANT,
+    "mirror": MIRROR,
+    "packages": PACKAGES,
+    "files": FILES,
+    "masked": MASKED,
+}
+
+
+def cache_key(recipe: Recipe = CONTAINER) -> str:
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -96,22 +100,24 @@ def _ensure_debootstrap() -> None:
     subprocess.run(["apt-get", "install", "-y", "-q", "debootstrap"], check=True)
 
 
-def _debootstrap(target: pathlib.Path) -> None:
+def _debootstrap(target: pathlib.Path, recipe: Recipe) -> None:
     _ensure_debootstrap()
-    command = ["debootstrap", f"--variant={VARIANT}", f"--include={','.join(PACKAGES)}"]
-    subprocess.run([*command, SUITE, str(target), MIRROR], check=True)
-    for name, text in FILES.items():
+    packages = ",".join(recipe["packages"])  # type: ignore[arg-type]
+    command = ["debootstrap", f"--variant={recipe['variant']}", f"--include={packages}"]
+    subprocess.run([*command, str(recipe["suite"]), str(target), str(recipe["mirror"])], check=True)
+    files: dict[str, str] = recipe["files"]  # type: ignore[assignment]
+    for name, text in files.items():
         path = target / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    for unit in MASKED:
+    for unit in recipe["masked"]:  # type: ignore[attr-defined]
         link = target / "etc/systemd/system" / unit
         link.unlink(missing_ok=True)
         link.symlink_to("/dev/null")
     subprocess.run(["chroot", str(target), "apt-get", "clean"], check=True)
 
 
-def build_tarball(key: str) -> pathlib.Path:
+def build_tarball(key: str, recipe: Recipe = CONTAINER) -> pathlib.Path:
     """CACHE/<key>/rootfs.tar, built atomically (a crash leaves no half tarball)."""
     directory = CACHE / key
     tarball = directory / "rootfs.tar"
@@ -122,10 +128,10 @@ def build_tarball(key: str) -> pathlib.Path:
     work = directory / "rootfs.tmp"
     if work.exists():
         shutil.rmtree(work)
-    _log(f"debootstrap {SUITE} into {work} (about a minute)")
+    _log(f"debootstrap {recipe['suite']} into {work} (a minute or more)")
     partial = directory / "rootfs.tar.part"
     try:
-        _debootstrap(work)
+        _debootstrap(work, recipe)
         subprocess.run(
             ["tar", "--numeric-owner", "--xattrs", "-C", str(work), "-cf", str(partial), "."],
             check=True,

@@ -68,11 +68,30 @@ WAIT_TIMEOUT = 120.0
 """Podman jobs are slower than the test provider's: waits are longer."""
 SLOT_BYTES = 512 * MIB
 SLOT_INODES = 20_000
+WORLD_PARENT = os.environ.get("FICC_TEST_WORLD_PARENT", "/run")
+"""Where each world's tree is made. /run by default; a Debian host booted with an
+initramfs mounts /run `noexec` (the installed provider's barrier could not run) as a
+tmpfs of a tenth of the memory (too small for the slot images), so the VM lane names a
+directory on the root disk."""
 """The slot filesystems of the end-to-end world (loop-mounted ext4 images, allocated in
 full under the world's directory)."""
 RETRY_LATER = frozenset({"inputs_preparing", "input_busy"})
 """input_write codes that mean: try again on a later polling cycle."""
 RUNTIME_DEVICES = ("/dev/null", "/dev/random", "/dev/urandom")
+
+
+UNIFIED = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+"""A pure cgroup v2 host (one unified tree at /sys/fs/cgroup), as every systemd host
+users deploy on; else the v1 hierarchies of a hybrid host."""
+
+
+def _keyed(path: Path, key: str) -> int:
+    """The value of `key` in a flat-keyed cgroup file (`oom_kill 3`)."""
+    for line in path.read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    raise AssertionError(f"{path} has no {key!r}")
 
 
 @dataclass(frozen=True)
@@ -234,13 +253,23 @@ class PodmanWorld:
         self.restart()
 
     def service_cgroup(self, plan: Plan, controller: str) -> Path:
-        """The attempt's service cgroup in a v1 hierarchy, where its backend puts it."""
+        """The attempt's service cgroup, where its backend puts it: in the v1 hierarchy
+        of `controller`, or in the one unified tree of a pure cgroup v2 host."""
+        tree = Path("/sys/fs/cgroup") if UNIFIED else Path("/sys/fs/cgroup", controller)
         service = f"ficc-work-{self.layout.installation_id}-{plan.attempt_id}"
         if self.backend == "cgroupfs":
-            return Path("/sys/fs/cgroup", controller, "ficc", service)
+            return tree / "ficc" / service
         group = show_unit(f"{service}.service", "ControlGroup")["ControlGroup"]
         assert group, f"{service}.service has no control group (not running?)"
-        return Path("/sys/fs/cgroup", controller, group.lstrip("/"))
+        return tree / group.lstrip("/")
+
+    def oom_kills(self, plan: Plan) -> int:
+        """OOM kills in the attempt's service tree, counted by the kernel (v1: each
+        cgroup's `memory.oom_control`; v2: the service's hierarchical `memory.events`)."""
+        top = self.service_cgroup(plan, "memory")
+        if UNIFIED:
+            return _keyed(top / "memory.events", "oom_kill")
+        return sum(_keyed(f, "oom_kill") for f in top.rglob("memory.oom_control"))
 
     @property
     def socket(self) -> str:
@@ -278,6 +307,7 @@ class PodmanWorld:
         devices: Sequence[str] = (),
         memory_bytes: int = 256 * MIB,
         processes: int = 128,
+        cpu_millis: int = 1000,
     ) -> Plan:
         """A plan running `/bin/sh -c script` in the test image; tracked for teardown."""
         first = self.layout.config.slots[0]
@@ -290,6 +320,7 @@ class PodmanWorld:
             argv=["/bin/sh", "-c", script],
             memory_bytes=memory_bytes,
             processes=processes,
+            cpu_millis=cpu_millis,
             # half of a slot: the image and Podman's own files take room too
             storage_bytes=first.storage_bytes // 2,
             storage_inodes=first.storage_inodes // 2,
@@ -396,7 +427,7 @@ class PodmanWorld:
     def wait_running(self, plan: Plan) -> AttemptRow:
         """Until the started attempt runs."""
         row = self.wait(plan, lambda r: r.state not in ("prepared", "starting"), "running")
-        assert row.state == "running", row
+        assert row.state == "running", (row.state, row.reason, row.detail, row)
         return row
 
     def run_to_running(self, plan: Plan) -> AttemptRow:
@@ -446,7 +477,7 @@ def podman_layout(
     for `backend`, without a daemon; all removed after (services of the installation
     included)."""
     tag = secrets.token_hex(3)
-    base = private_directory("/run", f"{name}-{tag}-")
+    base = private_directory(WORLD_PARENT, f"{name}-{tag}-")
     accounts: list[Account] = []
     filesystems: list[SlotFilesystem] = []
     layout: configs.Layout | None = None
