@@ -181,8 +181,9 @@ ENTRIES: tuple[Entry, ...] = (
     _socket(
         "input_changed",
         "row",
-        "a write after a restart, when the staged prefix was shortened (at start a changed"
-        " input fails the attempt with reason input_changed instead)",
+        "a write after a restart, when the staged prefix was shortened; also the start row"
+        " of a ready attempt whose staged input changed (test_podman_e2e.py::"
+        "test_a_changed_staged_input_refuses_start)",
     ),
     Entry(
         "inputs_incomplete",

@@ -31,15 +31,16 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from ficc.execution.plan import InputObject, decode_plan
-from ficc.execution.wire import ReadRow
+from ficc.execution.wire import ReadRow, Usage
 from ficc_testkit.accounts import processes_of
 from ficc_testkit.digests import digest_of
+from ficc_testkit.driver import row_code
 from ficc_testkit.podman import DEVICE, WAIT_TIMEOUT, PodmanWorld, barrier_of
 from ficc_testkit.units import MIB
 from ficc_testkit.waits import now_ms, wait_for
@@ -233,10 +234,28 @@ def test_an_allowed_device_opens_and_an_unlisted_one_is_refused(e2e: PodmanWorld
     assert not opens & {(1, 5), (1, None), (None, None)}, evidence["devices"]
 
 
-def test_a_changed_staged_input_refuses_start(e2e: PodmanWorld) -> None:
-    """A streamed input whose staged file changes identity (here its mtime) after it was
-    complete and the attempt ready: start fails with input_changed and the payload
-    never runs (its marker output is absent)."""
+def _touched(staged: Path) -> None:
+    os.utime(staged, ns=(1, 1))  # same bytes, another mtime
+
+
+def _replaced(staged: Path) -> None:
+    copy = staged.with_name("replacement")
+    shutil.copy2(staged, copy)  # same bytes, mode and mtime; another inode
+    st = staged.stat()
+    os.chown(copy, st.st_uid, st.st_gid)
+    os.replace(copy, staged)
+
+
+@pytest.mark.parametrize("change", [_touched, _replaced], ids=["touched", "replaced_input"])
+def test_a_changed_staged_input_refuses_start(
+    e2e: PodmanWorld, change: Callable[[Path], None]
+) -> None:
+    """A streamed input whose staged file changes identity after it was complete and the
+    attempt ready (its mtime touched, or the file replaced by a copy with the same
+    bytes): the start row itself is refused `input_changed`, naming the input; the
+    attempt reads failed/input_changed with its cleanup confirmed, no service was made
+    and the payload never ran (its marker output is absent); a repeated start answers
+    the same; release works as for any failed attempt."""
     data = b"staged input bytes\n"
     obj = _streamed(data, "data.txt")
     plan = e2e.plan("echo ran > /work/ran.txt", inputs=[obj], outputs=[("ran", "ran.txt")])
@@ -245,12 +264,31 @@ def test_a_changed_staged_input_refuses_start(e2e: PodmanWorld) -> None:
     ready = e2e.wait_ready(plan)
     staged = e2e.slot_path(ready.slot) / "ficc-staging" / plan.attempt_id / obj.id
     assert staged.read_bytes() == data
-    os.utime(staged, ns=(1, 1))
-    e2e.start(plan)
+    change(staged)
+
+    refused = e2e.driver.start_attempt(plan)
+    assert row_code(refused) == "input_changed", refused
+    assert "'data.txt'" in refused.error.message, refused
+    assert "retry the job as a new attempt" in refused.error.message, refused
     done = e2e.wait_settled(plan)
-    assert (done.state, done.reason) == ("failed", "input_changed"), done
+    assert (done.state, done.outcome, done.reason) == ("failed", "failed", "input_changed"), done
+    assert done.cleanup_confirmed, done
     assert not (e2e.attempt_dir(done) / "storage" / "ran.txt").exists()
+    assert not (e2e.attempt_dir(done) / "control" / "release").exists()
     assert not isinstance(e2e.read(plan, "output:ran", 0), ReadRow)
+    # Never started: no service was made, so nothing was read of one (protocol: an
+    # attempt that never started has `usage: {"final": true}`).
+    assert e2e.usage(plan).usage == Usage(final=True)
+    assert row_code(e2e.driver.start_attempt(plan)) == "input_changed"
+
+    released = e2e.release(plan)
+    assert (released.state, released.outcome, released.reason) == (
+        "released",
+        "failed",
+        "input_changed",
+    ), released
+    assert not e2e.attempt_dir(done).exists()
+    assert not staged.parent.exists()
 
 
 class _ReplacedBarrier:

@@ -16,7 +16,7 @@ import secrets
 import shutil
 import subprocess
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -131,6 +131,9 @@ class FakeRunner:
 
     def stop_requested(self, attempt_ids: Sequence[str]) -> None:
         self.calls.append(("stop_requested", tuple(attempt_ids)))
+
+    def settled(self, attempt_ids: Sequence[str]) -> None:
+        self.calls.append(("settled", tuple(attempt_ids)))
 
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
         self.calls.append(("release", tuple(attempt_ids)))
@@ -903,6 +906,64 @@ def test_a_wrong_digest_fails_the_attempt(host: Host) -> None:
     status = status_of(host, plan, obj)
     assert isinstance(status, ErrorRow)
     assert status.error.code == "input_failed"
+
+
+def staged_file(host: Host, plan: planlib.Plan, obj: planlib.InputObject) -> Path:
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert record.slot_id is not None
+    return Path(host.ctx.slots[record.slot_id].path, "ficc-staging", plan.attempt_id, obj.id)
+
+
+def touch(path: Path) -> None:
+    os.utime(path, ns=(1, 1))  # same bytes, another mtime
+
+
+def replace_with_copy(path: Path) -> None:
+    copy = path.with_name("replacement")
+    shutil.copy2(path, copy)  # same bytes, mode and mtime; another inode
+    st = path.stat()
+    os.chown(copy, st.st_uid, st.st_gid)
+    os.replace(copy, path)
+
+
+@pytest.mark.parametrize("change", [touch, replace_with_copy], ids=["touched", "replaced"])
+def test_a_start_is_refused_in_its_row_when_a_staged_input_changed(
+    host: Host, change: Callable[[Path], None]
+) -> None:
+    """The start row itself answers input_changed, naming the input: the attempt fails
+    at once (never started, cleanup handed to the runner), and a repeated start answers
+    the same. An intact attempt of the same request starts."""
+    data = b"staged bytes"
+    changed, intact = stream(data, "changed.bin"), stream(data, "intact.bin")
+    plan, other = make_plan(inputs=[changed]), make_plan(inputs=[intact])
+    host.prepare(plan, other)
+    for p, obj in ((plan, changed), (other, intact)):
+        stage(host, p)
+        assert row_ok(write(host, write_row(p, obj, 0, data))).complete
+        host.ready(p)
+    change(staged_file(host, plan, changed))
+
+    reply = host.send(fences_request(StartRequest, plan, other))
+    assert row_code(reply, 0) == "input_changed"
+    message = reply.results[0].error.message
+    assert "'changed.bin'" in message
+    assert "release the attempt and retry the job as a new attempt" in message
+    assert row_ok(reply, 1).state == "starting"
+    assert host.runner.named("start_requested") == [(other.attempt_id,)]
+    assert host.runner.named("settled") == [(plan.attempt_id,)]
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    status = record.status
+    assert (status.state, status.outcome, status.reason) == ("failed", "failed", "input_changed")
+    assert not status.start_requested
+    observed = row_ok(host.send(fences_request(ObserveRequest, plan)))
+    assert (observed.state, observed.reason) == ("failed", "input_changed")
+
+    again = host.send(fences_request(StartRequest, plan))
+    assert row_code(again) == "input_changed"
+    assert "retry the job as a new attempt" in again.results[0].error.message
+    assert host.runner.named("start_requested") == [(other.attempt_id,)]  # never started
 
 
 def test_inputs_need_a_current_lease_and_an_open_offer(host: Host) -> None:

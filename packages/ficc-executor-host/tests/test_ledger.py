@@ -996,6 +996,33 @@ def test_start_needs_a_current_lease_and_an_offer_that_still_covers_it(ledger: L
     assert started.changed
 
 
+def test_a_start_refusal_found_before_the_transaction_fails_only_a_start_it_would_accept(
+    ledger: Ledger,
+) -> None:
+    """`refusals` (a staged input changed) replace an acceptance: the attempt fails
+    `input_changed`, never started, and a later start answers the same code. A row the
+    ledger refuses anyway (here its lease) keeps its own refusal and records nothing."""
+    changed, late, intact = make_plan(), make_plan(), make_plan()
+    for plan in (changed, late, intact):
+        admitted(ledger, plan)
+        to_ready(ledger, plan)
+    refusal = HostError("input_changed", "the staged input 'data.bin' changed")
+    refusals = {changed.attempt_id: refusal, late.attempt_id: refusal}
+    (late_row,) = ledger.start_batch([fence(late)], Now(BOOT, DEADLINE, WALL), None, refusals)
+    refused(late_row, "lease_expired")
+    assert ledger.get(late.attempt_id).status.state == "prepared"  # type: ignore[union-attr]
+    rows = ledger.start_batch([fence(changed), fence(intact)], NOW, None, refusals)
+    assert rows[0] is refusal
+    assert isinstance(rows[1], Applied)
+    assert rows[1].changed
+    status = ledger.get(changed.attempt_id).status  # type: ignore[union-attr]
+    assert (status.state, status.outcome, status.reason) == ("failed", "failed", "input_changed")
+    assert not status.start_requested
+    assert not status.cleanup_confirmed
+    refused(ledger.start_batch([fence(changed)], NOW)[0], "input_changed")
+    refused(ledger.start_batch([fence(changed)], NOW, None, refusals)[0], "input_changed")
+
+
 def test_start_checks_resources_left_by_started_attempts(ledger: Ledger) -> None:
     first, second, third = make_plan(), make_plan(), make_plan()
     for plan in (first, second, third):

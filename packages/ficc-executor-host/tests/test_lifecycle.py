@@ -37,6 +37,7 @@ STATUSES: dict[str, Status] = {
     "expired": _settled("expired", reason="lease_expired"),
     "unknown": _settled("unknown", reason="executor_restarted"),
     "prep_failed": Status(state="failed", outcome="failed", reason="prepare_failed"),
+    "input_changed": Status(state="failed", ready=True, outcome="failed", reason="input_changed"),
     "rejected": lc.admission_rejected(),
     "legacy": lc.absence_acknowledged(),
     "cleaned": _settled("succeeded", exit_code=0, cleanup_confirmed=True),
@@ -47,7 +48,16 @@ STATUSES: dict[str, Status] = {
     "released_rejected": msgspec.structs.replace(lc.admission_rejected(), state="released"),
 }
 ACTIVE = ["staging", "preparing", "ready", "starting", "running", "stopping", "expiring"]
-UNCLEANED = ["succeeded", "failed", "cancelled", "expired", "unknown", "prep_failed", "quarantined"]
+UNCLEANED = [
+    "succeeded",
+    "failed",
+    "cancelled",
+    "expired",
+    "unknown",
+    "prep_failed",
+    "input_changed",
+    "quarantined",
+]
 CLEANED = ["rejected", "legacy", "cleaned"]
 SETTLED = UNCLEANED + CLEANED
 RELEASED = ["released", "released_rejected"]
@@ -78,6 +88,8 @@ STARTS: dict[str, object] = {
     **_all(["cleaned", "quarantined", "released"], SAME),
     "rejected": "!admission_rejected",
     "released_rejected": "!admission_rejected",
+    # refused before it was ever accepted: a retried start hears the same code
+    "input_changed": "!input_changed",
 }
 
 # event -> {status name: SAME | "!code" | {field: expected value}}; unlisted: !invalid_state
@@ -107,6 +119,14 @@ EXPECTED: dict[str, tuple[lc.AnyEvent, dict[str, object]]] = {
     ),
     "started": (lc.Started(), {"starting": {"state": "running"}}),
     "start_failed": (lc.StartFailed(reason="gate_refused"), {"starting": _failed("gate_refused")}),
+    # a start refused before it was accepted fails a ready attempt, never started
+    "start_refused": (
+        lc.StartRefused(reason="input_changed"),
+        {
+            "ready": _failed("input_changed"),
+            **_all(["staging", "preparing"], "!not_ready"),
+        },
+    ),
     "start_cancelled": (
         lc.StartCancelled(reason="offer_closed"),
         {
@@ -283,6 +303,7 @@ _EVENTS = st.sampled_from(
         lc.StartRequested(lease_current=False, offer_open=True, offer_fits=True),
         lc.Started(),
         lc.StartFailed(reason="gate_refused"),
+        lc.StartRefused(reason="input_changed"),
         lc.StartCancelled(reason="offer_changed"),
         lc.Finished(exit_code=0),
         lc.Finished(exit_code=137),

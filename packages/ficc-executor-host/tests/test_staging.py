@@ -27,6 +27,7 @@ from ficc.execution.host.staging import (
     Stager,
     StreamState,
     check_capacity,
+    identity_refusal,
     plan_write,
     streams_of,
 )
@@ -696,6 +697,68 @@ def test_changed_mode_or_group_refuses_start(
     stager.verify_identity(attempt, capability)
     os.chown(path, 0, 0)
     assert code_of(stager.verify_identity, attempt, capability) == "input_changed"
+
+
+def _stat(**fields: int) -> os.stat_result:
+    """A stat result as `os.stat` gives it (only the fields the identity reads vary)."""
+    values = {"mode": stat.S_IFREG | 0o440, "ino": 7, "dev": 3, "nlink": 2, "uid": 0}
+    values |= {"gid": 900, "size": 9, "mtime_ns": 5_000_000_000} | fields
+    order = ("mode", "ino", "dev", "nlink", "uid", "gid", "size")
+    seconds = values["mtime_ns"] // 1_000_000_000
+    head = [values[name] for name in order] + [0, seconds, 0]
+    return os.stat_result((*head, 0.0, float(seconds), 0.0, 0, values["mtime_ns"], 0))
+
+
+@pytest.mark.parametrize(
+    "seen",
+    [
+        None,  # gone
+        {"ino": 8},  # replaced by another file, bytes and all the same
+        {"dev": 4},
+        {"mode": stat.S_IFREG | 0o640},
+        {"size": 10},
+        {"mtime_ns": 5_000_000_001},
+        {"uid": 1000},
+        {"gid": 0},
+    ],
+    ids=["gone", "inode", "device", "mode", "size", "mtime", "owner", "group"],
+)
+def test_the_identity_rule_refuses_any_difference_and_names_the_input(
+    seen: dict[str, int] | None,
+) -> None:
+    recorded = identity_of(_stat())
+    capability = InputCapability(
+        id="a" * 32, name="data.bin", bytes=9, digest=EMPTY, delivery="stream",
+        path="/slot/ficc-staging/x/" + "a" * 32, identity=recorded,
+    )  # fmt: skip
+    assert identity_refusal(capability, _stat(), 900) is None
+    assert identity_refusal(capability, _stat(nlink=1), 900) is None  # links are not identity
+    refusal = identity_refusal(capability, None if seen is None else _stat(**seen), 900)
+    assert refusal is not None
+    assert refusal.code == "input_changed"
+    assert "'data.bin'" in refusal.message
+    assert "a" * 32 in refusal.message
+    assert "release the attempt and retry the job as a new attempt" in refusal.message
+
+
+def test_changed_input_names_the_first_changed_stream_of_an_attempt(
+    slot: Path, slot_gid: int
+) -> None:
+    stager = Stager(str(slot), slot_gid)
+    attempt, states = admit(stager, b"first", b"second")
+    for state, data in zip(states, (b"first", b"second"), strict=True):
+        stager.write(attempt, state.id, 0, data, sha(data))
+    assert stager.changed_input(attempt) is None
+    path = slot / STAGING_DIRECTORY / attempt / states[1].id
+    replacement = path.with_name("replacement")
+    shutil.copy2(path, replacement)  # same bytes, mode and mtime; a new inode
+    os.chown(replacement, 0, slot_gid)
+    os.replace(replacement, path)
+    refusal = stager.changed_input(attempt)
+    assert refusal is not None
+    assert refusal.code == "input_changed"
+    assert "in1.bin" in refusal.message
+    assert code_of(stager.changed_input, new_id()) == "attempt_not_staged"  # not decided here
 
 
 def test_a_capability_with_a_foreign_path_is_refused(

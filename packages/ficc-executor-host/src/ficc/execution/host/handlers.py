@@ -23,12 +23,19 @@ Decisions made here:
   (active, draining or paused): staging is part of preparation, not a start.
 - `stop` hands every attempt whose record changed to the runner; a prepared attempt is
   cancelled at once by the ledger, and the runner confirms its cleanup like any other.
+- `start` first looks at the staged inputs of each ready attempt it names: one whose
+  staged file is no longer the one recorded when it completed is refused
+  `input_changed` in its row, and fails (`StartRefused`) in the transaction that
+  records the other starts; the runner confirms its cleanup. The start pipeline looks
+  again just before the provider's start (a file can change in between).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import os
 import stat
 from collections import Counter
@@ -54,7 +61,7 @@ from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout, service_name
-from ficc.execution.host.staging import StreamState, streams_of
+from ficc.execution.host.staging import Stager, StreamState, streams_of
 from ficc.execution.protocol import (
     INPUT_CHUNK_MAX_BYTES,
     CollectRequest,
@@ -99,6 +106,8 @@ from ficc.execution.wire import (
     error_row,
 )
 
+_log = logging.getLogger(__name__)
+
 INPUT_CHUNK_BYTES = INPUT_CHUNK_MAX_BYTES
 """The `input_chunk_bytes` this executor announces and enforces (8 MiB)."""
 
@@ -113,6 +122,7 @@ class RunnerPort(Protocol):
     def inputs_complete(self, attempt_id: str) -> None: ...
     def start_requested(self, attempt_ids: Sequence[str]) -> None: ...
     def stop_requested(self, attempt_ids: Sequence[str]) -> None: ...
+    def settled(self, attempt_ids: Sequence[str]) -> None: ...
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]: ...
     async def leases_renewed(
         self, records: Sequence[ledgerlib.AttemptRecord]
@@ -569,14 +579,69 @@ def _changed(results: Sequence[ledgerlib.Applied | HostError]) -> list[str]:
 async def start(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: StartRequest
 ) -> AnyReply:
-    """Record `starting` durably (the lease judged inside that transaction), then let
-    the runner start exactly those attempts."""
+    """Look at the staged inputs first (`_changed_inputs`), record `starting` durably
+    (the lease judged inside that transaction) or, for an attempt whose staged input
+    changed, its refusal; then let the runner start exactly the started attempts and
+    clean up the refused ones."""
     ceiling = ceiling_limits(ctx.config)
-    results = await ctx.workers.db(ctx.ledger.start_batch, request.attempts, ctx.clock, ceiling)
+    lookup = functools.partial(_input_checks, ctx, request.attempts)
+    refusals = await ctx.workers.db_then_io(lookup, _changed_inputs)
+    results = await ctx.workers.db(
+        ctx.ledger.start_batch, request.attempts, ctx.clock, ceiling, refusals
+    )
     started = _changed(results)
     if started:
         runner.start_requested(started)
+    # The ledger answers a row it failed with the very refusal it was given.
+    pairs = zip(request.attempts, results, strict=True)
+    failed = [f.attempt_id for f, r in pairs if r is refusals.get(f.attempt_id)]
+    if failed:
+        runner.settled(failed)
     return _reply(request, await attempt_rows(ctx, _records_of(results)))
+
+
+def _input_checks(ctx: HostContext, fences: Sequence[Fence]) -> list[tuple[str, Stager]]:
+    """On the ledger thread: the ready attempts of a start request that have streamed
+    inputs (only those have staged files to look at), each with its slot's stager.
+
+    One whose start the ledger then refuses for another reason (lease, offer) is looked
+    at too: that refusal wins in the start transaction, and nothing is recorded.
+    """
+    records = [r for r in ctx.ledger.fenced(fences) if isinstance(r, ledgerlib.AttemptRecord)]
+    ready = [r for r in records if r.status.state == "prepared" and r.status.ready]
+    streamed = ctx.ledger.inputs_of([r.attempt_id for r in ready])
+    return [
+        (r.attempt_id, ctx.slots[r.slot_id].stager)
+        for r in ready
+        if streamed[r.attempt_id] and r.slot_id is not None and r.slot_id in ctx.slots
+    ]
+
+
+def _changed_inputs(checks: Sequence[tuple[str, Stager]]) -> dict[str, HostError]:
+    """In an I/O thread: the `input_changed` refusal of each attempt one of whose staged
+    files is no longer the one recorded when it completed.
+
+    Why here, before the start is accepted: the controller hears it in the start row,
+    no payload and no service are ever made for it, and the attempt is failed at once.
+    Anything else the look meets is not decided here (logged): the start pipeline
+    checks every staged input again before the provider's start and fails the attempt
+    with that code (fail closed).
+    """
+    found: dict[str, HostError] = {}
+    for attempt_id, stager in checks:
+        try:
+            refusal = stager.changed_input(attempt_id)
+        except (HostError, OSError) as error:
+            _log.warning(
+                "attempt %s: staged inputs not looked at before the start (%s); the start"
+                " pipeline checks them",
+                attempt_id,
+                error,
+            )
+            continue
+        if refusal is not None:
+            found[attempt_id] = refusal
+    return found
 
 
 async def observe(

@@ -1049,10 +1049,21 @@ class Ledger:
 
     @_spending_reserve
     def start_batch(
-        self, fences: Sequence[Fence], when: Now | Clock, ceiling: OfferLimits | None = None
+        self,
+        fences: Sequence[Fence],
+        when: Now | Clock,
+        ceiling: OfferLimits | None = None,
+        refusals: Mapping[str, HostError] | None = None,
     ) -> list[Applied | HostError]:
         """Record `start` for up to 64 attempts. A row whose `changed` is true is the one
         and only start of that attempt: the caller starts it; otherwise it must not.
+
+        `refusals` (by attempt ID): what the caller found, before this transaction, that
+        forbids a start (a staged input changed). A row it would otherwise accept is
+        answered with that very HostError instead, and its attempt fails in this
+        transaction (`StartRefused`, the refusal's code as the reason): never started,
+        cleaned up and released as any failed attempt. A row refused for another reason
+        (lease, offer, state) keeps that refusal, and nothing is recorded for it.
 
         Start authority holds when the current offer's control allows starts (active or
         draining) and the attempt still fits the current offer (and `ceiling`): its
@@ -1080,6 +1091,10 @@ class Ledger:
                     offer_open="start" in OFFER_ALLOWS[offer.control],
                     offer_fits=admission.fits(plan, offer, ceiling, started),
                 )
+                refusal = (refusals or {}).get(fence.attempt_id)
+                if refusal is not None and _accepts(record.status, event):
+                    results.append(self._refuse_start(fence, refusal, ordinal, records))
+                    continue
                 result = self._apply_one(fence, event, ordinal, records)
                 if isinstance(result, Applied) and result.changed:
                     admission.add_usage(started, plan.job.limits)
@@ -1089,6 +1104,18 @@ class Ledger:
                     )
                 results.append(result)
             return results
+
+    def _refuse_start(
+        self,
+        fence: Fence,
+        refusal: HostError,
+        ordinal: int,
+        records: dict[str, AttemptRecord],
+    ) -> HostError:
+        """Fail a ready attempt whose start is refused with `refusal` (see `start_batch`)."""
+        event = lifecycle.StartRefused(reason=refusal.code)
+        result = self._apply_one(fence, event, ordinal, records)
+        return result if isinstance(result, HostError) else refusal
 
     def authorize_release(
         self,
@@ -1558,6 +1585,14 @@ def _fenced_in(records: dict[str, AttemptRecord], fence: Fence) -> AttemptRecord
             ErrorCode.FENCE_MISMATCH, "generation or plan digest differ from the record"
         )
     return record
+
+
+def _accepts(status: lifecycle.Status, event: lifecycle.AnyEvent) -> bool:
+    """Whether the lifecycle would accept `event` and change the status."""
+    try:
+        return lifecycle.apply(status, event).changed
+    except HostError:
+        return False
 
 
 def _marks(count: int) -> str:

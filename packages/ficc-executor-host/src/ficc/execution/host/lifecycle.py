@@ -40,6 +40,12 @@ Decisions the protocol leaves to the host, made here:
 - A start of an attempt that already had a start requested is an idempotent reply
   (no change, `changed` false), whatever happened since: a lost start reply must
   never start twice.
+- A start the host refuses before accepting it, because a staged input is no longer
+  the file recorded when it completed (`StartRefused`, reason `input_changed`), fails
+  the ready attempt at once: its payload never runs, no start is on record, and its
+  cleanup and release follow as for any failed attempt. A later start of it is
+  refused with that same code (`NEVER_STARTED`), as a start of an attempt rejected
+  at admission is, so a controller that retries a lost reply hears the same answer.
 """
 
 from __future__ import annotations
@@ -66,6 +72,13 @@ LEGACY_ABSENCE_ACKNOWLEDGED: Final = "legacy_absence_acknowledged"
 EXECUTOR_RESTARTED: Final = "executor_restarted"
 STORAGE_EXHAUSTED: Final = "storage_exhausted"
 MEMORY_EXHAUSTED: Final = "memory_exhausted"
+INPUT_CHANGED: Final = "input_changed"
+NEVER_STARTED: Final = {
+    ADMISSION_REJECTED: ErrorCode.ADMISSION_REJECTED,
+    INPUT_CHANGED: ErrorCode.INPUT_CHANGED,
+}
+"""Reasons of attempts that settled without a start ever accepted, and the code a
+start of such an attempt is refused with (any other settled one: `invalid_state`)."""
 
 _Reason = Annotated[str, msgspec.Meta(pattern=r"\A[a-z][a-z0-9_.-]{0,79}\Z")]
 _ExitCode = Annotated[int, msgspec.Meta(ge=0, le=255)]
@@ -140,6 +153,14 @@ class StartFailed(Event, frozen=True, tag="start_failed"):
     reason: _Reason
 
 
+class StartRefused(Event, frozen=True, tag="start_refused"):
+    """A start row refused before it was accepted: something the start depends on no
+    longer holds (a staged input changed after it completed). The ready attempt fails
+    with the reason; its payload never runs, and no start is on record."""
+
+    reason: _Reason
+
+
 class StartCancelled(Event, frozen=True, tag="start_cancelled"):
     """Start authority was lost between the start request and the release marker (the
     offer was paused, stopped or drained, or no longer covers the attempt): the payload
@@ -203,6 +224,7 @@ AnyEvent = (
     | StartRequested
     | Started
     | StartFailed
+    | StartRefused
     | StartCancelled
     | Finished
     | StorageExhausted
@@ -241,6 +263,7 @@ TRANSITIONS: Final[dict[str, dict[str, str | Refuse]]] = {
     "start":             {_P: _S, _S: SAME, _R: SAME, **_SETTLED_SAME, _X: SAME},
     "started":           {_S: _R},
     "start_failed":      {_S: "failed"},
+    "start_refused":     {_P: "failed"},                   # ready only
     "start_cancelled":   {_S: "cancelled"},
     "finished":          {_R: "succeeded"},   # failed: exit_code != 0, full slot, OOM kill
     "storage_exhausted": {_S: SAME, _R: SAME},              # flags only
@@ -324,10 +347,9 @@ def _refusal(status: Status, event: AnyEvent) -> Refuse | None:
             if not event.offer_fits:
                 return Refuse(ErrorCode.OFFER_CHANGED)
         case StartRequested() if not status.start_requested:
-            code = ErrorCode.ADMISSION_REJECTED
-            if status.reason != ADMISSION_REJECTED:
-                code = ErrorCode.INVALID_STATE
-            return Refuse(code)
+            return Refuse(NEVER_STARTED.get(status.reason or "", ErrorCode.INVALID_STATE))
+        case StartRefused() if not status.ready:
+            return Refuse(ErrorCode.NOT_READY)
         case Stopped() if status.stop_pending is None:
             return Refuse(ErrorCode.INVALID_STATE)
         case CleanupFailed() if status.cleanup_confirmed:
@@ -351,7 +373,7 @@ def _effect(status: Status, event: AnyEvent, target: str) -> Status:
             return _with(s, state="starting", start_requested=True)
         case Started():
             return _with(s, state="running")
-        case StartFailed(reason=reason):
+        case StartFailed(reason=reason) | StartRefused(reason=reason):
             return _settle(s, "failed", reason)
         case StartCancelled(reason=reason):
             return _with(_settle(s, "cancelled", reason), stop_pending=None)
@@ -405,6 +427,10 @@ _HINTS: Final[dict[str, str]] = {
     ErrorCode.OFFER_CLOSED: "the local owner's offer does not allow this now",
     ErrorCode.OFFER_CHANGED: "the current offer no longer covers this attempt; release it",
     ErrorCode.ADMISSION_REJECTED: "this attempt was rejected at admission and can never run",
+    ErrorCode.INPUT_CHANGED: (
+        "a staged input changed after it was staged, so the attempt failed and its payload"
+        " never ran: release the attempt and retry the job as a new attempt"
+    ),
     ErrorCode.NOT_TERMINAL: "stop the attempt and wait for a terminal state first",
     ErrorCode.CLEANUP_UNCONFIRMED: "cleanup is not confirmed yet; retry release later",
     ErrorCode.INVALID_STATE: "observe the attempt and act on its current state",
@@ -420,8 +446,10 @@ __all__ = [
     "ACTIVE",
     "ADMISSION_REJECTED",
     "EXECUTOR_RESTARTED",
+    "INPUT_CHANGED",
     "LEGACY_ABSENCE_ACKNOWLEDGED",
     "MEMORY_EXHAUSTED",
+    "NEVER_STARTED",
     "SAME",
     "SETTLED",
     "STATES",
@@ -443,6 +471,7 @@ __all__ = [
     "Release",
     "StartCancelled",
     "StartFailed",
+    "StartRefused",
     "StartRequested",
     "Started",
     "State",

@@ -151,6 +151,12 @@ class Runner(AttemptWork):
         self._watch.update(attempt_ids)
         self._monitor.wake()
 
+    def settled(self, attempt_ids: Sequence[str]) -> None:
+        """Attempts a handler settled by itself (a start refused `input_changed` before
+        it was accepted): the monitor confirms their cleanup at once."""
+        self._watch.update(attempt_ids)
+        self._monitor.wake()
+
     async def release(self, attempt_id: str) -> None:
         (outcome,) = await self.release_batch([attempt_id])
         if outcome is not None:

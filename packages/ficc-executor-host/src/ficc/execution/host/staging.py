@@ -28,6 +28,12 @@ re-reading the durable prefix `[0, offset)` of the file in bounded blocks. That
 costs one read of the prefix, once per object per restart, and means the final
 digest is always checked against the bytes actually on disk.
 
+A completed file's identity (device, inode, mode, size, mtime) is recorded when it
+completes. The start handler asks `changed_input` before it accepts a start, and the
+start pipeline asks `verify_identity` again just before the provider's start (a file
+can change in between): a staged file that is no longer the recorded one, owned by
+root and the slot's group, refuses the start (`input_changed`, `identity_refusal`).
+
 A failed object (digest mismatch at completion, a full or failing disk, a file
 that changed under us) stays failed: later writes and status reads answer
 `input_failed`, and the attempt cannot start.
@@ -76,6 +82,7 @@ __all__ = [
     "Stager",
     "StreamState",
     "check_capacity",
+    "identity_refusal",
     "plan_write",
     "streams_of",
 ]
@@ -214,6 +221,32 @@ def plan_write(
             "resend the chunk",
         )
     return None
+
+
+def identity_refusal(
+    capability: InputCapability, seen: os.stat_result | None, slot_gid: int
+) -> HostError | None:
+    """Whether a staged file, as `seen` now (None: gone), is still the completed one.
+
+    The `input_changed` refusal, naming the input, or None. Compares device, inode,
+    mode, bytes and mtime (not ctime, nor the link count: the provider's hard link
+    changes both), plus root ownership and the slot group. Pure: the caller stats the
+    file (never following a link), so the rule is tested without a filesystem.
+    """
+    same = (
+        seen is not None
+        and identity_of(seen) == capability.identity
+        and (seen.st_uid, seen.st_gid) == (_ROOT, slot_gid)
+    )
+    if same:
+        return None
+    return HostError(
+        "input_changed",
+        f"the staged input {capability.name!r} (object {capability.id}) changed after it"
+        " was staged (its device, inode, mode, size, mtime or owner is no longer the one"
+        " recorded when it completed); the attempt failed and its payload never ran:"
+        " release the attempt and retry the job as a new attempt",
+    )
 
 
 def _failed(state: StreamState, code: str) -> StreamState:
@@ -380,24 +413,35 @@ class Stager:
         ]
 
     def verify_identity(self, attempt_id: str, capability: InputCapability) -> None:
-        """Refuse start (`input_changed`) unless the staged file is still the recorded one.
-
-        Compares device, inode, mode, bytes and mtime (not ctime, nor the link count:
-        the provider's hard link changes both), plus root ownership and the slot group.
-        """
+        """Refuse start (`input_changed`) unless the staged file is still the recorded one
+        (`identity_refusal` decides)."""
         object_id = capability.id
         _check_identity(object_id, "input object ID")
         if capability.path != self._object_path(attempt_id, object_id):
             raise HostError("input_changed", f"capability {object_id} has a foreign path")
-        recorded = capability.identity
-        st = self._lstat_staged(attempt_id, object_id)
-        owners = (_ROOT, self._slot_gid)
-        if st is None or identity_of(st) != recorded or (st.st_uid, st.st_gid) != owners:
-            raise HostError(
-                "input_changed",
-                f"staged input {object_id} changed after it completed; start is refused: "
-                "release the attempt and admit a new one",
-            )
+        seen = self._lstat_staged(attempt_id, object_id)
+        refusal = identity_refusal(capability, seen, self._slot_gid)
+        if refusal is not None:
+            raise refusal
+
+    def changed_input(self, attempt_id: str) -> HostError | None:
+        """The `input_changed` refusal of the first completed input whose staged file is
+        no longer the one recorded when it completed; None when every one still is.
+
+        Why: the start handler asks before it accepts a start row, so the controller
+        hears `input_changed` in the row itself, not later from a failed attempt.
+        Anything else the look meets (an attempt this stager does not know, a staging
+        directory it cannot open) raises: it is not a changed input, and the start
+        pipeline, which runs the same check again, refuses it with its own code.
+        """
+        for capability in self.capabilities(attempt_id):
+            try:
+                self.verify_identity(attempt_id, capability)
+            except HostError as error:
+                if error.code != "input_changed":
+                    raise
+                return error
+        return None
 
     # -- writes --------------------------------------------------------------------
 

@@ -1,12 +1,14 @@
 """The start pipeline: from an accepted start to the released payload.
 
 `Starter` takes each attempt of a start request through, in this order: staged inputs
-re-verified, the lease deadline handed to the lease reaper (deadlines.py), the system
-service created with the provider's argv as the slot account and the plan's limits,
-controls read back, provider `start`, `observe` until the barrier's PID, the
-device-open results checked, the payload gate run, and only on a pass the release
-marker written (`Started`). The runner (pipeline.py) owns the starter: it hands it
-start requests and the monitor's aborts, and uses `stop_service` for its own stops.
+re-verified (the start handler looked before it accepted the start; a file can change
+since, and this second look fails the attempt `input_changed`), the lease deadline
+handed to the lease reaper (deadlines.py), the system service created with the
+provider's argv as the slot account and the plan's limits, controls read back,
+provider `start`, `observe` until the barrier's PID, the device-open results checked,
+the payload gate run, and only on a pass the release marker written (`Started`). The
+runner (pipeline.py) owns the starter: it hands it start requests and the monitor's
+aborts, and uses `stop_service` for its own stops.
 
 Decisions:
 - A stop or expiry arriving while the start pipeline runs is handed to it: it stops
