@@ -414,6 +414,99 @@ def test_the_keeper_does_not_start_a_second_reaper_while_its_first_comes_up(
         first.wait()
 
 
+class _Unit:
+    """A stand-in for the reaper's unit (supervisor=systemd): `answers` are what each
+    start answers (False: a unit of that name is still there); `locks_after` starts
+    makes a reaper take the lock, as a reaper coming up does."""
+
+    def __init__(self, directory: Path, answers: list[bool], locks_after: int = 0) -> None:
+        self.directory = directory
+        self.answers = answers
+        self.locks_after = locks_after
+        self.started: list[list[str]] = []
+        self.lock: int | None = None
+
+    def __call__(self, command: list[str]) -> bool:
+        self.started.append(command)
+        if self.locks_after and len(self.started) == self.locks_after:
+            self.take_lock()
+        return self.answers.pop(0)
+
+    def take_lock(self) -> None:
+        self.lock = os.open(self.directory / reaper.LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            os.close(self.lock)
+
+
+@contextlib.contextmanager
+def _unit(directory: Path, answers: list[bool], locks_after: int = 0) -> Iterator[_Unit]:
+    reaper.prepare_directory(str(directory))
+    unit = _Unit(directory, answers, locks_after)
+    try:
+        yield unit
+    finally:
+        unit.close()
+
+
+def test_the_keeper_starts_the_reapers_unit_only_while_no_reaper_holds_the_lock(
+    tmp_path: Path,
+) -> None:
+    """Under systemd the keeper starts the reaper's unit (the same command as the
+    child it spawns otherwise) when the lock is free, and nothing while a reaper holds
+    it; it never spawns a child of its own."""
+    directory = tmp_path / "deadlines"
+    with _unit(directory, [True]) as unit:
+        keeper = reaper.Keeper(str(directory), interpreter="/usr/bin/python3", launch=unit)
+        boot_id, now = _boot()
+        keeper.set("svc", boot_id, now + 10**12, [])
+        assert unit.started == [reaper.command(str(directory), "/usr/bin/python3")]
+        assert unit.started[0][1:3] == ["-I", "-S"]
+        assert unit.started[0][3] == os.path.abspath(reaper.__file__)
+        assert keeper._child is None
+        unit.take_lock()
+        keeper.ensure()
+        keeper.set("svc", boot_id, now + 2 * 10**12, [])
+        assert len(unit.started) == 1
+
+
+def test_the_keeper_looks_again_while_the_reapers_unit_is_still_there(tmp_path: Path) -> None:
+    """systemd refuses a second unit of the name while the last is there: its reaper
+    is coming up, waiting to be restarted or exiting. The keeper looks again until a
+    reaper holds the lock (here after the second refusal) or a start succeeds."""
+    paused: list[float] = []
+    with _unit(tmp_path / "coming-up", [False, False, False], locks_after=2) as unit:
+        keeper = reaper.Keeper(unit.directory.as_posix(), launch=unit, pause=paused.append)
+        keeper.ensure()
+        assert len(unit.started) == 2  # the lock was taken: no third start
+        assert len(paused) == 2
+    paused.clear()
+    with _unit(tmp_path / "exiting", [False, False, True]) as unit:
+        keeper = reaper.Keeper(unit.directory.as_posix(), launch=unit, pause=paused.append)
+        keeper.ensure()
+        assert len(unit.started) == 3  # the old unit went away: a new one started
+        assert len(paused) == 2
+
+
+def test_the_keeper_gives_up_on_a_reapers_unit_that_never_takes_the_lock(
+    tmp_path: Path,
+) -> None:
+    """A unit of the name that stays there while no reaper takes the lock (another
+    daemon's, or a reaper that cannot start) is `ReaperUnavailable`, an `OSError`
+    like a failed spawn: the start is refused, a renewal `lease_reaper_unavailable`."""
+    with _unit(tmp_path / "deadlines", [False] * 100) as unit:
+        keeper = reaper.Keeper(
+            unit.directory.as_posix(), launch=unit, patience=0.2, pause=time.sleep
+        )
+        with pytest.raises(reaper.ReaperUnavailable) as refused:
+            keeper.ensure()
+        assert isinstance(refused.value, OSError)
+        assert reaper.LOCK in str(refused.value)
+        assert len(unit.started) >= 2
+
+
 def test_a_deadline_of_another_boot_or_unreadable_is_due_at_once(tmp_path: Path) -> None:
     boot_id, now = _boot()
     assert reaper.due("0" * 8 + boot_id[8:], now + 10**12, boot_id, now) is (boot_id[:8] != "0" * 8)

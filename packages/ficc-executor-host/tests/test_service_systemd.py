@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import msgspec
@@ -24,7 +25,7 @@ import pytest
 
 import service_support
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.service import DeviceRule, systemd
+from ficc.execution.host.service import DeviceRule, reaper, systemd
 from ficc.execution.host.service.systemd import SystemdService
 from ficc_testkit.waits import wait_for
 from service_support import (
@@ -167,6 +168,65 @@ def test_run_properties_carry_every_control(tmp_path: Path) -> None:
     assert not [p for p in v2 if p.startswith(("BindsTo", "After"))]
 
 
+INSTALLATION = "0123456789abcdef0123456789abcdef"
+DEADLINES = "/var/lib/ficc-executor/deadlines"
+
+
+def test_the_lease_reaper_is_a_unit_of_its_own_never_bound_to_the_daemon() -> None:
+    """One reaper unit per installation, in the attempts' slice, restarted by systemd
+    when it fails, forgotten once it has ended (so the daemon can start it again by
+    name), and tied to the daemon's unit by nothing: no stop, crash or freeze of the
+    daemon reaches it, and a daemon stop never waits for it."""
+    unit = systemd.reaper_unit(INSTALLATION)
+    assert unit == f"ficc-lease-reaper-{INSTALLATION}.service"
+    with pytest.raises(HostError) as refused:
+        systemd.reaper_unit("../escape")
+    assert refused.value.code == "service_spec"
+    properties = systemd.reaper_properties(DEADLINES, slice_name="ficc.slice")
+    for expected in [
+        "Type=exec",
+        "Slice=ficc.slice",
+        "Restart=on-failure",
+        "CollectMode=inactive-or-failed",
+        "StandardError=journal",
+        "NoNewPrivileges=yes",
+        "UMask=0077",
+        f"Description=ficc lease reaper of {DEADLINES}",
+    ]:
+        assert expected in properties
+    capabilities = [p for p in properties if p.startswith("CapabilityBoundingSet=")]
+    assert capabilities == ["CapabilityBoundingSet=CAP_KILL CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH"]
+    ties = ("BindsTo", "PartOf", "Requisite", "Requires", "Wants", "After", "Before", "Upholds")
+    assert not [p for p in properties if p.startswith(ties)]
+    assert not [p for p in properties if p.startswith("RemainAfterExit")]  # no GC otherwise
+
+
+def test_the_lease_reaper_unit_is_created_with_systemd_run() -> None:
+    unit = systemd.reaper_unit(INSTALLATION)
+    command = reaper.command(DEADLINES, "/opt/ficc/venv/bin/python")
+    argv = systemd.reaper_run_argv(unit, command, directory=DEADLINES, slice_name="ficc.slice")
+    split = argv.index("--")
+    assert argv[:3] == ["/usr/bin/systemd-run", "--quiet", f"--unit={unit}"]
+    assert argv[3:split] == [
+        f"--property={p}" for p in systemd.reaper_properties(DEADLINES, slice_name="ficc.slice")
+    ]
+    assert argv[split + 1 :] == command
+    assert command[:3] == ["/opt/ficc/venv/bin/python", "-I", "-S"]
+    assert command[3].endswith("/ficc/execution/host/service/reaper.py")
+    assert command[4] == DEADLINES
+    refused_commands = [
+        ["python3", "-I", "-S", command[3], DEADLINES],
+        [],
+        [*command[:4], "d"],
+        [*command[:4], "/var/lib/$STATE/deadlines"],
+        [*command[:4], "/var/lib/%i/deadlines"],
+    ]
+    for relative in refused_commands:
+        with pytest.raises(HostError) as refused:
+            systemd.reaper_run_argv(unit, relative, directory=DEADLINES, slice_name="ficc.slice")
+        assert refused.value.code == "service_spec"
+
+
 def test_time_spans_as_systemctl_prints_them() -> None:
     """Values seen from systemd 252 for CPUQuota=1%, 25.5%, 100%, 155.5%, 1000.1%."""
     assert systemd.parse_usec("10ms") == 10_000
@@ -222,6 +282,53 @@ def test_slice_and_bound_unit_names_are_checked() -> None:
 
 
 # --- behaviour under a real systemd ---------------------------------------------------
+
+
+@needs_systemd
+def test_the_lease_reapers_unit_runs_once_and_leaves_when_nothing_is_left(
+    slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """The keeper starts the reaper as its unit (systemd-run takes every property);
+    a second start while it runs is refused (False), not an error; the reaper stops a
+    service at its deadline from there; with nothing left it exits 0, which systemd
+    does not restart, and systemd forgets the unit, so it can be started again."""
+    backend = SystemdService(bind_to_own_unit=False)
+    directory = str(tmp_path / "deadlines")
+    unit = systemd.reaper_unit(prefix.removeprefix("ficc-work-"))
+    keeper = reaper.Keeper(
+        directory, launch=lambda command: backend.start_reaper(unit, command, directory)
+    )
+    name = f"{prefix}-reaped"
+    handle = backend.create(make_spec(tmp_path, slot, SLEEPERS, name=name))
+    try:
+        wait_for(lambda: len(backend.members(handle)) == 3)
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        now = time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+        keeper.set(name, boot_id, now + 10**9, backend.planned_cgroups(name))
+        state = show(unit, "ActiveState", "Slice", "Restart", "BindsTo", "MainPID")
+        assert state["ActiveState"] == "active", state
+        assert (state["Slice"], state["Restart"], state["BindsTo"]) == (
+            "ficc.slice",
+            "on-failure",
+            "",
+        )
+        wait_for(lambda: reaper.reaper_running(directory))
+        assert not backend.start_reaper(unit, reaper.command(directory), directory)
+        wait_for(lambda: not backend.members(handle), "the reaper's stop")
+        assert reaper.reaped(directory, name)
+        keeper.drop(name)
+        wait_for(
+            lambda: not loaded(unit.removesuffix(".service")),
+            "the reaper to leave",
+            timeout=reaper.LINGER_SECONDS + 15,
+        )
+        assert not reaper.reaper_running(directory)
+        keeper.ensure()  # started again by the same name
+        wait_for(lambda: reaper.reaper_running(directory))
+    finally:
+        subprocess.run([SYSTEMCTL, "stop", unit], check=False)
+        backend.stop(handle)
+        backend.remove(handle)
 
 
 @needs_systemd

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,10 @@ import msgspec  # noqa: E402
 
 from ficc.execution.host import daemon  # noqa: E402
 from ficc.execution.host.errors import HostError  # noqa: E402
+from ficc.execution.host.service import cgroups, reaper  # noqa: E402
 from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # noqa: E402
 from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
-from ficc.execution.plan import Payload  # noqa: E402
+from ficc.execution.plan import Payload, Plan  # noqa: E402
 from ficc_testkit.accounts import Accounts  # noqa: E402
 from ficc_testkit.driver import SYSTEMCTL, UNIT, UnitDaemon, attempt, rows, show_unit  # noqa: E402
 from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
@@ -68,8 +70,14 @@ def show(*keys: str) -> dict[str, str]:
 
 
 def journal() -> str:
-    argv = ["journalctl", "-u", UNIT, "-u", "ficc-work-*", "--no-pager", "-n", "80"]
+    argv = ["journalctl", "-u", UNIT, "-u", "ficc-work-*", "-u", "ficc-lease-reaper-*"]
+    argv += ["--no-pager", "-n", "80"]
     return subprocess.run(argv, capture_output=True, text=True, check=False).stdout
+
+
+def reaper_unit(installation_id: str) -> str:
+    """The lease reaper's unit of an installation (supervisor=systemd)."""
+    return f"ficc-lease-reaper-{installation_id}.service"
 
 
 @dataclass
@@ -103,6 +111,10 @@ def _install(supervisor: str, dropin: str) -> Iterator[Installed]:
     finally:
         if unit is not None:
             unit.uninstall()
+            # The lease reaper's unit outlives the daemon's by design (until its
+            # deadlines are gone); this test's is stopped with the rest.
+            lease_reaper = reaper_unit(unit.layout.installation_id)
+            subprocess.run([SYSTEMCTL, "stop", lease_reaper], capture_output=True, check=False)
         shutil.rmtree(base, ignore_errors=True)
         accounts.remove()
 
@@ -415,6 +427,24 @@ LEASE_MS = 10_000
 GRACE_MS = 5_000
 
 
+def start_held(installed: Installed, daemon: Daemon, lease_ms: int = LEASE_MS) -> tuple[Plan, int]:
+    """A held attempt (a live process of the slot account in its unit) with a lease of
+    `lease_ms`; returns it and the latest its deadline can be (wall-clock ms)."""
+    plan = daemon.plan()
+    held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
+    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
+    rows(daemon.prepare([plan], expires_in_ms=lease_ms))
+    deadline = now_ms() + lease_ms
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    attempt(daemon.start_attempt(plan))
+    # The service (and its slot process) exists before the provider's start is called.
+    wait_for(lambda: installed.layout.provider_calls("start", plan.attempt_id) == 1)
+    wait_for(lambda: slot_processes(installed.accounts))
+    assert daemon.observe(plan).state == "starting"
+    return plan, deadline
+
+
 def _sigkill_main() -> Callable[[], None]:
     """SIGKILL of the daemon's main process: systemd restarts it (Restart=on-failure)."""
     old = show("MainPID")["MainPID"]
@@ -446,18 +476,7 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     installed = slow_watchdog
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
     daemon = Daemon(installed.layout, installed.provider, installed.accounts)
-    plan = daemon.plan()
-    held = Payload(argv=["/bin/true"], environment={"FICC_TEST_PROVIDER_HOLD": "1"})
-    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=held))
-    rows(daemon.prepare([plan], expires_in_ms=LEASE_MS))
-    deadline = now_ms() + LEASE_MS
-    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
-    assert (ready.state, ready.ready) == ("prepared", True), ready
-    attempt(daemon.start_attempt(plan))
-    # The service (and its slot process) exists before the provider's start is called.
-    wait_for(lambda: installed.layout.provider_calls("start", plan.attempt_id) == 1)
-    wait_for(lambda: slot_processes(installed.accounts))
-    assert daemon.observe(plan).state == "starting"
+    plan, deadline = start_held(installed, daemon)
 
     resume = disrupt()
     try:
@@ -472,6 +491,182 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     assert installed.layout.provider_calls("start", plan.attempt_id) == 1  # ran once
     assert attempt(daemon.release(plan)).state == "released"
     assert installed.layout.provider_calls("start", plan.attempt_id) == 1
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+# --- the lease reaper's own unit, under supervisor=systemd ---------------------------------
+
+
+def deadline_ns(installed: Installed, plan: Plan) -> int:
+    """The boot-clock deadline the reaper holds for the attempt's service."""
+    name = f"ficc-work-{installed.layout.installation_id}-{plan.attempt_id}{reaper.SUFFIX}"
+    document = json.loads((installed.layout.state_dir / "deadlines" / name).read_text())
+    return int(document["deadline_boottime_ns"])
+
+
+def boottime_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def _v2_node(unit: str) -> Path:
+    """The unit's cgroup in the cgroup v2 hierarchy (on a hybrid host, the unified one
+    systemd tracks its units in)."""
+    mounts = cgroups.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    (unified,) = [h for h in mounts if h.version == 2]
+    return Path(unified.mount + show_unit(unit, "ControlGroup")["ControlGroup"])
+
+
+def freeze_unit(unit: str) -> tuple[str, Callable[[], None]]:
+    """Freeze every process of `unit`; returns how, and what thaws it again.
+
+    `systemctl freeze` where systemd offers it. systemd 252 freezes units only on a
+    unified (v2-only) hierarchy and refuses on a hybrid one, such as this
+    workplace's container; there the same kernel operation is made by hand: 1 in the
+    unit's `cgroup.freeze` on the v2 hierarchy (where systemd tracks the unit's
+    processes), confirmed by `frozen 1` in its `cgroup.events`, as systemd does.
+    """
+    argv = [SYSTEMCTL, "freeze", unit]
+    frozen = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if frozen.returncode == 0:
+        assert show_unit(unit, "FreezerState")["FreezerState"] == "frozen"
+        return "systemctl freeze", lambda: subprocess.run([SYSTEMCTL, "thaw", unit], check=True)
+    assert "not supported" in frozen.stderr, frozen.stderr
+    node = _v2_node(unit)
+
+    def set_frozen(value: str) -> None:
+        (node / "cgroup.freeze").write_text(value)
+        wait_for(
+            lambda: f"frozen {value}" in (node / "cgroup.events").read_text().splitlines(),
+            f"{node} frozen {value}",
+        )
+
+    set_frozen("1")
+    return f"{node}/cgroup.freeze (systemctl: {frozen.stderr.strip()})", lambda: set_frozen("0")
+
+
+def test_a_frozen_daemon_unit_leaves_the_lease_reaper_enforcing(slow_watchdog: Installed) -> None:
+    """Every process of the daemon's unit is frozen (`systemctl freeze`) before the
+    deadline of a held attempt: the lease reaper, a unit of its own, still stops the
+    payload, so no process of the slot account is left 5 s after the deadline. Once
+    thawed the daemon finds the service emptied with the reaper's evidence: `expired`,
+    and the provider's `start` ran once."""
+    installed = slow_watchdog
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
+    plan, deadline = start_held(installed, daemon)
+    exact = deadline_ns(installed, plan)
+    how, thaw = freeze_unit(UNIT)
+    try:
+        assert now_ms() < deadline - LEASE_MS // 2, "the start took too long"
+        assert slot_processes(installed.accounts), "the payload ended before its deadline"
+        remaining = (deadline + GRACE_MS - now_ms()) / 1000
+        wait_for(lambda: not slot_processes(installed.accounts), "the reaper's stop", remaining)
+        late = (boottime_ns() - exact) / 1e9
+    finally:
+        thaw()
+    print(f"daemon frozen by {how}; the payload was gone {late:.2f} s after its deadline")
+    assert late < GRACE_MS / 1000
+    settled = daemon.wait_state(plan, lambda r: r.state not in {"starting", "running"}, "end")
+    assert (settled.state, settled.reason) == ("expired", "lease_expired"), settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert installed.layout.provider_calls("start", plan.attempt_id) == 1
+    assert attempt(daemon.release(plan)).state == "released"
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def _reaper_of(installed: Installed) -> str:
+    """The lease reaper's unit of this installation, once it runs."""
+    unit = reaper_unit(installed.layout.installation_id)
+    wait_for(lambda: show_unit(unit, "ActiveState")["ActiveState"] == "active", unit)
+    return unit
+
+
+def test_the_lease_reaper_unit_is_restarted_by_systemd_and_keeps_enforcing(
+    slow_watchdog: Installed,
+) -> None:
+    """The reaper's unit is in the attempts' slice, outside the daemon's cgroup, tied to
+    the daemon's unit by nothing, with Restart=on-failure. With the daemon hung
+    (SIGSTOP: it cannot start a reaper itself), the reaper's main process is
+    SIGKILLed: systemd starts it again, and the new reaper stops the payload at its
+    deadline (no process of the slot account 5 s after it); the attempt ends
+    `expired`."""
+    installed = slow_watchdog
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
+    plan, deadline = start_held(installed, daemon)
+    exact = deadline_ns(installed, plan)
+    unit = _reaper_of(installed)
+    keys = ["Restart", "BindsTo", "PartOf", "After", "Slice", "ControlGroup", "MainPID"]
+    state = show_unit(unit, *keys, "NRestarts")
+    assert state["Restart"] == "on-failure"
+    assert (state["BindsTo"], state["PartOf"]) == ("", ""), state
+    assert UNIT not in state["After"].split(), state
+    assert state["Slice"] == "ficc.slice"
+    daemon_cgroup = show("ControlGroup")["ControlGroup"]
+    assert not state["ControlGroup"].startswith(daemon_cgroup), (state, daemon_cgroup)
+    first = state["MainPID"]
+    assert "reaper.py" in Path(f"/proc/{first}/cmdline").read_text()
+
+    hung = int(show("MainPID")["MainPID"])
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        subprocess.run(
+            [SYSTEMCTL, "kill", "--kill-whom=main", "--signal=SIGKILL", unit], check=True
+        )
+        again = wait_for(
+            lambda: (
+                (now := show_unit(unit, "ActiveState", "MainPID", "NRestarts"))["ActiveState"]
+                == "active"
+                and now["MainPID"] not in {first, "0"}
+                and int(now["NRestarts"]) >= 1
+                and now
+            ),
+            "systemd to restart the reaper",
+        )
+        assert boottime_ns() < exact, "restarted only after the deadline"
+        assert "reaper.py" in Path(f"/proc/{again['MainPID']}/cmdline").read_text()
+        remaining = (deadline + GRACE_MS - now_ms()) / 1000
+        wait_for(lambda: not slot_processes(installed.accounts), "the reaper's stop", remaining)
+        late = (boottime_ns() - exact) / 1e9
+    finally:
+        os.kill(hung, signal.SIGCONT)
+    print(f"reaper restarted ({again}); the payload was gone {late:.2f} s after its deadline")
+    settled = daemon.wait_state(plan, lambda r: r.state not in {"starting", "running"}, "end")
+    assert (settled.state, settled.reason) == ("expired", "lease_expired"), settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert attempt(daemon.release(plan)).state == "released"
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def test_stopping_the_daemon_unit_leaves_the_lease_reaper_running(
+    slow_watchdog: Installed,
+) -> None:
+    """`systemctl stop` of the daemon's unit stops the attempt's unit (BindsTo=) but
+    not the reaper's, which goes on guarding the deadline file the daemon left. The
+    next daemon settles the attempt and drops the file; the reaper then exits by
+    itself (0, so systemd does not restart it) and systemd forgets its unit."""
+    installed = slow_watchdog
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
+    plan, _deadline = start_held(installed, daemon, lease_ms=120_000)
+    unit = _reaper_of(installed)
+    before = show_unit(unit, "MainPID", "NRestarts")
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+    wait_for(lambda: not slot_processes(installed.accounts), "the attempt unit's stop")
+    assert show_unit(unit, "ActiveState", "MainPID", "NRestarts") == {
+        "ActiveState": "active",
+        **before,
+    }
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    settled = daemon.wait_state(plan, lambda r: r.state not in {"starting", "running"}, "end")
+    assert (settled.state, settled.reason) == ("unknown", "executor_restarted"), settled
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert attempt(daemon.release(plan)).state == "released"
+    wait_for(
+        lambda: show_unit(unit, "LoadState")["LoadState"] == "not-found",
+        "the reaper to exit and its unit to be forgotten",
+        timeout=reaper.LINGER_SECONDS + 20,
+    )
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
 
 

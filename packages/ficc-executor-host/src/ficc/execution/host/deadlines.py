@@ -6,7 +6,10 @@ dead or hung; a renewal hands on the deadline it moved before it is answered
 (`renewed`), and each monitor tick any other that moved (`sync`), and keeps a reaper
 running while any live service has one (also from the daemon's start, `resume`);
 cleanup takes a settled attempt's deadline back (`drop`). What the reaper kills is the
-service backend's `planned_cgroups(name)`, known before the service exists.
+service backend's `planned_cgroups(name)`, known before the service exists. Where the
+reaper runs is the backend's choice: as this daemon's child moved into a cgroup of its
+own (`place_reaper`, cgroupfs) or as a unit of its own (`reaper_unit` and
+`start_reaper`, systemd).
 
 The reaper is the enforcer of record: a moved deadline counts only once the reaper is
 known to judge by it (`reaper.move`). When the reaper had already decided to kill at
@@ -18,6 +21,7 @@ found empty was stopped at its deadline, not lost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -50,8 +54,21 @@ class Deadlines(HostWork):
     def _keeper(self) -> reaper.Keeper:
         if self._reaper is None:
             directory = os.path.join(self._ctx.config.state_dir, "deadlines")
-            self._reaper = reaper.Keeper(directory, place=self._place)
+            unit = self._ctx.service.reaper_unit(self._ctx.config.installation_id)
+            launch = None if unit is None else functools.partial(self._launch, unit, directory)
+            self._reaper = reaper.Keeper(directory, place=self._place, launch=launch)
         return self._reaper
+
+    def _launch(self, unit: str, directory: str, command: list[str]) -> bool:
+        """Start the reaper as unit `unit` (see the service backend's `start_reaper`);
+        a refusal is an `OSError` to the callers, as a failed spawn is."""
+        try:
+            started = self._ctx.service.start_reaper(unit, command, directory)
+        except HostError as error:
+            raise reaper.ReaperUnavailable(str(error)) from error
+        if started:
+            _log.info("the lease reaper runs as unit %s", unit)
+        return started
 
     def _place(self, pid: int) -> None:
         """Move a reaper just started into a cgroup of its own (see the service

@@ -460,6 +460,15 @@ class CgroupfsService:
             placed.append(node)
         return placed
 
+    def reaper_unit(self, installation_id: str) -> str | None:
+        """None: the daemon spawns the reaper and moves it (`place_reaper`)."""
+        return None
+
+    def start_reaper(self, unit: str, command: list[str], directory: str) -> bool:
+        raise HostError(
+            "service_unsupported", "the cgroupfs backend runs no units; use place_reaper"
+        )
+
     def adopt(self, name: str) -> ServiceHandle | None:
         check_name(name)
         nodes = {

@@ -285,8 +285,22 @@ class SystemService(Protocol):
         ...
 
     def place_reaper(self, pid: int) -> list[str]:
-        """Move the lease reaper (`pid`, just started by the daemon) out of the daemon's
-        cgroup, so freezing or stopping the daemon's cgroup leaves it enforcing; returns
-        the cgroups it now runs in (empty: it stays where it started). cgroupfs: its
-        own cgroup beside the attempts'; systemd: it stays in the daemon's unit."""
+        """Move the lease reaper (`pid`, just started by the daemon as its child) out of
+        the daemon's cgroup, so freezing or stopping the daemon's cgroup leaves it
+        enforcing; returns the cgroups it now runs in (empty: it stays where it
+        started). cgroupfs: its own cgroup beside the attempts'; systemd: not used
+        (the reaper is a unit of its own, `reaper_unit`)."""
+        ...
+
+    def reaper_unit(self, installation_id: str) -> str | None:
+        """The unit the lease reaper of installation `installation_id` runs as, or
+        None when the daemon starts it as its child and moves it (`place_reaper`).
+        systemd: `ficc-lease-reaper-<installation>.service`; cgroupfs: None."""
+        ...
+
+    def start_reaper(self, unit: str, command: list[str], directory: str) -> bool:
+        """Start `command` (the reaper of `directory`) as `unit`, outside the daemon's
+        unit and not bound to it, restarted by the service manager if it fails: True
+        once the reaper has been executed, False while a unit of that name is still
+        there. Only for a backend whose `reaper_unit` is not None."""
         ...

@@ -28,15 +28,16 @@ each attempt's deadline also lives outside the daemon:
   refused `lease_expired` and the attempt ends `expired`). An intent still there is
   waited for (a reaper decides in microseconds) up to `SETTLE_PATIENCE`;
 - a file the reaper cannot read or act on (any `OSError`) is reported on its
-  standard error (the daemon's, so the journal under systemd) and tried again on
-  the next pass; the other files are reaped all the same;
+  standard error (the journal under systemd: the daemon's, or the reaper unit's)
+  and tried again on the next pass; the other files are reaped all the same;
 - the reaper holds an exclusive flock on `<directory>/reaper.lock` for its life. The
   daemon starts one whenever that lock is free (a new deadline, every monitor tick)
-  and the reaper it started last is not still coming up, and the reaper exits once no
-  deadline is left to guard for `LINGER_SECONDS` (a reaped file whose cgroups are
-  empty guards nothing): attempts that follow each other share one reaper instead of
-  paying an interpreter start each, on the start path. The daemon also starts one at
-  its own start whenever any deadline file is there.
+  and the reaper it started last is not still coming up (below, for each
+  supervisor), and the reaper exits once no deadline is left to guard for
+  `LINGER_SECONDS` (a reaped file whose cgroups are empty guards nothing): attempts
+  that follow each other share one reaper instead of paying an interpreter start
+  each, on the start path. The daemon also starts one at its own start whenever any
+  deadline file is there.
 
 Why a reaper and not systemd's `RuntimeMaxSec=`: systemd 252 cannot change
 `RuntimeMaxSec=` of a running unit (`set-property` accepts resource-control settings
@@ -45,11 +46,26 @@ still during suspend, where a lease must not. The reaper holds CLOCK_BOOTTIME, a
 lease rules do, and one mechanism serves both backends: under `supervisor=systemd`
 it kills the unit's cgroups and systemd sees the unit's processes die.
 
-The reaper runs in a new session outside every attempt's cgroup, so stopping an
-attempt never stops it. Under `supervisor=cgroupfs` the daemon moves it into a cgroup
-of its own (`<base>/lease-reaper`, `Keeper(place=...)`), so freezing or killing the
-daemon's cgroup leaves it enforcing; under systemd it stays in the daemon's unit,
-where a daemon stop also stops every attempt unit (`BindsTo=`).
+Where the reaper runs, so that neither stopping an attempt nor freezing, stopping or
+killing the daemon stops it (the process is the same script either way):
+
+- under `supervisor=cgroupfs` the daemon spawns it in a new session (`spawn`) and
+  moves it into a cgroup of its own (`<base>/lease-reaper`, `Keeper(place=...)`);
+  the daemon starts it again whenever it finds the lock free;
+- under `supervisor=systemd` it is a transient service unit of its own,
+  `ficc-lease-reaper-<installation>.service` in the attempts' slice, started with
+  `systemd-run` (`Keeper(launch=...)`; the unit's properties are in
+  service/systemd.py, `reaper_properties`). Nothing binds it to the daemon's unit,
+  so a stopped, crashed or frozen daemon leaves it running, and `Restart=on-failure`
+  makes systemd start it again if it dies (not after a clean exit: lingering done,
+  the lock found taken, or SIGTERM, which systemd counts as clean; the daemon starts
+  one again on its next look). The start is synchronous (`Type=exec`: when
+  `systemd-run` returns, the reaper has been executed) and systemd refuses a second
+  unit of the name while one is there, so "still coming up" needs no bookkeeping in
+  the daemon: the lock free and the unit refused means a reaper is coming up, about
+  to be restarted or exiting, and the daemon looks again until a reaper holds the
+  lock or the unit is gone and a new one starts (up to `UNIT_PATIENCE`). Its
+  standard error is the unit's, so the journal's.
 """
 
 from __future__ import annotations
@@ -86,8 +102,17 @@ CGROUP_ROOT = "/sys/fs/cgroup/"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 SETTLE_PATIENCE = 2.0
 """How long the daemon waits for a reaper's intent to become a decision (`move`)."""
+UNIT_PATIENCE = 5.0
+"""How long the daemon keeps looking while the reaper's unit is there but no reaper
+holds the lock (it is coming up, waiting to be restarted or exiting: each takes far
+less) before it gives up (`ReaperUnavailable`)."""
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _MAX_FILE = 1 << 16
+
+
+class ReaperUnavailable(OSError):
+    """No reaper could be started for the directory (its unit could not be started, or
+    none took the lock within `UNIT_PATIENCE`)."""
 
 
 class ReaperUndecided(TimeoutError):
@@ -210,12 +235,18 @@ def reaper_running(directory: str) -> bool:
         os.close(fd)
 
 
+def command(directory: str, interpreter: str = sys.executable) -> list[str]:
+    """The reaper's command line: this file, by absolute path, run by `interpreter`
+    with the standard library only (`-I -S`)."""
+    return [interpreter, "-I", "-S", os.path.abspath(__file__), directory]
+
+
 def spawn(directory: str, interpreter: str = sys.executable) -> subprocess.Popen[bytes]:
     """Start a reaper for `directory` in its own session, detached from the daemon's
     descriptors but its standard error (its reports reach the daemon's log); it
     outlives the daemon. A second reaper exits at once (lock taken)."""
     return subprocess.Popen(
-        [interpreter, "-I", "-S", os.path.abspath(__file__), directory],
+        command(directory, interpreter),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         close_fds=True,
@@ -226,18 +257,32 @@ def spawn(directory: str, interpreter: str = sys.executable) -> subprocess.Popen
 
 
 class Keeper:
-    """The daemon's handle on the reaper: writes deadlines, keeps a reaper running."""
+    """The daemon's handle on the reaper: writes deadlines, keeps a reaper running.
+
+    With `launch` (supervisor=systemd) the reaper is started as a unit of its own:
+    `launch(argv)` starts it and returns True once it has been executed, False when
+    the unit is still there (see the module docstring); it raises `OSError` when the
+    unit cannot be started. Without it the reaper is the daemon's child, which
+    `place` moves out of the daemon's cgroup (supervisor=cgroupfs).
+    """
 
     def __init__(
         self,
         directory: str,
         interpreter: str = sys.executable,
         place: Callable[[int], None] | None = None,
+        *,
+        launch: Callable[[list[str]], bool] | None = None,
+        patience: float = UNIT_PATIENCE,
+        pause: Callable[[float], None] = time.sleep,
     ) -> None:
         self.directory = directory
         self._interpreter = interpreter
         self._place = place
         """Moves a reaper just started out of the daemon's cgroup (never raises)."""
+        self._launch = launch
+        self._patience = patience
+        self._pause = pause
         self._child: subprocess.Popen[bytes] | None = None
         self._spawned = 0.0
         self._prepared = False
@@ -255,11 +300,15 @@ class Keeper:
     def ensure(self) -> None:
         """Start a reaper unless one holds the lock (the last one may have exited).
 
-        A reaper started less than LINGER_SECONDS ago that still runs is not replaced
-        even while the lock looks free: it is still coming up and takes the lock (or
-        exits because another reaper holds it, which then sees the deadline), and it
-        cannot have given up for want of deadlines yet.
+        As the daemon's child: a reaper started less than LINGER_SECONDS ago that
+        still runs is not replaced even while the lock looks free: it is still coming
+        up and takes the lock (or exits because another reaper holds it, which then
+        sees the deadline), and it cannot have given up for want of deadlines yet.
+        As a unit: see `_ensure_unit`.
         """
+        if self._launch is not None:
+            self._ensure_unit(self._launch)
+            return
         if self._child is not None and self._child.poll() is not None:
             self._child = None  # reaped: no zombie stays behind
         young = time.monotonic() - self._spawned < LINGER_SECONDS
@@ -270,6 +319,27 @@ class Keeper:
             self._child = spawn(self.directory, self._interpreter)
             if self._place is not None:
                 self._place(self._child.pid)
+
+    def _ensure_unit(self, launch: Callable[[list[str]], bool]) -> None:
+        """Start the reaper's unit unless a reaper holds the lock.
+
+        The unit refused (False) while the lock is free means its reaper is coming up
+        (it takes the lock within moments of being executed), waiting for systemd to
+        restart it, or exiting (it let go of the lock after lingering): look again
+        until a reaper holds the lock or a new unit starts. Each reaper judges every
+        deadline file it finds, so one that held the lock when a deadline was written,
+        or that starts after, enforces it.
+        """
+        give_up = time.monotonic() + self._patience
+        while not reaper_running(self.directory):
+            if launch(command(self.directory, self._interpreter)):
+                return
+            if time.monotonic() >= give_up:
+                raise ReaperUnavailable(
+                    f"the lease reaper's unit for {self.directory} is there, but no reaper "
+                    f"took {LOCK} within {self._patience}s; its journal says why"
+                )
+            self._pause(0.05)
 
 
 # --- the reaper's side ------------------------------------------------------------------

@@ -39,6 +39,17 @@ dies first, the shim reads an incomplete order and exits 125 without running
 anything. The argv and environment never appear in unit properties or in the
 shim's /proc cmdline.
 
+The lease reaper (service/reaper.py) is a transient unit of its own,
+`ficc-lease-reaper-<installation>.service` (`reaper_unit`), created the same way
+(`start_reaper`) in the same slice, beside the attempts and outside the daemon's unit:
+no `BindsTo=`, `PartOf=` or ordering ties it to the daemon's unit, so stopping,
+killing or freezing the daemon leaves it enforcing, and a daemon stop never waits for
+it. `Restart=on-failure` has systemd start it again if it dies; it exits 0 by itself
+(not restarted) once nothing is left to guard, and `CollectMode=inactive-or-failed`
+lets systemd forget the unit then, also after a failure, so the daemon can always
+start it again by its name (see `reaper_properties`). The installation ID in its
+name keeps two daemons of one host apart, as in the attempts' unit names.
+
 Stop: `systemctl kill --signal=SIGKILL`, then the tree is confirmed empty from the
 cgroup files (falling back to the cgroupfs backend's cgroup.kill and freezer path),
 then `systemctl stop`. Remove: `systemctl reset-failed`, and the unit must be gone.
@@ -113,6 +124,10 @@ _UNIT_SUFFIX = ".service"
 
 _SHIM = shim.SOCKET_SOURCE
 """The gate program the unit runs (shim.py)."""
+REAPER_PREFIX = "ficc-lease-reaper-"
+REAPER_CAPABILITIES = "CAP_KILL CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH"
+"""All the reaper needs: SIGKILL to the slot accounts' processes, and to read and
+write cgroup files that a service's delegated subtree gives to its slot account."""
 
 
 # --- pure helpers ------------------------------------------------------------------
@@ -225,6 +240,58 @@ def run_properties(
     if bind_to is not None:
         properties += [f"BindsTo={bind_to}", f"After={bind_to}"]
     return properties
+
+
+def reaper_unit(installation_id: str) -> str:
+    """The lease reaper's unit of installation `installation_id`: one per daemon
+    (its deadline directory is in the installation's state_dir)."""
+    return check_unit(unit_name(REAPER_PREFIX + installation_id))
+
+
+def reaper_properties(directory: str, *, slice_name: str) -> list[str]:
+    """Every `-p NAME=VALUE` of the lease reaper's unit (see the module docstring).
+
+    Deliberately absent: `BindsTo=`, `PartOf=`, `Requisite=` and any ordering on
+    the daemon's unit (the reaper must outlive a stopped daemon, and a daemon stop
+    must not wait for it). The unit does not inherit the daemon's sandbox, so it gets
+    one of its own: no new privileges, only the capabilities a kill needs, and the
+    daemon's umask and OOM score adjustment (which the daemon's child had)."""
+    return [
+        f"Description=ficc lease reaper of {directory}",
+        "Type=exec",
+        f"Slice={slice_name}",
+        "Restart=on-failure",
+        "RestartSec=100ms",
+        "CollectMode=inactive-or-failed",
+        "KillMode=control-group",
+        "StandardOutput=null",
+        "StandardError=journal",
+        "UMask=0077",
+        "OOMScoreAdjust=-500",
+        "NoNewPrivileges=yes",
+        f"CapabilityBoundingSet={REAPER_CAPABILITIES}",
+    ]
+
+
+def reaper_run_argv(unit: str, command: list[str], *, directory: str, slice_name: str) -> list[str]:
+    """The `systemd-run` call that creates and starts the reaper's unit running
+    `command` (reaper.command: interpreter, flags, script, directory), whose paths
+    must be absolute (systemd runs it from `/`) and free of `$` and `%`, which systemd
+    may expand in a unit's command line (see the shim's)."""
+    paths = [part for part in command if not part.startswith("-")]
+    if not command or not all(os.path.isabs(path) for path in paths):
+        raise HostError(
+            "service_spec", f"the lease reaper's command {command!r} needs absolute paths"
+        )
+    if any("$" in part or "%" in part for part in command):
+        raise HostError(
+            "service_spec",
+            f"the lease reaper's command {command!r} holds '$' or '%', which systemd would "
+            "expand; give state_dir (and the daemon's Python) a path without them",
+        )
+    argv = [SYSTEMD_RUN, "--quiet", f"--unit={check_unit(unit)}"]
+    argv += [f"--property={p}" for p in reaper_properties(directory, slice_name=slice_name)]
+    return [*argv, "--", *command]
 
 
 def parse_show(text: str) -> dict[str, str]:
@@ -688,9 +755,29 @@ class SystemdService:
         return f"{unit_cgroup(self._slice, name)}/{PAYLOAD}"
 
     def place_reaper(self, pid: int) -> list[str]:
-        """The reaper stays in the daemon's unit (its own unit is not built yet): a
-        stopped or crashed unit stops every attempt unit with it (`BindsTo=`)."""
+        """Not used: the reaper runs as a unit of its own (`start_reaper`)."""
         return []
+
+    def reaper_unit(self, installation_id: str) -> str | None:
+        return reaper_unit(installation_id)
+
+    def start_reaper(self, unit: str, command: list[str], directory: str) -> bool:
+        """Create and start the reaper's unit; True once its reaper has been executed,
+        False when systemd refuses because a unit of that name is still there (its
+        reaper coming up, waiting to be restarted or exiting). `service_start` when
+        systemd could not start it for any other reason."""
+        argv = reaper_run_argv(unit, command, directory=directory, slice_name=self._slice)
+        result = _command(argv, self._start_timeout)
+        if result.returncode == 0:
+            return True
+        reason = result.stderr.strip()[:2000]
+        if "already" in reason:
+            return False
+        raise HostError(
+            "service_start",
+            f"systemd could not start the lease reaper's unit {unit}: {reason}; see "
+            f"`journalctl -u {unit}`",
+        )
 
     def planned_cgroups(self, name: str) -> list[str]:
         path = unit_cgroup(self._slice, name)
