@@ -74,6 +74,8 @@ GUEST_FILES = [
     "tools/vm/guest/write_config.py",
     "tools/vm/guest/scenario.py",
     "tools/vm/guest/hoststate_loop.py",
+    "tools/vm/guest/console.py",
+    "tools/systemd/tests/test_daemon_unit.py",
     "tools/vm/tests/test_v2_enforcement.py",
     "tests-integration/test_podman_usage.py",
 ]
@@ -82,9 +84,13 @@ DEFAULT_SUITES = " ".join([
     "tests-integration/test_podman_usage.py",
     "tests-integration/test_podman_e2e.py::test_stop_kills_the_whole_running_tree",
     "tests-integration/test_podman_e2e.py::test_lease_expiry_stops_a_running_job",
+    "tools/systemd/tests/test_daemon_unit.py::"
+    "test_a_frozen_daemon_unit_leaves_the_lease_reaper_enforcing",
 ])  # fmt: skip
 """What only a v2 host can prove: the limits enforced, the usage figures read from v2
-files, stop and lease expiry under systemd's cgroup tree (each on both backends)."""
+files, stop and lease expiry under systemd's cgroup tree (each on both backends), and
+the lease reaper's own unit enforcing while `systemctl freeze` holds the daemon's (which
+systemd 252 refuses on a hybrid tree)."""
 GUEST_REQUIREMENTS = ["prometheus_client>=0.17"]
 """The guest's test venv needs, beyond the daemon's wheelhouse (the usage suite parses
 the metrics text as Prometheus would)."""
@@ -93,6 +99,10 @@ the metrics text as Prometheus would)."""
 PODMAN_CPU_US = 12_000_000
 """What Podman's own CPU time in a job's service may be under software emulation
 (measured at 5 to 7 s a run; 0.25 s on the host), for the usage suite's bound."""
+
+LEASE_MS = 60_000
+"""The held attempt's lease in the daemon unit's reaper test (its start takes seconds
+here)."""
 
 
 def _is_json(text: str) -> bool:
@@ -248,7 +258,8 @@ def prepare_inputs(target: pathlib.Path, args: argparse.Namespace) -> None:
         shutil.copy2(ROOT / name, destination)
     (target / "pytest-args").write_text(args.suites + "\n" if args.suites else "")
     (target / "pytest-env").write_text(
-        f"FICC_E2E_BACKENDS={args.backends} FICC_TEST_PODMAN_CPU_US={PODMAN_CPU_US}\n"
+        f"FICC_E2E_BACKENDS={args.backends} FICC_TEST_PODMAN_CPU_US={PODMAN_CPU_US}"
+        f" FICC_TEST_LEASE_MS={LEASE_MS}\n"
     )
 
 

@@ -60,6 +60,7 @@ from ficc.execution.plan import Payload, Plan  # noqa: E402
 from ficc_testkit.accounts import Accounts  # noqa: E402
 from ficc_testkit.driver import SYSTEMCTL, UNIT, UnitDaemon, attempt, rows, show_unit  # noqa: E402
 from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
+from ficc_testkit.podman import WORLD_PARENT  # noqa: E402
 from ficc_testkit.slots import private_directory  # noqa: E402
 from ficc_testkit.waits import now_ms, wait_for  # noqa: E402
 from ficc_testkit.wheels import InstalledProvider, install_provider  # noqa: E402
@@ -100,7 +101,7 @@ def _systemd_backend_wired() -> bool:
 @contextlib.contextmanager
 def _install(supervisor: str, dropin: str) -> Iterator[Installed]:
     accounts = ensure_accounts()
-    base = private_directory("/run", "ficc-it-unit-")
+    base = private_directory(WORLD_PARENT, "ficc-it-unit-")
     unit: UnitDaemon | None = None
     try:
         (wheel,) = PROVIDER_WHEELS.glob("ficc_test_provider-*.whl")
@@ -423,7 +424,9 @@ def test_check_config_refuses_the_start_before_serve_runs(
 
 # --- leases without a live daemon (the lease reaper), under supervisor=systemd ---------
 
-LEASE_MS = 10_000
+LEASE_MS = int(os.environ.get("FICC_TEST_LEASE_MS", "10000"))
+"""The held attempt's lease: long enough for its start (the VM lane, where the daemon
+runs about 20x slower under software emulation, sets a longer one)."""
 GRACE_MS = 5_000
 
 
