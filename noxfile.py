@@ -386,8 +386,8 @@ def _install_built_wheels(session: nox.Session) -> None:
 def ci(session: nox.Session) -> None:
     """Everything CI runs: every package's tests against the installed wheels (the
     fast lane first, then the tests that need root or Podman), integration, systemd,
-    the VM lane (a production host: reboot and power cut), upgrade, lint, typecheck,
-    build."""
+    the VM lane (a production host: its `--ci` suites, reboot and power cut), upgrade,
+    lint, typecheck, build."""
     _install_built_wheels(session)
     session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
@@ -397,7 +397,7 @@ def ci(session: nox.Session) -> None:
     _integration_tests(session)
     session.run("python", str(ROOT / "tools" / "systemd" / "run.py"))
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
-    session.run("python", str(ROOT / "tools" / "vm" / "run.py"))
+    session.run("python", str(ROOT / "tools" / "vm" / "run.py"), "--ci")
     _upgrade(session)
     _lint(session)
     _typecheck(session)

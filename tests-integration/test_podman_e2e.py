@@ -38,6 +38,7 @@ import pytest
 
 from ficc.execution.plan import InputObject, decode_plan
 from ficc.execution.wire import ReadRow, Usage
+from ficc_testkit import tamper
 from ficc_testkit.accounts import processes_of
 from ficc_testkit.digests import digest_of
 from ficc_testkit.driver import row_code
@@ -234,19 +235,9 @@ def test_an_allowed_device_opens_and_an_unlisted_one_is_refused(e2e: PodmanWorld
     assert not opens & {(1, 5), (1, None), (None, None)}, evidence["devices"]
 
 
-def _touched(staged: Path) -> None:
-    os.utime(staged, ns=(1, 1))  # same bytes, another mtime
-
-
-def _replaced(staged: Path) -> None:
-    copy = staged.with_name("replacement")
-    shutil.copy2(staged, copy)  # same bytes, mode and mtime; another inode
-    st = staged.stat()
-    os.chown(copy, st.st_uid, st.st_gid)
-    os.replace(copy, staged)
-
-
-@pytest.mark.parametrize("change", [_touched, _replaced], ids=["touched", "replaced_input"])
+@pytest.mark.parametrize(
+    "change", [tamper.touch, tamper.replace_with_copy], ids=["touched", "replaced_input"]
+)
 def test_a_changed_staged_input_refuses_start(
     e2e: PodmanWorld, change: Callable[[Path], None]
 ) -> None:

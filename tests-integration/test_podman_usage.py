@@ -205,7 +205,7 @@ def test_a_writer_leaves_its_bytes_and_files_in_the_slot(usage: PodmanWorld) -> 
 def test_a_forking_payload_peaks_at_its_processes(usage: PodmanWorld) -> None:
     row, used = _finished(usage, usage.plan(f"for i in $(seq {FORKS}); do sleep 2 & done; wait"))
     assert (row.state, row.exit_code) == ("succeeded", 0), row
-    # the kernel keeps pids.peak in every non-root cgroup from 6.12 on: look at the
+    # the kernel keeps pids.peak in every non-root cgroup from 6.1 on: look at the
     # attempts' base cgroup (`ficc` of cgroupfs, `ficc.slice` of systemd)
     has_peak = any(Path("/sys/fs/cgroup").glob("*/ficc*/pids.peak")) or any(
         Path("/sys/fs/cgroup").glob("ficc*/pids.peak")

@@ -2,7 +2,7 @@
 tree with every controller) under qemu, deployed by the docs, tested, rebooted and
 power-cut.
 
-    python tools/vm/run.py [--suites ARGS] [--cuts N] [--seed S]
+    python tools/vm/run.py [--suites ARGS | --ci] [--cuts N] [--seed S]
 
 1. `image.py` gives the cached disk image, kernel and initramfs; the project's wheels,
    their dependencies and the test image are built here (the guest has no network).
@@ -91,6 +91,14 @@ DEFAULT_SUITES = " ".join([
 files, stop and lease expiry under systemd's cgroup tree (each on both backends), and
 the lease reaper's own unit enforcing while `systemctl freeze` holds the daemon's (which
 systemd 252 refuses on a hybrid tree)."""
+CI_SUITES = " ".join([
+    "tools/vm/tests/test_v2_enforcement.py",
+    "tools/systemd/tests/test_daemon_unit.py::"
+    "test_a_frozen_daemon_unit_leaves_the_lease_reaper_enforcing",
+])  # fmt: skip
+"""The part of DEFAULT_SUITES that CI runs (`--ci`): every kernel limit and the frozen
+daemon. The usage, stop and lease suites take about 8 more minutes in the guest and run
+on this machine's host in CI and in the guest with `nox -s vm`."""
 GUEST_REQUIREMENTS = ["prometheus_client>=0.17"]
 """The guest's test venv needs, beyond the daemon's wheelhouse (the usage suite parses
 the metrics text as Prometheus would)."""
@@ -321,6 +329,8 @@ def _summary(guest: Guest, failures: list[str], seconds: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suites", default=DEFAULT_SUITES, help="pytest arguments for the guest")
+    parser.add_argument("--ci", action="store_const", dest="suites", const=CI_SUITES,
+                        help="run CI's part of the suites (CI_SUITES)")  # fmt: skip
     parser.add_argument("--backends", default="systemd,cgroupfs", help="FICC_E2E_BACKENDS")
     parser.add_argument("--cuts", type=int, default=1, help="power cuts (default 1)")
     parser.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(4), "big"))

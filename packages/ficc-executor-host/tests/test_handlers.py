@@ -79,7 +79,7 @@ from ficc.execution.wire import (
     decode_reply,
     encode_reply,
 )
-from ficc_testkit import plans
+from ficc_testkit import plans, tamper
 from ficc_testkit.plans import new_id
 from lease_support import SteppedClock
 
@@ -915,19 +915,9 @@ def staged_file(host: Host, plan: planlib.Plan, obj: planlib.InputObject) -> Pat
     return Path(host.ctx.slots[record.slot_id].path, "ficc-staging", plan.attempt_id, obj.id)
 
 
-def touch(path: Path) -> None:
-    os.utime(path, ns=(1, 1))  # same bytes, another mtime
-
-
-def replace_with_copy(path: Path) -> None:
-    copy = path.with_name("replacement")
-    shutil.copy2(path, copy)  # same bytes, mode and mtime; another inode
-    st = path.stat()
-    os.chown(copy, st.st_uid, st.st_gid)
-    os.replace(copy, path)
-
-
-@pytest.mark.parametrize("change", [touch, replace_with_copy], ids=["touched", "replaced"])
+@pytest.mark.parametrize(
+    "change", [tamper.touch, tamper.replace_with_copy], ids=["touched", "replaced"]
+)
 def test_a_start_is_refused_in_its_row_when_a_staged_input_changed(
     host: Host, change: Callable[[Path], None]
 ) -> None:

@@ -67,7 +67,7 @@ def test_v2_reads_the_unified_node(tmp_path: Path) -> None:
 
 
 def test_v2_without_memory_peak_or_pids_peak_leaves_them_unknown(tmp_path: Path) -> None:
-    """Kernels before 5.19 have no memory.peak, before 6.12 no pids.peak."""
+    """Kernels before 5.19 have no memory.peak, before 6.1 no pids.peak."""
     node = tmp_path / "work"
     _files(node, {"cpu.stat": V2_CPU_STAT, "memory.events": V2_MEMORY_EVENTS})
     layout = Layout(2, (Hierarchy("unified", str(tmp_path), 2, frozenset({"cpu"})),))

@@ -38,7 +38,7 @@ suites() {
     (cd "$here" && env FICC_SYSTEMD_REQUIRED=1 FICC_VM_LANE=1 \
         FICC_TEST_WORLD_PARENT=/var/lib/ficc-test \
         FICC_PODMAN_WHEELS="$here/wheels" FICC_WHEELS="$here/wheels" $(cat "$here/pytest-env" 2>/dev/null) \
-        /opt/ficc-test/venv/bin/pytest -q -s -ra -p no:cacheprovider \
+        /opt/ficc-test/venv/bin/pytest -q -s -ra --durations=30 -p no:cacheprovider \
         -o "markers=soak: long reliability loops (FICC_SOAK=1)" $(cat "$here/pytest-args"))
 }
 

@@ -8,7 +8,7 @@ attempt's service:
 - peak memory: v1 `memory.max_usage_in_bytes`; v2 `memory.peak` (kernel 5.19 or newer);
 - OOM kills: v1 `memory.oom_control` `oom_kill`, summed over the subtree; v2
   `memory.events` `oom_kill`;
-- peak processes: `pids.peak` on both (kernel 6.12 or newer).
+- peak processes: `pids.peak` on both (kernel 6.1 or newer).
 
 Every counter but one is hierarchical, so the service's own node counts its whole
 tree (the provider's supervisor and the payload below it). The exception is v1's
