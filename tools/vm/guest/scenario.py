@@ -276,9 +276,33 @@ async def verify(c: Controller, acks: list[dict[str, Any]]) -> dict[str, int]:
             await c.release(_from(its[0]))
         except Failed as error:
             failures.append(f"{attempt}: release after the boot: {error}")
+    unacknowledged = await reconcile(c, set(by_attempt), failures)
     for failure in failures:
         console.fail(failure)
-    return {"attempts": len(by_attempt), "failures": len(failures)}
+    return {"attempts": len(by_attempt), "unacknowledged": unacknowledged,
+            "failures": len(failures)}  # fmt: skip
+
+
+async def reconcile(c: Controller, known: set[str], failures: list[str]) -> int:
+    """What a controller does after it lost replies: every attempt the host lists that
+    no acknowledgement named (admitted, but the cut came before its reply reached the
+    console) is remembered by the host, settles with cleanup confirmed and is
+    released, so its slot is free for the next job. Returns how many there were."""
+    found: list[Fence] = []
+    after: str | None = None
+    while True:
+        snap = await c.send(SnapshotRequest(version=1, id=secrets.token_hex(16), after=after))
+        found += [Fence(a.attempt_id, a.generation, a.plan_digest) for a in snap.attempts
+                  if a.attempt_id not in known and a.state != "released"]  # fmt: skip
+        if snap.next is None:
+            break
+        after = snap.next
+    for fence in found:
+        try:
+            await c.release(fence)
+        except Failed as error:
+            failures.append(f"{fence.attempt_id} (unacknowledged): release after the boot: {error}")
+    return len(found)
 
 
 def inputs_kept(ledger: str, acks: list[dict[str, Any]]) -> tuple[int, list[str]]:
