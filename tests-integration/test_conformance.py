@@ -26,7 +26,7 @@ from ficc.execution.host.conformance import RULES
 from ficc.execution.plan import Plan
 from ficc_testkit.digests import fake
 from ficc_testkit.host import IMAGE, PROJECT, Layout
-from ficc_testkit.plans import make_plan, new_id
+from ficc_testkit.plans import make_plan, new_id, with_environment
 from ficc_testkit.podman import ISOLATION, SLOT_CLASS
 from ficc_testkit.units import MIB
 from ficc_testkit.wheels import InstalledProvider
@@ -70,12 +70,6 @@ def run_kit(
     rules = [o["rule"] for o in listed]
     assert len(rules) == len(set(rules)), f"a rule is listed twice: {rules}"
     return done.returncode, {o["rule"]: o for o in listed}, done.stderr
-
-
-def with_environment(plan: Plan, **environment: str) -> Plan:
-    """The plan with this payload environment (the test provider's failure switches)."""
-    payload = msgspec.structs.replace(plan.job.payload, environment=environment)
-    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=payload))
 
 
 def kit_plan(layout: Layout, provider: InstalledProvider) -> Plan:

@@ -20,6 +20,7 @@ import pytest
 from ficc.execution.plan import Plan
 from ficc_testkit.driver import attempt, rows
 from ficc_testkit.host import Daemon
+from ficc_testkit.plans import with_environment
 from ficc_testkit.waits import wait_for
 
 TIMEOUT_S = 2
@@ -28,11 +29,6 @@ SETTLED = {"succeeded", "failed", "cancelled", "expired", "unknown"}
 FAST_PROVIDER_TIMEOUT = pytest.mark.parametrize(
     "layout", [{"provider_timeout_seconds": TIMEOUT_S}], indirect=True
 )
-
-
-def with_environment(plan: Plan, **environment: str) -> Plan:
-    payload = msgspec.structs.replace(plan.job.payload, environment=environment)
-    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=payload))
 
 
 def free_slots(daemon: Daemon) -> int:

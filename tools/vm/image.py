@@ -39,10 +39,12 @@ import rootfs
 
 CACHE = pathlib.Path(os.environ.get("FICC_VM_CACHE", "/var/cache/ficc-vm"))
 IMAGE_BYTES = 6 * 1024**3
+GUEST_DIR = "/run/ficc-vm"
+"""Where the guest unpacks the run's inputs at each boot."""
 UNPACK_AND_RUN = (
-    "/bin/sh -c 'rm -rf /run/ficc-vm && mkdir -p /run/ficc-vm"
-    " && tar -xf /dev/vdb -C /run/ficc-vm"
-    " && exec /bin/sh /run/ficc-vm/tools/vm/guest/driver.sh; systemctl poweroff'"
+    f"/bin/sh -c 'rm -rf {GUEST_DIR} && mkdir -p {GUEST_DIR}"
+    f" && tar -xf /dev/vdb -C {GUEST_DIR}"
+    f" && exec /bin/sh {GUEST_DIR}/tools/vm/guest/driver.sh; systemctl poweroff'"
 )
 """The lane's inputs are a tar archive written raw on the second disk."""
 DRIVER_UNIT = f"""\

@@ -57,9 +57,11 @@ from ficc.execution.host.service import cgroups, reaper  # noqa: E402
 from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # noqa: E402
 from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
 from ficc.execution.plan import Payload, Plan  # noqa: E402
+from ficc_testkit import tamper  # noqa: E402
 from ficc_testkit.accounts import Accounts  # noqa: E402
 from ficc_testkit.driver import SYSTEMCTL, UNIT, UnitDaemon, attempt, rows, show_unit  # noqa: E402
 from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
+from ficc_testkit.plans import with_environment  # noqa: E402
 from ficc_testkit.podman import WORLD_PARENT  # noqa: E402
 from ficc_testkit.slots import private_directory  # noqa: E402
 from ficc_testkit.waits import now_ms, wait_for  # noqa: E402
@@ -269,6 +271,49 @@ def test_a_daemon_restart_or_crash_stops_bound_work_and_never_restarts_it(
         backend.remove(handle)
     assert int(show("NRestarts")["NRestarts"]) >= 1  # the SIGKILL was a crash: restarted
     subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def test_a_limit_raised_behind_the_hosts_back_is_refused_by_the_gate(installed: Installed) -> None:
+    """While the provider's start is held, root raises pids.max of the attempt's
+    service (the unit's cgroup under supervisor=systemd, the host's own under cgroupfs;
+    on a unified tree the v2 file): the gate reads the limits again from the service's
+    cgroups and refuses `gate_limits`; the payload is never released."""
+    if installed.layout.document["supervisor"] == "cgroupfs" and not _unified_tree():
+        pytest.skip(
+            "supervisor=cgroupfs under systemd on a hybrid tree cannot join systemd's own "
+            "name=systemd hierarchy (service_start); the same check runs with cgroupfs "
+            "without systemd in tests-integration, and on a unified tree in the VM lane"
+        )
+    subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
+    daemon = Daemon(installed.layout, installed.provider, installed.accounts)
+    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_HANG="start:hold")
+    slot = attempt(rows(daemon.prepare([plan]))[0]).slot
+    assert slot is not None
+    daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    attempt(daemon.start_attempt(plan))
+    slot_path = installed.layout.document["slots"][int(slot[-1])]["path"]
+    attempt_dir = Path(slot_path, "ficc", plan.attempt_id)
+    held = attempt_dir / "storage" / "held-start"
+    row = daemon.wait_state(plan, lambda r: held.exists() or r.state != "starting", "held start")
+    assert held.exists(), (row.state, row.reason)
+    (process, *_) = slot_processes(installed.accounts)
+    limit = tamper.service_limit_file(int(process.split()[0]), plan.attempt_id)
+    assert limit.read_text().strip() == str(plan.job.limits.processes)
+    limit.write_text(str(plan.job.limits.processes * 4))
+    (attempt_dir / "storage" / "go-start").touch()
+    ended = daemon.wait_state(plan, lambda r: r.state in {"failed", "unknown"}, "the end")
+    assert (ended.state, ended.reason) == ("failed", "gate_limits"), ended
+    assert list((attempt_dir / "control").iterdir()) == []
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert attempt(daemon.release(plan)).state == "released"
+    assert not slot_processes(installed.accounts)
+    subprocess.run([SYSTEMCTL, "stop", UNIT], check=True)
+
+
+def _unified_tree() -> bool:
+    """One cgroup v2 tree at /sys/fs/cgroup (no v1 hierarchy beside it)."""
+    hierarchies = cgroups.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    return all(h.version == 2 for h in hierarchies)
 
 
 def slot_processes(accounts: Accounts) -> list[str]:

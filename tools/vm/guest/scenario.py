@@ -2,9 +2,10 @@
 after the next boot that the host kept every promise (the VM lane's reboot and power
 cut checks).
 
-    scenario.py setup            # root: the four attempts the checks follow
-    scenario.py churn            # root: jobs one after another, until the power goes
-    scenario.py verify ACKS      # root: after a boot, check what ACKS (JSON lines) say
+    scenario.py setup                     # the four attempts the checks follow
+    scenario.py verify ACKS               # after a boot, check what ACKS (JSON lines) say
+    scenario.py verify-churn ACKS CMD...  # verify, setup, then churn jobs (and run CMD,
+                                          # the hoststate loop) until the power goes
 
 Runs in the daemon's own venv (/opt/ficc/venv) as root; the controller's requests go
 over transport.sock from a child that drops to the transport account, as
@@ -210,24 +211,36 @@ def _from(ack: dict[str, Any]) -> Fence:
 
 
 async def setup(c: Controller) -> None:
-    fence, _ = await c.prepare(["/bin/sh", "-c", "echo released"])
-    await c.run_to_end(fence)
-    await c.release(fence)
-    note("released: done")
-    fence, _ = await c.prepare(["/bin/sh", "-c", "echo finished"])
-    row = await c.run_to_end(fence)
-    if row.state != "succeeded":
-        raise Failed(f"the finished attempt ended {row.state} ({row.reason})")
-    note("finished: done")
-    fence, _ = await c.prepare(["/bin/sleep", "100000"])
-    await c.start(fence)
-    await c.until(fence, lambda r: r.state == "running", "running")
-    console.ack("running", **_fence(fence))
-    note("running: done")
-    data = os.urandom(CHUNK * CHUNKS)
-    fence, plan = await c.prepare(["/bin/sh", "-c", "sha256sum /inputs/data.bin"], data)
-    await c.write(fence, plan, data, 3)
-    note("partial: done")
+    """The four attempts at once, one in each slot (the guest is slow: one after the
+    other they took most of a minute)."""
+
+    async def released() -> None:
+        fence, _ = await c.prepare(["/bin/sh", "-c", "echo released"])
+        await c.run_to_end(fence)
+        await c.release(fence)
+        note("released: done")
+
+    async def finished() -> None:
+        fence, _ = await c.prepare(["/bin/sh", "-c", "echo finished"])
+        row = await c.run_to_end(fence)
+        if row.state != "succeeded":
+            raise Failed(f"the finished attempt ended {row.state} ({row.reason})")
+        note("finished: done")
+
+    async def running() -> None:
+        fence, _ = await c.prepare(["/bin/sleep", "100000"])
+        await c.start(fence)
+        await c.until(fence, lambda r: r.state == "running", "running")
+        console.ack("running", **_fence(fence))
+        note("running: done")
+
+    async def partial() -> None:
+        data = os.urandom(CHUNK * CHUNKS)
+        fence, plan = await c.prepare(["/bin/sh", "-c", "sha256sum /inputs/data.bin"], data)
+        await c.write(fence, plan, data, 3)
+        note("partial: done")
+
+    await asyncio.gather(released(), finished(), running(), partial())
 
 
 async def churn(c: Controller) -> None:
@@ -255,32 +268,35 @@ async def verify(c: Controller, acks: list[dict[str, Any]]) -> dict[str, int]:
     for ack in acks:
         if "attempt" in ack:
             by_attempt.setdefault(ack["attempt"], []).append(ack)
-    for attempt, its in by_attempt.items():
-        kinds = {a["kind"] for a in its}
-        fence = _from(its[0])
-        try:
-            row = await c.until(fence, lambda r: r.state in TERMINAL | {"released"}
-                                and (r.cleanup_confirmed or r.state == "released"),
-                                "settled state")  # fmt: skip
-        except Failed as error:
-            failures.append(f"{attempt}: acknowledged {sorted(kinds)}: {error}")
-            continue
-        if "release" in kinds and row.state != "released":
-            failures.append(f"{attempt}: its release was acknowledged, now {row.state}")
-        if "running" in kinds and "finished" not in kinds and row.outcome == "succeeded":
-            failures.append(f"{attempt}: was running at the cut, now claims succeeded")
-        if "running" in kinds and "finished" not in kinds and row.outcome != "unknown":
-            failures.append(f"{attempt}: was running at the cut, outcome {row.outcome}")
-    for attempt, its in by_attempt.items():
-        try:
-            await c.release(_from(its[0]))
-        except Failed as error:
-            failures.append(f"{attempt}: release after the boot: {error}")
+    await asyncio.gather(*(settle(c, its, failures) for its in by_attempt.values()))
     unacknowledged = await reconcile(c, set(by_attempt), failures)
     for failure in failures:
         console.fail(failure)
     return {"attempts": len(by_attempt), "unacknowledged": unacknowledged,
             "failures": len(failures)}  # fmt: skip
+
+
+async def settle(c: Controller, its: list[dict[str, Any]], failures: list[str]) -> None:
+    """One acknowledged attempt: it settles as its acknowledgements allow, then it is
+    released."""
+    attempt, kinds, fence = its[0]["attempt"], {a["kind"] for a in its}, _from(its[0])
+    try:
+        row = await c.until(fence, lambda r: r.state in TERMINAL | {"released"}
+                            and (r.cleanup_confirmed or r.state == "released"),
+                            "settled state")  # fmt: skip
+    except Failed as error:
+        failures.append(f"{attempt}: acknowledged {sorted(kinds)}: {error}")
+        return
+    if "release" in kinds and row.state != "released":
+        failures.append(f"{attempt}: its release was acknowledged, now {row.state}")
+    if "running" in kinds and "finished" not in kinds and row.outcome == "succeeded":
+        failures.append(f"{attempt}: was running at the cut, now claims succeeded")
+    if "running" in kinds and "finished" not in kinds and row.outcome != "unknown":
+        failures.append(f"{attempt}: was running at the cut, outcome {row.outcome}")
+    try:
+        await c.release(fence)
+    except Failed as error:
+        failures.append(f"{attempt}: release after the boot: {error}")
 
 
 async def reconcile(c: Controller, known: set[str], failures: list[str]) -> int:
@@ -403,26 +419,42 @@ def boot_order() -> list[str]:
     return failures
 
 
+def check(f: dict[str, Any], acks_path: str) -> int:
+    """After a boot: what the last boot acknowledged is kept (`verify`, the ledger's
+    input offsets, the boot order), then the next job in every slot runs. Every
+    failure is a FICC-FAIL line; returns the exit status."""
+    with open(acks_path) as file:
+        acks = [json.loads(line) for line in file if line.strip()]
+    failures = boot_order()
+    inputs, lost = inputs_kept(f["ledger"], acks)
+    failures += lost
+    for failure in failures:
+        console.fail(failure)
+    counts = as_transport(f, lambda c: verify(c, acks))
+    ran = as_transport(f, lambda c: next_jobs(c, f["slots"]))
+    console.figure({"verify": counts, "inputs_checked": inputs,
+                    "next_jobs_succeeded": ran, "slots": f["slots"]})  # fmt: skip
+    return 1 if failures or counts["failures"] or ran != f["slots"] else 0
+
+
 def main() -> int:
+    """One process per boot's work: Python starts slowly in the guest."""
     command = sys.argv[1]
     f = facts()
     if command == "setup":
         as_transport(f, setup)
-    elif command == "churn":
-        as_transport(f, churn)
     elif command == "verify":
-        with open(sys.argv[2]) as file:
-            acks = [json.loads(line) for line in file if line.strip()]
-        failures = boot_order()
-        inputs, lost = inputs_kept(f["ledger"], acks)
-        failures += lost
-        for failure in failures:
-            console.fail(failure)
-        counts = as_transport(f, lambda c: verify(c, acks))
-        ran = as_transport(f, lambda c: next_jobs(c, f["slots"]))
-        console.figure({"verify": counts, "inputs_checked": inputs,
-                        "next_jobs_succeeded": ran, "slots": f["slots"]})  # fmt: skip
-        return 1 if failures or counts["failures"] or ran != f["slots"] else 0
+        return check(f, sys.argv[2])
+    elif command == "verify-churn":
+        try:
+            code = check(f, sys.argv[2])
+        except Failed as error:
+            console.fail(f"the check after the boot stopped: {error}")
+            code = 1
+        console.line("FICC-VM", f"verify exit {code}")
+        as_transport(f, setup)
+        subprocess.Popen(sys.argv[3:])  # the hoststate loop churns beside the jobs
+        as_transport(f, churn)
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 from ficc.execution import plan as planlib
 from ficc_testkit.digests import fake
 
@@ -79,3 +81,9 @@ def make_plan(
             sensitive=sensitive,
         ),
     )
+
+
+def with_environment(plan: planlib.Plan, **environment: str) -> planlib.Plan:
+    """The plan with this payload environment (the test provider's failure switches)."""
+    payload = msgspec.structs.replace(plan.job.payload, environment=environment)
+    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, payload=payload))

@@ -356,7 +356,9 @@ class Starter(AttemptWork):
         handle: ServiceHandle = await self._io(self._ctx.service.create, spec)
         self._handles[attempt.id] = handle
         controls: Controls = await self._io(self._ctx.service.controls, handle)
-        _check_controls(controls, attempt.plan.job.limits)
+        wrong = _limits_not_enforced(controls, attempt.plan.job.limits)
+        if wrong:
+            raise HostError("service_limits", f"the service does not enforce the plan: {wrong}")
         return handle
 
     async def _lease_still_current(self, attempt_id: str) -> bool:
@@ -435,9 +437,22 @@ class Starter(AttemptWork):
         )
         evidence = attempt.layout.open_part(attempt.id, layout.EVIDENCE)
         try:
-            return gate.inspect_and_check(pid, expectation, evidence)
+            verdict = gate.inspect_and_check(pid, expectation, evidence)
         finally:
             os.close(evidence)
+        # The limits were read back when the service was made; the provider's start ran
+        # since, and anyone with root could have raised them. The service's cgroups hold
+        # the barrier (gate_cgroup), so theirs bound it: read them again. A change is the
+        # first failure named, whatever else the evidence shows.
+        wrong = _limits_not_enforced(self._ctx.service.controls(handle), attempt.plan.job.limits)
+        if not wrong:
+            return verdict
+        failure = gate.Failure(
+            "gate_limits",
+            f"the service's cgroups no longer enforce the plan's limits ({wrong}): they "
+            f"were changed after the host set them; {gate.ADVICE}",
+        )
+        return msgspec.structs.replace(verdict, ok=False, failures=(failure, *verdict.failures))
 
     async def _release_payload(self, attempt: _Attempt, barrier: int) -> None:
         """The last checks and the marker in one ledger transaction, then `Started`.
@@ -509,8 +524,9 @@ def _write_marker(attempt: _Attempt) -> None:
         os.close(control)
 
 
-def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
-    """The limits the kernel reports must be the plan's (memory in whole pages)."""
+def _limits_not_enforced(controls: Controls, limits: planlib.Limits) -> str:
+    """How the limits the kernel reports differ from the plan's (memory in whole
+    pages); empty when they are the plan's."""
     page = os.sysconf("SC_PAGE_SIZE")
     wrong = []
     if controls.processes != limits.processes:
@@ -521,10 +537,7 @@ def _check_controls(controls: Controls, limits: planlib.Limits) -> None:
         wrong.append(f"memory_bytes {controls.memory_bytes} != {limits.memory_bytes}")
     if controls.swap_bytes is not None and controls.swap_bytes > limits.swap_bytes:
         wrong.append(f"swap_bytes {controls.swap_bytes} > {limits.swap_bytes}")
-    if wrong:
-        raise HostError(
-            "service_limits", "the service does not enforce the plan: " + "; ".join(wrong)
-        )
+    return "; ".join(wrong)
 
 
 def _barrier_pidfd(pid: int) -> int:
