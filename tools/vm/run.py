@@ -356,7 +356,7 @@ def main() -> int:
     parser.add_argument("--boot-timeout", type=float,
                         default=float(os.environ.get("FICC_VM_BOOT_TIMEOUT", "600")))  # fmt: skip
     parser.add_argument("--phase-timeout", type=float,
-                        default=float(os.environ.get("FICC_VM_PHASE_TIMEOUT", "2400")))  # fmt: skip
+                        default=float(os.environ.get("FICC_VM_PHASE_TIMEOUT", "5400")))  # fmt: skip
     parser.add_argument("--workdir", default="/var/tmp")
     parser.add_argument("--keep", action="store_true", help="keep the run's disk image")
     args = parser.parse_args()
