@@ -20,7 +20,6 @@ from ficc.execution.wire import TERMINAL
 from ficc_testkit import tamper
 from ficc_testkit.driver import attempt, error_code, row_code, rows
 from ficc_testkit.host import Daemon
-from ficc_testkit.plans import with_environment
 
 
 def slot_uid(daemon: Daemon, slot: str) -> int:
@@ -82,29 +81,12 @@ def test_a_limit_raised_after_the_service_was_made_is_refused_by_the_gate(
     root raises the service's pids.max behind the host's back: the attempt fails
     `gate_limits` (named first, whatever else the gate refuses), the release marker is
     never written, and cleanup is confirmed."""
-    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_HANG="start:hold")
-    slot = attempt(rows(daemon.prepare([plan]))[0]).slot
-    assert slot is not None
-    daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
-    attempt(daemon.start_attempt(plan))
-    slot_path = daemon.layout.document["slots"][int(slot[-1])]["path"]
-    attempt_dir = Path(slot_path, "ficc", plan.attempt_id)
-    storage = attempt_dir / "storage"
-    held = storage / "held-start"
-    row = daemon.wait_state(plan, lambda r: held.exists() or r.state != "starting", "held start")
-    assert held.exists(), (row.state, row.reason, row.detail)
-    (service_process, *_) = processes_of(slot_uid(daemon, slot))
-    limit = tamper.service_limit_file(int(service_process.split()[0]), plan.attempt_id)
-    assert limit.read_text().strip() == str(plan.job.limits.processes)
-    limit.write_text(str(plan.job.limits.processes * 4))
-    (storage / "go-start").touch()
-
-    ended = daemon.wait_state(plan, lambda r: r.state in TERMINAL, "a terminal state")
-    assert (ended.state, ended.reason) == ("failed", "gate_limits"), ended
-    assert list((attempt_dir / "control").iterdir()) == []
-    cleaned = daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
-    assert cleaned.state == "failed"
-    assert processes_of(slot_uid(daemon, slot)) == []
+    raised = tamper.raise_a_limit_while_start_is_held(daemon)
+    assert (raised.ended.state, raised.ended.reason) == ("failed", "gate_limits"), raised.ended
+    assert list((raised.attempt_dir / "control").iterdir()) == []
+    cleaned = daemon.wait_state(raised.plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert (cleaned.state, cleaned.slot is not None) == ("failed", True), cleaned
+    assert processes_of(slot_uid(daemon, str(cleaned.slot))) == []
 
 
 def test_release_before_the_end_is_refused(daemon: Daemon) -> None:

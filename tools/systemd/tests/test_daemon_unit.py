@@ -61,7 +61,6 @@ from ficc_testkit import tamper  # noqa: E402
 from ficc_testkit.accounts import Accounts  # noqa: E402
 from ficc_testkit.driver import SYSTEMCTL, UNIT, UnitDaemon, attempt, rows, show_unit  # noqa: E402
 from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
-from ficc_testkit.plans import with_environment  # noqa: E402
 from ficc_testkit.podman import WORLD_PARENT  # noqa: E402
 from ficc_testkit.slots import private_directory  # noqa: E402
 from ficc_testkit.waits import now_ms, wait_for  # noqa: E402
@@ -286,24 +285,10 @@ def test_a_limit_raised_behind_the_hosts_back_is_refused_by_the_gate(installed: 
         )
     subprocess.run([SYSTEMCTL, "start", UNIT], check=True)
     daemon = Daemon(installed.layout, installed.provider, installed.accounts)
-    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_HANG="start:hold")
-    slot = attempt(rows(daemon.prepare([plan]))[0]).slot
-    assert slot is not None
-    daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
-    attempt(daemon.start_attempt(plan))
-    slot_path = installed.layout.document["slots"][int(slot[-1])]["path"]
-    attempt_dir = Path(slot_path, "ficc", plan.attempt_id)
-    held = attempt_dir / "storage" / "held-start"
-    row = daemon.wait_state(plan, lambda r: held.exists() or r.state != "starting", "held start")
-    assert held.exists(), (row.state, row.reason)
-    (process, *_) = slot_processes(installed.accounts)
-    limit = tamper.service_limit_file(int(process.split()[0]), plan.attempt_id)
-    assert limit.read_text().strip() == str(plan.job.limits.processes)
-    limit.write_text(str(plan.job.limits.processes * 4))
-    (attempt_dir / "storage" / "go-start").touch()
-    ended = daemon.wait_state(plan, lambda r: r.state in {"failed", "unknown"}, "the end")
-    assert (ended.state, ended.reason) == ("failed", "gate_limits"), ended
-    assert list((attempt_dir / "control").iterdir()) == []
+    raised = tamper.raise_a_limit_while_start_is_held(daemon)
+    assert (raised.ended.state, raised.ended.reason) == ("failed", "gate_limits"), raised.ended
+    assert list((raised.attempt_dir / "control").iterdir()) == []
+    plan = raised.plan
     daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
     assert attempt(daemon.release(plan)).state == "released"
     assert not slot_processes(installed.accounts)

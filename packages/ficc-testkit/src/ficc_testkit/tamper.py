@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from ficc.execution.host.service import cgroups
+from ficc.execution.plan import Plan
+from ficc.execution.wire import TERMINAL, AttemptRow
+from ficc_testkit.driver import attempt, rows
+from ficc_testkit.host import Daemon
+from ficc_testkit.plans import with_environment
 
 
 def touch(path: Path) -> None:
@@ -43,3 +49,46 @@ def service_limit_file(pid: int, attempt_id: str, name: str = "pids.max") -> Pat
                 if part.startswith("ficc-work-") and attempt_id in part:
                     return Path(mount, *parts[:end], name)
     raise AssertionError(f"process {pid} is in no service cgroup of attempt {attempt_id}")
+
+
+@dataclass(frozen=True)
+class RaisedLimit:
+    """What `raise_a_limit_while_start_is_held` did."""
+
+    plan: Plan
+    ended: AttemptRow
+    """The attempt's row once it ended."""
+    attempt_dir: Path
+
+
+def raise_a_limit_while_start_is_held(daemon: Daemon) -> RaisedLimit:
+    """Start an attempt of the test provider whose start is held (the host has made the
+    service and read its limits back), raise the service's `pids.max` to four times the
+    plan's as root, let the start go, and wait for the attempt's end."""
+    plan = with_environment(daemon.plan(), FICC_TEST_PROVIDER_HANG="start:hold")
+    slot = attempt(rows(daemon.prepare([plan]))[0]).slot
+    assert slot is not None
+    daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    attempt(daemon.start_attempt(plan))
+    (configured,) = [s for s in daemon.layout.document["slots"] if s["id"] == slot]
+    attempt_dir = Path(configured["path"], "ficc", plan.attempt_id)
+    held = attempt_dir / "storage" / "held-start"
+    row = daemon.wait_state(plan, lambda r: held.exists() or r.state != "starting", "held start")
+    assert held.exists(), (row.state, row.reason)
+    limit = service_limit_file(_a_process_of(int(configured["uid"])), plan.attempt_id)
+    assert limit.read_text().strip() == str(plan.job.limits.processes)
+    limit.write_text(str(plan.job.limits.processes * 4))
+    (attempt_dir / "storage" / "go-start").touch()
+    ended = daemon.wait_state(plan, lambda r: r.state in TERMINAL, "the attempt's end")
+    return RaisedLimit(plan, ended, attempt_dir)
+
+
+def _a_process_of(uid: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    return int(entry.name)
+            except FileNotFoundError:
+                continue
+    raise AssertionError(f"no process of uid {uid}")
