@@ -336,8 +336,33 @@ def _summary(guest: Guest, failures: list[str], seconds: float) -> None:
             _log(f"boot {boot.number} figure: {json.dumps(figure)}")
     cuts = sum(1 for b in guest.boots if b.cut)
     _log(f"boots {len(guest.boots)}, power cuts {cuts}, failures {len(failures)}")
+    _log(_totals([f for boot in guest.boots for f in boot.figures]))
     for failure in failures:
         _log(f"FAILED: {failure}")
+
+
+def _totals(figures: list[dict[str, object]]) -> str:
+    """What every boot's checks covered, summed (the guest's FICC-FIGURE lines)."""
+    sums: dict[str, int] = {}
+    for figure in figures:
+        flat = {**figure, **_dict(figure.get("verify")), **_dict(figure.get("hoststate"))}
+        for key in ("attempts", "unacknowledged", "failures", "inputs_checked",
+                    "next_jobs_succeeded", "slots", "acknowledged", "lost"):  # fmt: skip
+            value = flat.get(key)
+            if isinstance(value, int):
+                sums[key] = sums.get(key, 0) + value
+    return (
+        f"checked after the boots: {sums.get('attempts', 0)} acknowledged attempts"
+        f" ({sums.get('failures', 0)} failures), {sums.get('unacknowledged', 0)} admitted"
+        f" but unacknowledged, {sums.get('inputs_checked', 0)} input offsets,"
+        f" next jobs {sums.get('next_jobs_succeeded', 0)}/{sums.get('slots', 0)};"
+        f" hoststate {sums.get('acknowledged', 0)} acknowledged operations,"
+        f" {sums.get('lost', 0)} lost"
+    )
+
+
+def _dict(value: object) -> dict[str, object]:
+    return value if isinstance(value, dict) else {}
 
 
 def main() -> int:
