@@ -40,6 +40,10 @@ COMMAND = Path(sys.executable).parent / "ficc-executor"
 SPIN_SECONDS = 1
 HOG_BYTES = 64 * MIB
 BOMB_LIMIT = 160 * MIB
+OVERSHOOT = 1 * MIB
+"""How far a v2 `memory.peak` may pass `memory.max`: the kernel charges a few pages
+beyond the limit for allocations that must not fail (measured: one page, on Debian 12's
+6.1 kernel under systemd)."""
 WRITTEN_FILES = 8
 WRITTEN_BYTES = WRITTEN_FILES * MIB
 FORKS = 20
@@ -142,13 +146,13 @@ def test_a_memory_bomb_is_oom_killed_and_says_so(usage: PodmanWorld) -> None:
            f"{row.reason}, {row.exit_code}", "memory_exhausted, 137")  # fmt: skip
     _table(usage, "oom_kills", "awk doubling a string under 160 MiB", used.oom_kills, ">= 1")
     _table(usage, "memory_peak_bytes", "awk doubling a string under 160 MiB",
-           used.memory_peak_bytes, f"<= {BOMB_LIMIT} (the limit)")  # fmt: skip
+           used.memory_peak_bytes, f"<= {BOMB_LIMIT} (the limit) + {OVERSHOOT}")  # fmt: skip
     assert (row.state, row.outcome, row.reason) == ("failed", "failed", "memory_exhausted"), row
     assert row.exit_code == 137, row
     assert used.oom_kills is not None
     assert used.oom_kills >= 1, used
     assert used.memory_peak_bytes is not None
-    assert used.memory_peak_bytes <= BOMB_LIMIT
+    assert used.memory_peak_bytes <= BOMB_LIMIT + OVERSHOOT, used
     found = _metrics(usage)
     kills = found[("ficc_slot_class_oom_kills_total", (("class", SLOT_CLASS),))]
     failed = found[
