@@ -39,6 +39,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -94,13 +95,18 @@ unit (watchdog, SIGKILL and SIGSTOP of the daemon, `systemctl freeze`, which sys
 252 refuses on a hybrid tree, the lease reaper's own unit, the crash loop)."""
 CI_SUITES = " ".join([
     "tools/vm/tests/test_v2_enforcement.py",
+    "tests-integration/test_podman_e2e.py::"
+    "test_an_allowed_device_opens_and_an_unlisted_one_is_refused",
+    "tools/systemd/tests/test_daemon_unit.py::"
+    "test_a_limit_raised_behind_the_hosts_back_is_refused_by_the_gate",
     "tools/systemd/tests/test_daemon_unit.py::"
     "test_a_frozen_daemon_unit_leaves_the_lease_reaper_enforcing",
 ])  # fmt: skip
 """The part of DEFAULT_SUITES that CI runs (`--ci`, with `supervisor=systemd` only, the
-production host's): every kernel limit and the frozen daemon. The rest takes most of an
-hour in the guest; it runs on this machine's host and in the systemd container in CI,
-and in the guest with `nox -s vm`."""
+production host's): every kernel limit, the gate's v2 checks (the device programs of
+the live payload's cgroup, a limit raised behind the host's back) and the frozen
+daemon. The rest takes most of an hour in the guest; it runs on this machine's host and
+in the systemd container in CI, and in the guest with `nox -s vm`."""
 GUEST_REQUIREMENTS = ["prometheus_client>=0.17"]
 """The guest's test venv needs, beyond the daemon's wheelhouse (the usage suite parses
 the metrics text as Prometheus would)."""
@@ -365,6 +371,10 @@ def _dict(value: object) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
+def _stop(number: int, _frame: object) -> None:
+    raise SystemExit(f"stopped by signal {number}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--suites", default=DEFAULT_SUITES, help="pytest arguments for the guest")
@@ -390,6 +400,10 @@ def main() -> int:
     if shutil.which(QEMU) is None:
         raise SystemExit(f"{QEMU} is missing: apt-get install qemu-system-x86")
     _log(f"seed {args.seed}")
+    # A stopped lane (SIGTERM, or SIGINT even when started in the background) still
+    # kills qemu and prints what its boots checked so far.
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, _stop)
     return run_lane(args)
 
 
