@@ -61,6 +61,9 @@ CHUNK = 64 * 1024
 CHUNKS = 8
 WAIT_S = float(os.environ.get("FICC_VM_WAIT_S", "900"))
 """How long to wait for one attempt's state change (the guest is slow)."""
+REPLY_S = float(os.environ.get("FICC_VM_REPLY_S", "300"))
+"""How long one reply may take: a guest with one emulated CPU has kept the daemon from
+answering for over 30 s (the client's default)."""
 
 
 def note(text: str) -> None:
@@ -75,7 +78,7 @@ class Controller:
     """The transport side: one connection's worth of requests, with ack lines."""
 
     def __init__(self, socket: str, facts: dict[str, Any]) -> None:
-        self.client = Client(socket)
+        self.client = Client(socket, connect_timeout=REPLY_S, read_timeout=REPLY_S)
         self.facts = facts
         self.bindings: dict[str, Any] = {}
 
