@@ -62,8 +62,8 @@ CHUNKS = 8
 WAIT_S = float(os.environ.get("FICC_VM_WAIT_S", "900"))
 """How long to wait for one attempt's state change (the guest is slow)."""
 REPLY_S = float(os.environ.get("FICC_VM_REPLY_S", "300"))
-"""How long one reply may take: a guest with one emulated CPU has kept the daemon from
-answering for over 30 s (the client's default)."""
+"""How long one reply may take: two guests of one emulated CPU each, sharing two cores,
+kept a daemon from answering for over 30 s (the client's default)."""
 
 
 def note(text: str) -> None:
