@@ -98,7 +98,7 @@ CI_SUITES = " ".join([
     "tests-integration/test_podman_e2e.py::"
     "test_an_allowed_device_opens_and_an_unlisted_one_is_refused",
     "tools/systemd/tests/test_daemon_unit.py::"
-    "test_a_limit_raised_behind_the_hosts_back_is_refused_by_the_gate",
+    "test_a_limit_raised_behind_the_hosts_back_is_refused_by_the_gate[systemd]",
     "tools/systemd/tests/test_daemon_unit.py::"
     "test_a_frozen_daemon_unit_leaves_the_lease_reaper_enforcing",
 ])  # fmt: skip
@@ -387,7 +387,7 @@ def main() -> int:
                         help="the cut falls this many seconds into the churn, at most")  # fmt: skip
     parser.add_argument("--memory", type=int, default=2048, help="guest MiB")
     parser.add_argument("--smp", type=int, default=2,
-                        help="guest CPUs (two soaks of --smp 1 share two cores)")  # fmt: skip
+                        help="guest CPUs")  # fmt: skip
     parser.add_argument("--boot-timeout", type=float,
                         default=float(os.environ.get("FICC_VM_BOOT_TIMEOUT", "600")))  # fmt: skip
     parser.add_argument("--phase-timeout", type=float,

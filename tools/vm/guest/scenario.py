@@ -351,6 +351,10 @@ async def next_jobs(c: Controller, slots: int) -> int:
     rows = await asyncio.gather(*(c.run_to_end(f) for f in fences))
     for fence in fences:
         await c.release(fence)
+    for row in rows:
+        if row.state != "succeeded":
+            console.fail(f"the next job {row.attempt_id} in slot {row.slot} ended {row.state}"
+                         f" ({row.reason}; {row.detail})")  # fmt: skip
     return sum(1 for row in rows if row.state == "succeeded")
 
 
@@ -451,8 +455,8 @@ def main() -> int:
     elif command == "verify-churn":
         try:
             code = check(f, sys.argv[2])
-        except Failed as error:
-            console.fail(f"the check after the boot stopped: {error}")
+        except Exception as error:  # every cause named, and the cut still comes
+            console.fail(f"the check after the boot stopped: {error!r}")
             code = 1
         console.line("FICC-VM", f"verify exit {code}")
         as_transport(f, setup)

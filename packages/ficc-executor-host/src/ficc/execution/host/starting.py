@@ -269,6 +269,8 @@ class Starter(AttemptWork):
                 result, None if devices is None else {d.path: d.opened for d in devices}
             )
             verdict = await self._io(self._run_gate, attempt, result, handle, pid)
+            if not verdict.ok and _ended(barrier):
+                raise _barrier_exited()  # its cgroups may be gone with it: that is why
             if not verdict.ok:
                 raise HostError(verdict.failures[0].code, verdict.failures[0].message)
             await self._release_payload(attempt, barrier)
@@ -444,7 +446,12 @@ class Starter(AttemptWork):
         # since, and anyone with root could have raised them. The service's cgroups hold
         # the barrier (gate_cgroup), so theirs bound it: read them again. A change is the
         # first failure named, whatever else the evidence shows.
-        wrong = _limits_not_enforced(self._ctx.service.controls(handle), attempt.plan.job.limits)
+        try:
+            wrong = _limits_not_enforced(
+                self._ctx.service.controls(handle), attempt.plan.job.limits
+            )
+        except (HostError, OSError) as error:
+            wrong = f"they cannot be read again: {error}"
         if not wrong:
             return verdict
         failure = gate.Failure(
