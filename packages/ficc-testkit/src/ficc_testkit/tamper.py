@@ -75,7 +75,7 @@ def raise_a_limit_while_start_is_held(daemon: Daemon) -> RaisedLimit:
     held = attempt_dir / "storage" / "held-start"
     row = daemon.wait_state(plan, lambda r: held.exists() or r.state != "starting", "held start")
     assert held.exists(), (row.state, row.reason)
-    limit = service_limit_file(_a_process_of(int(configured["uid"])), plan.attempt_id)
+    limit = _service_limit_of(int(configured["uid"]), plan.attempt_id)
     assert limit.read_text().strip() == str(plan.job.limits.processes)
     limit.write_text(str(plan.job.limits.processes * 4))
     (attempt_dir / "storage" / "go-start").touch()
@@ -83,12 +83,14 @@ def raise_a_limit_while_start_is_held(daemon: Daemon) -> RaisedLimit:
     return RaisedLimit(plan, ended, attempt_dir)
 
 
-def _a_process_of(uid: int) -> int:
+def _service_limit_of(uid: int, attempt_id: str) -> Path:
+    """`pids.max` of the attempt's service, found through any live process of the slot
+    account inside it (others of the account, and ones that exit meanwhile, are
+    passed over)."""
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    return int(entry.name)
-            except FileNotFoundError:
-                continue
-    raise AssertionError(f"no process of uid {uid}")
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                return service_limit_file(int(entry.name), attempt_id)
+        except (FileNotFoundError, AssertionError):
+            continue
+    raise AssertionError(f"no process of uid {uid} is in the service of attempt {attempt_id}")

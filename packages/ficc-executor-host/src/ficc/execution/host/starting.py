@@ -270,7 +270,9 @@ class Starter(AttemptWork):
             )
             verdict = await self._io(self._run_gate, attempt, result, handle, pid)
             if not verdict.ok and _ended(barrier):
-                raise _barrier_exited()  # its cgroups may be gone with it: that is why
+                # A barrier that ended takes its service's cgroups with it: that, not
+                # the unreadable limits, is the cause.
+                raise _barrier_exited()
             if not verdict.ok:
                 raise HostError(verdict.failures[0].code, verdict.failures[0].message)
             await self._release_payload(attempt, barrier)
@@ -456,8 +458,8 @@ class Starter(AttemptWork):
             return verdict
         failure = gate.Failure(
             "gate_limits",
-            f"the service's cgroups no longer enforce the plan's limits ({wrong}): they "
-            f"were changed after the host set them; {gate.ADVICE}",
+            f"the service's cgroups no longer enforce the plan's limits, as the host set "
+            f"and read them when it made the service ({wrong}); {gate.ADVICE}",
         )
         return msgspec.structs.replace(verdict, ok=False, failures=(failure, *verdict.failures))
 
