@@ -58,16 +58,13 @@ attempt costs about three bare runs of CPU (see docs/benchmarks.md): the job's o
 the release phase alone is about half the baseline), the start shim's interpreter,
 and the daemon's threads.
 
-The provider's `podman rm` at release, and why it stays: the provider's `podman run`
-has no `--rm` (the container is removed at release), so release cannot skip it; with
-`--rm` the removal would move into the run, before the exit-status wrapper records
-the status (20-40 ms more on P6's start to finished), and release would still have
-to know the container is gone. Podman 4.3 removes a container's storage
-(`overlay-containers/containers.json`) before its record in the libpod database
-(`libpod/bolt_state.db`, a BoltDB file), so the storage file alone cannot prove the
-removal: a Podman killed between the two leaves a record only `podman rm` clears.
-Skipping it safely needs a reader of that database, which is not written. The lease
-reaper now starts once for a batch and stays between batches (see P6).
+The provider's `podman rm` at release is gone when the removal is proven: the job runs
+`podman run --rm`, the host leaves the service's main process a few seconds to finish
+that removal (its wind-down), and the release reads the slot's files instead of
+starting Podman again (the wrapper's exit status, the container ID, Podman's BoltDB
+state database, containers-storage's container list; see the provider's removal.py).
+`podman rm` runs only when any of that disagrees. The lease reaper starts once for a
+batch and stays between batches (see P6).
 
 Needs root, podman, runc and busybox-static; creates and removes its own accounts.
 """

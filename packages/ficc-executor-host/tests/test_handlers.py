@@ -15,6 +15,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
@@ -511,6 +512,59 @@ def test_renew_sequences_and_duplicates(host: Host) -> None:
     assert row_code(host.send(RenewRequest(version=1, id=new_id(), leases=[other]))) == (
         "unknown_attempt"
     )
+
+
+def test_renewals_that_arrive_while_the_ledger_is_busy_share_one_transaction(
+    host_root: Path,
+) -> None:
+    """Group commit: while one renewal's transaction waits for the ledger thread, the
+    renewals that arrive go together in the next transaction (one ordinal, one fsync),
+    and each still gets its own answer."""
+    host = Host(make_config(host_root, slots=4))
+    first, *later = [make_plan() for _ in range(4)]
+    host.prepare(first, *later)
+    busy, free = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        free.wait()
+
+    def dispatch(plan: planlib.Plan) -> asyncio.Future[Any]:
+        request = RenewRequest(version=1, id=new_id(), leases=[first_lease(plan, 120_000, 2)])
+        received = receive_request(validate_request(request)[1])
+        return asyncio.ensure_future(host.daemon.dispatch(Sender.TRANSPORT, 0, received))
+
+    async def turns_until(condition: Callable[[], bool]) -> bool:
+        for _ in range(10_000):  # loop turns, not time
+            if condition():
+                return True
+            await asyncio.sleep(0)
+        return False
+
+    async def scenario() -> list[Any]:
+        held = asyncio.ensure_future(host.ctx.workers.db(hold))
+        await asyncio.to_thread(busy.wait)
+        replies = [dispatch(first)]
+        group = lambda: host.ctx.groups.get("renew")  # noqa: E731
+        in_flight = await turns_until(lambda: (g := group()) is not None and not g._waiting)
+        replies += [dispatch(plan) for plan in later]
+        queued = await turns_until(lambda: len(group()._waiting) == len(later))  # type: ignore[union-attr]
+        free.set()
+        await held
+        assert (in_flight, queued) == (True, True)
+        return list(await asyncio.gather(*replies))
+
+    try:
+        replies = run(scenario())
+        ordinal = {p.attempt_id: host.ctx.ledger.get(p.attempt_id).updated for p in [first, *later]}  # type: ignore[union-attr]
+    finally:
+        host.close()
+    for plan, reply in zip([first, *later], replies, strict=True):
+        (row,) = decode_reply(encode_reply(reply), "renew", rows=1).results
+        assert not isinstance(row, ErrorRow), row
+        assert (row.attempt_id, row.lease_sequence) == (plan.attempt_id, 2)
+    assert len({ordinal[p.attempt_id] for p in later}) == 1
+    assert ordinal[first.attempt_id] != ordinal[later[0].attempt_id]
 
 
 def test_a_renewal_the_reaper_came_before_is_refused_and_expires_the_attempt(host: Host) -> None:

@@ -72,6 +72,7 @@ from ficc.execution.host.providers import loader as loader_module
 from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
+from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.staging import Stager, streams_of
 from ficc.execution.host.starting import AFTER_EXIT_LOOKS
 from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
@@ -801,8 +802,11 @@ def test_stop_during_start_cancels_and_confirms_cleanup(world: World) -> None:
 # standing in for a passed gate. A fresh runner then takes over the live service.
 
 
-def _released_by_hand(world: World, fence: Fence) -> None:
+def _released_by_hand(world: World, fence: Fence) -> dict[str, ServiceHandle]:
+    """Start the payload with one runner, release it by hand (the test provider does not
+    pass the gate); the runner's service handles are returned to hand to the next one."""
     attempt_id = fence.attempt_id
+    handles: dict[str, ServiceHandle] = {}
 
     async def interrupted_start() -> None:
         runner = Runner(world.ctx, settings=FAST)
@@ -811,6 +815,7 @@ def _released_by_hand(world: World, fence: Fence) -> None:
         world.start(fence)
         runner.start_requested([attempt_id])
         await until(_barrier_waiting(world, attempt_id), "the barrier runs")
+        handles.update(runner._handles)
         await runner.close()
 
     asyncio.run(interrupted_start())
@@ -822,6 +827,7 @@ def _released_by_hand(world: World, fence: Fence) -> None:
     finally:
         os.close(control)
     (attempt / "storage" / ".ficc-test-provider" / "go").touch()
+    return handles
 
 
 def test_monitor_records_the_payload_exit_code_and_confirms_cleanup(world: World) -> None:
@@ -838,6 +844,45 @@ def test_monitor_records_the_payload_exit_code_and_confirms_cleanup(world: World
     assert status.reason == "exited"
     assert service_idle(world, fence.attempt_id)
     assert world.installed.calls("start", fence.attempt_id) == 1
+
+
+def test_the_service_of_a_payload_that_exited_is_left_to_end_by_itself(world: World) -> None:
+    """The runtime tears down after the exit was reported (Podman removing the
+    container): cleanup waits for the service's main process instead of killing it."""
+    teardown = {**HOLD, "FICC_TEST_PROVIDER_TEARDOWN": "teardown"}
+    fence = world.admit(world.plan(environment=teardown, argv=("/bin/sh", "-c", "exit 3")))
+    handles = _released_by_hand(world, fence)
+
+    async def monitor() -> None:
+        runner = Runner(world.ctx, settings=FAST)
+        runner._handles.update(handles)  # the main process is known, as in one daemon
+        async with running(runner):
+            await until(settled_and_clean(world, fence.attempt_id), "finished and cleaned")
+
+    asyncio.run(monitor())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.exit_code) == ("failed", 3)
+    storage = world.attempt_dir(fence.attempt_id) / "storage" / ".ficc-test-provider"
+    assert (storage / "torn-down").exists()
+    assert service_idle(world, fence.attempt_id)
+
+
+def test_a_teardown_that_outlasts_the_wind_down_is_stopped(world: World) -> None:
+    stuck = {**HOLD, "FICC_TEST_PROVIDER_TEARDOWN": "stuck"}
+    fence = world.admit(world.plan(environment=stuck, argv=("/bin/sh", "-c", "exit 0")))
+    handles = _released_by_hand(world, fence)
+    short = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, wind_down=0.5)
+
+    async def monitor() -> None:
+        runner = Runner(world.ctx, settings=short)
+        runner._handles.update(handles)
+        async with running(runner):
+            await until(settled_and_clean(world, fence.attempt_id), "finished and cleaned")
+
+    asyncio.run(monitor())
+    status = world.record(fence.attempt_id).status
+    assert (status.state, status.exit_code) == ("succeeded", 0)
+    assert service_idle(world, fence.attempt_id)
 
 
 def test_lease_expiry_while_running_stops_the_payload(world: World) -> None:

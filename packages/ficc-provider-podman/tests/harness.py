@@ -378,6 +378,19 @@ def await_finished(attempt: Attempt, timeout: float = 120.0) -> int:
         time.sleep(0.01)
 
 
+def await_main_exit(attempt: Attempt, timeout: float = 60.0) -> int:
+    """Wait until the service's main process (the wrapper around `podman run`) exits by
+    itself, after the runtime's teardown: what the host's wind-down waits for. Podman's
+    rootless pause process stays in the service until it is stopped."""
+    assert attempt.handle is not None
+    handle = attempt.handle
+    deadline = time.monotonic() + timeout
+    while (status := attempt.w.service.exit_status(handle)) is None:
+        assert time.monotonic() < deadline, "the service's main process did not exit"
+        time.sleep(0.02)
+    return status
+
+
 def cleanup(attempt: Attempt) -> bool:
     """Stop the service, confirm idle, release the provider, remove the layout."""
     idle = True

@@ -191,6 +191,66 @@ def test_the_container_exit_is_read_from_conmon_without_waiting_for_podman(w: h.
         _finish(attempt)
 
 
+class _PodmanSpy:
+    """Real `run_podman`, with each Podman command the driver starts written down."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.commands: list[list[str]] = []
+        real = podman_driver.run_podman
+
+        def spy(slot: SlotAccount, config: object, arguments: list[str], **kw: object) -> object:
+            self.commands.append(list(arguments))
+            return real(slot, config, arguments, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(podman_driver, "run_podman", spy)
+
+
+def _nothing_of_the_container_left(w: h.World, attempt: h.Attempt) -> None:
+    """Asked of Podman itself and of containers-storage's own record, after release."""
+    slot = SlotAccount(w.slot.uid, w.slot.gid, w.slot.path)
+    with slot_lock(slot.uid):
+        listed = run_podman(slot, w.driver.config, ["ps", "--all", "--format", "{{.Names}}"])
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.decode().split() == []
+    records = Path(slot.storage, "overlay-containers", "containers.json").read_text()
+    assert msgspec.json.decode(records) == []
+    assert container_name(attempt.id) not in records
+
+
+def test_a_run_that_removed_its_container_is_released_without_starting_podman(
+    w: h.World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "exit 3"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        assert h.await_finished(attempt) == 3
+        assert h.await_main_exit(attempt) == 3  # `podman run --rm` removes, then returns
+        spy = _PodmanSpy(monkeypatch)
+    finally:
+        _finish(attempt)
+    assert spy.commands == []
+    _nothing_of_the_container_left(w, attempt)
+
+
+def test_a_run_stopped_before_its_removal_is_released_with_podman_rm(
+    w: h.World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "sleep 600"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        run = Path(attempt.paths.provider) / "run"
+        wait_for((run / "container-id").is_file, "the container ID")
+        spy = _PodmanSpy(monkeypatch)
+    finally:
+        _finish(attempt)  # the stop kills `podman run` with its container
+    assert spy.commands == [["rm", "--force", "--time", "0", container_name(attempt.id)]]
+    _nothing_of_the_container_left(w, attempt)
+
+
 def test_the_service_memory_limit_kills_the_container(w: h.World) -> None:
     # 64 MiB of shell variable, 512 MiB of input: the service's 128 MiB must stop it.
     hog = ["/bin/sh", "-c", "x=$(head -c 536870912 /dev/urandom | tr -d '\\000'); echo survived"]

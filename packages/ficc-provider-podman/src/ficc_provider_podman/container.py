@@ -17,6 +17,9 @@ Isolation (docs/providers.md) and how each flag is realised rootless on this hos
 - `--ulimit core=0:0 nofile=N:N nproc=P:P` (N, P <= 20000).
 - The barrier is the entrypoint, bind-mounted read-only from the installed package;
   the attempt's control directory (release marker) is mounted read-only.
+- `--rm`: `podman run` removes the container before it returns (inside the service,
+  whose main process the host leaves a few seconds to end by itself after the exit),
+  so release starts no Podman when removal.py can prove it from the slot's files.
 - `--log-driver=passthrough`: the container's stdout and stderr ARE the host's log
   files given to the service (no copy by conmon, nothing in Podman's storage).
 - The environment: `env -i` gives Podman exactly HOME, XDG_RUNTIME_DIR, TMPDIR and
@@ -302,6 +305,7 @@ def run_argv(
     nproc = min(processes, MAX_ULIMIT)
     run = [
         "run",
+        "--rm",
         "--name",
         container_name(attempt_id),
         "--cidfile",

@@ -24,8 +24,9 @@ Methods:
   (exit status).
 - stop: kills every process of the slot account (the service stop is the guarantee).
 - collect: nothing to add (the host reads logs and outputs itself).
-- release: removes the container from the slot's Podman storage and the provider's
-  part of the attempt layout.
+- release: makes sure the container is gone from the slot's Podman storage (proven
+  from the slot's files when `podman run --rm` removed it, else `podman rm`) and
+  removes the provider's part of the attempt layout.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import msgspec
 from ficc.execution import plan as planlib
 from ficc.execution.host import sdk
 from ficc_provider_podman import account as accounts
-from ficc_provider_podman import container, inputs, observe
+from ficc_provider_podman import container, inputs, observe, removal
 from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
 from ficc_provider_podman.barrier import barrier_path
 from ficc_provider_podman.config import Config, Image, check_files, load, sha256_of_fd
@@ -114,6 +115,9 @@ class Driver:
         self._exit_code: dict[str, int] = {}
         """The first exit status observed per attempt: conmon's record is removed by
         Podman's cleanup soon after, so a later observe answers from here."""
+        self._conmon_status: dict[str, int] = {}
+        """The exit status read from conmon's own record, where observe read it (the
+        release checks that Podman's state agrees with it)."""
         self._lock = threading.Lock()
         self._images_seen: dict[tuple[int, str, str], _Fingerprint] = {}
         """(slot uid, storage, image ID) -> the image record file as it was when
@@ -438,12 +442,15 @@ class Driver:
         with self._lock:
             if attempt in self._exit_code:
                 return self._exit_code[attempt]
-        code = observe.container_exit_status(paths.run, slot.runtime_dir)
+        conmon = observe.container_exit_status(paths.run, slot.runtime_dir)
+        code = conmon
         if code is None:
             code = observe.exit_status(paths.run, container.EXIT_STATUS)
         if code is None:
             return None
         with self._lock:
+            if conmon is not None:
+                self._conmon_status.setdefault(attempt, conmon)
             return self._exit_code.setdefault(attempt, code)
 
     # --- stop, collect, release ----------------------------------------------------
@@ -467,20 +474,29 @@ class Driver:
         plan = context.plan
         if os.path.isdir(slot.base):
             with slot_lock(slot.uid):
-                removed = run_podman(
-                    slot,
-                    self.config,
-                    ["rm", "--force", "--time", "0", container.container_name(plan.attempt_id)],
-                )
-            error = removed.stderr.decode(errors="replace")
-            if removed.returncode != 0 and "no such container" not in error.lower():
-                raise ProviderError("container_remove_failed", f"podman rm: {error[-400:]}")
+                with self._lock:
+                    conmon = self._conmon_status.get(plan.attempt_id)
+                if removal.not_shown(slot, paths, conmon) is not None:
+                    self._remove_container(slot, plan.attempt_id)
         _remove_provider_files(paths)
         with self._lock:
             self._ready_reported.discard(plan.attempt_id)
             self._payload_pid.pop(plan.attempt_id, None)
             self._exit_code.pop(plan.attempt_id, None)
+            self._conmon_status.pop(plan.attempt_id, None)
         return sdk.reply(sdk.ReleaseReply(released=True))
+
+    def _remove_container(self, slot: SlotAccount, attempt_id: str) -> None:
+        """`podman rm`, when `podman run --rm` cannot be shown to have removed it (the
+        caller holds the slot's lock)."""
+        removed = run_podman(
+            slot,
+            self.config,
+            ["rm", "--force", "--time", "0", container.container_name(attempt_id)],
+        )
+        error = removed.stderr.decode(errors="replace")
+        if removed.returncode != 0 and "no such container" not in error.lower():
+            raise ProviderError("container_remove_failed", f"podman rm: {error[-400:]}")
 
 
 def _observed(observation: sdk.Observation) -> Reply:

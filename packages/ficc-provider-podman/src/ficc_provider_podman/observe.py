@@ -78,13 +78,13 @@ def device_results(pid: int, expected: list[str]) -> list[dict[str, object]] | N
         return None
     try:
         parent, name = os.path.split(DEVICE_RESULTS)
-        data = _read_below(root, parent.strip("/").split("/"), name, MAX_RESULTS_BYTES)
+        data = read_below(root, parent.strip("/").split("/"), name, MAX_RESULTS_BYTES)
     finally:
         os.close(root)
     return None if data is None else parse_device_results(data, expected)
 
 
-def _read_below(base_fd: int, directories: list[str], name: str, limit: int) -> bytes | None:
+def read_below(base_fd: int, directories: list[str], name: str, limit: int) -> bytes | None:
     """`_read_small` of `name` in the directory `directories` below `base_fd`, each
     opened without following a link; None when one of them does not exist."""
     fd = os.dup(base_fd)
@@ -126,7 +126,7 @@ def parse_device_results(data: bytes, expected: list[str]) -> list[dict[str, obj
 
 def exit_status(run_dir: str, name: str) -> int | None:
     """The recorded exit status of `podman run`, or None while it runs."""
-    data = _read_in(run_dir, name, 16)
+    data = read_in(run_dir, name, 16)
     return None if data is None else _status(data)
 
 
@@ -135,23 +135,32 @@ def container_exit_status(run_dir: str, runtime_dir: str) -> int | None:
     when no container was created: the wrapper's status then tells). Below the
     account's runtime directory, every directory is the account's own and is opened
     without following a link."""
-    cid = _read_in(run_dir, CONTAINER_ID, 128)
-    text = b"" if cid is None else cid.strip()
-    if len(text) != 64 or text.strip(b"0123456789abcdef"):
-        return None  # not written yet (Podman creates the file, then writes the ID)
+    text = container_id(run_dir)
+    if text is None:
+        return None
     try:
         base = os.open(runtime_dir, _DIR)
     except FileNotFoundError:
         return None
     try:
         below = [*PODMAN_TMPDIR.split("/"), CONMON_EXITS]
-        data = _read_below(base, below, text.decode(), 16)
+        data = read_below(base, below, text, 16)
     finally:
         os.close(base)
     return None if data is None else _status(data)
 
 
-def _read_in(directory: str, name: str, limit: int) -> bytes | None:
+def container_id(run_dir: str) -> str | None:
+    """The ID Podman wrote to the `--cidfile`, or None while it has not (Podman creates
+    the file, then writes the ID) or when no container was created."""
+    data = read_in(run_dir, CONTAINER_ID, 128)
+    text = b"" if data is None else data.strip()
+    if len(text) != 64 or text.strip(b"0123456789abcdef"):
+        return None
+    return text.decode()
+
+
+def read_in(directory: str, name: str, limit: int) -> bytes | None:
     try:
         dir_fd = os.open(directory, _DIR)
     except FileNotFoundError:

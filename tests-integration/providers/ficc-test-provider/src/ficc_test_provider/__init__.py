@@ -395,9 +395,11 @@ class Driver:
 #   fail: print a runtime's refusal on stderr and exit before the release, as a
 #   runtime that cannot create the container does),
 #   then N, N positive devices, M, M negative devices, then the payload argv.
-#   Device results are "1 PATH" (opened) or "0 PATH" (refused).
+#   Device results are "1 PATH" (opened) or "0 PATH" (refused). A hold ending in
+#   "+teardown" or "+stuck" stands in for a runtime's own teardown after the exit is
+#   reported: one second, then `torn-down` in the status directory; or forever.
 BARRIER_SCRIPT = """\
-marker=$1 status=$2 hold=$3
+marker=$1 status=$2 hold=${3%%+*} after=${3#"${3%%+*}"}
 shift 3
 if [ "$hold" = fail ]; then
   echo "ficc-test-barrier: preparing the runtime" >&2
@@ -424,12 +426,19 @@ while [ ! -e "$marker" ]; do sleep 0.05; done
 "$@"
 code=$?
 echo "$code" > "$status/exit.tmp" && mv "$status/exit.tmp" "$status/exit"
+case "$after" in
+  +teardown) sleep 1; : > "$status/torn-down" ;;
+  +stuck) sleep 600 ;;
+esac
 exit "$code"
 """
 STATUS_DIRECTORY = ".ficc-test-provider"
 HOLD_VARIABLE = "FICC_TEST_PROVIDER_HOLD"
 """A plan whose payload environment sets this to "1" is held before its PID is reported;
 "fail" makes its barrier print a runtime's refusal on stderr and exit before release."""
+TEARDOWN_VARIABLE = "FICC_TEST_PROVIDER_TEARDOWN"
+""""teardown" or "stuck": what the service's main process does after it reported the
+payload's exit (see BARRIER_SCRIPT)."""
 LATE_VARIABLE = "FICC_TEST_PROVIDER_LATE"
 """A plan whose payload environment sets this to "1" gets one late `observe` reply: the
 first look that finds the PID but no exit report creates `observing` in the status
@@ -506,10 +515,12 @@ class ServiceDriver(Driver):
             positive = [device.path for device in devices]
             job = context.plan.job
             hold = job.payload.environment.get(HOLD_VARIABLE, "0")
+            after = job.payload.environment.get(TEARDOWN_VARIABLE, "")
             argv = [
                 shell, "-c", BARRIER_SCRIPT, "ficc-test-barrier",
                 context.release_marker, self._status(context),
-                hold if hold in ("1", "fail") else "0",
+                (hold if hold in ("1", "fail") else "0")
+                + (f"+{after}" if after in ("teardown", "stuck") else ""),
                 str(len(positive)), *positive, str(len(self.negative)), *self.negative,
                 *job.payload.argv,
             ]  # fmt: skip

@@ -56,6 +56,11 @@ class Settings:
     observe_interval: float = 0.01
     rescan_ticks: int = 25
     """Every this many ticks the monitor reads every record, not just the watched ones."""
+    wind_down: float = 5.0
+    """How long the service's main process may outlive a payload that exited by itself
+    before cleanup stops the service: the runtime's own teardown (Podman removes the
+    container, which spares the release a second start of Podman). Longer means
+    stuck: it is killed."""
     nofile: int = DEFAULT_NOFILE
     user_namespace: bool = True
     cgroup_namespace: bool = True

@@ -4,7 +4,10 @@ The daemon is one asyncio loop plus three kinds of worker threads, and which wor
 runs where is the concurrency design:
 
 - `db`: ONE thread owns the SQLite ledger. Every ledger call goes through it, so
-  transactions never interleave and the loop never waits on fsync.
+  transactions never interleave and the loop never waits on fsync. Renewals, which
+  many controllers send at once, go through a group commit (group_commit.py, kept in
+  `HostContext.groups`): those that arrive while one commits share the next
+  transaction and its one fsync.
 - `io`: a small pool for file I/O (staging writes, collect reads, layout), outside any
   lock the monitor needs; staging's own per-attempt guard gives `input_busy`. Work
   that must read the ledger first and files next (collect) goes from the ledger
@@ -32,6 +35,7 @@ from typing import Any, TypeVar
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.errors import HostError
+from ficc.execution.host.group_commit import GroupCommit
 from ficc.execution.host.ledger import Ledger
 from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.interface import SystemService
@@ -222,3 +226,5 @@ class HostContext:
     providers: dict[str, ProviderRuntime]
     service: SystemService
     workers: Workers
+    groups: dict[str, GroupCommit[Any, Any]] = dataclasses.field(default_factory=dict)
+    """The group commits of the handlers, by kind of request (made on first use)."""

@@ -60,6 +60,7 @@ from ficc.execution.host import usage as usagelib
 from ficc.execution.host.config import Config
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
+from ficc.execution.host.group_commit import GroupCommit
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.staging import Stager, StreamState, streams_of
 from ficc.execution.protocol import (
@@ -263,6 +264,9 @@ def attempt_status(
         storage_exhausted=True if status.storage_exhausted else msgspec.UNSET,
         log_cut_short=True if status.log_cut_short else msgspec.UNSET,
     )
+
+
+_RenewRows = Sequence[tuple[Fence, leases.Renewal]]
 
 
 class _Read(NamedTuple):
@@ -529,18 +533,35 @@ async def renew(
     hold. A row whose service the reaper had already decided to stop at the old
     deadline is refused `lease_expired`, and its attempt ends `expired`."""
     rows = [(r.fence, r) for r in request.leases]
-
-    def commit() -> _Read:
-        results = ctx.ledger.renew_batch(rows, ctx.clock, ctx.config.maximum_lease_seconds)
-        return _with_staged(ctx.ledger, _records_of(results))
-
-    read = await ctx.workers.db(commit)
+    read = await _renewals(ctx).submit(rows)
     renewed = [r for r in read.results if isinstance(r, ledgerlib.AttemptRecord)]
     reaped = await runner.leases_renewed(renewed)
     results = read.results
     if reaped:
         results = await _reaped_first(ctx, runner, results, reaped)
     return _reply(request, await attempt_rows(ctx, results, read.staged))
+
+
+RENEW_GROUP_MOST = 16
+"""Renew requests that share one transaction at most (64 rows each)."""
+
+
+def _renewals(ctx: HostContext) -> GroupCommit[_RenewRows, _Read]:
+    """The group commit of renew requests: those that arrive while one commits go
+    together in the next transaction (one fsync for all)."""
+    group = ctx.groups.get("renew")
+    if group is None:
+        group = ctx.groups["renew"] = GroupCommit(functools.partial(_renew, ctx), RENEW_GROUP_MOST)
+    return group
+
+
+async def _renew(ctx: HostContext, batches: list[_RenewRows]) -> list[_Read]:
+    def commit() -> list[_Read]:
+        maximum = ctx.config.maximum_lease_seconds
+        applied = ctx.ledger.renew_batches(batches, ctx.clock, maximum)
+        return [_with_staged(ctx.ledger, _records_of(results)) for results in applied]
+
+    return await ctx.workers.db(commit)
 
 
 async def _reaped_first(

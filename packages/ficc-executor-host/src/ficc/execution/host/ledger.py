@@ -1286,7 +1286,6 @@ class Ledger:
                 raise result
             return result
 
-    @_spending_reserve
     def renew_batch(
         self,
         rows: Sequence[tuple[Fence, leases.Renewal]],
@@ -1300,13 +1299,29 @@ class Ledger:
         every row is judged at `when` read inside the transaction, so a lease that ran
         out while the request waited for the ledger is not renewed.
         """
-        _check_batch(rows)
+        (results,) = self.renew_batches([rows], when, maximum_lease_seconds)
+        return results
+
+    @_spending_reserve
+    def renew_batches(
+        self,
+        batches: Sequence[Sequence[tuple[Fence, leases.Renewal]]],
+        when: Now | Clock,
+        maximum_lease_seconds: int,
+    ) -> list[list[Applied | HostError]]:
+        """Several requests' `renew_batch`es in ONE transaction and one commit (group
+        commit), each judged as if it came alone right after the ones before it."""
+        for rows in batches:
+            _check_batch(rows)
         with self._write() as ordinal:
             now = leases.reading(when)
             offer = self._offer()
             terms = _RenewTerms(now, maximum_lease_seconds, offer, ordinal)
-            records = self._records(fence.attempt_id for fence, _ in rows)
-            return [self._renew_one(fence, renewal, terms, records) for fence, renewal in rows]
+            records = self._records(fence.attempt_id for rows in batches for fence, _ in rows)
+            return [
+                [self._renew_one(fence, renewal, terms, records) for fence, renewal in rows]
+                for rows in batches
+            ]
 
     def _renew_one(
         self,

@@ -47,6 +47,10 @@ Decisions (see also docs/operations.md):
   runtime still tears down).
 - Cleanup is never confirmed while the attempt's preparation or any provider call of
   it still runs, even after a stop, an expiry or the call's timeout settled it.
+- Wind-down: the service's main process of a payload that exited by itself is left to
+  end on its own for up to `Settings.wind_down` before cleanup stops the service, so
+  the runtime finishes its teardown (a provider can then release without undoing a
+  half-finished one).
 - Restart (`recover`): the ledger turns starting/running into unknown and in-flight
   preparations into failed; every settled attempt without confirmed cleanup has its
   service adopted by name, stopped and checked idle. Prepared attempts whose streams
@@ -66,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
@@ -129,6 +134,8 @@ class Runner(AttemptWork):
         self._killed: set[str] = set()
         self._releasing: set[str] = set()
         """Attempts with a release under way (a controller may resend one)."""
+        self._winding_down: dict[str, float] = {}
+        """Exited attempts whose service still runs: when cleanup first saw it so."""
         self._ticks = 0
         self._deadlines = Deadlines(ctx)
         self._preparer = Preparer(shared, spawn=self._spawn)
@@ -474,6 +481,8 @@ class Runner(AttemptWork):
         attempt = await self._attempt(fresh)
         try:
             handle = await self._service(attempt)
+            if await self._winding_down_now(fresh, handle):
+                return
             await self._record_usage(attempt, handle)
             if handle is not None:
                 await self._io(self._ctx.service.stop, handle)
@@ -497,6 +506,26 @@ class Runner(AttemptWork):
         metrics.PROCESS.cleanup_not_confirmed()
         if not fresh.status.quarantined:
             await self._apply(fresh, lifecycle.CleanupFailed())
+
+    async def _winding_down_now(self, record: AttemptRecord, handle: ServiceHandle | None) -> bool:
+        """True while the service's main process of a payload that exited by itself
+        is still in the service and `Settings.wind_down` has not passed since cleanup
+        first saw it so: the runtime tears down on its own (a later tick looks again).
+        Whatever is left once the main process exited (a runtime's helper such as
+        rootless Podman's pause process) is stopped then; so is a service whose main
+        process is unknown (adopted after a restart), at once."""
+        status = record.status
+        if handle is None or handle.main_pid is None or status.exit_code is None:
+            return False
+        members = await self._io(self._ctx.service.members, handle)
+        if status.quarantined or handle.main_pid not in members:
+            self._winding_down.pop(record.attempt_id, None)
+            return False
+        first = self._winding_down.setdefault(record.attempt_id, time.monotonic())
+        if time.monotonic() - first < self._settings.wind_down:
+            return True
+        self._winding_down.pop(record.attempt_id, None)
+        return False
 
     async def _record_usage(self, attempt: _Attempt, handle: ServiceHandle | None) -> None:
         """What a settled attempt used, recorded before its cleanup touches the service
