@@ -163,9 +163,10 @@ class Controller:
             request = InputWriteRequest(version=1, id=secrets.token_hex(16), writes=request.writes)
 
     async def observe(self, fence: Fence) -> AttemptRow:
-        row: AttemptRow = await self.row(
-            ObserveRequest(version=1, id=secrets.token_hex(16), attempts=[fence])
-        )
+        """The row, with the runtime's own words (`detail`) when a start failed: a
+        failure the lane reports then says what Podman printed."""
+        request = ObserveRequest(version=1, id=secrets.token_hex(16), attempts=[fence], detail=True)
+        row: AttemptRow = await self.row(request)
         return row
 
     async def until(self, fence: Fence, done: Any, what: str) -> AttemptRow:
