@@ -251,6 +251,38 @@ def test_a_run_stopped_before_its_removal_is_released_with_podman_rm(
     _nothing_of_the_container_left(w, attempt)
 
 
+def test_a_podman_check_cut_short_by_a_power_cut_does_not_fail_the_next_job(w: h.World) -> None:
+    """What a power cut left in a slot's storage, seen on a real host: a directory of the
+    overlay driver's kernel check, and a layer's short link that never reached the disk.
+    Podman then fails every container mount ("recreating the missing symlinks"); prepare
+    removes the check's leftovers, and Podman recreates the link itself."""
+    first = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(first)  # the image is in the slot's storage now
+        assert verdict.ok, verdict.failures
+        h.release_marker(first)
+        assert h.await_finished(first) == 0
+    finally:
+        _finish(first)
+    overlay = Path(SlotAccount(w.slot.uid, w.slot.gid, w.slot.path).storage, "overlay")
+    leftover = overlay / "opaque-bug-check2718281828"
+    (leftover / "l1" / "d").mkdir(parents=True)
+    os.chown(leftover, w.slot.uid, w.slot.gid)
+    links = sorted((overlay / "l").iterdir())
+    assert links, "the image's layers have short links"
+    links[0].unlink()
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "exit 5"], devices=()))
+    try:
+        _, verdict = h.run_to_payload(attempt)
+        assert verdict.ok, verdict.failures
+        h.release_marker(attempt)
+        assert h.await_finished(attempt) == 5
+    finally:
+        _finish(attempt)
+    assert not leftover.exists()
+    assert links[0].is_symlink()  # recreated by Podman
+
+
 def test_the_service_memory_limit_kills_the_container(w: h.World) -> None:
     # 64 MiB of shell variable, 512 MiB of input: the service's 128 MiB must stop it.
     hog = ["/bin/sh", "-c", "x=$(head -c 536870912 /dev/urandom | tr -d '\\000'); echo survived"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import select
 import shutil
 import signal
@@ -184,6 +185,40 @@ class SlotAccount:
         _remove_tree(self.home)
         for path in (self.storage, self.tmp):
             _ensure_dir(path, self.uid, 0o700, gid=self.gid, create=True)
+        if not live_processes_of(self.uid):  # else no Podman may start: `slot_busy`
+            remove_interrupted_checks(self.storage)
+
+
+INTERRUPTED_CHECK = re.compile(r"(?:compat|opaque-bug-check|metacopy-check)[0-9]+\Z")
+"""The directories in which Podman's overlay driver probes the kernel (Go's
+`os.MkdirTemp` names: a prefix and digits, never a layer's 64 hex digits)."""
+
+
+def remove_interrupted_checks(storage: str) -> list[str]:
+    """Remove what a Podman killed during its overlay checks left in `storage/overlay`,
+    and return the names. Only while no process of the slot account runs.
+
+    The overlay driver probes the kernel in temporary directories it removes
+    afterwards; a power cut (or a kill) in between leaves one behind. Once a layer's
+    short link under `overlay/l/` is missing too (a link made just before the cut), every
+    container mount of the slot fails: Podman's repair of the links reads a `link` file
+    in each directory and stops at the leftover ("recreating the missing symlinks: ...
+    opaque-bug-check.../link: no such file or directory"), and the job's start fails.
+    """
+    try:
+        fd = os.open(f"{storage}/overlay", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return []
+    try:
+        removed = [name for name in os.listdir(fd) if INTERRUPTED_CHECK.match(name)]
+        for name in removed:
+            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+        return removed
+    finally:
+        os.close(fd)
 
 
 def _remove_tree(path: str) -> None:
