@@ -254,7 +254,7 @@ def test_a_run_stopped_before_its_removal_is_released_with_podman_rm(
 def test_a_podman_check_cut_short_by_a_power_cut_does_not_fail_the_next_job(w: h.World) -> None:
     """What a power cut left in a slot's storage, seen on a real host: a directory of the
     overlay driver's kernel check, and a layer's short link that never reached the disk.
-    Podman then fails every container mount ("recreating the missing symlinks"); prepare
+    Podman then fails the next container mount ("recreating the missing symlinks"); prepare
     removes the check's leftovers, and Podman recreates the link itself."""
     first = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
     try:

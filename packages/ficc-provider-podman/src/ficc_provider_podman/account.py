@@ -200,10 +200,10 @@ def remove_interrupted_checks(storage: str) -> list[str]:
 
     The overlay driver probes the kernel in temporary directories it removes
     afterwards; a power cut (or a kill) in between leaves one behind. Once a layer's
-    short link under `overlay/l/` is missing too (a link made just before the cut), every
-    container mount of the slot fails: Podman's repair of the links reads a `link` file
-    in each directory and stops at the leftover ("recreating the missing symlinks: ...
-    opaque-bug-check.../link: no such file or directory"), and the job's start fails.
+    short link under `overlay/l/` is missing too (a link made just before the cut), the
+    next container mount of the slot fails: Podman's repair of the links reads a `link`
+    file in each directory and fails on the leftover ("recreating the missing symlinks:
+    ... opaque-bug-check.../link: no such file or directory"), and the job's start with it.
     """
     try:
         fd = os.open(f"{storage}/overlay", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
