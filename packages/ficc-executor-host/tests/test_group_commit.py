@@ -109,3 +109,21 @@ def test_a_submitter_that_gives_up_leaves_the_others_their_results() -> None:
         return [await first, await kept]
 
     assert asyncio.run(scenario()) == ["r1", "r3"]
+    assert calls.calls == [[1], [3]]  # the one that gave up was never committed
+
+
+def test_closing_cancels_what_waits_and_commits_nothing_more() -> None:
+    calls = Calls()
+
+    async def scenario() -> list[BaseException | str]:
+        group = GroupCommit(calls.run, most=16)
+        first = asyncio.ensure_future(group.submit(1))
+        await calls.started(1)
+        waiting = asyncio.ensure_future(group.submit(2))
+        await asyncio.sleep(0)
+        await group.close()
+        return list(await asyncio.gather(first, waiting, return_exceptions=True))
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+    assert calls.calls == [[1]]

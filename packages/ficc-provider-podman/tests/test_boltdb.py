@@ -71,7 +71,9 @@ def test_podmans_own_database_reads_as_podman_wrote_it(db: Database) -> None:
     # Each container of `ctr` is a nested bucket (its value is not opened).
     assert buckets[b"ctr"] == {c.encode(): None for c in db.containers.values()}
     assert sorted(buckets[b"allVolumes"]) == [v.encode() for v in sorted(db.volumes)]
-    assert buckets[b"runtime-config"][b"os"] == b"linux"
+    assert buckets[b"runtime-config"][b"os"] is None  # values only where asked for
+    asked = boltdb.read_buckets(db.data, values_of={b"runtime-config"})
+    assert asked[b"runtime-config"][b"os"] == b"linux"
 
 
 def test_a_damaged_meta_page_leaves_the_other_one(db: Database) -> None:
@@ -121,3 +123,95 @@ def test_any_damage_reads_or_is_refused_never_anything_else(db: Database, seed: 
             del data[rng.randrange(len(data)) :]
         with contextlib.suppress(boltdb.BoltError):
             boltdb.read_buckets(bytes(data))
+
+
+# --- files made by hand: the bounds that keep a hostile file cheap -------------------
+
+PAGE = 4096
+
+
+def _fnv1a64(data: bytes) -> int:
+    value = 0xCBF29CE484222325
+    for byte in data:
+        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+def _meta(page_id: int, root: int, pages: int, txid: int) -> bytes:
+    body = struct.pack("<IIIIQQQQQ", boltdb.MAGIC, 2, PAGE, 0, root, 0, 0, pages, txid)
+    meta = _HEADER.pack(page_id, boltdb.META, 0, 0) + body + struct.pack("<Q", _fnv1a64(body))
+    return meta.ljust(PAGE, b"\0")
+
+
+def _leaf(elements: list[tuple[int, bytes, bytes]], page_id: int = 0) -> bytes:
+    """A leaf page (or an inline bucket's page): (flags, key, value) in the given order."""
+    head = _HEADER.pack(page_id, boltdb.LEAF, len(elements), 0)
+    table, data = b"", b""
+    for index, (flags, key, value) in enumerate(elements):
+        pos = (len(elements) - index) * 16 + len(data)
+        table += struct.pack("<IIII", flags, pos, len(key), len(value))
+        data += key + value
+    return head + table + data
+
+
+def _file(root_page: bytes) -> bytes:
+    """Meta pages 0 and 1, then the root leaf at page 2 (with overflow pages as needed)."""
+    overflow = (len(root_page) - 1) // PAGE
+    page = bytearray(root_page.ljust((overflow + 1) * PAGE, b"\0"))
+    _, flags, count, _ = _HEADER.unpack_from(page, 0)
+    _HEADER.pack_into(page, 0, 2, flags, count, overflow)
+    pages = 3 + overflow
+    return _meta(0, 2, pages, 1) + _meta(1, 2, pages, 0) + bytes(page)
+
+
+def _inline(elements: list[tuple[int, bytes, bytes]]) -> bytes:
+    return struct.pack("<QQ", 0, 0) + _leaf(elements)
+
+
+def test_a_file_made_by_hand_reads_as_written() -> None:
+    bucket = _inline([(0, b"a", b"1"), (0, b"b", b"22")])
+    data = _file(_leaf([(boltdb.BUCKET_LEAF, b"exit-code", bucket)], page_id=2))
+    assert boltdb.read_buckets(data) == {b"exit-code": {b"a": None, b"b": None}}
+    assert boltdb.read_buckets(data, values_of={b"exit-code"}) == {
+        b"exit-code": {b"a": b"1", b"b": b"22"}
+    }
+
+
+def test_one_inline_bucket_named_by_many_elements_stops_at_the_element_bound() -> None:
+    """An inline bucket has no page of its own, so no page rule stops many elements from
+    sharing one: keys "a", "aa", "aaa", ... all end where the same inline bucket starts.
+    A file of a few pages would make the reader walk 1,000 x 200 elements; the element
+    bound stops it long before."""
+    fans, entries = 1000, 200
+    inline = _inline([(0, f"k{i:05d}".encode(), b"") for i in range(entries)])
+    table_end = 16 + fans * 16
+    shared_at = table_end + fans  # the keys' "a"s, then the bucket
+    body = bytearray(_HEADER.pack(2, boltdb.LEAF, fans, 0))
+    for index in range(fans):
+        at = 16 + index * 16
+        key_length = index + 1
+        body += struct.pack("<IIII", boltdb.BUCKET_LEAF, shared_at - key_length - at,
+                            key_length, len(inline))  # fmt: skip
+    body += b"a" * fans + inline
+    data = _file(bytes(body))
+    assert len(data) <= 8 * PAGE
+    with pytest.raises(boltdb.BoltError, match="more than"):
+        boltdb.read_buckets(data)
+
+
+def test_keys_out_of_order_or_a_bucket_twice_are_refused() -> None:
+    unordered = _inline([(0, b"b", b""), (0, b"a", b"")])
+    data = _file(_leaf([(boltdb.BUCKET_LEAF, b"x", unordered)], page_id=2))
+    with pytest.raises(boltdb.BoltError, match="out of order"):
+        boltdb.read_buckets(data)
+    twice = _leaf([(boltdb.BUCKET_LEAF, b"x", _inline([])), (boltdb.BUCKET_LEAF, b"x", b"")], 2)
+    with pytest.raises(boltdb.BoltError):
+        boltdb.read_buckets(_file(twice))
+
+
+def test_a_long_value_is_copied_only_when_asked_for_and_only_when_short() -> None:
+    long = _inline([(0, b"k", b"v" * (boltdb.MAX_VALUE_BYTES + 1))])
+    data = _file(_leaf([(boltdb.BUCKET_LEAF, b"exit-code", long)], page_id=2))
+    assert boltdb.read_buckets(data) == {b"exit-code": {b"k": None}}
+    with pytest.raises(boltdb.BoltError, match="short one"):
+        boltdb.read_buckets(data, values_of={b"exit-code"})

@@ -3,9 +3,11 @@
 Pure: bytes in, buckets out. The release reads the slot's database to prove that
 `podman run --rm` removed its container, without starting Podman again (see
 removal.py). The file is written by the slot account, so every offset, length and
-page number is checked against the file before it is used, pages are visited at most
-once, and anything that does not fit the format raises `BoltError`: the caller then
-falls back to asking Podman.
+page number is checked against the file before it is used, every page of an overflow
+run is visited at most once, the keys of a page must be short and strictly ascending,
+one read visits at most `MAX_ELEMENTS` elements (inline buckets, which can be reached
+from many elements, included) and copies only the short values asked for; anything
+else raises `BoltError`, and the caller then falls back to asking Podman.
 
 The format, as this reader relies on it (little-endian throughout):
 - the file is a sequence of pages of `page_size` bytes; every page starts with a
@@ -25,7 +27,7 @@ The format, as this reader relies on it (little-endian throughout):
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 MAGIC = 0xED0CDAED
 VERSION = 2
@@ -34,6 +36,12 @@ BRANCH, LEAF, META = 0x01, 0x02, 0x04
 BUCKET_LEAF = 0x01
 MAX_DEPTH = 32
 """No B+tree of a state database this size is near this deep; a cycle would be."""
+MAX_ELEMENTS = 100_000
+"""Elements visited in one read, inline buckets included (each can be reached from
+many elements, which no page rule stops): a slot's state holds a few hundred."""
+MAX_KEY_BYTES = 1024
+MAX_VALUE_BYTES = 4096
+"""Of a value the caller asked for (Podman's IDs, names and exit codes are short)."""
 
 _HEADER = struct.Struct("<QHHI")
 _META = struct.Struct("<IIIIQQQQQQ")
@@ -47,22 +55,33 @@ class BoltError(ValueError):
 
 
 Bucket = dict[bytes, bytes | None]
-"""A bucket's keys: a value, or None for a nested bucket (not opened)."""
+"""A bucket's keys, each with its value where asked for, else None (a nested bucket's
+value is never opened)."""
 
 
-def read_buckets(data: bytes) -> dict[bytes, Bucket]:
-    """Every top-level bucket of the database, with its keys one level deep."""
+def read_buckets(data: bytes, values_of: Collection[bytes] = ()) -> dict[bytes, Bucket]:
+    """Every top-level bucket of the database with its keys one level deep, and the
+    values of the buckets named in `values_of` (each at most `MAX_VALUE_BYTES`)."""
     view = memoryview(data)
     root, page_size, high_water = _current_meta(view)
     reader = _Reader(view, page_size, high_water)
     buckets: dict[bytes, Bucket] = {}
     for flags, key, value in reader.entries(root):
-        if not flags & BUCKET_LEAF:
-            raise BoltError(f"top-level key {bytes(key)!r} is not a bucket")
-        buckets[bytes(key)] = {
-            bytes(k): None if f & BUCKET_LEAF else bytes(v) for f, k, v in reader.bucket(value)
+        name = bytes(key)
+        if not flags & BUCKET_LEAF or name in buckets:
+            raise BoltError(f"top-level key {name!r} is not a bucket, or is there twice")
+        keep = name in values_of
+        buckets[name] = {
+            bytes(k): _value(v) if keep and not f & BUCKET_LEAF else None
+            for f, k, v in reader.bucket(value)
         }
     return buckets
+
+
+def _value(value: memoryview) -> bytes:
+    if len(value) > MAX_VALUE_BYTES:
+        raise BoltError(f"a value of {len(value)} bytes where a short one was expected")
+    return bytes(value)
 
 
 def _fnv1a64(data: memoryview) -> int:
@@ -106,17 +125,19 @@ class _Reader:
         self._page_size = page_size
         self._pages = min(high_water, len(view) // page_size)
         self._seen: set[int] = set()
+        self._left = MAX_ELEMENTS
 
     def entries(self, page_id: int, depth: int = 0) -> Iterator[tuple[int, memoryview, memoryview]]:
         """(flags, key, value) of every leaf element under the page, in key order."""
-        if not 2 <= page_id < self._pages or page_id in self._seen:
-            raise BoltError(f"page {page_id} is out of the file or visited twice")
-        self._seen.add(page_id)
+        if not 2 <= page_id < self._pages:
+            raise BoltError(f"page {page_id} is out of the file")
         start = page_id * self._page_size
         _, _, _, overflow = _HEADER.unpack_from(self._view, start)
-        end = start + (overflow + 1) * self._page_size
-        if page_id + overflow >= self._pages:
-            raise BoltError(f"page {page_id} runs past the file")
+        run = range(page_id, page_id + overflow + 1)
+        if run.stop > self._pages or not self._seen.isdisjoint(run):
+            raise BoltError(f"page {page_id} runs past the file or is visited twice")
+        self._seen.update(run)
+        end = start + len(run) * self._page_size
         yield from self._walk(self._view[start:end], depth)
 
     def bucket(self, value: memoryview) -> Iterator[tuple[int, memoryview, memoryview]]:
@@ -133,14 +154,20 @@ class _Reader:
         if depth > MAX_DEPTH or len(page) < _HEADER.size:
             raise BoltError("a page is too short or the tree is too deep")
         _, flags, count, _ = _HEADER.unpack_from(page, 0)
+        if count > self._left:
+            raise BoltError(f"more than {MAX_ELEMENTS} elements")
+        self._left -= count
+        previous: memoryview | None = None
         if flags == LEAF:
             for at in _elements(page, count, _LEAF_ELEMENT.size):
                 element_flags, pos, ksize, vsize = _LEAF_ELEMENT.unpack_from(page, at)
-                key = _slice(page, at + pos, ksize)
+                key = _key(page, at + pos, ksize, previous)
+                previous = key
                 yield element_flags, key, _slice(page, at + pos + ksize, vsize)
         elif flags == BRANCH:
             for at in _elements(page, count, _BRANCH_ELEMENT.size):
-                _, _, child = _BRANCH_ELEMENT.unpack_from(page, at)
+                pos, ksize, child = _BRANCH_ELEMENT.unpack_from(page, at)
+                previous = _key(page, at + pos, ksize, previous)
                 yield from self.entries(child, depth + 1)
         else:
             raise BoltError(f"page flags {flags:#x} where a branch or leaf was expected")
@@ -151,6 +178,14 @@ def _elements(page: memoryview, count: int, size: int) -> range:
     if first + count * size > len(page):
         raise BoltError("the elements run past their page")
     return range(first, first + count * size, size)
+
+
+def _key(page: memoryview, start: int, length: int, previous: memoryview | None) -> memoryview:
+    """A key of a page: short, and after the page's key before it (a B+tree's order)."""
+    key = _slice(page, start, length)
+    if length > MAX_KEY_BYTES or (previous is not None and bytes(key) <= bytes(previous)):
+        raise BoltError("a key is too long or out of order")
+    return key
 
 
 def _slice(page: memoryview, start: int, length: int) -> memoryview:

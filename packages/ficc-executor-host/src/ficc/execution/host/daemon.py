@@ -169,6 +169,8 @@ class Daemon:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        for group in self.ctx.groups.values():
+            await group.close()
         await self.runner.close()
         await asyncio.get_running_loop().run_in_executor(None, self.ctx.workers.shutdown)
         self.ctx.ledger.close()

@@ -15,6 +15,7 @@ Nothing waits for company: an item that arrives while nothing runs goes at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
@@ -39,11 +40,21 @@ class GroupCommit(Generic[T, R]):
             self._drain = asyncio.create_task(self._drained())
         return await future
 
+    async def close(self) -> None:
+        """Stop the drain (the daemon stops): what waits is cancelled, not committed."""
+        if self._drain is not None and not self._drain.done():
+            self._drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
+
     async def _drained(self) -> None:
         try:
             while self._waiting:
-                taken, self._waiting = self._waiting[: self._most], self._waiting[self._most :]
-                await self._call(taken)
+                # A submitter that gave up (its request was cancelled) is never committed.
+                live = [(item, future) for item, future in self._waiting if not future.done()]
+                taken, self._waiting = live[: self._most], live[self._most :]
+                if taken:
+                    await self._call(taken)
         finally:  # cancelled (the daemon stops): nobody is left waiting for ever
             for _, future in self._waiting:
                 future.cancel()
