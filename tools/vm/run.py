@@ -319,8 +319,10 @@ def run_lane(args: argparse.Namespace) -> int:
         failures.append(str(error))
     finally:
         _summary(guest, failures, time.monotonic() - started)
-        if not args.keep:
+        if not args.keep:  # the consoles stay: they are the run's record
             guest.disk.unlink(missing_ok=True)
+            (work / "inputs.tar").unlink(missing_ok=True)
+            shutil.rmtree(guest.inputs, ignore_errors=True)
     return 1 if failures else 0
 
 
@@ -393,7 +395,7 @@ def main() -> int:
     parser.add_argument("--phase-timeout", type=float,
                         default=float(os.environ.get("FICC_VM_PHASE_TIMEOUT", "5400")))  # fmt: skip
     parser.add_argument("--workdir", default="/var/tmp")
-    parser.add_argument("--keep", action="store_true", help="keep the run's disk image")
+    parser.add_argument("--keep", action="store_true", help="keep the run's disk image and inputs")
     args = parser.parse_args()
     if args.ci:
         args.suites, args.backends = CI_SUITES, "systemd"
