@@ -235,23 +235,30 @@ def _log_bytes(ctx: HostContext, record: ledgerlib.AttemptRecord) -> tuple[int, 
 
 def attempt_row(record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]) -> AttemptRow:
     """The wire row of a record (a batch reply row)."""
-    return AttemptRow(**msgspec.structs.asdict(attempt_status(record, staged, logs)))
+    return AttemptRow(**_status_fields(record, staged, logs))
 
 
 def attempt_status(
     record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]
 ) -> AttemptStatus:
     """What the record says, as a snapshot lists it."""
+    return AttemptStatus(**_status_fields(record, staged, logs))
+
+
+def _status_fields(
+    record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]
+) -> dict[str, Any]:
+    """The fields an attempt row and a snapshot's status share, from the record."""
     status = record.status
     settled = status.state in lifecycle.SETTLED or status.state == "released"
     lease = record.lease
-    return AttemptStatus(
+    return dict(
         attempt_id=record.attempt_id,
         generation=record.generation,
         plan_digest=record.plan_digest,
         state=status.state,
         ready=status.ready,
-        outcome=status.outcome if settled else None,  # type: ignore[arg-type]
+        outcome=status.outcome if settled else None,
         reason=status.reason,
         exit_code=status.exit_code,
         lease_sequence=lease.sequence if lease is not None else 0,
