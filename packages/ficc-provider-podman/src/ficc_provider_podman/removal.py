@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -71,8 +72,17 @@ class _Container(msgspec.Struct):
 
 def not_shown(slot: SlotAccount, paths: AttemptPaths, conmon_status: int | None) -> str | None:
     """None when the container is proven removed; otherwise what could not be shown."""
+    return _guarded(_check, slot, paths, conmon_status)
+
+
+def storage_not_clean(slot: SlotAccount, container_id: str) -> str | None:
+    """Step 5 alone: None when containers-storage holds nothing of the container."""
+    return _guarded(_storage_clean, slot, container_id)
+
+
+def _guarded(check: Callable[..., str | None], *args: Any) -> str | None:
     try:
-        return _check(slot, paths, conmon_status)
+        return check(*args)
     except Exception as error:  # anything unreadable: `podman rm` decides
         return f"the slot's files could not be read: {type(error).__name__}: {error}"
 
@@ -148,7 +158,10 @@ def _read(root: str, below: tuple[str, str], limit: int) -> bytes | None:
 def _absent(root: str, components: list[str]) -> bool:
     """Whether `root/components...` does not exist; every directory on the way is
     opened without following a link, and any answer but "no such file" is a no."""
-    fd = os.open(root, _DIR)
+    try:
+        fd = os.open(root, _DIR)
+    except FileNotFoundError:
+        return True
     try:
         for directory in components[:-1]:
             try:
