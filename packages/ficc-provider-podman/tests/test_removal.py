@@ -34,7 +34,7 @@ def slot(tmp_path: Path) -> SlotAccount:
     _write(
         storage, removal.LAYER_RECORDS, [{"id": i, "parent": p} for i, p in IMAGE_LAYERS.items()]
     )
-    _write(storage, removal.CONTAINER_RECORDS[0], [])
+    _write(storage, removal.CONTAINER_RECORDS, [])
     return account
 
 

@@ -46,7 +46,7 @@ from ficc_provider_podman.container import EXIT_STATUS, AttemptPaths
 
 STATE_DATABASE = ("libpod", "bolt_state.db")
 """Podman 4's state, under the storage root (its default static directory)."""
-CONTAINER_RECORDS = (("overlay-containers", "containers.json"),)
+CONTAINER_RECORDS = ("overlay-containers", "containers.json")
 VOLATILE_CONTAINER_RECORDS = ("overlay-containers", "volatile-containers.json")
 LAYER_RECORDS = ("overlay-layers", "layers.json")
 VOLATILE_LAYER_RECORDS = ("overlay-layers", "volatile-layers.json")
@@ -115,7 +115,7 @@ def _check(slot: SlotAccount, paths: AttemptPaths, conmon_status: int | None) ->
 
 
 def _storage_clean(slot: SlotAccount, container_id: str) -> str | None:
-    for below in (*CONTAINER_RECORDS, VOLATILE_CONTAINER_RECORDS):
+    for below in (CONTAINER_RECORDS, VOLATILE_CONTAINER_RECORDS):
         containers = _records(slot.storage, below, list[_Container])
         if containers:
             return f"containers-storage still lists a container ({'/'.join(below)})"
