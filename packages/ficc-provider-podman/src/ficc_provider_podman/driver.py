@@ -521,14 +521,12 @@ def _remove_provider_files(paths: AttemptPaths) -> None:
 # --- the slot's image record -----------------------------------------------------------
 
 _Fingerprint = tuple[int, int, int, int, int]
-IMAGE_RECORDS = "overlay-images/images.json"
-"""Where containers-storage (the overlay driver, storage.conf) lists its images."""
 
 
 def _fingerprint(slot: SlotAccount) -> _Fingerprint | None:
     """Identity of the storage's image record file (no symlink followed at the end)."""
     try:
-        st = os.stat(f"{slot.storage}/{IMAGE_RECORDS}", follow_symlinks=False)
+        st = os.stat(f"{slot.storage}/{'/'.join(removal.IMAGE_RECORDS)}", follow_symlinks=False)
     except OSError:
         return None
     if not stat.S_ISREG(st.st_mode):

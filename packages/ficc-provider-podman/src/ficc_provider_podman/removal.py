@@ -51,6 +51,7 @@ VOLATILE_CONTAINER_RECORDS = ("overlay-containers", "volatile-containers.json")
 LAYER_RECORDS = ("overlay-layers", "layers.json")
 VOLATILE_LAYER_RECORDS = ("overlay-layers", "volatile-layers.json")
 IMAGE_RECORDS = ("overlay-images", "images.json")
+"""Where containers-storage (the overlay driver, storage.conf) lists its images."""
 MAX_DATABASE_BYTES = 16 << 20
 MAX_RECORDS_BYTES = 4 << 20
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
