@@ -367,6 +367,14 @@ def release_marker(attempt: Attempt) -> None:
         os.close(fd)
 
 
+def released(attempt: Attempt) -> int:
+    """Run to the payload, pass the gate and write the release marker; the PID."""
+    pid, verdict = run_to_payload(attempt)
+    assert verdict.ok, verdict.failures
+    release_marker(attempt)
+    return pid
+
+
 def await_finished(attempt: Attempt, timeout: float = 120.0) -> int:
     deadline = time.monotonic() + timeout
     while True:

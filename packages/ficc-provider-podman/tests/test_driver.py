@@ -222,9 +222,7 @@ def test_a_run_that_removed_its_container_is_released_without_starting_podman(
 ) -> None:
     attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "exit 3"], devices=()))
     try:
-        _, verdict = h.run_to_payload(attempt)
-        assert verdict.ok, verdict.failures
-        h.release_marker(attempt)
+        h.released(attempt)
         assert h.await_finished(attempt) == 3
         assert h.await_main_exit(attempt) == 3  # `podman run --rm` removes, then returns
         spy = _PodmanSpy(monkeypatch)
@@ -239,9 +237,7 @@ def test_a_run_stopped_before_its_removal_is_released_with_podman_rm(
 ) -> None:
     attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "sleep 600"], devices=()))
     try:
-        _, verdict = h.run_to_payload(attempt)
-        assert verdict.ok, verdict.failures
-        h.release_marker(attempt)
+        h.released(attempt)
         run = Path(attempt.paths.provider) / "run"
         wait_for((run / "container-id").is_file, "the container ID")
         spy = _PodmanSpy(monkeypatch)
@@ -258,9 +254,7 @@ def test_a_podman_check_cut_short_by_a_power_cut_does_not_fail_the_next_job(w: h
     removes the check's leftovers, and Podman recreates the link itself."""
     first = h.new_attempt(w, h.make_plan(w, ["/bin/true"], devices=()))
     try:
-        _, verdict = h.run_to_payload(first)  # the image is in the slot's storage now
-        assert verdict.ok, verdict.failures
-        h.release_marker(first)
+        h.released(first)  # the image is in the slot's storage now
         assert h.await_finished(first) == 0
     finally:
         _finish(first)
@@ -273,9 +267,7 @@ def test_a_podman_check_cut_short_by_a_power_cut_does_not_fail_the_next_job(w: h
     links[0].unlink()
     attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sh", "-c", "exit 5"], devices=()))
     try:
-        _, verdict = h.run_to_payload(attempt)
-        assert verdict.ok, verdict.failures
-        h.release_marker(attempt)
+        h.released(attempt)
         assert h.await_finished(attempt) == 5
     finally:
         _finish(attempt)
