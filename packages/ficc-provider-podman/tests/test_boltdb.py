@@ -4,9 +4,13 @@ every kind of damage a slot account could do to that file."""
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import random
+import shutil
 import struct
 import subprocess
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -27,10 +31,19 @@ class Database:
 
 
 @pytest.fixture(scope="module")
-def db(tmp_path_factory: pytest.TempPathFactory) -> Database:
+def db() -> Iterator[Database]:
     """Three containers (one of them removed again) and many volumes, made by Podman
-    with a root of its own; `--rootfs` needs no image."""
-    base = tmp_path_factory.mktemp("bolt")
+    with a root of its own; `--rootfs` needs no image. The root lives right under
+    /tmp, not under pytest's temporary directory: Podman refuses a runroot path of
+    more than 50 characters, and a CI checkout's temporary directory is longer."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="ficc-bolt-", dir="/tmp"))
+    try:
+        yield _made_by_podman(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _made_by_podman(base: pathlib.Path) -> Database:
     (base / "rootfs").mkdir()
     podman = [
         "podman",
@@ -43,7 +56,8 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> Database:
     ]  # fmt: skip
 
     def run(*arguments: str) -> str:
-        done = subprocess.run([*podman, *arguments], capture_output=True, check=True, timeout=120)
+        done = subprocess.run([*podman, *arguments], capture_output=True, timeout=120)
+        assert done.returncode == 0, f"podman {arguments[0]}: {done.stderr.decode()}"
         return done.stdout.decode().strip()
 
     containers = {
