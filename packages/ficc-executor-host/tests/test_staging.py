@@ -12,6 +12,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ficc.execution.host import staging
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.fsutil import identity_of
 from ficc.execution.host.sdk import FileIdentity, InputCapability
@@ -212,14 +214,17 @@ def test_a_chunk_with_the_wrong_digest_is_refused_and_not_written(
 
 
 class Pieces:
-    """A chunk offered in pieces, as an `input_write` row offers it; counts the reads."""
+    """A chunk offered in pieces, as an `input_write` row offers it; counts the reads.
 
-    def __init__(self, data: bytes, size: int) -> None:
+    `declared` is the `chunk_size` it claims (a broken row would claim more)."""
+
+    def __init__(self, data: bytes, size: int, declared: int | None = None) -> None:
         self.data, self.size, self.reads = data, size, 0
+        self.declared = len(data) if declared is None else declared
 
     @property
     def chunk_size(self) -> int:
-        return len(self.data)
+        return self.declared
 
     def chunk_pieces(self) -> Iterator[bytes]:
         self.reads += 1
@@ -227,19 +232,17 @@ class Pieces:
             yield self.data[start : start + self.size]
 
 
-def test_a_chunk_in_pieces_that_misses_its_digest_is_cut_off_and_refused(
+def test_a_chunk_in_pieces_that_falls_short_of_its_size_is_cut_off_and_refused(
     slot: Path, slot_gid: int
 ) -> None:
-    """The pieces reach the file before the digest is known: they are cut off again,
+    """The pieces reach the file before their length is known: they are cut off again,
     nothing is committed, and the stream's hash still ends at the durable offset."""
     data = os.urandom(5000)
     stager = Stager(str(slot), slot_gid)
     attempt, [state] = admit(stager, data)
     ledger = Ledger()
     stager.write(attempt, state.id, 0, data[:1000], sha(data[:1000]), commit=ledger)
-    bad = bytearray(data[1000:3000])
-    bad[1500] ^= 0xFF
-    sent = Pieces(bytes(bad), 300)
+    sent = Pieces(data[1000:2500], 300, declared=2000)
     assert (
         code_of(stager.write, attempt, state.id, 1000, sent, sha(data[1000:3000]), commit=ledger)
         == "input_digest_mismatch"
@@ -250,8 +253,43 @@ def test_a_chunk_in_pieces_that_misses_its_digest_is_cut_off_and_refused(
     assert os.stat(object_path(slot, attempt, state.id)).st_size == 1000
     rest = Pieces(data[1000:], 300)
     done = stager.write(attempt, state.id, 1000, rest, sha(data[1000:]), commit=ledger)
-    assert done.complete  # the declared whole digest: the bad pieces were never hashed in
+    assert done.complete  # the declared whole digest: the cut pieces were never hashed in
     assert object_path(slot, attempt, state.id).read_bytes() == data
+
+
+def test_pieces_are_hashed_once_into_the_stream_not_again_as_a_chunk(
+    slot: Path, slot_gid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A received row's chunk was measured by the request decoder; staging trusts it and
+    hashes each byte only into the object's running SHA-256 (bytes it checks itself)."""
+    data = os.urandom(64 * 1024)
+    stager = Stager(str(slot), slot_gid)
+    attempt, [state] = admit(stager, data)
+    hashed: list[int] = []
+    real = hashlib.sha256
+
+    class Counting:
+        def __init__(self, first: bytes = b"") -> None:
+            self._inner = real(first)
+            hashed.append(len(first))
+
+        def update(self, piece: bytes) -> None:
+            hashed.append(len(piece))
+            self._inner.update(piece)
+
+        def copy(self) -> Counting:
+            twin = Counting.__new__(Counting)
+            twin._inner = self._inner.copy()
+            return twin
+
+        def hexdigest(self) -> str:
+            return self._inner.hexdigest()
+
+    digest = sha(data)
+    monkeypatch.setattr(staging, "hashlib", SimpleNamespace(sha256=Counting))
+    done = stager.write(attempt, state.id, 0, Pieces(data, 4096), digest)
+    assert done.complete
+    assert sum(hashed) == len(data)
 
 
 def test_a_chunk_in_pieces_is_written_as_the_same_chunk_whole(slot: Path, slot_gid: int) -> None:

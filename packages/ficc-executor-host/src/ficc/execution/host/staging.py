@@ -113,7 +113,12 @@ class DeclaredInput(Protocol):
 
 
 class ChunkPieces(Protocol):
-    """A chunk offered in pieces (an `input_write` row offers it so): never whole."""
+    """A chunk offered in pieces (an `input_write` row offers it so): never whole.
+
+    Its pieces were checked against the row's digest where the row was received (the
+    request decoder measures every chunk before the request exists), so staging
+    trusts them: it hashes them only into the object's running SHA-256.
+    """
 
     @property
     def chunk_size(self) -> int: ...
@@ -457,26 +462,30 @@ class Stager:
     ) -> StreamState:
         """Write one chunk at the durable offset, sync it, then commit the new state.
 
-        `data` may come in pieces: each is written and hashed as it comes, so the whole
-        chunk is never held; a chunk that misses `chunk_digest` is cut off the file
-        again and refused before anything is synced or committed. `commit` (the
+        `data` may come in pieces, already checked against `chunk_digest` (see
+        `ChunkPieces`): each is written and hashed as it comes, so the whole chunk is
+        never held. Bytes are checked here, before anything is written; pieces that
+        do not add up to their `chunk_size` are cut off the file again and refused
+        before anything is synced or committed. `commit` (the
         ledger's) runs while this attempt's write guard is held; its failure leaves
         the in-memory offset where it was. A failed object is also passed to `commit`
         before the refusal is raised.
         """
-        chunk = _Whole(data) if isinstance(data, bytes) else data
+        chunk, digest_ok = _checked(data, chunk_digest)
         attempt = self._ready_attempt(attempt_id)
         acquired = attempt.busy.acquire(blocking=False)
         try:
             state = self._declared(attempt, object_id)  # read under the guard: no stale offset
             size = chunk.chunk_size
-            refusal = plan_write(state, offset, size, chunk_digest_ok=True, in_flight=not acquired)
+            refusal = plan_write(
+                state, offset, size, chunk_digest_ok=digest_ok, in_flight=not acquired
+            )
             if refusal is not None:
                 raise refusal
             if attempt.dir_fd is None:  # removed since the lookup
                 raise _not_staged(attempt_id)
             try:
-                new = self._write_synced(attempt, attempt.dir_fd, state, chunk, chunk_digest)
+                new = self._write_synced(attempt, attempt.dir_fd, state, chunk)
             except HostError as error:
                 self._record(attempt, _failed(state, error.code), commit)
                 raise
@@ -517,12 +526,11 @@ class Stager:
         dir_fd: int,
         state: StreamState,
         chunk: ChunkPieces,
-        chunk_digest: str,
     ) -> StreamState | None:
         """pwrite the pieces + fsync; on reaching the declared size, check and seal the file.
 
-        None when the pieces miss `chunk_digest`: the file is cut back to the durable
-        offset and the stream's hasher has not seen them (a copy took them).
+        None when the pieces miss their `chunk_size`: the file is cut back to the
+        durable offset and the stream's hasher has not seen them (a copy took them).
         """
         fd = open_regular_at(dir_fd, state.id, os.O_RDWR, owner_uid=_ROOT)
         try:
@@ -534,7 +542,7 @@ class Stager:
                 # Only then count the space: the dropped bytes are free again, so the
                 # retry of a chunk whose commit was lost fits where the chunk did.
                 _require_space(fd, chunk.chunk_size)
-                end = _write_pieces(fd, chunk, state.offset, hasher, chunk_digest)
+                end = _write_pieces(fd, chunk, state.offset, hasher)
                 if end is None:
                     os.ftruncate(fd, state.offset)
                     return None
@@ -759,21 +767,27 @@ def _require_space(fd: int, length: int) -> None:
         raise OSError(errno.ENOSPC, "not enough free space for the chunk")
 
 
-def _write_pieces(
-    fd: int, chunk: ChunkPieces, offset: int, stream: Any, chunk_digest: str
-) -> int | None:
-    """pwrite the pieces from `offset`, each into `stream` and the chunk's own SHA-256.
+def _checked(data: bytes | ChunkPieces, chunk_digest: str) -> tuple[ChunkPieces, bool]:
+    """The chunk as pieces, and whether it matches `chunk_digest`.
 
-    The end offset, or None when the pieces miss `chunk_digest` or `chunk_size`.
+    Bytes are hashed here; pieces were checked where they were received.
     """
-    own = hashlib.sha256()
+    if isinstance(data, bytes):
+        return _Whole(data), "sha256:" + hashlib.sha256(data).hexdigest() == chunk_digest
+    return data, True
+
+
+def _write_pieces(fd: int, chunk: ChunkPieces, offset: int, stream: Any) -> int | None:
+    """pwrite the pieces from `offset`, each into the stream's running SHA-256.
+
+    The end offset, or None when the pieces do not add up to `chunk_size`.
+    """
     end = offset
     for piece in chunk.chunk_pieces():
         _pwrite_all(fd, piece, end)
-        own.update(piece)
         stream.update(piece)
         end += len(piece)
-    if end - offset != chunk.chunk_size or "sha256:" + own.hexdigest() != chunk_digest:
+    if end - offset != chunk.chunk_size:
         return None
     return end
 
