@@ -181,7 +181,7 @@ def bare_run_as(
     slot = SlotAccount(uid, gid, str(slot_path))
     argv = bare_argv(slot, config, image, ("/bin/true",))
     start = time.perf_counter()
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=slot.home)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, cwd=slot.config_home)
     elapsed = time.perf_counter() - start
     bare_cleanup(slot)
     return elapsed

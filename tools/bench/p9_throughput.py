@@ -213,7 +213,7 @@ def _bare_round(world: PodmanWorld, count: int, payload: tuple[str, ...]) -> tup
     cpu = _children_cpu()
     start = time.perf_counter()
     children = [
-        subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=slot.home)
+        subprocess.Popen(argv, stdout=subprocess.DEVNULL, cwd=slot.config_home)
         for argv, slot in zip(argvs, slots, strict=True)
     ]
     statuses = [child.wait() for child in children]

@@ -45,6 +45,7 @@ from ficc.execution.host.gate import (
 from ficc.execution.host.procfs import FileIdentity
 from ficc.execution.host.service import bpfdevices, cgroups
 from ficc.execution.host.service.interface import DeviceRule
+from ficc_testkit.waits import wait_for
 
 SLOT_USER = "ficc-gate-test"
 HIERARCHIES = ("pids", "devices", "unified")
@@ -1662,3 +1663,52 @@ def test_the_scan_finds_this_process_by_its_uid() -> None:
     me = os.getuid()
     assert (me, os.getpid()) in procfs.live_tasks({me})
     assert all(uid == me or uid == -1 for uid, _ in procfs.live_tasks({me}))
+
+
+_ONE_THREAD_AS = """
+import ctypes, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+uid, leader_exits = int(sys.argv[1]), sys.argv[2] == "leader-exits"
+changed = threading.Event()
+def worker():
+    if libc.syscall(117, uid, uid, uid) != 0:  # setresuid(2) for this thread alone
+        raise SystemExit(3)
+    changed.set()
+    sys.stdin.read()  # until the test closes stdin
+thread = threading.Thread(target=worker)
+thread.start()
+changed.wait()
+print("ready", flush=True)
+if leader_exits:
+    libc.syscall(60, 0)  # exit(2) of the main thread only: the leader becomes a zombie
+thread.join()
+"""
+
+
+@requires_root
+@pytest.mark.parametrize("leader", ["lives", "leader-exits"])
+def test_the_scan_finds_a_thread_whose_credentials_differ_from_its_leaders(leader: str) -> None:
+    """Credentials are per thread: a root process with one thread of a slot account's UID
+    is the account's, and so is a process whose leader ended with that thread alive
+    (its /proc/PID/status then shows the zombie leader's state and credentials)."""
+    uid = 2**31 - 9
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ONE_THREAD_AS, str(uid), leader],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"ready\n"
+        if leader == "leader-exits":
+
+            def leader_is_a_zombie() -> bool:
+                return b"\nState:\tZ" in Path(f"/proc/{child.pid}/status").read_bytes()
+
+            wait_for(leader_is_a_zombie, "the leader to end alone")
+        assert procfs.live_uid_of(child.pid, {uid}) == uid
+        assert (uid, child.pid) in procfs.live_tasks({uid})
+    finally:
+        child.kill()
+        child.wait()
+    assert procfs.live_uid_of(child.pid, {uid}) is None

@@ -971,19 +971,19 @@ def test_a_service_emptied_by_the_lease_reaper_at_the_deadline_is_expired_not_un
     attempt_id = fence.attempt_id
     service = world.ctx.service
     name = world.service_name(attempt_id)
-    members = service.members
+    occupied = service.occupied
     armed, fired = threading.Event(), threading.Event()
 
-    def reaped_first(handle: Any) -> set[int]:
+    def reaped_first(handle: Any) -> bool:
         if armed.is_set() and not fired.is_set() and handle.name == name:
             fired.set()
             world.ctx.workers.db_blocking(world.end_lease, fence)
             for top in service.planned_cgroups(name):
                 reaper.kill_tree(top)
-            asyncio.run(until(lambda: not members(handle), "the reaper emptied the service"))
-        return members(handle)
+            asyncio.run(until(lambda: not occupied(handle), "the reaper emptied the service"))
+        return occupied(handle)
 
-    service.members = reaped_first  # type: ignore[method-assign]
+    service.occupied = reaped_first  # type: ignore[method-assign]
     pid = world.attempt_dir(attempt_id) / "storage" / ".ficc-test-provider" / "pid"
 
     async def monitor() -> None:
@@ -995,7 +995,7 @@ def test_a_service_emptied_by_the_lease_reaper_at_the_deadline_is_expired_not_un
     try:
         asyncio.run(monitor())
     finally:
-        del service.members
+        del service.occupied
     status = world.record(attempt_id).status
     assert fired.is_set()
     assert (status.state, status.reason, status.exit_code) == ("expired", "lease_expired", None)

@@ -121,10 +121,13 @@ def test_members_are_the_whole_tree_running_as_the_slot_account(
         leaf = Path(path) / "supervisor" / "cgroup.procs"
         assert {int(p) for p in leaf.read_text().split()} == members
     assert not service.is_idle(handle, slot[0])
+    assert service.occupied(handle)
     service.stop(handle)
     assert service.members(handle) == set()
+    assert not service.occupied(handle)
     assert service.exit_status(handle) == -signal.SIGKILL
     service.remove(handle)
+    assert not service.occupied(handle)
     if service.backend == "systemd":
         assert not loaded(spec.name)
     assert all_nodes_gone(handle)
@@ -193,9 +196,11 @@ def test_the_tree_outlives_its_main_process_until_stopped(
     assert service.exit_status(handle) == 0
     leftover = int(Path(spec.stdout).read_text())
     assert service.members(handle) == {leftover}
+    assert service.occupied(handle)  # by the leftover alone
     assert not service.is_idle(handle, slot[0])
     service.stop(handle)
     assert service.members(handle) == set()
+    assert not service.occupied(handle)
     service.remove(handle)
     assert service.is_idle(handle, slot[0])
 

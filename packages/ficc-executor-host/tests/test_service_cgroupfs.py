@@ -89,6 +89,29 @@ def test_stop_and_remove_cover_the_runtime_cgroups_under_the_supervisor_path(
     assert all_nodes_gone(handle)
 
 
+def test_a_member_outside_the_unified_subtree_still_occupies_the_service(
+    service: CgroupfsService, slot: tuple[int, int], tmp_path: Path
+) -> None:
+    """`occupied` answers yes from the unified node's `populated` alone; its "no" is the
+    walk of every hierarchy's tree, which still finds a process that root moved out of
+    the unified subtree but that stays in the v1 nodes."""
+    if service.layout.version == 2:
+        pytest.skip("a unified-only tree has no v1 node for a process to stay in")
+    spec = make_spec(tmp_path, slot, ["/bin/sleep", "1000"])
+    handle = service.create(spec)
+    assert service.occupied(handle)
+    assert cgroups.populated(handle.cgroups["unified"])
+    unified = next(h.mount for h in service.layout.hierarchies if h.key == "unified")
+    Path(unified, "cgroup.procs").write_text(str(handle.main_pid))  # out of the subtree
+    assert not cgroups.populated(handle.cgroups["unified"])
+    assert service.members(handle) == {handle.main_pid}
+    assert service.occupied(handle)
+    service.stop(handle)
+    assert not service.occupied(handle)
+    service.remove(handle)
+    assert not cgroups.populated(handle.cgroups["unified"])  # gone: nothing there
+
+
 FORK_STORM = """
 import os
 while True:

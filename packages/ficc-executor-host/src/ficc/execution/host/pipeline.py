@@ -77,7 +77,7 @@ from typing import Any, Final
 import msgspec
 
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import layout, lifecycle, metrics, sdk, slotfs
+from ficc.execution.host import layout, lifecycle, metrics, procfs, sdk, slotfs
 from ficc.execution.host.attempts import (
     AttemptWork,
     Settings,
@@ -356,7 +356,7 @@ class Runner(AttemptWork):
         self._killed.add(attempt.id)
         await self._starter.stop_service(attempt)
         handle = await self._service(attempt)
-        if handle is None or not await self._io(self._ctx.service.members, handle):
+        if handle is None or not await self._io(self._ctx.service.occupied, handle):
             await self._apply(record, lifecycle.Stopped(), await self._usage(attempt, handle))
 
     async def _ended_by_itself(self, attempt: _Attempt) -> bool:
@@ -372,7 +372,7 @@ class Runner(AttemptWork):
         if (
             handle is not None
             and not self._starter.payload_ended(attempt.id)
-            and await self._io(self._ctx.service.members, handle)
+            and await self._io(self._ctx.service.occupied, handle)
         ):
             return False
         with self._batcher.cohort(1).ticket() as ticket:
@@ -402,7 +402,7 @@ class Runner(AttemptWork):
         # Looked at before the provider is asked: a payload may end while the provider
         # answers, and only a service already empty before the question proves that its
         # exit report (written inside the service) is missing.
-        alive = handle is not None and bool(await self._io(self._ctx.service.members, handle))
+        alive = handle is not None and await self._io(self._ctx.service.occupied, handle)
         looked = self._ctx.clock.now()
         result = await ticket.call(attempt.provider, "observe", context)
         if result.code == PROVIDER_TIMEOUT:
@@ -495,7 +495,7 @@ class Runner(AttemptWork):
             patience = 0.0 if fresh.status.quarantined else None
             idle = await self._io(self._ctx.service.kill_account, attempt.slot.uid, patience)
             if idle and handle is not None:
-                idle = not await self._io(self._ctx.service.members, handle)
+                idle = not await self._io(self._ctx.service.occupied, handle)
         except HostError as error:
             _log.warning("attempt %s: cleanup not confirmed: %s", attempt.id, error)
             idle = False
@@ -517,8 +517,7 @@ class Runner(AttemptWork):
         status = record.status
         if handle is None or handle.main_pid is None or status.exit_code is None:
             return False
-        members = await self._io(self._ctx.service.members, handle)
-        if status.quarantined or handle.main_pid not in members:
+        if status.quarantined or not await self._io(_main_runs, handle):
             self._winding_down.pop(record.attempt_id, None)
             return False
         first = self._winding_down.setdefault(record.attempt_id, time.monotonic())
@@ -582,6 +581,19 @@ class Runner(AttemptWork):
         if status.state in lifecycle.ACTIVE:
             return True
         return status.state in lifecycle.SETTLED and not status.cleanup_confirmed
+
+
+def _main_runs(handle: ServiceHandle) -> bool:
+    """Whether the service's main process still runs: the same process (its start time
+    is the handle's), not a zombie. It was placed in the service when it started and
+    cannot leave it, so this is `main_pid in members` without walking the tree."""
+    if handle.main_pid is None or handle.main_start_ticks is None:
+        return False
+    try:
+        procfs.confirm_unchanged(handle.main_pid, handle.main_start_ticks)
+    except HostError:
+        return False
+    return True
 
 
 def _storage_freed(attempt: _Attempt) -> bool:

@@ -397,6 +397,12 @@ class CgroupfsService:
             pids |= cgroups.tree_pids(node)
         return pids
 
+    def occupied(self, handle: ServiceHandle) -> bool:
+        unified = self._nodes_of(handle).get(cgroups.UNIFIED)
+        if unified is not None and cgroups.populated(unified):
+            return True
+        return bool(self.members(handle))
+
     def usage(self, handle: ServiceHandle) -> CgroupUsage:
         return accounting.read_usage(self._layout, self._nodes_of(handle))
 
@@ -425,7 +431,7 @@ class CgroupfsService:
 
     def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
         """Zombies are not counted: they hold no resources and cannot run code."""
-        return not self.members(handle) and not _uid_has_live_tasks(uid)
+        return not self.occupied(handle) and not _uid_has_live_tasks(uid)
 
     def supervisor_cgroup(self, handle: ServiceHandle) -> str:
         return self.planned_supervisor_cgroup(handle.name)
@@ -486,7 +492,7 @@ class CgroupfsService:
         self._nodes_of(handle)
         deadline = time.monotonic() + self._stop_timeout
         if self._cgroup_kill(handle):
-            wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 1.0))
+            wait_until(lambda: not self.occupied(handle), min(deadline, time.monotonic() + 1.0))
         while pids := self.members(handle):
             if time.monotonic() >= deadline:
                 raise HostError(
@@ -495,7 +501,7 @@ class CgroupfsService:
                     f"{self._stop_timeout}s; keep the attempt quarantined and retry stop",
                 )
             self._freeze_and_kill(handle, deadline)
-            wait_until(lambda: not self.members(handle), min(deadline, time.monotonic() + 0.2))
+            wait_until(lambda: not self.occupied(handle), min(deadline, time.monotonic() + 0.2))
         with self._lock:
             process = self._started.get(handle.name)
         if process is not None and process.pid == handle.main_pid:

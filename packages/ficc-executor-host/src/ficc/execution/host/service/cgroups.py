@@ -354,6 +354,21 @@ def node_pids(node: str) -> set[int]:
     return {int(line) for line in text.split()}
 
 
+def populated(node: str) -> bool:
+    """Whether a v2 cgroup's subtree holds a live process (`populated 1` in its
+    `cgroup.events`): one read for what `tree_pids` walks every node for. False when
+    the node is gone or says 0."""
+    try:
+        text = read_text(os.path.join(node, "cgroup.events"))
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        if error.errno == errno.ENODEV:  # the cgroup was removed while reading
+            return False
+        raise
+    return "populated 1" in text.splitlines()
+
+
 def tree_pids(top: str) -> set[int]:
     """Every PID in the cgroup subtree rooted at `top` (empty if it does not exist)."""
     pids: set[int] = set()

@@ -222,6 +222,12 @@ class SystemService(Protocol):
         """Every PID in the attempt's cgroup tree, in every hierarchy used."""
         ...
 
+    def occupied(self, handle: ServiceHandle) -> bool:
+        """Whether `members` would name any PID. One read of the unified node's
+        `populated` when that says yes; `members` itself otherwise, so an answer of
+        "empty" is always the full walk's."""
+        ...
+
     def usage(self, handle: ServiceHandle) -> CgroupUsage:
         """What the tree used so far, from the kernel's counters of its cgroups
         (`accounting`); a figure this host cannot read is None. Readable while the

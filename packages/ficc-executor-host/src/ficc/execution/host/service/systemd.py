@@ -725,6 +725,9 @@ class SystemdService:
     def members(self, handle: ServiceHandle) -> set[int]:
         return self._files.members(self._as_files(handle))
 
+    def occupied(self, handle: ServiceHandle) -> bool:
+        return self._files.occupied(self._as_files(handle))
+
     def usage(self, handle: ServiceHandle) -> CgroupUsage:
         """Read from the unit's nodes that exist now (systemd may have created more
         than the handle names, or already removed some: see the module docstring)."""
@@ -740,7 +743,7 @@ class SystemdService:
         return exit_status_of(show)
 
     def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
-        return not self.members(handle) and self._files.account_idle(uid)
+        return not self.occupied(handle) and self._files.account_idle(uid)
 
     def account_idle(self, uid: int) -> bool:
         return self._files.account_idle(uid)
