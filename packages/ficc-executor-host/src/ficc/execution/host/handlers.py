@@ -53,7 +53,7 @@ from ficc.execution._executor import (
 )
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import collect as collecting
-from ficc.execution.host import leases, lifecycle, procfs
+from ficc.execution.host import leases, lifecycle, taskscan
 from ficc.execution.host import ledger as ledgerlib
 from ficc.execution.host import metrics as metricslib
 from ficc.execution.host import usage as usagelib
@@ -515,7 +515,7 @@ def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
             problems.append(f"slot {slot.id}: {error.code}: {error.message}")
             continue
         problems += [f"slot {slot.id} retains {entry}" for entry in left]
-    for uid, pid in procfs.live_tasks(set(slot_uids)):
+    for uid, pid in taskscan.SHARED.live_tasks(set(slot_uids)):
         whose = (
             f"the account of slot {slot_uids[uid]}"
             if uid in slot_uids

@@ -22,7 +22,7 @@ import os
 import re
 import stat
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
 
@@ -875,41 +875,75 @@ def _task_status(path: str) -> bytes | None:
 
 def live_tasks(uids: set[int]) -> list[tuple[int, int]]:
     """(uid, pid) of each process with a live (non-zombie) thread whose real,
-    effective, saved or filesystem UID is in `uids`; uid -1 for a thread whose status
-    could not be parsed, which is counted as live (fail closed).
+    effective, saved or filesystem UID is in `uids`; uid -1 for a process with a
+    thread whose status could not be parsed, which is counted as live (fail closed).
 
     Every thread is read (credentials are per thread), each on its own: a thread that
     ends while it is read is skipped without skipping its siblings. Who owns the /proc
     files is not used to filter: a non-dumpable process's files are root's.
     """
-    found: list[tuple[int, int]] = []
+    return accounts_in(scan_tasks(uids), uids)
+
+
+class TaskHits(NamedTuple):
+    """What one walk saw of one process: the UIDs of `uids` its live threads hold,
+    and whether a thread's status could not be parsed."""
+
+    pid: int
+    hits: frozenset[int]
+    unreadable: bool
+
+
+def scan_tasks(uids: set[int]) -> list[TaskHits]:
+    """One walk of every thread on the host: each process that holds any of `uids` in
+    a live thread, or has a thread whose status cannot be parsed. `accounts_in` turns
+    it into `live_tasks`'s answer for any subset of `uids`."""
+    found: list[TaskHits] = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            hit = live_uid_of(int(entry), uids)
-            if hit is not None:
-                found.append((hit, int(entry)))
+            seen = _process_hits(int(entry), uids)
+            if seen.hits or seen.unreadable:
+                found.append(seen)
+    return found
+
+
+def accounts_in(scan: list[TaskHits], uids: set[int]) -> list[tuple[int, int]]:
+    """`live_tasks(uids)` from a walk that looked for at least `uids`."""
+    found: list[tuple[int, int]] = []
+    for seen in scan:
+        mine = seen.hits & uids
+        if mine:
+            found.append((min(mine), seen.pid))
+        elif seen.unreadable:
+            found.append((-1, seen.pid))
     return found
 
 
 def live_uid_of(pid: int, uids: set[int]) -> int | None:
     """The smallest of `uids` a live thread of process `pid` runs as, -1 for a thread
     whose status cannot be parsed, or None (none of them, or the process is gone)."""
+    for uid, _ in accounts_in([_process_hits(pid, uids)], uids):
+        return uid
+    return None
+
+
+def _process_hits(pid: int, uids: set[int]) -> TaskHits:
+    hits: set[int] = set()
+    unreadable = False
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
-        return None
+        tasks = []
     for task in tasks:
         data = _task_status(f"/proc/{pid}/task/{task}/status")
         if data is None:
             continue
         parsed = state_and_uids(data)
         if parsed is None:
-            return -1
-        state, ids = parsed
-        hit = set(ids) & uids
-        if hit and state != b"Z":
-            return min(hit)
-    return None
+            unreadable = True
+        elif parsed[0] != b"Z":
+            hits.update(uids.intersection(parsed[1]))
+    return TaskHits(pid, frozenset(hits), unreadable)
 
 
 # --- a service's first process, as the service backends check it ---------------------

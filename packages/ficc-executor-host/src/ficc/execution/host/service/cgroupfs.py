@@ -53,7 +53,7 @@ import threading
 import time
 from typing import Literal
 
-from ficc.execution.host import procfs
+from ficc.execution.host import procfs, taskscan
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
@@ -707,7 +707,7 @@ def kill_account(uid: int, timeout: float) -> bool:
     """
     deadline = time.monotonic() + timeout
     while True:
-        found = procfs.live_tasks({uid})
+        found = taskscan.SHARED.live_tasks({uid})
         pids = [pid for who, pid in found if who == uid]
         if not pids:
             return not found
@@ -740,4 +740,4 @@ def _kill_if_account(pid: int, uid: int) -> None:
 def _uid_has_live_tasks(uid: int) -> bool:
     """Any live task on the host with `uid` among its credentials (or one whose
     status cannot be read: fail closed)."""
-    return bool(procfs.live_tasks({uid}))
+    return bool(taskscan.SHARED.live_tasks({uid}))
