@@ -380,6 +380,44 @@ def to_running(led: Ledger, plan: planlib.Plan) -> None:
     led.apply(fence(plan), lc.Started())
 
 
+def test_a_batch_read_as_one_json_row_is_the_records_read_row_by_row(ledger: Ledger) -> None:
+    """Batch reads come back from SQLite as one JSON row, decoded by msgspec: every
+    state, flag and lease (or none) reads back exactly as the row-by-row path has it."""
+    made = [make_plan() for _ in range(6)]
+    for plan in made:
+        admitted(ledger, plan, f=facts(slots=6))
+    to_ready(ledger, made[1])
+    to_running(ledger, made[2])
+    ledger.apply(fence(made[2]), lc.StorageExhausted(log_cut_short=True), USED)
+    to_running(ledger, made[3])
+    ledger.apply(fence(made[3]), lc.Finished(exit_code=137, oom_killed=True), USED)
+    ledger.apply(fence(made[3]), lc.CleanupConfirmed())
+    to_released(ledger, made[4])
+    to_running(ledger, made[5])
+    ledger.apply(fence(made[5]), lc.StopRequested())
+    fences = [fence(p) for p in made] + [Fence(new_id(), 1, SHA)]
+    assert ledger._records_as_one  # this SQLite has its JSON functions
+    as_one = ledger.fenced(fences)
+    ledger._records_as_one = False
+    row_by_row = ledger.fenced(fences)
+    assert [repr(r) for r in as_one] == [repr(r) for r in row_by_row]
+    states = [r.code if isinstance(r, HostError) else r.status.state for r in as_one]
+    assert states == [
+        "prepared",
+        "prepared",
+        "running",
+        "failed",
+        "released",
+        "running",
+        "unknown_attempt",
+    ]
+    running = [r for r in as_one if not isinstance(r, HostError) and r.status.state == "running"]
+    assert [(r.status.storage_exhausted, r.status.stop_pending) for r in running] == [
+        (True, None),
+        (False, "cancelled"),
+    ]
+
+
 def test_usage_is_recorded_with_the_event_that_settles_and_only_once(ledger: Ledger) -> None:
     plan = make_plan()
     admitted(ledger, plan)

@@ -358,11 +358,20 @@ def _log_starting() -> None:
     )
 
 
+SWITCH_INTERVAL_S = 0.001
+"""How long a thread that holds the GIL may keep it from one that waits (Python's
+default is 5 ms). The event loop, the ledger thread and the I/O threads hand the GIL
+to each other many times a request (every SQLite step and file read gives it up), and
+at 5 ms each hand-off could cost a request milliseconds: 64-row observes from 8
+clients answered in 12-18 ms at the default, 8-12 ms at 1 ms (P8)."""
+
+
 def _serve(args: argparse.Namespace) -> int:
     logs.set_level(args.log_level)
     _log_json_lines(args.log_level)
     _log_starting()  # first, so even a refused configuration is logged with the versions
     config = checked_config(args.config)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run_daemon(config, args.provider_path))
     return EXIT_OK

@@ -390,6 +390,9 @@ class Ledger:
         """The configured space bounds (`bound_space`); None: unbounded."""
         self._reserve_spent = False
         """The reserve was deleted to let a write through; made again when there is room."""
+        self._records_as_one = _has_json(db)
+        """Batch reads come back as one JSON row (`ledger_schema.SELECT_AS_ONE`) where
+        this SQLite has its JSON functions (3.38 and newer always do); else row by row."""
         row = None
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
             row = db.execute(
@@ -897,9 +900,8 @@ class Ledger:
         ids = [p.plan.attempt_id for p in plans]
         jobs = sorted({p.plan.job_id for p in plans})
         marks = ", ".join("?" * len(ids))
-        records = self._db.execute(f"{ledger_schema.SELECT} WHERE attempt_id IN ({marks})", ids)
         known = admission.Known({}, {})
-        for record in map(ledger_schema.record, records.fetchall()):
+        for record in self._select(f"WHERE attempt_id IN ({marks})", ids):
             known.records[record.attempt_id] = record
         marks = ", ".join("?" * len(jobs))
         columns = "job_id, attempt_id, generation, state, outcome, acknowledged_unknown"
@@ -1572,10 +1574,19 @@ class Ledger:
         ids = list(dict.fromkeys(attempt_ids))
         if not ids:
             return {}
-        rows = self._db.execute(
-            f"{ledger_schema.SELECT} WHERE attempt_id IN ({_marks(len(ids))})", ids
-        )
-        return {record.attempt_id: record for record in map(ledger_schema.record, rows.fetchall())}
+        found = self._select(f"WHERE attempt_id IN ({_marks(len(ids))})", ids)
+        return {record.attempt_id: record for record in found}
+
+    def _select(self, where: str, parameters: Sequence[object]) -> list[AttemptRecord]:
+        """The records `where` selects, in one result row where SQLite can (see
+        `ledger_schema.SELECT_AS_ONE`)."""
+        if self._records_as_one:
+            (cell,) = self._db.execute(
+                f"{ledger_schema.SELECT_AS_ONE} {where}", parameters
+            ).fetchone()
+            return ledger_schema.records_of(cell)
+        rows = self._db.execute(f"{ledger_schema.SELECT} {where}", parameters).fetchall()
+        return list(map(ledger_schema.record, rows))
 
     def _fenced(self, fence: Fence) -> AttemptRecord:
         record = _fenced_in(self._records([fence.attempt_id]), fence)
@@ -1588,6 +1599,14 @@ class Ledger:
             "SELECT revision, control, limits FROM offer"
         ).fetchone()
         return Offer(revision, control, msgspec.json.decode(limits, type=OfferLimits))
+
+
+def _has_json(db: sqlite3.Connection) -> bool:
+    try:
+        db.execute("SELECT json_group_array(json_array(1))").fetchone()
+    except sqlite3.OperationalError:  # built without its JSON functions
+        return False
+    return True
 
 
 def _fenced_in(records: dict[str, AttemptRecord], fence: Fence) -> AttemptRecord | HostError:

@@ -149,6 +149,27 @@ RECORD_FIELDS: Final = HEAD_FIELDS + STATUS_FIELDS + LEASE_FIELDS + TAIL_FIELDS
 
 # SQL is only ever assembled from the constant column names above, never from input.
 SELECT: Final = f"SELECT {', '.join(RECORD_FIELDS)} FROM attempts"  # noqa: S608
+
+
+def _json_object(names: tuple[str, ...]) -> str:
+    return "json_object(" + ", ".join(f"'{name}', {name}" for name in names) + ")"
+
+
+SELECT_AS_ONE: Final = (
+    "SELECT json_group_array(json_object("  # noqa: S608
+    + ", ".join(f"'{name}', {name}" for name in HEAD_FIELDS + TAIL_FIELDS)
+    + f", 'status', {_json_object(STATUS_FIELDS)}"
+    + f", 'lease', CASE WHEN boot_id IS NULL THEN NULL ELSE {_json_object(LEASE_FIELDS)} END"
+    + ")) FROM attempts"
+)
+"""`SELECT`'s records as ONE row: a JSON array of records shaped as `AttemptRecord`
+(see `records_of`).
+
+Python's sqlite3 gives up the GIL for every row it steps; while the event loop or a
+worker thread is busy, each row then waits to get it back (up to the interpreter's
+switch interval, 5 ms). A batch read of 64 records is one step this way, not 65, and
+msgspec builds and checks the records from the JSON in C."""
+
 AMOUNTS: Final = ", ".join(records.RESOURCES + records.STORAGE)
 OCCUPANCY_SQL: Final = (
     f"SELECT slot_id, devices, {AMOUNTS} FROM attempts"  # noqa: S608
@@ -255,6 +276,15 @@ def record(row: tuple[object, ...]) -> records.AttemptRecord:
     has_lease = row[_BOOT_ID] is not None
     fields["lease"] = dict(zip(LEASE_FIELDS, _LEASE(row), strict=True)) if has_lease else None
     return msgspec.convert(fields, records.AttemptRecord, strict=False)
+
+
+_RECORDS: Final = msgspec.json.Decoder(list[records.AttemptRecord], strict=False)
+
+
+def records_of(cell: str) -> list[records.AttemptRecord]:
+    """The records of a `SELECT_AS_ONE` result (its one cell). Not strict, as `record`:
+    SQLite's integers become booleans where a field is one."""
+    return _RECORDS.decode(cell)
 
 
 def input_record(row: tuple[object, ...]) -> records.InputRecord:
