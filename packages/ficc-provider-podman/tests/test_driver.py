@@ -153,6 +153,31 @@ def test_a_nonzero_exit_is_observed(w: h.World) -> None:
         _finish(attempt)
 
 
+def test_a_released_payload_is_observed_without_walking_proc(
+    w: h.World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once its payload is released and reported, a row is answered from the attempt's
+    own files (`payload`, then its exit): the host-wide walk for the account's
+    processes, which only a row still waiting for its barrier needs, is not made."""
+    attempt = h.new_attempt(w, h.make_plan(w, ["/bin/sleep", "1"], devices=()))
+    walks: list[set[int]] = []
+    walk = podman_driver.accounts.processes_by_uid
+
+    def counted(uids: set[int]) -> dict[int, list[int]]:
+        walks.append(set(uids))
+        return walk(uids)
+
+    monkeypatch.setattr(podman_driver.accounts, "processes_by_uid", counted)
+    try:
+        h.released(attempt)
+        assert walks  # observing up to the barrier walked /proc
+        walks.clear()
+        assert h.await_finished(attempt) == 0
+        assert walks == []
+    finally:
+        _finish(attempt)
+
+
 def test_the_container_exit_is_read_from_conmon_without_waiting_for_podman(w: h.World) -> None:
     """conmon records the container's exit the moment it reaps it; `podman run` only
     later (a teardown and a polling wait), and the wrapper after that. Here nothing

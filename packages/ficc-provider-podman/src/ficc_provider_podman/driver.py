@@ -395,9 +395,19 @@ class Driver:
     def observe(self, contexts: list[Context]) -> list[Reply]:
         # One walk of /proc for the batch, before any exit status is read: an account
         # with no process here and no exit status after has truly lost its runtime.
-        uids = {key for key in map(_slot_key, contexts) if isinstance(key, int)}
-        processes = accounts.processes_by_uid(uids)
+        # A payload released and reported needs no walk: its row answers `payload`
+        # or its exit, never from the account's processes.
+        uids = {_slot_key(c) for c in contexts if not self._running_payload(c)}
+        processes = accounts.processes_by_uid(uids) if uids else {}
         return self._each(contexts, lambda context: self._observe(context, processes))
+
+    def _running_payload(self, context: Context) -> bool:
+        """Whether the row's payload was released (the host's marker) and its PID
+        reported in an earlier observation."""
+        with self._lock:
+            reported = context.attempt_id in self._payload_pid
+        marker = f"{_paths(context).control}/{container.RELEASE_MARKER}"
+        return reported and os.path.lexists(marker)
 
     def _observe(self, context: Context, processes: dict[int, list[int]]) -> Reply:
         slot = _account(context)
