@@ -318,10 +318,12 @@ def test_one_observe_call_walks_proc_once_for_all_its_rows(
 
     monkeypatch.setattr(podman_driver.accounts, "processes_by_uid", walk)
     monkeypatch.setattr(podman_driver.accounts, "processes_of", lambda uid: walk({uid}))
-    # stand-ins for typed contexts: observe reads only the slot and the attempt directory
+    # stand-ins for typed contexts: observe reads only the slot, the attempt and its
+    # directory
     contexts = [
         SimpleNamespace(
             slot=SimpleNamespace(uid=1000 + n, gid=1000, path=str(tmp_path)),
+            attempt_id=f"{n:032x}",
             attempt_directory="/x",
         )
         for n in range(3)
