@@ -1602,6 +1602,7 @@ class Ledger:
 
 
 def _has_json(db: sqlite3.Connection) -> bool:
+    """Whether this SQLite has its JSON functions (a build may leave them out)."""
     try:
         db.execute("SELECT json_group_array(json_array(1))").fetchone()
     except sqlite3.OperationalError:  # built without its JSON functions

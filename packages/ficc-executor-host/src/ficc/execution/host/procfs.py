@@ -922,9 +922,8 @@ def accounts_in(scan: list[TaskHits], uids: set[int]) -> list[tuple[int, int]]:
 def live_uid_of(pid: int, uids: set[int]) -> int | None:
     """The smallest of `uids` a live thread of process `pid` runs as, -1 for a thread
     whose status cannot be parsed, or None (none of them, or the process is gone)."""
-    for uid, _ in accounts_in([_process_hits(pid, uids)], uids):
-        return uid
-    return None
+    found = accounts_in([_process_hits(pid, uids)], uids)
+    return found[0][0] if found else None
 
 
 def _process_hits(pid: int, uids: set[int]) -> TaskHits:
