@@ -79,7 +79,13 @@ container gets a copy of the host's /dev as it is then, and the tests inside
 loop-mount their slot filesystems."""
 TEST_PROVIDER = "tests-integration/providers/ficc-test-provider"
 PODMAN_PROVIDER = "packages/ficc-provider-podman"
-REQUIREMENTS = ["msgspec>=0.23,<1", "uvloop>=0.19,<1", "psutil>=5.9,<8", "pytest>=8"]
+REQUIREMENTS = [
+    "msgspec>=0.23,<1",
+    "pybase64>=1.4,<2",
+    "uvloop>=0.19,<1",
+    "psutil>=5.9,<8",
+    "pytest>=8",
+]
 LABEL = "ficc-systemd-test"
 LOCK = pathlib.Path("/run/ficc-systemd-run.lock")
 PODMAN = rootfs.HOST_PODMAN

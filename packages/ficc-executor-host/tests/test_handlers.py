@@ -39,6 +39,7 @@ from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout, service_name
 from ficc.execution.host.ledger import LEDGER_FILE
 from ficc.execution.host.records import AttemptRecord, ResourceUsage
+from ficc.execution.host.replies import encode_reply
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.systemd import SystemdService
 from ficc.execution.protocol import (
@@ -78,7 +79,6 @@ from ficc.execution.wire import (
     SnapshotReply,
     Usage,
     decode_reply,
-    encode_reply,
 )
 from ficc_testkit import plans, tamper
 from ficc_testkit.plans import new_id

@@ -38,7 +38,7 @@ from ficc.execution.client import Client, Refused
 from ficc.execution.frames import HEADER, REPLY_MAX, REQUEST_MAX
 from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.peercred import Endpoint
-from ficc.execution.host.server import ServerLimits, serve
+from ficc.execution.host.server import ServerLimits, _RequestBuffers, serve
 from ficc.execution.protocol import (
     ZERO_ID,
     Fence,
@@ -347,6 +347,71 @@ def test_a_large_request_is_decoded_and_dispatched(server: Running, fake: FakeDa
     (received,) = fake.requests
     assert isinstance(received, ReceivedInputWriteRequest)  # decoded straight from the frame
     assert received.writes[0].chunk == data
+
+
+def _large_write(n: int, data: bytes) -> InputWriteRequest:
+    write = InputWrite(
+        attempt_id="a" * 32,
+        generation=1,
+        plan_digest="sha256:" + "b" * 64,
+        object="c" * 32,
+        offset=0,
+        data=base64.b64encode(data).decode(),
+        digest="sha256:" + hashlib.sha256(data).hexdigest(),
+    )
+    return InputWriteRequest(version=1, id=request_id(n), writes=[write])
+
+
+def test_large_requests_in_a_row_each_keep_their_own_bytes(
+    server: Running, fake: FakeDaemon
+) -> None:
+    """The server receives large frames into a kept buffer: never one a request still
+    reads from. The fake holds every request it got, so each holds its frame, until it
+    lets go of it; then the buffer is received into again."""
+    chunks = [os.urandom(2 * MIB), os.urandom(2 * MIB), os.urandom(2 * MIB + 1), os.urandom(MIB)]
+    for n, data in enumerate(chunks[:2]):  # the same size: the same frame length
+        assert isinstance(ask(server.paths["transport"], _large_write(n, data)), ErrorReply)
+    for request, data in zip(fake.requests, chunks[:2], strict=True):
+        assert isinstance(request, ReceivedInputWriteRequest)
+        assert request.writes[0].chunk == data  # the second did not land in the first's
+        request.release()
+    for n, data in enumerate(chunks[2:], start=2):
+        assert isinstance(ask(server.paths["transport"], _large_write(n, data)), ErrorReply)
+    received = [r for r in fake.requests if isinstance(r, ReceivedInputWriteRequest)]
+    assert [r.writes[0].chunk for r in received[2:]] == chunks[2:]
+    assert [r.id for r in received] == [request_id(n) for n in range(4)]
+
+
+def test_a_kept_request_buffer_is_reused_only_when_unviewed_and_dropped_when_idle() -> None:
+    async def scenario() -> None:
+        buffers = _RequestBuffers(smallest=1024, idle_s=0.0)
+        small = buffers.take(100)
+        buffers.give_back(small)
+        assert buffers.take(100) is not small  # small frames are never kept
+        first = buffers.take(4096)
+        buffers.give_back(first)
+        view = memoryview(first)  # a request still reading its frame
+        second = buffers.take(4096)
+        assert second is not first
+        view.release()
+        buffers.give_back(first)
+        again = buffers.take(5000)
+        assert again is first
+        assert len(again) == 5000  # its length is the frame's
+        buffers.give_back(again)
+        assert buffers.take(3000) is first
+        assert len(first) == 3000
+        buffers.give_back(first)
+        assert buffers.holding == 3000
+        await asyncio.wait_for(_dropped(buffers), timeout=10)  # its idle timer: 0 s here
+        assert buffers.take(3000) is not first
+
+    asyncio.run(scenario())
+
+
+async def _dropped(buffers: _RequestBuffers) -> None:
+    while buffers.holding:
+        await asyncio.sleep(0)
 
 
 def test_base64_spelled_with_json_escapes_is_received_too(

@@ -221,6 +221,36 @@ def test_receiving_into_the_decoder_gives_the_payload_buffer_itself() -> None:
     assert decoder.idle
 
 
+def test_a_reader_may_give_the_payload_buffer_of_the_declared_length() -> None:
+    """`allocate` is asked once per frame, after the length is checked; stale bytes in
+    a reused buffer are all overwritten before the frame is handed back."""
+    reused = bytearray(b"stale stale")
+    asked: list[int] = []
+
+    def allocate(length: int) -> bytearray:
+        asked.append(length)
+        del reused[length:]
+        return reused
+
+    decoder = FrameDecoder(16, allocate)
+    target = decoder.want()
+    target[:4] = struct.pack(">I", 5)
+    assert decoder.received(4) is None
+    assert asked == []
+    decoder.want()[:5] = b"hello"
+    assert decoder.received(5) is reused
+    assert reused == b"hello"
+    assert asked == [5]
+
+
+def test_a_payload_buffer_of_another_length_is_refused() -> None:
+    decoder = FrameDecoder(16, lambda length: bytearray(length + 1))
+    decoder.want()[:4] = struct.pack(">I", 5)
+    decoder.received(4)
+    with pytest.raises(ValueError, match="allocate gave 6 bytes, not 5"):
+        decoder.want()
+
+
 def test_the_length_is_known_before_payload_memory_is_taken() -> None:
     decoder = FrameDecoder(REQUEST_MAX)
     decoder.want()[:4] = struct.pack(">I", REQUEST_MAX)

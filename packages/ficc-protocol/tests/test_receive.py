@@ -22,10 +22,12 @@ from hypothesis import strategies as st
 
 import ficc_protocol_examples as ex
 from conftest import SOAK
+from ficc.execution import _executor
 from ficc.execution._executor import (
     _PIECE_BYTES,
     ReceivedInputWrite,
     ReceivedInputWriteRequest,
+    _plain_pieces,
     receive_request,
 )
 from ficc.execution.errors import ErrorCode, ProtocolError
@@ -42,6 +44,19 @@ DOCUMENTS = 20_000 if SOAK else 1_000
 MUTATIONS = 100_000 if SOAK else 3_000
 U63 = 2**63 - 1
 B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+@pytest.fixture(autouse=True, params=["pybase64", "msgspec"])
+def piece_decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with each of the fast path's base64 decoders: pybase64 where it is
+    installed (the executor host's), msgspec alone (a controller's install)."""
+    if request.param == "pybase64":
+        if _executor.SIMD_B64DECODE is None:
+            pytest.skip("pybase64 is not installed here; the executor host depends on it")
+        monkeypatch.setattr(_executor, "_decode_piece", _executor._pybase64_piece)
+    else:
+        monkeypatch.setattr(_executor, "_decode_piece", _executor._msgspec_piece)
+    return str(request.param)
 
 
 def sized(n: int) -> settings:
@@ -329,12 +344,42 @@ def test_a_fault_in_a_later_piece_has_decode_requests_error(bad: bytes, path: st
     assert answer[3] == f"$.writes[0].{path}"
 
 
+@pytest.mark.parametrize("bad", [b"=", b"==", b"A="])
+def test_padding_at_a_piece_boundary_has_decode_requests_error(bad: bytes) -> None:
+    """The fast path decodes slices of `_PIECE_BYTES`: a slice may not end in padding."""
+    frame, end = _two_piece_frame()
+    answer = _same_answer(frame[: end - len(bad)] + bad + frame[end:])
+    assert answer[:2] == ("refused", ErrorCode.INVALID_REQUEST)
+    assert answer[3] == "$.writes[0].data"
+
+
+def test_an_escape_at_a_piece_boundary_is_decided_by_decode_request() -> None:
+    frame, end = _two_piece_frame()
+    answer = _same_answer(frame[: end - 1] + b"\\/" + frame[end:])  # the same chunk
+    assert answer[0] == "input_write"
+
+
+def test_the_fast_path_refuses_a_piece_that_ends_in_padding() -> None:
+    """Its own refusal, not the chunk digest's: two padded pieces are no one spelling."""
+    first = base64.b64encode(b"\xff" * (_PIECE_BYTES - 1))  # ends in `=`
+    assert first.endswith(b"=")
+    body = memoryview(first + base64.b64encode(b"\xff" * 3))
+    with pytest.raises(ValueError, match="not plainly canonical"):
+        list(_plain_pieces(body))
+
+
+def _two_piece_frame() -> tuple[bytes, int]:
+    """A frame whose chunk is two pieces of base64 `/`, and where the first one ends."""
+    frame = bytes(_frame([b"\xff" * (_PIECE_BYTES * 2)]))
+    return frame, frame.index(b'"data":"') + len(b'"data":"') + _PIECE_BYTES * 4 // 3
+
+
 @pytest.mark.parametrize("spelled", ["QUJDREVG", "QUJDREU=", "QUJDRA==", "QQ==", "AAAAAAAA"])
 def test_every_byte_in_every_place_has_decode_requests_answer(spelled: str) -> None:
     """Each position of a few short chunks' base64 replaced by each of the 256 bytes.
 
-    msgspec's base64 decoder decides the fast path: this holds it to the reference's
-    alphabet and padding, character by character.
+    pybase64 decides the fast path: this holds it to the reference's alphabet and
+    padding, character by character.
     """
     document = json.loads(bytes(_frame([b"x"])))
     document["writes"][0]["data"] = "@"

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import binascii
 import hashlib
-from collections.abc import Iterator
-from typing import Annotated
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Annotated, cast
 
 import msgspec
 
@@ -115,26 +116,59 @@ _PAD = ord("=")
 _bytes_of_base64 = msgspec.json.Decoder(bytes)
 
 
+def _msgspec_piece(text: memoryview) -> bytes:
+    """One slice by msgspec's base64 decoder (the check in the same pass), quoted as a
+    JSON string: a backslash would be a JSON escape there, so it is refused first."""
+    quoted = b"".join((b'"', text, b'"'))
+    if b"\\" in quoted:
+        raise ValueError("not plainly canonical base64")
+    try:
+        return _bytes_of_base64.decode(quoted)
+    except msgspec.DecodeError:
+        raise ValueError("not plainly canonical base64") from None
+
+
+def _simd_b64decode() -> Callable[..., bytes] | None:
+    """pybase64's decoder where it is installed (the executor host depends on it); a
+    controller's install of ficc-protocol needs msgspec alone."""
+    try:
+        return cast("Callable[..., bytes]", importlib.import_module("pybase64").b64decode)
+    except ImportError:
+        return None
+
+
+SIMD_B64DECODE = _simd_b64decode()
+
+
+def _pybase64_piece(text: memoryview) -> bytes:
+    """One slice by pybase64 (SIMD: about 10 times as fast as msgspec's here)."""
+    assert SIMD_B64DECODE is not None
+    try:
+        return SIMD_B64DECODE(text, validate=True)
+    except ValueError:  # binascii.Error included
+        raise ValueError("not plainly canonical base64") from None
+
+
+_decode_piece = _msgspec_piece if SIMD_B64DECODE is None else _pybase64_piece
+"""Both refuse every character outside the alphabet and any `=` but the final padding
+of the slice they are given."""
+
+
 def _plain_pieces(body: memoryview) -> Iterator[bytes]:
     """Decode canonical base64 in 4-aligned slices; ValueError on anything else.
 
-    msgspec's base64 decoder (several times faster than `binascii`, and the check in
-    the same pass) refuses every character outside the alphabet and any `=` but the
-    final padding of the string it is given; so each slice but the last must not end
-    in `=`, no slice may hold a JSON escape (a backslash), and the last quantum is
-    checked for canonical padding and unused bits on its own.
+    Each slice but the last must not end in `=` (the piece decoders accept padding at
+    the end of what they are given), and the last quantum is checked for canonical
+    padding and unused bits on its own.
     """
     if len(body) % 4 or not _canonical_quantum(bytes(body[-4:])):
         raise ValueError("not plainly canonical base64")
     for start in range(0, len(body), _PIECE_CHARS):
         end = start + _PIECE_CHARS
-        text = b"".join((b'"', body[start:end], b'"'))
-        if b"\\" in text or (end < len(body) and text[-2] == _PAD):
+        text = body[start:end]
+        if end < len(body) and text[-1] == _PAD:
             raise ValueError("not plainly canonical base64")
-        try:
-            yield _bytes_of_base64.decode(text)
-        except msgspec.DecodeError:
-            raise ValueError("not plainly canonical base64") from None
+        yield _decode_piece(text)
 
 
 def _canonical_quantum(last: bytes) -> bool:

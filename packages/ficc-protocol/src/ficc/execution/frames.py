@@ -9,6 +9,7 @@ length bytes, so it never holds more than 4 + bound bytes, whatever a peer sends
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ficc.execution.errors import ErrorCode, ProtocolError
@@ -93,10 +94,14 @@ class FrameDecoder:
     unusable.
     """
 
-    def __init__(self, max_length: int) -> None:
+    def __init__(self, max_length: int, allocate: Callable[[int], bytearray] = bytearray) -> None:
+        """`allocate(length)` gives the payload buffer for `want()`: exactly `length`
+        bytes, whatever they hold (every one is received before the frame is handed
+        back). A reader may pass one that reuses memory; the default makes a new one."""
         if not 1 <= max_length <= 0xFFFFFFFF:
             raise ValueError("max_length must fit the 4-byte length")
         self.max_length = max_length
+        self._allocate = allocate
         self._header = bytearray(HEADER.size)
         self._payload: bytearray | None = None
         self._have = 0  # bytes of the current header, or of the current payload
@@ -129,7 +134,9 @@ class FrameDecoder:
         if self._need is None:
             return memoryview(self._header)[self._have :]
         if self._payload is None:
-            self._payload = bytearray(self._need)
+            self._payload = self._allocate(self._need)
+            if len(self._payload) != self._need:
+                raise ValueError(f"allocate gave {len(self._payload)} bytes, not {self._need}")
         return memoryview(self._payload)[self._have :]
 
     def received(self, count: int) -> bytearray | None:

@@ -19,8 +19,9 @@ have empty logs with a stable identity, `eof` and `complete`, and no outputs
 Reads run in an I/O thread; the records are read first on the ledger thread, which
 hands them straight to the I/O thread (`Workers.db_then_io`), and decoded plans are
 kept for the next request (`PlanCache`: a client reads an output 1 MiB a request). A row
-carries the bytes read: the reply encoder writes them as base64 in C (`ReadRow.data`).
-They are read into reused buffers (`ReadBuffers`), so a row's `data` is a view of one.
+carries the bytes read, read into reused buffers (`ReadBuffers`) so a row's `data` is a
+view of one; the reply carries them as `Base64Data`, which the daemon's reply encoder
+writes as base64 with pybase64 (`replies`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,15 @@ import threading
 from collections import OrderedDict
 from typing import Any, cast
 
+import msgspec
+
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import fsutil, lifecycle
 from ficc.execution.host import ledger as ledgerlib
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import LOGS, STORAGE, Layout
+from ficc.execution.host.replies import Base64Data
 from ficc.execution.plan import Plan, decode_plan
 from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read
 from ficc.execution.wire import ReadResult, ReadRow, ReadsReply, error_row
@@ -186,9 +190,11 @@ def _row(ctx: HostContext, read: Read, item: _Found) -> ReadResult:
                 f"attempt {record.attempt_id} ran on slot {record.slot_id}, which is no longer"
                 f" in the configuration; {read.object} cannot be read",
             )
-        return read_object(Layout(slot) if slot is not None else None, record, plan, read)
+        row = read_object(Layout(slot) if slot is not None else None, record, plan, read)
     except HostError as error:
         return error_row(error.code, error.message)
+    # pybase64 writes it into the reply (`replies`); typed bytes, as every reader sees it
+    return msgspec.structs.replace(row, data=cast(bytes, Base64Data(row.data)))
 
 
 def read_object(

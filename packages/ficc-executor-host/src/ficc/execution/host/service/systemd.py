@@ -3,7 +3,7 @@
 For hosts where systemd is PID 1. The attempt's service is the unit
 `<name>.service` (the daemon names it `ficc-work-<installation>-<attempt>`) in
 `ficc.slice`, created with `systemd-run`. Why `systemd-run` rather than D-Bus
-`StartTransientUnit`: the daemon may depend only on msgspec, uvloop and psutil, and
+`StartTransientUnit`: the daemon depends only on msgspec, uvloop and pybase64, and
 no D-Bus client is among them; `systemd-run` is systemd's own client for exactly
 this call (it sends StartTransientUnit and waits for the start job), it is present
 wherever systemd is, and creating a unit is rare (once per attempt), so a process
