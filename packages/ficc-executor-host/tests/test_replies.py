@@ -51,6 +51,15 @@ def test_a_read_is_sent_as_the_wire_encodes_it(size: int) -> None:
     assert encode_reply(sent) == wire_encode_reply(reply)
 
 
+def test_a_view_of_wider_items_is_sent_as_its_bytes() -> None:
+    data = os.urandom(4 * 1001)
+    view = memoryview(bytearray(data)).cast("I")  # 1001 items of 4 bytes
+    assert len(Base64Data(view)) == len(data)
+    reply = ReadsReply(version=1, id=new_id(), results=[_row(data)])
+    sent = ReadsReply(version=1, id=reply.id, results=[_row(Base64Data(view))])
+    assert encode_reply(sent) == wire_encode_reply(reply)
+
+
 def test_data_larger_than_a_collect_read_is_still_encoded_whole() -> None:
     data = os.urandom(COLLECT_MAX_BYTES * 2 + 1)
     reply = ReadsReply(version=1, id=new_id(), results=[_row(data)])

@@ -402,6 +402,9 @@ def test_a_kept_request_buffer_is_reused_only_when_unviewed_and_dropped_when_idl
         assert buffers.take(3000) is first
         assert len(first) == 3000
         buffers.give_back(first)
+        buffers.give_back(buffers.take(100))  # a small request between two large ones
+        assert buffers.take(3000) is first
+        buffers.give_back(first)
         assert buffers.holding == 3000
         await asyncio.wait_for(_dropped(buffers), timeout=10)  # its idle timer: 0 s here
         assert buffers.take(3000) is not first

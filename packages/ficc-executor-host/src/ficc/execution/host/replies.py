@@ -25,14 +25,14 @@ __all__ = ["REPLY_ENCODER", "Base64Data", "encode_reply"]
 class Base64Data:
     """A buffer that a reply row carries as its `data`, written out as base64 text.
 
-    `len()` is the length of the bytes (a row's own checks count them), and the
-    buffer is not copied until it is encoded.
+    `len()` is the length of the bytes (a row's own checks count them), whatever the
+    item format of a view, and the buffer is not copied until it is encoded.
     """
 
     __slots__ = ("buffer",)
 
     def __init__(self, buffer: bytes | memoryview) -> None:
-        self.buffer = buffer
+        self.buffer = memoryview(buffer).cast("B")
 
     def __len__(self) -> int:
         return len(self.buffer)
@@ -74,7 +74,7 @@ def _quoted_base64(data: bytes | memoryview) -> bytes | memoryview:
     The view is valid until this thread encodes again; msgspec copies it into the
     frame before it asks for the next one.
     """
-    source = memoryview(data)
+    source = memoryview(data).cast("B")
     length = 2 + 4 * -(-len(source) // 3)
     if length > _TEXT_MAX:  # never for a collect row (1 MiB at most); correct anyway
         return b'"' + pybase64.b64encode(source) + b'"'

@@ -176,8 +176,10 @@ class _RequestBuffers:
 
     def take(self, length: int) -> bytearray:
         """A buffer of exactly `length` bytes (stale ones: the frame overwrites them)."""
+        if length < self._smallest:
+            return bytearray(length)
         kept, self._kept = self._kept, None
-        if length < self._smallest or kept is None or not _unviewed(kept):
+        if kept is None or not _unviewed(kept):
             return bytearray(length)
         if len(kept) > length:
             del kept[length:]
@@ -336,12 +338,15 @@ class Server:
             return _internal(info.request_id, "the executor failed while reading this request")
 
     async def _read_request(self, conn: socket.socket, info: _Connection) -> ReceivedRequest:
-        frame = info.frame = await self._read_frame(conn, info.endpoint.kind)
+        frame = await self._read_frame(conn, info.endpoint.kind)
         try:
             if len(frame) > _OFF_LOOP_BYTES:
                 request = await asyncio.to_thread(self._decode, frame)
             else:
                 request = self._decode(frame)
+            # Only now may the buffer be kept: a cancelled wait above leaves the thread
+            # decoding, at moments without a view of the frame.
+            info.frame = frame
         except ProtocolError as exc:
             info.request_id = exc.request_id
             message = f"{exc.message} (at {exc.path})"
