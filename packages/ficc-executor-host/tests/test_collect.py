@@ -14,7 +14,8 @@ import pytest
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.collect import PlanCache, ReadBuffers, identity_digest, read_object
+from ficc.execution.host.buffers import ReadBuffers
+from ficc.execution.host.collect import PlanCache, identity_digest, read_object
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import Layout
 from ficc.execution.host.ledger import AttemptRecord

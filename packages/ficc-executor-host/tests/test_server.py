@@ -37,8 +37,9 @@ from ficc.execution._executor import ReceivedRequest as AnyRequest
 from ficc.execution.client import Client, Refused
 from ficc.execution.frames import HEADER, REPLY_MAX, REQUEST_MAX
 from ficc.execution.host.authority import SocketKind
+from ficc.execution.host.buffers import RequestBuffers
 from ficc.execution.host.peercred import Endpoint
-from ficc.execution.host.server import ServerLimits, _RequestBuffers, serve
+from ficc.execution.host.server import ServerLimits, serve
 from ficc.execution.protocol import (
     ZERO_ID,
     Fence,
@@ -384,7 +385,7 @@ def test_large_requests_in_a_row_each_keep_their_own_bytes(
 
 def test_a_kept_request_buffer_is_reused_only_when_unviewed_and_dropped_when_idle() -> None:
     async def scenario() -> None:
-        buffers = _RequestBuffers(smallest=1024, idle_s=0.0)
+        buffers = RequestBuffers(smallest=1024, idle_s=0.0)
         small = buffers.take(100)
         buffers.give_back(small)
         assert buffers.take(100) is not small  # small frames are never kept
@@ -412,7 +413,7 @@ def test_a_kept_request_buffer_is_reused_only_when_unviewed_and_dropped_when_idl
     asyncio.run(scenario())
 
 
-async def _dropped(buffers: _RequestBuffers) -> None:
+async def _dropped(buffers: RequestBuffers) -> None:
     while buffers.holding:
         await asyncio.sleep(0)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import threading
 from collections import OrderedDict
 from typing import Any, cast
 
@@ -38,6 +37,7 @@ import msgspec
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import fsutil, lifecycle
 from ficc.execution.host import ledger as ledgerlib
+from ficc.execution.host.buffers import ReadBuffers
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import LOGS, STORAGE, Layout
@@ -46,54 +46,10 @@ from ficc.execution.plan import Plan, decode_plan
 from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read
 from ficc.execution.wire import ReadResult, ReadRow, ReadsReply, error_row
 
-__all__ = ["ReadBuffers", "collect", "identity_digest", "read_object"]
+__all__ = ["collect", "identity_digest", "read_object"]
 
 _LOGS = {"stdout", "stderr"}
 _OUTPUT_PREFIX = "output:"
-
-
-class ReadBuffers:
-    """Reused buffers of `size` bytes to read into, safe to use from any thread.
-
-    Why: the packaged unit makes malloc map every block of 1 MiB or more afresh
-    (MALLOC_MMAP_THRESHOLD_), so a fresh 1 MiB `bytes` per read costs more in page
-    faults than copying the data from the page cache. A buffer is handed out again
-    only once no view of it is left, i.e. once the reply holding it was encoded and
-    dropped; Python keeps that count already, since a bytearray refuses to resize
-    while a view of it exists. At most `keep` buffers are kept (resident); past that,
-    and for small reads, a read gets a fresh buffer of its own length.
-    """
-
-    def __init__(self, size: int, keep: int) -> None:
-        self.size = size
-        self._keep = keep
-        self._kept: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def view(self, length: int) -> memoryview:
-        """A writable view of `length` (<= size) bytes that no one else is using."""
-        if not 0 <= length <= self.size:
-            raise ValueError(f"a read of {length} bytes does not fit buffers of {self.size}")
-        if length < self.size // 16:  # cheap to allocate; it would only hold a kept buffer
-            return memoryview(bytearray(length))
-        with self._lock:  # the view exists before another thread tests the same buffer
-            for buffer in self._kept:
-                if _unviewed(buffer):
-                    return memoryview(buffer)[:length]
-            if len(self._kept) < self._keep:
-                self._kept.append(bytearray(self.size))
-                return memoryview(self._kept[-1])[:length]
-        return memoryview(bytearray(length))
-
-
-def _unviewed(buffer: bytearray) -> bool:
-    """Whether no view of `buffer` is alive (resizing it is refused while one is)."""
-    try:
-        buffer.append(0)
-    except BufferError:
-        return False
-    del buffer[-1]
-    return True
 
 
 _BUFFERS = ReadBuffers(COLLECT_MAX_BYTES, keep=2)

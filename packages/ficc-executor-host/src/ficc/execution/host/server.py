@@ -49,6 +49,12 @@ from ficc.execution.frames import (
 from ficc.execution.host import logs
 from ficc.execution.host.authority import SocketKind
 from ficc.execution.host.budget import Progress, RequestBudget
+from ficc.execution.host.buffers import (
+    KEPT_REQUEST_BYTES,
+    KEPT_REQUEST_IDLE_S,
+    ReplyBuffers,
+    RequestBuffers,
+)
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import Endpoint, check_peer, listen, peer_credentials
 from ficc.execution.host.replies import REPLY_ENCODER, encode_reply
@@ -68,11 +74,6 @@ _PROGRESS_SLACK_S = 0.01
 """Frames larger than this are decoded in a worker thread (base64 + SHA-256 of chunks)."""
 
 _IDLE_REPLY_BUFFERS = 2
-KEPT_REQUEST_BYTES = 1 << 20
-KEPT_REQUEST_IDLE_S = 5.0
-"""A kept request buffer (frames of 1 MiB or more) is dropped after this long unused."""
-_REPLY_BUFFER_MAX = 2 * (HEADER.size + REPLY_MAX)
-"""Largest allocation a kept reply buffer may have (the encoder grows by doubling)."""
 
 
 class Dispatcher(Protocol):
@@ -128,88 +129,6 @@ def stderr_log(record: dict[str, Any]) -> None:
     logs.emit(record)
 
 
-class _ReplyBuffers:
-    """Reply frames are encoded into reused buffers, at most `keep` of them kept idle.
-
-    A collect reply is 1.4 MB. The packaged unit makes malloc map every block of 1 MiB
-    or more afresh (MALLOC_MMAP_THRESHOLD_, so freed memory returns to the system), so
-    a fresh buffer per reply costs hundreds of page faults, nearly as much as the
-    base64 encoding itself. Kept buffers stay resident: at most `keep` times
-    `_REPLY_BUFFER_MAX` bytes. Event-loop thread only.
-    """
-
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._idle: list[bytearray] = []
-
-    def take(self) -> bytearray:
-        return self._idle.pop() if self._idle else bytearray()
-
-    def give_back(self, buffer: bytearray) -> None:
-        """Keep `buffer` for a later reply; only once nothing refers to its bytes."""
-        if len(self._idle) < self._keep and buffer.__alloc__() <= _REPLY_BUFFER_MAX:
-            self._idle.append(buffer)
-
-
-class _RequestBuffers:
-    """Large request frames are received into one kept buffer, dropped when idle.
-
-    Why: a fresh buffer for each 10.7 MB `input_write` frame (an 8 MiB chunk) costs
-    some 2,700 page faults under the packaged unit's malloc settings, about 8 ms here,
-    a tenth of the chunk's whole time in the daemon. One buffer of at least
-    `smallest` bytes is kept after its request is done, handed out again only once no
-    view of it is left (a received chunk's rows hold views until they let go of the
-    frame), and dropped `idle_s` after the last large frame, so a daemon between
-    streams holds none. Event-loop thread only.
-    """
-
-    def __init__(self, smallest: int, idle_s: float) -> None:
-        self._smallest = smallest
-        self._idle_s = idle_s
-        self._kept: bytearray | None = None
-        self._drop: asyncio.TimerHandle | None = None
-
-    @property
-    def holding(self) -> int:
-        """Bytes kept now (0 once dropped)."""
-        return len(self._kept) if self._kept is not None else 0
-
-    def take(self, length: int) -> bytearray:
-        """A buffer of exactly `length` bytes (stale ones: the frame overwrites them)."""
-        if length < self._smallest:
-            return bytearray(length)
-        kept, self._kept = self._kept, None
-        if kept is None or not _unviewed(kept):
-            return bytearray(length)
-        if len(kept) > length:
-            del kept[length:]
-        elif len(kept) < length:
-            kept.extend(bytes(length - len(kept)))
-        return kept
-
-    def give_back(self, buffer: bytearray | None) -> None:
-        """Keep `buffer` (its request is done) until `idle_s` passes without another."""
-        if buffer is None or len(buffer) < self._smallest:
-            return
-        self._kept = buffer
-        if self._drop is not None:
-            self._drop.cancel()
-        self._drop = asyncio.get_running_loop().call_later(self._idle_s, self._forget)
-
-    def _forget(self) -> None:
-        self._kept = self._drop = None
-
-
-def _unviewed(buffer: bytearray) -> bool:
-    """Whether no view of `buffer` is alive (resizing it is refused while one is)."""
-    try:
-        buffer.append(0)
-    except BufferError:
-        return False
-    del buffer[-1]
-    return True
-
-
 class _Refused(Exception):
     """End the connection with this reply (or none); carries what the log line needs."""
 
@@ -228,7 +147,7 @@ class _Connection:
     action: str | None = None
     request_id: str | None = None
     started: float = field(default_factory=time.monotonic)
-    frame: bytearray | None = None  # the request's frame, for `_RequestBuffers`
+    frame: bytearray | None = None  # the request's frame, for `RequestBuffers`
 
 
 class Server:
@@ -241,8 +160,8 @@ class Server:
         self._active: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._budget = limits.budget()
-        self._reply_buffers = _ReplyBuffers(_IDLE_REPLY_BUFFERS)
-        self._request_buffers = _RequestBuffers(KEPT_REQUEST_BYTES, KEPT_REQUEST_IDLE_S)
+        self._reply_buffers = ReplyBuffers(_IDLE_REPLY_BUFFERS)
+        self._request_buffers = RequestBuffers(KEPT_REQUEST_BYTES, KEPT_REQUEST_IDLE_S)
 
     @property
     def active(self) -> int:
