@@ -554,6 +554,11 @@ def _upgrade(session: nox.Session) -> None:
         session.log(f"previous release: {baseline}")
         _build_wheels(session, old_tree, old)
         _build_wheels(session, ROOT, new)
+        # The administrator's wheelhouse: the new wheels and everything they depend on
+        # (a release may add a dependency), installed from it with --no-index.
+        session.run("python", "-m", "pip", "download", "-q", "--disable-pip-version-check",
+                    "--dest", str(new), "--find-links", str(new),
+                    *[str(w) for w in sorted(new.glob("*.whl"))])  # fmt: skip
         old_wheels = [str(w) for w in sorted(old.glob("*.whl"))]
         (protocol_wheel,) = old.glob("ficc_protocol-*.whl")
         host = _venv(session, scratch / "host", "--find-links", str(old), *old_wheels)

@@ -6,7 +6,8 @@ runs this file with:
 
 - FICC_UPGRADE_HOST_PYTHON: a virtualenv's python holding the previous release of
   ficc-protocol and ficc-executor-host (the "installed host");
-- FICC_UPGRADE_NEW_WHEELS: a directory with the current build's wheels;
+- FICC_UPGRADE_NEW_WHEELS: a directory with the current build's wheels and the wheels
+  they depend on (the administrator's wheelhouse);
 - FICC_UPGRADE_CONTROLLER_PYTHON: a virtualenv's python holding only the previous
   ficc-protocol (a controller that has not upgraded);
 - FICC_UPGRADE_OLD_PROVIDER: the previous release's test provider source (it speaks
@@ -74,12 +75,13 @@ NEW_SLOT_KEYS = frozenset({"filesystem_uuid"})
 
 
 def upgrade_in_place() -> None:
-    """What the administrator runs: pip of the installed prefix, the new wheels."""
+    """What the administrator runs: pip of the installed prefix, the new wheels, with
+    what they depend on from the same directory (a release may add a dependency)."""
     wheels = [str(w) for w in sorted(NEW_WHEELS.glob("ficc_*.whl"))]
     subprocess.run(
         [HOST_PYTHON, "-m", "pip", "install", "-q", "--disable-pip-version-check",
          "--no-index", "--find-links", str(NEW_WHEELS), "--upgrade", "--force-reinstall",
-         "--no-deps", *wheels],
+         *wheels],
         check=True, umask=0o022, timeout=600,
     )  # fmt: skip
 
