@@ -333,17 +333,7 @@ def test_each_socket_dispatches_as_its_own_sender_with_the_peer_uid(
 def test_a_large_request_is_decoded_and_dispatched(server: Running, fake: FakeDaemon) -> None:
     """A 4 MiB input_write crosses the off-loop decoding path intact."""
     data = os.urandom(4 * MIB)
-    write = InputWrite(
-        attempt_id="a" * 32,
-        generation=1,
-        plan_digest="sha256:" + "b" * 64,
-        object="c" * 32,
-        offset=0,
-        data=base64.b64encode(data).decode(),
-        digest="sha256:" + hashlib.sha256(data).hexdigest(),
-    )
-    request = InputWriteRequest(version=1, id=request_id(7), writes=[write])
-    reply = ask(server.paths["transport"], request)
+    reply = ask(server.paths["transport"], _large_write(7, data))
     assert isinstance(reply, ErrorReply)  # the fake knows no attempts
     (received,) = fake.requests
     assert isinstance(received, ReceivedInputWriteRequest)  # decoded straight from the frame
@@ -351,6 +341,7 @@ def test_a_large_request_is_decoded_and_dispatched(server: Running, fake: FakeDa
 
 
 def _large_write(n: int, data: bytes) -> InputWriteRequest:
+    """An input_write request of `data` for an attempt the fake does not know."""
     write = InputWrite(
         attempt_id="a" * 32,
         generation=1,

@@ -78,11 +78,9 @@ class ReadBuffers:
 class ReplyBuffers:
     """Reply frames are encoded into reused buffers, at most `keep` of them kept idle.
 
-    A collect reply is 1.4 MB. The packaged unit makes malloc map every block of 1 MiB
-    or more afresh (MALLOC_MMAP_THRESHOLD_, so freed memory returns to the system), so
-    a fresh buffer per reply costs hundreds of page faults, nearly as much as the
-    base64 encoding itself. Kept buffers stay resident: at most `keep` times
-    `_REPLY_BUFFER_MAX` bytes. Event-loop thread only.
+    A collect reply is 1.4 MB: a fresh buffer per reply would cost some 350 page faults,
+    several times what writing its base64 costs now. Kept buffers stay resident: at
+    most `keep` times `_REPLY_BUFFER_MAX` bytes. Event-loop thread only.
     """
 
     def __init__(self, keep: int) -> None:

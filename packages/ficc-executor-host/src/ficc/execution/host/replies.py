@@ -68,13 +68,13 @@ class _Text(threading.local):
 _TEXT = _Text()
 
 
-def _quoted_base64(data: bytes | memoryview) -> bytes | memoryview:
-    """`data` as a JSON string of standard padded base64, in this thread's buffer.
+def _quoted_base64(source: memoryview) -> bytes | memoryview:
+    """The bytes of `source` (a view of bytes, as `Base64Data` holds) as a JSON string
+    of standard padded base64, in this thread's buffer.
 
     The view is valid until this thread encodes again; msgspec copies it into the
     frame before it asks for the next one.
     """
-    source = memoryview(data).cast("B")
     length = 2 + 4 * -(-len(source) // 3)
     if length > _TEXT_MAX:  # never for a collect row (1 MiB at most); correct anyway
         return b'"' + pybase64.b64encode(source) + b'"'
