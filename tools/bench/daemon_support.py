@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -345,6 +347,28 @@ def decode(data: bytes) -> Any:
     return msgspec.json.decode(data)
 
 
+@contextlib.contextmanager
+def profiled(pid: int) -> Iterator[None]:
+    """py-spy on the daemon while the block runs, when FICC_BENCH_PYSPY names a file
+    (collapsed stacks, `--format raw`, with thread names). FICC_BENCH_PYSPY_RATE sets
+    the samples per second (200); FICC_BENCH_PYSPY_GIL=1 samples only the thread that
+    holds the interpreter's lock, which is what a daemon bound by that lock spends."""
+    target = os.environ.get("FICC_BENCH_PYSPY")
+    if not target:
+        yield
+        return
+    rate = os.environ.get("FICC_BENCH_PYSPY_RATE", "200")
+    argv = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", rate, "--threads"]
+    if os.environ.get("FICC_BENCH_PYSPY_GIL") == "1":
+        argv.append("--gil")
+    spy = subprocess.Popen([*argv, "--output", target], stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+
+
 __all__ = [
     "MIB",
     "BenchHost",
@@ -353,5 +377,6 @@ __all__ = [
     "decode",
     "encode",
     "exchange",
+    "profiled",
     "timed_exchanges",
 ]

@@ -17,6 +17,8 @@ Figures: p50 and p99 of each action and of the echo; the target wants each p99 a
 lower is better). Full runs interleave 3 rounds (echo, then daemon, 100 renew +
 100 observe per client each) and report the median of the rounds' percentiles: the
 echo's p99 on 2 cores shared by 8 clients is mostly scheduling noise.
+
+Set FICC_BENCH_PYSPY=FILE to record the daemon with py-spy during its rounds.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 
-from daemon_support import MIB, BenchHost, SlotPlan, bench_host, decode, timed_exchanges
+from daemon_support import (
+    MIB,
+    BenchHost,
+    SlotPlan,
+    bench_host,
+    decode,
+    profiled,
+    timed_exchanges,
+)
 from figures import Figure
 
 from ficc.execution.frames import HEADER
@@ -185,7 +195,8 @@ def run(quick: bool) -> list[Figure]:
             for r in range(rounds):  # interleaved, so drift hits both sides alike
                 mine = [f[r * 2 * pairs : (r + 1) * 2 * pairs] for f in frames]
                 echo_rounds.append(_round_percentiles(_run_clients(host, echo_path, mine), 1, 0))
-                daemon = _run_clients(host, host.transport, mine)
+                with profiled(host.pid):
+                    daemon = _run_clients(host, host.transport, mine)
                 renew_rounds.append(_round_percentiles(daemon, 2, 0))
                 observe_rounds.append(_round_percentiles(daemon, 2, 1))
         finally:

@@ -72,17 +72,16 @@ Needs root, podman, runc and busybox-static; creates and removes its own account
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import attempt_support as p6
+from daemon_support import profiled
 from figures import Figure
 
 from ficc.execution.client import Client
@@ -231,22 +230,6 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-@contextlib.contextmanager
-def _profiled(pid: int) -> Iterator[None]:
-    """py-spy on the daemon while the block runs, when FICC_BENCH_PYSPY names a file."""
-    target = os.environ.get("FICC_BENCH_PYSPY")
-    if not target:
-        yield
-        return
-    argv = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200"]
-    spy = subprocess.Popen([*argv, "--threads", "--output", target], stdout=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        spy.send_signal(signal.SIGINT)
-        spy.wait(timeout=60)
-
-
 def _figures(
     label: str, count: int, rounds: Sequence[dict[str, float]], bares: Sequence[tuple[float, float]]
 ) -> list[Figure]:
@@ -287,7 +270,7 @@ def run(quick: bool) -> list[Figure]:
     with p6.podman_host(slots=max(SIZES), slot_bytes=SLOT_BYTES) as world:
         pid = world.process.process.pid  # type: ignore[union-attr]
         _batched_round(world, max(SIZES), PAYLOADS["true"])  # loads the image: not timed
-        with _profiled(pid):
+        with profiled(pid):
             for label, payload in PAYLOADS.items():
                 for count in SIZES:
                     rounds, bares = [], []

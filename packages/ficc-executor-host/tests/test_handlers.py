@@ -728,6 +728,44 @@ def test_mixed_batches_answer_each_row_as_alone(host: Host) -> None:
     assert renewed[0] == answers(observe(*fences))[0]  # what was committed
 
 
+def test_an_observe_of_cached_records_is_answered_without_the_ledger_thread(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once read, the rows a client polls come from the ledger's record cache on the
+    event loop; a write that changes them (a renewal, a staged chunk) shows at once."""
+    data = b"x" * 100
+    obj = stream(data)
+    plans = [make_plan(inputs=[obj]), make_plan()]
+    host.prepare(*plans)
+    stage(host, plans[0])
+    ledger_calls: list[str] = []
+    db = host.ctx.workers.db
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        ledger_calls.append(getattr(fn, "__name__", repr(fn)))
+        return await db(fn, *args, **kwargs)
+
+    monkeypatch.setattr(host.ctx.workers, "db", counted)
+
+    def observe() -> list[Any]:
+        reply = host.send(fences_request(ObserveRequest, *plans))
+        return [row_ok(reply, i) for i in range(len(plans))]
+
+    first = observe()
+    assert ledger_calls == ["read_rows"]  # the first read fills the cache
+    assert observe() == first
+    assert ledger_calls == ["read_rows"]
+    row_ok(write(host, write_row(plans[0], obj, 0, data[:40])))
+    renewal = first_lease(plans[1], 120_000, sequence=2)
+    row_ok(host.send(RenewRequest(version=1, id=new_id(), leases=[renewal])))
+    ledger_calls.clear()
+    staged, renewed = observe()
+    assert (staged.staged_bytes, renewed.lease_sequence) == (40, 2)
+    assert ledger_calls == ["read_rows"]  # the chunk's commit let go of its attempt
+    assert observe() == [staged, renewed]
+    assert ledger_calls == ["read_rows"]
+
+
 def test_usage_is_shown_only_when_asked_live_while_running_then_final(host: Host) -> None:
     running, waiting, rejected = make_plan(), make_plan(), make_plan(provider="other")
     host.prepare(running, waiting, rejected)

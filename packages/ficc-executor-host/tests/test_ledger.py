@@ -6,6 +6,7 @@ crash safety (size from FICC_SOAK).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import select
@@ -397,6 +398,7 @@ def test_a_batch_read_as_one_json_row_is_the_records_read_row_by_row(ledger: Led
     ledger.apply(fence(made[5]), lc.StopRequested())
     fences = [fence(p) for p in made] + [Fence(new_id(), 1, SHA)]
     assert ledger._records_as_one  # this SQLite has its JSON functions
+    ledger._cache = None  # both reads from the database
     as_one = ledger.fenced(fences)
     ledger._records_as_one = False
     row_by_row = ledger.fenced(fences)
@@ -1452,6 +1454,182 @@ def test_reservations_never_overcommit(operations: list[tuple[str, object]]) -> 
         led.close()
     finally:
         shutil.rmtree(work)
+
+
+# --- the record cache: always what the database holds ----------------------------
+
+
+_EVENTS = [lc.PrepareBegun(), lc.PrepareOk(result=b'{"argv":["/bin/true"]}'), lc.Started(),
+           lc.Finished(exit_code=0), lc.StopRequested(), lc.CleanupConfirmed(),
+           lc.CleanupFailed(), lc.Release(), lc.LeaseExpired()]  # fmt: skip
+_CACHE_OPERATIONS = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(1, 3)),
+        st.tuples(st.just("stage"), st.integers(0, 7), st.integers(1, 10)),
+        st.tuples(st.just("renew"), st.integers(0, 7), st.integers(-1, 2)),
+        st.tuples(st.just("event"), st.integers(0, 7), st.integers(0, len(_EVENTS) - 1)),
+        st.tuples(st.just("ready"), st.integers(0, 7)),
+        st.tuples(st.just("start"), st.integers(0, 7)),
+        st.tuples(st.just("finish_with_usage"), st.integers(0, 7)),
+        st.tuples(st.just("expire"), st.integers(0, 7)),
+        st.tuples(st.just("fail"), st.integers(0, 7), st.integers(0, len(_EVENTS) - 1)),
+        st.tuples(st.just("restart")),
+    ),
+    min_size=1,
+    max_size=16,
+)
+
+
+def _database_records(led: Ledger, ids: list[str]) -> dict[str, object]:
+    """The records as a connection of its own reads them from the file."""
+    db = sqlite3.connect(f"file:{led.path}?mode=ro", uri=True)
+    try:
+        marks = ", ".join("?" * len(ids))
+        rows = db.execute(f"{ledger_schema.SELECT} WHERE attempt_id IN ({marks})", ids)
+        return {r.attempt_id: r for r in map(ledger_schema.record, rows)}
+    finally:
+        db.close()
+
+
+def _step(led: Ledger, plans: list[planlib.Plan], operation: tuple[object, ...]) -> None:
+    """One operation of `test_the_record_cache_always_holds_what_the_database_holds`."""
+    kind, *args = operation
+    if kind == "admit":  # every other plan streams an input of 10 bytes
+        made = [make_plan(inputs=(stream(),) * (i % 2)) for i in range(args[0])]  # type: ignore[call-overload]
+        admit(led, *made, f=facts(slots=24))
+        plans += made
+        return
+    if kind == "restart":
+        led.mark_restarted()
+        return
+    if not plans:
+        return
+    plan = plans[args[0] % len(plans)]  # type: ignore[operator]
+    if kind == "stage":
+        with contextlib.suppress(HostError):  # not staging, or complete
+            (obj,) = plan.job.inputs or (None,)
+            if obj is not None:
+                offset = sum(i.offset for i in led.inputs(plan.attempt_id))
+                end = min(offset + args[1], obj.bytes)  # type: ignore[operator]
+                led.commit_input_offset(fence(plan), obj.id, offset, end, when=NOW)
+    elif kind == "renew":
+        held = led.get(plan.attempt_id)
+        sequence = (held.lease.sequence if held and held.lease else 1) + args[1]  # type: ignore[operator]
+        led.renew_batch([(fence(plan), Renew(sequence, 6000 + sequence))], NOW, MAX_LEASE)
+    elif kind == "event":
+        led.apply_batch([(fence(plan), _EVENTS[args[1]])])  # type: ignore[index]
+    elif kind == "ready":
+        led.apply_batch([(fence(plan), lc.PrepareBegun())])
+        led.apply_batch([(fence(plan), lc.PrepareOk(result=b"{}"))])
+    elif kind == "start":  # also writes the offer revision it started under: two writes
+        led.start_batch([fence(plan)], NOW)
+    elif kind == "finish_with_usage":  # the usage is a second write of the row
+        led.apply_batch([(fence(plan), lc.Started())])
+        led.apply_batch([(fence(plan), lc.Finished(exit_code=3))], {plan.attempt_id: USED})
+    elif kind == "expire":
+        with contextlib.suppress(HostError):
+            led.expire(fence(plan), Now(BOOT, DEADLINE + 1, WALL))
+    else:  # a transaction that writes, then fails before its commit
+
+        def fail(record: object) -> None:
+            raise RuntimeError("injected fault after a write")
+
+        led._wrote = fail  # type: ignore[method-assign]
+        try:
+            with contextlib.suppress(RuntimeError):
+                led.apply_batch([(fence(plan), _EVENTS[args[1]])])  # type: ignore[index]
+        finally:
+            del led._wrote
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_CACHE_OPERATIONS)
+def test_the_record_cache_always_holds_what_the_database_holds(
+    operations: list[tuple[object, ...]],
+) -> None:
+    """After every kind of write (admission, staged chunks, renewals good and refused,
+    lifecycle steps, starts, usage, expiry, the restart sweep, and a transaction that
+    fails after its write), every cached record and staged amount, and every read,
+    equal what the file holds."""
+    work = tempfile.mkdtemp(prefix="ficc-ledger-")
+    try:
+        os.mkdir(f"{work}/state", 0o700)
+        led = Ledger.create(f"{work}/state", INSTALLATION, limits(), CEILING)
+        plans: list[planlib.Plan] = []
+        for operation in operations:
+            _step(led, plans, operation)
+            ids = [p.attempt_id for p in plans]
+            if not ids:
+                continue
+            held = _database_records(led, ids)
+            assert led._cache is not None
+            assert led._cache.known(ids) == {i: held[i] for i in led._cache.known(ids)}
+            staged = {i: sum(o.offset for o in led.inputs(i)) for i in ids}
+            assert led._cache.known_staged(ids) == {
+                i: staged[i] for i in led._cache.known_staged(ids)
+            }
+            reads = led.fenced([fence(p) for p in plans])
+            assert reads == [held[i] for i in ids]
+            assert led.staged_bytes(ids) == staged
+            assert led.cached([fence(p) for p in plans]) == (reads, staged)  # filled by them
+        led.close()
+    finally:
+        shutil.rmtree(work)
+
+
+def test_a_renewal_and_the_reads_after_it_need_no_record_query(ledger: Ledger) -> None:
+    """What makes polling cheap: once read, the records a client renews and observes
+    come from the cache; the renewal's own write keeps it (no query of the records)."""
+    plans = [make_plan() for _ in range(3)]
+    admit(ledger, *plans)
+    fences = [fence(p) for p in plans]
+    ledger.fenced(fences)
+    statements: list[str] = []
+    ledger._db.set_trace_callback(statements.append)
+    renewed = ledger.renew_batch([(f, Renew(2, 6000)) for f in fences], NOW, MAX_LEASE)
+    after = ledger.fenced(fences)
+    ledger._db.set_trace_callback(None)
+    assert all(isinstance(r, Applied) and r.changed for r in renewed)
+    assert after == [r.record for r in renewed]  # type: ignore[union-attr]
+    held = _database_records(ledger, [f.attempt_id for f in fences])
+    assert after == [held[f.attempt_id] for f in fences]
+    record_queries = [s for s in statements if "FROM attempts" in s]
+    assert record_queries == []
+    assert any(s.startswith("UPDATE attempts SET boot_id") for s in statements)  # traced
+
+
+class _CommitFailsAfterWriting:
+    """A connection whose COMMIT reports an error after the data is in (as an I/O
+    error on the last sync can): the outcome, to the ledger, is unknown."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        cursor = self._db.execute(sql, *args)
+        if sql == "COMMIT":
+            error = sqlite3.OperationalError("disk I/O error")
+            error.sqlite_errorcode = 10  # SQLITE_IOERR
+            raise error
+        return cursor
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._db, name)
+
+
+def test_a_commit_of_unknown_outcome_empties_the_record_cache(ledger: Ledger) -> None:
+    plan = make_plan()
+    admitted(ledger, plan)
+    before = ledger.fenced([fence(plan)])
+    real = ledger._db
+    ledger._db = _CommitFailsAfterWriting(real)  # type: ignore[assignment]
+    with pytest.raises(sqlite3.OperationalError):
+        ledger.apply_batch([(fence(plan), lc.StopRequested())])
+    ledger._db = real
+    (after,) = ledger.fenced([fence(plan)])
+    assert after != before[0]
+    assert after == _database_records(ledger, [plan.attempt_id])[plan.attempt_id]
+    assert after.status.state == "cancelled"  # type: ignore[union-attr]
 
 
 # --- the log of committed changes -----------------------------------------------------------

@@ -675,12 +675,14 @@ def _changed_inputs(checks: Sequence[tuple[str, Stager]]) -> dict[str, HostError
 async def observe(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: ObserveRequest
 ) -> AnyReply:
-    """The records as the monitor keeps them."""
+    """The records as the monitor keeps them: from the ledger's record cache on the
+    event loop when it holds every row, else read on the ledger thread."""
 
     def read_rows() -> _Read:
         return _with_staged(ctx.ledger, ctx.ledger.fenced(request.attempts))
 
-    read = await ctx.workers.db(read_rows)
+    cached = ctx.ledger.cached(request.attempts)
+    read = _Read(*cached) if cached is not None else await ctx.workers.db(read_rows)
     rows = await attempt_rows(ctx, read.results, read.staged)
     if request.wants_usage:
         rows = await _with_usage(ctx, runner, read.results, rows)

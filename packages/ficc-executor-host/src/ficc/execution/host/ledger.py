@@ -66,6 +66,7 @@ from ficc.execution.host.admission import AdmissionRejection
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Clock, Lease, Now
 from ficc.execution.host.ledger_schema import ADMITTED, SCHEMA_VERSION
+from ficc.execution.host.record_cache import RecordCache
 from ficc.execution.host.records import (
     OFFER_ALLOWS,
     RESOURCES,
@@ -393,6 +394,10 @@ class Ledger:
         self._records_as_one = _has_json(db)
         """Batch reads come back as one JSON row (`ledger_schema.SELECT_AS_ONE`) where
         this SQLite has its JSON functions (3.38 and newer always do); else row by row."""
+        self._cache = RecordCache(db) if self._records_as_one else None
+        """Records as last committed (see `record_cache`); it needs the JSON functions."""
+        self._unchanged: int | None = None
+        """In a write transaction: `total_changes` before its first change."""
         row = None
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
             row = db.execute(
@@ -715,19 +720,36 @@ class Ledger:
 
     def staged_bytes(self, attempt_ids: Sequence[str]) -> dict[str, int]:
         """Durable streamed bytes per attempt (0 for attempts without streams)."""
-        totals = dict.fromkeys(attempt_ids, 0)
-        ids = list(totals)
-        if not ids:
-            return totals
         with self._lock:
-            marks = _marks(len(ids))
-            rows = self._db.execute(
-                f"SELECT attempt_id, sum(offset) FROM input_objects WHERE attempt_id IN ({marks})"  # noqa: S608
-                " GROUP BY attempt_id",
-                ids,
-            ).fetchall()
-        totals.update((attempt_id, int(total)) for attempt_id, total in rows)
-        return totals
+            cache = self._cache if self._cacheable() else None
+            found = cache.known_staged(attempt_ids) if cache is not None else {}
+            totals = {i: 0 for i in attempt_ids if i not in found}
+            ids = list(totals)
+            if ids:
+                marks = _marks(len(ids))
+                rows = self._db.execute(
+                    f"SELECT attempt_id, sum(offset) FROM input_objects"  # noqa: S608
+                    f" WHERE attempt_id IN ({marks}) GROUP BY attempt_id",
+                    ids,
+                ).fetchall()
+                totals.update((attempt_id, int(total)) for attempt_id, total in rows)
+                if cache is not None:
+                    cache.keep_staged(totals)
+        return found | totals
+
+    def cached(
+        self, fences: Sequence[Fence]
+    ) -> tuple[list[AttemptRecord | HostError], dict[str, int]] | None:
+        """What `fenced` and `staged_bytes` would answer for these fences, from the
+        record cache alone, or None when one is not cached. Unlike every other call it
+        takes no lock: the event loop answers a poll of cached records with it, without
+        queueing behind the ledger thread's transactions (see `record_cache`)."""
+        ids = [f.attempt_id for f in fences]
+        read = None if self._cache is None else self._cache.read(ids)
+        if read is None:
+            return None
+        records = dict(zip(ids, read[0], strict=True))
+        return [_fenced_in(records, f) for f in fences], dict(zip(ids, read[1], strict=True))
 
     def inputs(self, attempt_id: str) -> list[InputRecord]:
         return self.inputs_of([attempt_id])[attempt_id]
@@ -1231,21 +1253,26 @@ class Ledger:
             return error
         if not step.changed:
             return Applied(record, changed=False)
-        assignments = ", ".join(f"{name} = ?" for name in ledger_schema.STATUS_FIELDS)
-        values = [*ledger_schema.status_values(step.status), ordinal, fence.attempt_id]
+        columns = [*ledger_schema.STATUS_FIELDS, "updated"]
+        values: list[object] = [*ledger_schema.status_values(step.status), ordinal]
+        if isinstance(event, lifecycle.PrepareOk):  # the same one row write
+            columns.append("prepare_result")
+            values.append(event.result)
+        assignments = ", ".join(f"{name} = ?" for name in columns)
         self._db.execute(
-            f"UPDATE attempts SET {assignments}, updated = ? WHERE attempt_id = ?",  # noqa: S608
-            values,
+            f"UPDATE attempts SET {assignments} WHERE attempt_id = ?",  # noqa: S608
+            [*values, fence.attempt_id],
         )
-        if isinstance(event, lifecycle.PrepareOk):
-            self._db.execute(
-                "UPDATE attempts SET prepare_result = ? WHERE attempt_id = ?",
-                (event.result, fence.attempt_id),
-            )
         updated = msgspec.structs.replace(record, status=step.status, updated=ordinal)
         records[fence.attempt_id] = updated
+        self._wrote(updated)
         self._changed.append((updated, event.name))
         return Applied(updated, changed=True)
+
+    def _wrote(self, record: AttemptRecord) -> None:
+        """`record` is what one UPDATE of its row just wrote (for the record cache)."""
+        if self._cache is not None:
+            self._cache.wrote(record)
 
     @_spending_reserve
     def mark_restarted(self) -> list[AttemptRecord]:
@@ -1360,6 +1387,7 @@ class Ledger:
         )
         updated = msgspec.structs.replace(record, lease=lease, updated=ordinal)
         records[fence.attempt_id] = updated
+        self._wrote(updated)
         return Applied(updated, changed=True)
 
     # -- streamed inputs ------------------------------------------------------------
@@ -1537,19 +1565,29 @@ class Ledger:
                 ((ordinal,),) = self._db.execute(
                     "UPDATE meta SET ordinal = ordinal + 1 RETURNING ordinal"
                 ).fetchall()
-                bumped = self._db.total_changes
+                bumped = self._unchanged = self._db.total_changes
+                if self._cache is not None:
+                    self._cache.began()
                 yield ordinal
                 if self._db.total_changes == bumped:
                     # Nothing but the ordinal was written (say, identical duplicate
                     # renewals): nothing to make durable, so skip the commit and its fsync.
                     self._db.execute("ROLLBACK")
-                else:
+                elif self._cache is None:
                     self._db.execute("COMMIT")
+                else:
+                    touched = self._cache.touched()
+                    self._db.execute("COMMIT")
+                    self._cache.committed(touched)
             except BaseException as error:
+                if self._cache is not None:
+                    self._cache.failed()
                 self._rollback()
                 if _out_of_space(error):
                     raise _Full() from error
                 raise
+            finally:
+                self._unchanged = None
             self._remake_reserve()
             changed, self._changed = self._changed, []
             for record, cause in changed:
@@ -1563,19 +1601,30 @@ class Ledger:
             self._db.execute("ROLLBACK")
 
     def _get(self, attempt_id: str) -> AttemptRecord | None:
-        row = self._db.execute(
-            f"{ledger_schema.SELECT} WHERE attempt_id = ?", (attempt_id,)
-        ).fetchone()
-        return None if row is None else ledger_schema.record(row)
+        return self._records([attempt_id]).get(attempt_id)
 
     def _records(self, attempt_ids: Iterable[str]) -> dict[str, AttemptRecord]:
-        """The records of these attempts by ID, read with one query (a batch's rows);
-        unknown IDs are simply absent."""
+        """The records of these attempts by ID, from the cache where it may be used and
+        with one query for the rest (a batch's rows); unknown IDs are simply absent."""
         ids = list(dict.fromkeys(attempt_ids))
-        if not ids:
-            return {}
-        found = self._select(f"WHERE attempt_id IN ({_marks(len(ids))})", ids)
-        return {record.attempt_id: record for record in found}
+        cache = self._cache
+        if cache is None or not self._cacheable():
+            cache = None
+            found = {}
+        else:
+            found = cache.known(ids)
+            ids = [i for i in ids if i not in found]
+        if ids:
+            read = self._select(f"WHERE attempt_id IN ({_marks(len(ids))})", ids)
+            found.update((record.attempt_id, record) for record in read)
+            if cache is not None:
+                cache.keep(read)
+        return found
+
+    def _cacheable(self) -> bool:
+        """Whether the cache holds what a read would: outside a write transaction, or
+        inside one before its first change."""
+        return self._unchanged is None or self._db.total_changes == self._unchanged
 
     def _select(self, where: str, parameters: Sequence[object]) -> list[AttemptRecord]:
         """The records `where` selects, in one result row where SQLite can (see
