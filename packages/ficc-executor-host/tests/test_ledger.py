@@ -324,8 +324,24 @@ SCHEMA_TWO_COLUMNS = (
 SCHEMA_THREE_COLUMNS = ("usage_recorded", *ledger_schema.USAGE_COLUMNS)
 
 
+def as_schema_three(state_dir: Path) -> None:
+    """Turn a closed ledger into what a release before the renewals table wrote
+    (schema version 3), its renewed leases back in the attempts' rows."""
+    old = raw_path(state_dir)
+    fields = ", ".join(ledger_schema.LEASE_FIELDS)
+    for row in old.execute(f"SELECT {fields}, updated, attempt_id FROM renewals").fetchall():
+        assignments = ", ".join(f"{n} = ?" for n in (*ledger_schema.LEASE_FIELDS, "updated"))
+        old.execute(f"UPDATE attempts SET {assignments} WHERE attempt_id = ?", row)
+    old.execute("DROP VIEW attempt_records")
+    old.execute("DROP TABLE renewals")
+    old.execute("UPDATE meta SET schema_version = 3")
+    old.commit()
+    old.close()
+
+
 def as_schema_two(state_dir: Path) -> None:
     """Turn a closed ledger into what a release before usage wrote (schema version 2)."""
+    as_schema_three(state_dir)
     old = raw_path(state_dir)
     for column in SCHEMA_THREE_COLUMNS:
         old.execute(f"ALTER TABLE attempts DROP COLUMN {column}")
@@ -1593,9 +1609,8 @@ def test_a_renewal_and_the_reads_after_it_need_no_record_query(ledger: Ledger) -
     assert after == [r.record for r in renewed]  # type: ignore[union-attr]
     held = _database_records(ledger, [f.attempt_id for f in fences])
     assert after == [held[f.attempt_id] for f in fences]
-    record_queries = [s for s in statements if "FROM attempts" in s]
-    assert record_queries == []
-    assert any(s.startswith("UPDATE attempts SET boot_id") for s in statements)  # traced
+    assert [s for s in statements if "FROM attempt" in s] == []  # no record query
+    assert sum(s.startswith("INSERT INTO renewals") for s in statements) >= 3  # traced
 
 
 class _CommitFailsAfterWriting:
@@ -1900,9 +1915,36 @@ def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
         migrated.close()
     db = sqlite3.connect(state_dir / LEDGER_FILE)
     try:
-        assert db.execute("SELECT schema_version FROM meta").fetchone() == (3,)
+        assert db.execute("SELECT schema_version FROM meta").fetchone() == (4,)
     finally:
         db.close()
+
+
+def test_a_ledger_of_schema_three_keeps_its_leases_and_renews_into_the_new_table(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    """Before schema 4 a renewal rewrote the lease in the attempt's row: those leases
+    read back unchanged after the migration, and the next renewal goes on from them."""
+    plans = [make_plan() for _ in range(2)]
+    admit(ledger, *plans)
+    ledger.renew_batch([(fence(plans[0]), Renew(2, 6000))], NOW, MAX_LEASE)
+    before = ledger.page(None)[0]
+    ledger.close()
+    as_schema_three(state_dir)
+    migrated = Ledger.open(str(state_dir), INSTALLATION)
+    try:
+        assert migrated.page(None)[0] == before
+        assert migrated.get(plans[0].attempt_id).lease.sequence == 2  # type: ignore[union-attr]
+        (stale,) = migrated.renew_batch([(fence(plans[0]), Renew(2, 7000))], NOW, MAX_LEASE)
+        refused(stale, "lease_sequence")  # judged against the lease kept in the old row
+        (renewed,) = migrated.renew_batch([(fence(plans[1]), Renew(2, 6000))], NOW, MAX_LEASE)
+        assert isinstance(renewed, Applied)
+        migrated.close()
+        reopened = Ledger.open(str(state_dir), INSTALLATION)
+        assert reopened.get(plans[1].attempt_id) == renewed.record
+        reopened.close()
+    finally:
+        migrated.close()
 
 
 def test_another_installations_old_ledger_is_refused_before_it_is_migrated(

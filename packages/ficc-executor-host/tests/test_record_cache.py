@@ -32,6 +32,7 @@ def db() -> Iterator[sqlite3.Connection]:
     connection = sqlite3.connect(":memory:", isolation_level=None)
     connection.execute("CREATE TABLE attempts (attempt_id TEXT PRIMARY KEY, n INTEGER)")
     connection.execute("CREATE TABLE input_objects (attempt_id TEXT, object_id TEXT, n INTEGER)")
+    connection.execute("CREATE TABLE renewals (attempt_id TEXT PRIMARY KEY, n INTEGER)")
     connection.executemany("INSERT INTO attempts VALUES (?, 0)", [("a",), ("b",), ("c",)])
     yield connection
     connection.close()
@@ -50,7 +51,8 @@ def _write(db: sqlite3.Connection, cache: RecordCache, *sql: str) -> dict[str, i
 
 
 def test_the_trigger_counts_every_row_write_of_the_transaction(db: sqlite3.Connection) -> None:
-    """Writes of an attempt's row and of its input objects' rows, by attempt."""
+    """Updates of an attempt's row and writes of its renewal's and its input objects'
+    rows, by attempt (a new attempt's row cannot be cached yet)."""
     cache = RecordCache(db)
     touched = _write(
         db,
@@ -60,8 +62,10 @@ def test_the_trigger_counts_every_row_write_of_the_transaction(db: sqlite3.Conne
         "INSERT INTO attempts VALUES ('d', 0)",
         "INSERT INTO input_objects VALUES ('c', 'o', 0)",
         "UPDATE input_objects SET n = 1",
+        "INSERT INTO renewals VALUES ('b', 1) ON CONFLICT (attempt_id) DO UPDATE SET n = 1",
+        "INSERT INTO renewals VALUES ('b', 2) ON CONFLICT (attempt_id) DO UPDATE SET n = 2",
     )
-    assert touched == {"a": 2, "b": 1, "c": 3, "d": 1}
+    assert touched == {"a": 2, "b": 3, "c": 3}  # a new attempt row is not counted
     assert _write(db, cache, "UPDATE attempts SET n = 3 WHERE attempt_id = 'b'") == {"b": 1}
 
 

@@ -1380,10 +1380,8 @@ class Ledger:
         if "renew" not in OFFER_ALLOWS[offer.control]:
             return HostError(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}")
         self._db.execute(
-            "UPDATE attempts SET boot_id = ?, sequence = ?, expires_at_ms = ?,"
-            " deadline_boottime_ns = ?, effective_expires_at_ms = ?,"
-            " updated = ? WHERE attempt_id = ?",
-            [*ledger_schema.lease_values(lease), ordinal, fence.attempt_id],
+            ledger_schema.RENEW_SQL,
+            [fence.attempt_id, *ledger_schema.lease_values(lease), ordinal],
         )
         updated = msgspec.structs.replace(record, lease=lease, updated=ordinal)
         records[fence.attempt_id] = updated

@@ -14,7 +14,48 @@ import msgspec
 from ficc.execution.host import lifecycle, records
 from ficc.execution.host.leases import Lease
 
-SCHEMA_VERSION: Final = 3
+STATUS_FIELDS: Final = lifecycle.Status.__struct_fields__
+LEASE_FIELDS: Final = Lease.__struct_fields__
+HEAD_FIELDS: Final = ("attempt_id", "job_id", "generation", "plan_digest", "offer_revision")
+TAIL_FIELDS: Final = ("detail", "slot_id", "created", "updated")
+RECORD_FIELDS: Final = HEAD_FIELDS + STATUS_FIELDS + LEASE_FIELDS + TAIL_FIELDS
+"""Status columns are named after `lifecycle.Status` fields and lease columns after
+`Lease` fields, so a record is read by name (see `record`)."""
+
+
+def _record_column(name: str) -> str:
+    """A column of `attempt_records`: a renewed lease field from `renewals`, the last
+    write's ordinal from either table, everything else from `attempts`."""
+    if name in LEASE_FIELDS:
+        return f"coalesce(renewals.{name}, attempts.{name}) AS {name}"
+    if name == "updated":
+        return "max(attempts.updated, coalesce(renewals.updated, 0)) AS updated"
+    return f"attempts.{name} AS {name}"
+
+
+RENEWALS: Final = (
+    "CREATE TABLE renewals ("
+    " attempt_id TEXT PRIMARY KEY REFERENCES attempts (attempt_id),"
+    " boot_id TEXT NOT NULL, sequence INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL,"
+    " deadline_boottime_ns INTEGER NOT NULL, effective_expires_at_ms INTEGER NOT NULL,"
+    " updated INTEGER NOT NULL"
+    ") STRICT, WITHOUT ROWID",
+    "CREATE TRIGGER renewals_never_deleted BEFORE DELETE ON renewals"
+    " BEGIN SELECT RAISE(ABORT, 'renewals are never deleted'); END",
+    "CREATE VIEW attempt_records AS SELECT "  # noqa: S608
+    + ", ".join(map(_record_column, RECORD_FIELDS))
+    + " FROM attempts LEFT JOIN renewals ON renewals.attempt_id = attempts.attempt_id",
+)
+"""The lease a renewal records, in a narrow table of its own (schema 4), and the view
+every record is read through.
+
+Why: an attempt's row holds its plan (about 1 KiB), and SQLite rewrites a whole row,
+and its pages in the log, for any change. A renewal of 64 leases rewrote 64 plans:
+about 0.9 ms with its commit, against 0.25-0.45 ms for the same leases in a narrow
+table. Admission still writes the first lease into the attempt's row (one insert per
+attempt, as before); a renewal's lease, once there is one, is the record's lease."""
+
+SCHEMA_VERSION: Final = 4
 MIGRATIONS: Final = {
     # from version: the statements that bring a ledger to the next version, in one
     # transaction. Columns are only ever added, with values that are true of every
@@ -41,6 +82,9 @@ MIGRATIONS: Final = {
         "ALTER TABLE attempts ADD COLUMN storage_inodes_used INTEGER",
         "ALTER TABLE attempts ADD COLUMN wall_ms INTEGER",
     ),
+    # Renewed leases in a table of their own; each record keeps its lease until the
+    # next renewal writes one there.
+    3: RENEWALS,
 }
 
 
@@ -137,18 +181,10 @@ CREATE TRIGGER identity_fixed BEFORE UPDATE OF installation_id, ledger_id, admis
 ON meta BEGIN SELECT RAISE(ABORT, 'the ledger identity never changes'); END;
 CREATE TRIGGER fence_fixed BEFORE UPDATE OF attempt_id, job_id, generation, plan_digest, plan
 ON attempts BEGIN SELECT RAISE(ABORT, 'an attempt fence never changes'); END;
-"""
-"""Status columns are named after `lifecycle.Status` fields and lease columns after
-`Lease` fields, so a record is read by name (see `record`)."""
-
-STATUS_FIELDS: Final = lifecycle.Status.__struct_fields__
-LEASE_FIELDS: Final = Lease.__struct_fields__
-HEAD_FIELDS: Final = ("attempt_id", "job_id", "generation", "plan_digest", "offer_revision")
-TAIL_FIELDS: Final = ("detail", "slot_id", "created", "updated")
-RECORD_FIELDS: Final = HEAD_FIELDS + STATUS_FIELDS + LEASE_FIELDS + TAIL_FIELDS
+""" + "".join(f"{statement};\n" for statement in RENEWALS)
 
 # SQL is only ever assembled from the constant column names above, never from input.
-SELECT: Final = f"SELECT {', '.join(RECORD_FIELDS)} FROM attempts"  # noqa: S608
+SELECT: Final = f"SELECT {', '.join(RECORD_FIELDS)} FROM attempt_records"  # noqa: S608
 
 
 def _json_object(names: tuple[str, ...]) -> str:
@@ -160,7 +196,7 @@ SELECT_AS_ONE: Final = (
     + ", ".join(f"'{name}', {name}" for name in HEAD_FIELDS + TAIL_FIELDS)
     + f", 'status', {_json_object(STATUS_FIELDS)}"
     + f", 'lease', CASE WHEN boot_id IS NULL THEN NULL ELSE {_json_object(LEASE_FIELDS)} END"
-    + ")) FROM attempts"
+    + ")) FROM attempt_records"
 )
 """`SELECT`'s records as ONE row: a JSON array of records shaped as `AttemptRecord`
 (see `records_of`).
@@ -297,6 +333,14 @@ def input_record(row: tuple[object, ...]) -> records.InputRecord:
 
 def status_values(status: lifecycle.Status) -> list[object]:
     return [getattr(status, name) for name in STATUS_FIELDS]
+
+
+RENEW_SQL: Final = (
+    f"INSERT INTO renewals (attempt_id, {', '.join(LEASE_FIELDS)}, updated)"  # noqa: S608
+    f" VALUES ({', '.join('?' * (len(LEASE_FIELDS) + 2))}) ON CONFLICT (attempt_id)"
+    f" DO UPDATE SET {', '.join(f'{n} = excluded.{n}' for n in (*LEASE_FIELDS, 'updated'))}"
+)
+"""Record a renewed lease: attempt ID, `lease_values(lease)`, the ordinal."""
 
 
 def lease_values(lease: Lease | None) -> list[object]:

@@ -10,9 +10,9 @@ where it would queue behind renewals' transactions (`read`).
 Why it cannot go stale: the ledger is the only writer of its database (it holds the
 state directory's exclusive lock for as long as it is open), and every write is one
 transaction on its one connection. A TEMP trigger on that connection, which nothing
-else sees, notes the ID of every attempt whose row, or one of whose input objects' rows,
-an INSERT or UPDATE touches in a TEMP table, inside the same transaction, whichever
-code wrote it. Just before the ledger
+else sees, notes the ID of every attempt whose row an UPDATE touches, or whose renewed
+lease or one of whose input objects' rows an INSERT or UPDATE touches, in a TEMP
+table, inside the same transaction, whichever code wrote it. Just before the ledger
 commits, it takes those IDs with the number of row writes of each (`touched`); once
 the commit has succeeded, the cache drops them, except where the writer reported the
 record it wrote (`wrote`: a renewal, a lifecycle step) and the trigger counted exactly
@@ -52,10 +52,19 @@ _SETUP: Final = (
     *(  # constant names only
         f"CREATE TEMP TRIGGER IF NOT EXISTS touched_by_{table}_{event} AFTER {event.upper()}"  # noqa: S608
         f" ON main.{table} BEGIN INSERT INTO touched VALUES ({row}.attempt_id, 1){_TOUCHING}"
-        for table in ("attempts", "input_objects")
-        for event, row in (("insert", "new"), ("update", "old"))
+        for table, event, row in (
+            ("attempts", "update", "old"),
+            ("renewals", "insert", "new"),
+            ("renewals", "update", "old"),
+            ("input_objects", "insert", "new"),
+            ("input_objects", "update", "old"),
+        )
     ),
 )
+"""No trigger on a new attempt's row: only records read from the database are kept,
+and an attempt's ID is new when its row is inserted (records are never deleted), so
+nothing of it can be kept yet. (Staged bytes of an ID not yet admitted can be: its
+input objects' rows are counted.) Admission, the busiest insert, pays nothing."""
 
 _TOUCHED: Final = msgspec.json.Decoder(dict[str, int])
 
