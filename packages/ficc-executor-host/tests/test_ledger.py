@@ -531,6 +531,22 @@ def test_open_missing_and_half_created(state_dir: Path) -> None:
     assert error.value.code in {"ledger_corrupt", "ledger_schema"}
 
 
+def test_a_database_without_the_ledger_tables_is_refused_as_no_ledger(state_dir: Path) -> None:
+    """A real SQLite file with no tables (say, a crash during the first start) is
+    refused with what to do, before anything is made on its connection."""
+    path = state_dir / LEDGER_FILE
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA user_version = 1")  # a written header, still no table
+    db.close()
+    with pytest.raises(HostError) as error:
+        Ledger.open(str(state_dir), INSTALLATION)
+    assert error.value.code == "ledger_schema"
+    assert "no ledger identity" in error.value.message
+
+
 def test_records_and_identity_cannot_be_deleted_or_rewritten(ledger: Ledger) -> None:
     plan = make_plan(inputs=(stream(),))  # row triggers need a row in every table
     admitted(ledger, plan)
@@ -1611,6 +1627,27 @@ def test_a_renewal_and_the_reads_after_it_need_no_record_query(ledger: Ledger) -
     assert after == [held[f.attempt_id] for f in fences]
     assert [s for s in statements if "FROM attempt" in s] == []  # no record query
     assert sum(s.startswith("INSERT INTO renewals") for s in statements) >= 3  # traced
+
+
+def test_a_refusal_inside_a_write_keeps_the_record_cache(ledger: Ledger) -> None:
+    """A transaction refused before its commit is rolled back to what the cache holds:
+    a client's stale chunk or unknown fence must not cost every other client's cache."""
+    plans = [make_plan() for _ in range(3)]
+    admit(ledger, *plans)
+    ledger.fenced([fence(p) for p in plans])
+    ledger.staged_bytes([p.attempt_id for p in plans])
+    assert ledger._cache is not None
+    assert len(ledger._cache) == 3
+    with pytest.raises(HostError):
+        ledger.expire(Fence(new_id(), 1, SHA), NOW)
+    with pytest.raises(HostError):
+        ledger.expire(Fence(plans[0].attempt_id, 2, SHA), NOW)
+    assert len(ledger._cache) == 3
+    held = _database_records(ledger, [p.attempt_id for p in plans])
+    assert ledger.cached([fence(p) for p in plans]) == (
+        [held[p.attempt_id] for p in plans],
+        dict.fromkeys(held, 0),
+    )
 
 
 class _CommitFailsAfterWriting:

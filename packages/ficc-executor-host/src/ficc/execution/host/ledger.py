@@ -394,10 +394,6 @@ class Ledger:
         self._records_as_one = _has_json(db)
         """Batch reads come back as one JSON row (`ledger_schema.SELECT_AS_ONE`) where
         this SQLite has its JSON functions (3.38 and newer always do); else row by row."""
-        self._cache = RecordCache(db) if self._records_as_one else None
-        """Records as last committed (see `record_cache`); it needs the JSON functions."""
-        self._unchanged: int | None = None
-        """In a write transaction: `total_changes` before its first change."""
         row = None
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
             row = db.execute(
@@ -406,6 +402,11 @@ class Ledger:
         if row is None or row[0] != SCHEMA_VERSION or row[3] != ADMISSION_VERSION:
             raise HostError("ledger_schema", _unreadable_schema(path, row))
         self._bindings = Bindings(row[1], row[2], ADMISSION_VERSION)
+        # Only now: its TEMP triggers need this ledger's tables.
+        self._cache = RecordCache(db) if self._records_as_one else None
+        """Records as last committed (see `record_cache`); it needs the JSON functions."""
+        self._unchanged: int | None = None
+        """In a write transaction: `total_changes` before its first change."""
 
     # -- opening --------------------------------------------------------------------
 
@@ -563,6 +564,8 @@ class Ledger:
     def close(self) -> None:
         """Close the database and release the state directory lock (idempotent)."""
         with self._lock:
+            if self._cache is not None:
+                self._cache.failed()  # `cached` answers nothing once closed
             if self._dir_fd >= 0:
                 self._db.close()
                 os.close(self._dir_fd)
@@ -1137,7 +1140,7 @@ class Ledger:
         records: dict[str, AttemptRecord],
     ) -> HostError:
         """Fail a ready attempt whose start is refused with `refusal` (see `start_batch`)."""
-        event = lifecycle.StartRefused(reason=refusal.code)
+        event = lifecycle.StartRefused(reason=str(refusal.code))  # as a read gives it
         result = self._apply_one(fence, event, ordinal, records)
         return result if isinstance(result, HostError) else refusal
 
@@ -1553,6 +1556,7 @@ class Ledger:
         with self._lock:
             self._changed.clear()
             self._db.execute("BEGIN IMMEDIATE")
+            committing = False
             try:
                 if bindings is not None and bindings != self._bindings:
                     raise HostError(
@@ -1575,12 +1579,11 @@ class Ledger:
                     self._db.execute("COMMIT")
                 else:
                     touched = self._cache.touched()
+                    committing = True
                     self._db.execute("COMMIT")
                     self._cache.committed(touched)
             except BaseException as error:
-                if self._cache is not None:
-                    self._cache.failed()
-                self._rollback()
+                self._abandoned(committing)
                 if _out_of_space(error):
                     raise _Full() from error
                 raise
@@ -1590,6 +1593,24 @@ class Ledger:
             changed, self._changed = self._changed, []
             for record, cause in changed:
                 _log_change(record, cause)
+
+    def _abandoned(self, committing: bool) -> None:
+        """End a transaction that raised. Before its COMMIT (a refusal, a full disk),
+        the rollback leaves the database as the cache has it: only what the writer
+        reported goes. A failed COMMIT, or a failure after it, or a rollback that
+        fails, leaves an outcome the cache cannot know: it is emptied."""
+        cache = self._cache
+        if cache is not None:
+            if committing:
+                cache.failed()
+            else:
+                cache.began()
+        try:
+            self._rollback()
+        except BaseException:
+            if cache is not None:
+                cache.failed()
+            raise
 
     def _rollback(self) -> None:
         """End the failed transaction. SQLite may have rolled it back already (it does on

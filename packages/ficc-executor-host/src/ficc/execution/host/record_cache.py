@@ -17,13 +17,15 @@ commits, it takes those IDs with the number of row writes of each (`touched`); o
 the commit has succeeded, the cache drops them, except where the writer reported the
 record it wrote (`wrote`: a renewal, a lifecycle step) and the trigger counted exactly
 as many writes of that row as were reported: then it keeps that record. A
-transaction that fails in any way, its commit included, empties the whole cache:
+transaction refused before its commit is rolled back to what the cache holds, and
+only the reports go; a commit or a rollback that fails empties the whole cache:
 nothing is trusted that the database may not hold.
 
 Reads inside a write transaction may use the cache only until the transaction's first
 change (the ledger checks); after it, they read the database.
 
-`read` is the one call made without the ledger's lock, from the event loop: every
+`read` is the one call made without the ledger's lock, from the event loop (it relies on
+CPython's global interpreter lock for each single dictionary lookup): every
 change of the cache happens under that lock on the ledger thread, between two steps
 of a version counter (odd while changing), and a read that saw the counter odd, or
 changed, is given up (a sequence lock). What it returns is the cache at one moment:
@@ -127,7 +129,8 @@ class RecordCache:
             self._trim()
 
     def began(self) -> None:
-        """A write transaction began: nothing is reported written yet."""
+        """A write transaction began, or one was rolled back before its commit:
+        nothing is reported written."""
         self._written.clear()
 
     def wrote(self, record: AttemptRecord) -> None:
