@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -350,6 +350,17 @@ def as_schema_two(state_dir: Path) -> None:
     old.close()
 
 
+def migrated_from(led: Ledger, state_dir: Path, downgrade: Callable[[Path], None]) -> Ledger:
+    """Close `led`, turn its file into an older schema with `downgrade`, and open it
+    again (which migrates it): every record reads back as it was."""
+    before = led.page(None)[0]
+    led.close()
+    downgrade(state_dir)
+    migrated = Ledger.open(str(state_dir), INSTALLATION)
+    assert migrated.page(None)[0] == before
+    return migrated
+
+
 def as_schema_one(state_dir: Path) -> None:
     """Turn a closed ledger into what the first release wrote (schema version 1)."""
     as_schema_two(state_dir)
@@ -489,12 +500,8 @@ def test_a_ledger_of_schema_two_gains_usage_unrecorded_for_every_record(state_di
     to_unknown_released(led, old)
     admitted(led, running)
     to_running(led, running)
-    before = led.page(None)[0]
-    led.close()
-    as_schema_two(state_dir)
-    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    reopened = migrated_from(led, state_dir, as_schema_two)
     try:
-        assert reopened.page(None)[0] == before
         found = reopened.usage_of([old.attempt_id, running.attempt_id])
         assert found == dict.fromkeys(
             [old.attempt_id, running.attempt_id], RecordedUsage(False, ResourceUsage())
@@ -1941,13 +1948,9 @@ def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
     """A ledger written before the storage flags existed (schema 1) opens, gains the
     columns with false for every record, and keeps every record as it was."""
     admitted(ledger, make_plan())
-    before = ledger.page(None)[0]
-    ledger.close()
-    as_schema_one(state_dir)
-    migrated = Ledger.open(str(state_dir), INSTALLATION)
+    migrated = migrated_from(ledger, state_dir, as_schema_one)
     try:
-        assert migrated.page(None)[0] == before
-        assert not before[0].status.storage_exhausted
+        assert not migrated.page(None)[0][0].status.storage_exhausted
     finally:
         migrated.close()
     db = sqlite3.connect(state_dir / LEDGER_FILE)
@@ -1965,23 +1968,20 @@ def test_a_ledger_of_schema_three_keeps_its_leases_and_renews_into_the_new_table
     plans = [make_plan() for _ in range(2)]
     admit(ledger, *plans)
     ledger.renew_batch([(fence(plans[0]), Renew(2, 6000))], NOW, MAX_LEASE)
-    before = ledger.page(None)[0]
-    ledger.close()
-    as_schema_three(state_dir)
-    migrated = Ledger.open(str(state_dir), INSTALLATION)
+    migrated = migrated_from(ledger, state_dir, as_schema_three)
     try:
-        assert migrated.page(None)[0] == before
         assert migrated.get(plans[0].attempt_id).lease.sequence == 2  # type: ignore[union-attr]
         (stale,) = migrated.renew_batch([(fence(plans[0]), Renew(2, 7000))], NOW, MAX_LEASE)
         refused(stale, "lease_sequence")  # judged against the lease kept in the old row
         (renewed,) = migrated.renew_batch([(fence(plans[1]), Renew(2, 6000))], NOW, MAX_LEASE)
         assert isinstance(renewed, Applied)
-        migrated.close()
-        reopened = Ledger.open(str(state_dir), INSTALLATION)
-        assert reopened.get(plans[1].attempt_id) == renewed.record
-        reopened.close()
     finally:
         migrated.close()
+    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    try:
+        assert reopened.get(plans[1].attempt_id) == renewed.record
+    finally:
+        reopened.close()
 
 
 def test_another_installations_old_ledger_is_refused_before_it_is_migrated(

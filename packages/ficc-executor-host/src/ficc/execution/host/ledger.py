@@ -724,7 +724,7 @@ class Ledger:
     def staged_bytes(self, attempt_ids: Sequence[str]) -> dict[str, int]:
         """Durable streamed bytes per attempt (0 for attempts without streams)."""
         with self._lock:
-            cache = self._cache if self._cacheable() else None
+            cache = self._usable_cache()
             found = cache.known_staged(attempt_ids) if cache is not None else {}
             totals = {i: 0 for i in attempt_ids if i not in found}
             ids = list(totals)
@@ -1626,13 +1626,9 @@ class Ledger:
         """The records of these attempts by ID, from the cache where it may be used and
         with one query for the rest (a batch's rows); unknown IDs are simply absent."""
         ids = list(dict.fromkeys(attempt_ids))
-        cache = self._cache
-        if cache is None or not self._cacheable():
-            cache = None
-            found = {}
-        else:
-            found = cache.known(ids)
-            ids = [i for i in ids if i not in found]
+        cache = self._usable_cache()
+        found = cache.known(ids) if cache is not None else {}
+        ids = [i for i in ids if i not in found]
         if ids:
             read = self._select(f"WHERE attempt_id IN ({_marks(len(ids))})", ids)
             found.update((record.attempt_id, record) for record in read)
@@ -1640,10 +1636,12 @@ class Ledger:
                 cache.keep(read)
         return found
 
-    def _cacheable(self) -> bool:
-        """Whether the cache holds what a read would: outside a write transaction, or
-        inside one before its first change."""
-        return self._unchanged is None or self._db.total_changes == self._unchanged
+    def _usable_cache(self) -> RecordCache | None:
+        """The record cache where it holds what a read would: outside a write
+        transaction, or inside one before its first change."""
+        if self._unchanged is None or self._db.total_changes == self._unchanged:
+            return self._cache
+        return None
 
     def _select(self, where: str, parameters: Sequence[object]) -> list[AttemptRecord]:
         """The records `where` selects, in one result row where SQLite can (see
