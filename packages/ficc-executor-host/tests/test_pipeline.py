@@ -1527,6 +1527,45 @@ def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("ended", ["being stopped", "expired", "expired and cleaned up"])
+def test_a_renewal_whose_attempt_expired_before_its_hand_over_is_refused(
+    world: World, ended: str
+) -> None:
+    """Between a renewal's commit and its hand-over to the reaper, the monitor may find
+    the service stopped at the old deadline and record the expiry (a stop pending, or
+    already `expired`), and cleanup may take the deadline back: the hand-over still
+    names the attempt as one the reaper stopped, so the renewal is refused
+    `lease_expired`, never answered OK for an attempt that ends expired."""
+    fence = world.admit(world.plan())
+    attempt_id = fence.attempt_id
+    deadlines = Deadlines(world.ctx)
+
+    async def scenario() -> frozenset[str]:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            runner.admitted([attempt_id])
+            await until(state_of(world, attempt_id), "ready")
+            world.start(fence)
+            attempt = await runner._attempt(world.record(attempt_id))
+        await deadlines.set(attempt)
+        terms = Terms(sequence=2, expires_at_ms=10**13)
+        (row,) = world.ctx.ledger.renew_batch([(fence, terms)], world.clock.now(), 3600)
+        assert isinstance(row, Applied) and row.changed, row
+        world.ctx.ledger.apply(fence, lifecycle.LeaseExpired())
+        if ended != "being stopped":
+            world.ctx.ledger.apply(fence, lifecycle.Stopped())
+        if ended == "expired and cleaned up":
+            await deadlines.drop(attempt)
+        try:
+            return await deadlines.renewed([row.record])
+        finally:
+            await deadlines.drop(attempt)
+
+    late = asyncio.run(scenario())
+    assert late == {attempt_id}
+    expected = "starting" if ended == "being stopped" else "expired"
+    assert world.record(attempt_id).status.state == expected
+
+
 def test_an_unavailable_provider_fails_preparation(world: World) -> None:
     world.ctx.providers["test"] = ProviderRuntime(
         "test", SHA, None, HostError("provider_digest_mismatch", "not the pinned files")

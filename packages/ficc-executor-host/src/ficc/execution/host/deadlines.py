@@ -130,7 +130,7 @@ class Deadlines(HostWork):
         written or the reaper's decision cannot be known, for the reaper may stop the
         payload at the old deadline. The ledger keeps the renewal, so the same renewal
         sent again writes the files again."""
-        error = await self._sync(records)
+        error = await self._sync(records, renewal=True)
         if isinstance(error, OSError):
             raise HostError(
                 "lease_reaper_unavailable",
@@ -165,21 +165,34 @@ class Deadlines(HostWork):
             _log.warning("attempt %s: reaper evidence unreadable: %s", attempt.id, error)
             return False
 
-    async def _sync(self, records: Sequence[AttemptRecord]) -> OSError | frozenset[str]:
+    async def _sync(
+        self, records: Sequence[AttemptRecord], *, renewal: bool = False
+    ) -> OSError | frozenset[str]:
         """One writer at a time, and each moved deadline is read again from the ledger
         under the lock: `records` may be older than a renewal another writer has
         already handed over, and the file must never go back to a stale deadline.
-        Returns the attempts the reaper had already decided to stop, or the error."""
+        Returns the attempts the reaper had already decided to stop, or the error.
+
+        For a `renewal`, every renewed live attempt is read again: the monitor may
+        have found its service stopped at the old deadline and recorded the expiry
+        (cleanup may even have taken its deadline back) between the renewal's commit
+        and this hand-over, and such a renewal must be refused as one that came late."""
         async with self._lock:  # also when none is known yet: a first `set` may be writing
-            if not self._deadlines:
+            if renewal:
+                moved_ids = [r.attempt_id for r in records if r.status.state in LIVE_STATES]
+            elif self._deadlines:
+                moved_ids = [r.attempt_id for r in records if self._moved(r)]
+            else:
                 return frozenset()
-            moved_ids = [r.attempt_id for r in records if self._moved(r)]
             fresh = await self._db(self._records, moved_ids) if moved_ids else []
+            ended = frozenset(r.attempt_id for r in fresh if renewal and _expiring(r))
             moved = [
                 (r.attempt_id, self._deadlines[r.attempt_id][0], r.lease)
                 for r in fresh
                 if r.lease is not None and self._moved(r)
             ]
+            if not moved and not self._deadlines:
+                return ended
             keeper = self._keeper()
 
             def write() -> frozenset[str]:
@@ -202,7 +215,7 @@ class Deadlines(HostWork):
                 return error
             for attempt_id, service, lease in moved:
                 self._deadlines[attempt_id] = (service, lease.deadline_boottime_ns)
-            return late
+            return late | ended
 
     def _records(self, attempt_ids: Sequence[str]) -> list[AttemptRecord]:
         """The current records of `attempt_ids` (a ledger-thread call)."""
@@ -215,3 +228,9 @@ class Deadlines(HostWork):
             await self._io(self._keeper().drop, attempt.service)
         except OSError as error:
             _log.warning("attempt %s: deadline file not removed: %s", attempt.id, error)
+
+
+def _expiring(record: AttemptRecord) -> bool:
+    """Whether the attempt ends `expired`: recorded so, or being stopped for it."""
+    status = record.status
+    return status.state == "expired" or status.stop_pending == "expired"
