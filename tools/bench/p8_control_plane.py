@@ -16,7 +16,10 @@ Figures: p50 and p99 of each action and of the echo; the target wants each p99 a
 10x the echo's p99 and each p50 at most 20x the echo's p50 (ratio = value / baseline,
 lower is better). Full runs interleave 3 rounds (echo, then daemon, 100 renew +
 100 observe per client each) and report the median of the rounds' percentiles: the
-echo's p99 on 2 cores shared by 8 clients is mostly scheduling noise.
+echo's p99 on 2 cores shared by 8 clients is mostly scheduling noise. A last line,
+without a target, is the daemon's CPU (all its threads) per request against the echo
+server's: the daemon is bound by its one interpreter, so this is what its latency
+follows.
 
 Set FICC_BENCH_PYSPY=FILE to record the daemon with py-spy during its rounds.
 """
@@ -164,6 +167,13 @@ def _start_echo(directory: str) -> tuple[int, str]:
     return pid, path
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU of process `pid` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        fields = stat.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -179,6 +189,7 @@ def run(quick: bool) -> list[Figure]:
     pairs, rounds = (15, 1) if quick else (100, 3)
     slots = [SlotPlan("small", 16 * MIB) for _ in range(CLIENTS * ROWS)]
     echo_rounds, renew_rounds, observe_rounds = [], [], []
+    echo_cpu = daemon_cpu = 0.0
     with bench_host(slots) as host:
         plans = [host.plan() for _ in range(CLIENTS * ROWS)]
         for start in range(0, len(plans), ROWS):
@@ -194,9 +205,13 @@ def run(quick: bool) -> list[Figure]:
             _run_clients(host, echo_path, [f[:4] for f in frames])  # warm-up
             for r in range(rounds):  # interleaved, so drift hits both sides alike
                 mine = [f[r * 2 * pairs : (r + 1) * 2 * pairs] for f in frames]
+                before = _cpu_seconds(echo_pid)
                 echo_rounds.append(_round_percentiles(_run_clients(host, echo_path, mine), 1, 0))
+                echo_cpu += _cpu_seconds(echo_pid) - before
+                before = _cpu_seconds(host.pid)
                 with profiled(host.pid):
                     daemon = _run_clients(host, host.transport, mine)
+                daemon_cpu += _cpu_seconds(host.pid) - before
                 renew_rounds.append(_round_percentiles(daemon, 2, 0))
                 observe_rounds.append(_round_percentiles(daemon, 2, 1))
         finally:
@@ -217,4 +232,10 @@ def run(quick: bool) -> list[Figure]:
             Figure("P8", f"{name} 64 rows, 8 clients: p99 vs echo p99", p99, "ms", echo99,
                    p99 / echo99, target=10.0)
         )  # fmt: skip
+    requests = CLIENTS * 2 * pairs * rounds
+    figures.append(
+        Figure("P8", "daemon CPU per request (renew and observe alike)",
+               daemon_cpu / requests * 1000, "ms", echo_cpu / requests * 1000,
+               daemon_cpu / max(echo_cpu, 1e-9))
+    )  # fmt: skip
     return figures

@@ -1549,7 +1549,8 @@ def test_a_renewal_whose_attempt_expired_before_its_hand_over_is_refused(
         await deadlines.set(attempt)
         terms = Terms(sequence=2, expires_at_ms=10**13)
         (row,) = world.ctx.ledger.renew_batch([(fence, terms)], world.clock.now(), 3600)
-        assert isinstance(row, Applied) and row.changed, row
+        assert isinstance(row, Applied), row
+        assert row.changed
         world.ctx.ledger.apply(fence, lifecycle.LeaseExpired())
         if ended != "being stopped":
             world.ctx.ledger.apply(fence, lifecycle.Stopped())

@@ -41,7 +41,7 @@ import stat
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import metadata
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol, TypeVar, cast
 
 import msgspec
 
@@ -99,6 +99,7 @@ from ficc.execution.wire import (
     MetricsReply,
     Offer,
     OfferReply,
+    Outcome,
     ProviderInfo,
     SlotClass,
     SnapshotReply,
@@ -235,35 +236,42 @@ def _log_bytes(ctx: HostContext, record: ledgerlib.AttemptRecord) -> tuple[int, 
 
 def attempt_row(record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]) -> AttemptRow:
     """The wire row of a record (a batch reply row)."""
-    return AttemptRow(**_status_fields(record, staged, logs))
+    return _status_as(AttemptRow, record, staged, logs)
 
 
 def attempt_status(
     record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]
 ) -> AttemptStatus:
     """What the record says, as a snapshot lists it."""
-    return AttemptStatus(**_status_fields(record, staged, logs))
+    return _status_as(AttemptStatus, record, staged, logs)
 
 
-def _status_fields(
-    record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]
-) -> dict[str, Any]:
-    """The fields an attempt row and a snapshot's status share, from the record."""
+_Status = TypeVar("_Status", bound=AttemptStatus)
+_SHOWS_OUTCOME: Final = lifecycle.SETTLED | {"released"}
+
+
+def _status_as(
+    cls: type[_Status], record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int]
+) -> _Status:
+    """The fields an attempt row and a snapshot's status share, from the record (built
+    with keyword arguments, not a dict: every reply row of a batch passes here)."""
     status = record.status
-    settled = status.state in lifecycle.SETTLED or status.state == "released"
+    state = status.state
     lease = record.lease
-    return dict(
+    # The ledger records the settled state as the outcome; a state is wider as a type.
+    outcome = cast("Outcome", status.outcome) if state in _SHOWS_OUTCOME else None
+    return cls(
         attempt_id=record.attempt_id,
         generation=record.generation,
         plan_digest=record.plan_digest,
-        state=status.state,
+        state=state,
         ready=status.ready,
-        outcome=status.outcome if settled else None,
+        outcome=outcome,
         reason=status.reason,
         exit_code=status.exit_code,
-        lease_sequence=lease.sequence if lease is not None else 0,
-        lease_expires_at_ms=lease.effective_expires_at_ms if lease is not None else None,
-        slot=None if status.state == "released" else record.slot_id,  # reserved only
+        lease_sequence=0 if lease is None else lease.sequence,
+        lease_expires_at_ms=None if lease is None else lease.effective_expires_at_ms,
+        slot=None if state == "released" else record.slot_id,  # reserved only
         staged_bytes=staged,
         stdout_bytes=logs[0],
         stderr_bytes=logs[1],

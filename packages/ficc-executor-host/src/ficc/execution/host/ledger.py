@@ -1350,10 +1350,13 @@ class Ledger:
             offer = self._offer()
             terms = _RenewTerms(now, maximum_lease_seconds, offer, ordinal)
             records = self._records(fence.attempt_id for rows in batches for fence, _ in rows)
-            return [
-                [self._renew_one(fence, renewal, terms, records) for fence, renewal in rows]
+            writes: list[list[object]] = []
+            results = [
+                [self._renew_one(fence, renewal, terms, records, writes) for fence, renewal in rows]
                 for rows in batches
             ]
+            self._db.executemany(ledger_schema.RENEW_SQL, writes)
+            return results
 
     def _renew_one(
         self,
@@ -1361,9 +1364,11 @@ class Ledger:
         renewal: leases.Renewal,
         terms: _RenewTerms,
         records: dict[str, AttemptRecord],
+        writes: list[list[object]],
     ) -> Applied | HostError:
         """Renew one row; `records` (this transaction's, by ID) is kept current, so a
-        later row of the same attempt sees this one's lease."""
+        later row of the same attempt sees this one's lease. The row's write is added
+        to `writes`, which the transaction runs in order in one `executemany`."""
         now, maximum_lease_seconds, offer, ordinal = terms
         record = _fenced_in(records, fence)
         if isinstance(record, HostError):
@@ -1382,10 +1387,7 @@ class Ledger:
             return Applied(record, changed=False)
         if "renew" not in OFFER_ALLOWS[offer.control]:
             return HostError(ErrorCode.OFFER_CLOSED, f"the offer is {offer.control}")
-        self._db.execute(
-            ledger_schema.RENEW_SQL,
-            [fence.attempt_id, *ledger_schema.lease_values(lease), ordinal],
-        )
+        writes.append([fence.attempt_id, *ledger_schema.lease_values(lease), ordinal])
         updated = msgspec.structs.replace(record, lease=lease, updated=ordinal)
         records[fence.attempt_id] = updated
         self._wrote(updated)
