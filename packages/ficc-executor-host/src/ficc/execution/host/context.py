@@ -36,6 +36,7 @@ from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.group_commit import GroupCommit
+from ficc.execution.host.lanes import Lane, ToLoop
 from ficc.execution.host.ledger import Ledger
 from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.interface import SystemService
@@ -77,14 +78,14 @@ class Workers:
     """The three executors of the daemon (see the module docstring)."""
 
     def __init__(self, io_threads: int = 4, provider_threads: int = 4) -> None:
-        self._db = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ficc-db")
-        self._io = concurrent.futures.ThreadPoolExecutor(io_threads, thread_name_prefix="ficc-io")
+        self._db = Lane(1, "ficc-db")
+        self._io = Lane(io_threads, "ficc-io")
         self._provider_threads = provider_threads
         self._provider_slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one ledger call on the ledger thread."""
-        return await _run(self._db, fn, args, kwargs)
+        return await self._db.run(fn, *args, **kwargs)
 
     def db_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run one ledger call on the ledger thread and wait for it, from another thread.
@@ -93,36 +94,33 @@ class Workers:
         while holding the attempt's write guard; the commit must still run on the one
         ledger thread. Never call this from the ledger thread or the event loop.
         """
-        return self._db.submit(functools.partial(fn, *args, **kwargs)).result()
+        return self._db.call(fn, *args, **kwargs)
 
     async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run blocking file I/O off the loop."""
-        return await _run(self._io, fn, args, kwargs)
+        return await self._io.run(fn, *args, **kwargs)
 
     async def db_then_io(self, lookup: Callable[[], U], then: Callable[[U], T]) -> T:
         """`then(lookup())`: `lookup` on the ledger thread, `then` in an I/O thread.
 
         Why: awaiting `db` and then `io` wakes the event loop in between only to hand
         the result on: two thread round trips of about 0.1 ms each on a small VM, for
-        a request (a 1 MiB collect) of about 2 ms. Here the ledger thread submits
-        `then` itself (a queue put: it never waits on the I/O), and the loop wakes
-        once, with the outcome. An exception from either step
-        is raised here; a cancelled caller stops `lookup` only if it has not started.
+        a request (a 1 MiB collect) of about 2 ms. Here the ledger thread queues
+        `then` itself (it never waits on the I/O), and the loop wakes once, with the
+        outcome. An exception from either step is raised here, as is a RuntimeError
+        when a step's threads shut down before it ran; a cancelled caller stops
+        `lookup` only if it has not started.
         """
-        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[T] = loop.create_future()
+        answer = ToLoop(loop, outcome)
+        io = self._io
 
         def first() -> None:
-            if not outcome.set_running_or_notify_cancel():
-                return  # the caller is gone: no lookup, no I/O
-            try:
-                second = self._io.submit(then, lookup())
-            except BaseException as exc:  # the lookup's refusal, or a pool shut down
-                outcome.set_exception(exc)
-                return
-            second.add_done_callback(functools.partial(_settle, outcome))
+            io.submit(then, (lookup(),), {}, _Step(answer, "I/O", results=True))
 
-        self._db.submit(first)
-        return await asyncio.wrap_future(outcome)
+        self._db.submit(first, (), {}, _Step(answer, "ledger", results=False))
+        return await outcome
 
     async def provider(
         self,
@@ -165,15 +163,29 @@ class Workers:
         """Stop the ledger and I/O threads; provider calls still running are left to
         end with the process (every provider call is safe to cut off: a restart never
         replays work whose outcome it does not know)."""
-        for pool in (self._io, self._db):
-            pool.shutdown(wait=True, cancel_futures=True)
+        for lane in (self._io, self._db):
+            lane.shutdown(wait=True)
 
 
-async def _run(
-    pool: concurrent.futures.Executor, fn: Callable[..., T], args: Any, kwargs: Any
-) -> T:
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+class _Step:
+    """One step of `db_then_io`: passes the step's refusal (and, for the last step,
+    its result) to the caller, and a step that will never run as a RuntimeError."""
+
+    __slots__ = ("answer", "results", "threads")
+
+    def __init__(self, answer: ToLoop[Any], threads: str, *, results: bool) -> None:
+        self.answer, self.threads, self.results = answer, threads, results
+
+    def wanted(self) -> bool:
+        return self.answer.wanted()
+
+    def give(self, result: Any, error: BaseException | None) -> None:
+        if error is not None or self.results:
+            self.answer.give(result, error)
+
+    def cancel(self) -> None:
+        message = f"the {self.threads} threads shut down before the call ran"
+        self.answer.give(None, RuntimeError(message))
 
 
 def _fill(
@@ -203,16 +215,6 @@ def _fill(
 def _ended(on_end: Callable[[], None] | None) -> None:
     if on_end is not None:
         on_end()
-
-
-def _settle(outcome: concurrent.futures.Future[T], done: concurrent.futures.Future[T]) -> None:
-    """Give `outcome` the result or exception of `done` (a shut-down pool cancels it)."""
-    if done.cancelled():
-        outcome.set_exception(RuntimeError("the I/O threads shut down before the call ran"))
-    elif (error := done.exception()) is not None:
-        outcome.set_exception(error)
-    else:
-        outcome.set_result(done.result())
 
 
 @dataclasses.dataclass

@@ -1,0 +1,134 @@
+"""Lane: the worker threads behind the ledger thread and the I/O threads, with real
+threads and a real loop (asyncio's own and uvloop, which the daemon runs)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+import uvloop
+
+from ficc.execution.host.lanes import Lane
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, Any]], Any]:
+    """Each test runs on both loops."""
+    return asyncio.run if request.param == "asyncio" else uvloop.run
+
+
+@pytest.fixture
+def lane() -> Iterator[Lane]:
+    made = Lane(2, "ficc-test")
+    yield made
+    made.shutdown()
+
+
+def test_a_call_runs_in_a_named_thread_and_answers(lane: Lane, run: Any) -> None:
+    async def scenario() -> tuple[str, int]:
+        name = await lane.run(lambda: threading.current_thread().name)
+        return name, await lane.run(divmod, 7, 2) == (3, 1)
+
+    name, answered = run(scenario())
+    assert name.startswith("ficc-test_")
+    assert answered
+
+
+def test_a_call_s_exception_reaches_the_caller_with_its_type(lane: Lane, run: Any) -> None:
+    def refuse() -> None:
+        raise LookupError("fence_mismatch")
+
+    with pytest.raises(LookupError, match="fence_mismatch"):
+        run(lane.run(refuse))
+
+
+def test_a_stop_iteration_from_a_call_is_a_runtime_error_not_a_hang(lane: Lane, run: Any) -> None:
+    """A future cannot carry StopIteration; the caller still gets an answer."""
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        run(lane.run(next, iter(())))
+
+
+def test_a_caller_cancelled_before_its_call_starts_keeps_it_from_running(run: Any) -> None:
+    one = Lane(1, "ficc-one")
+    release = threading.Event()
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        busy = asyncio.ensure_future(one.run(release.wait, 30))  # holds the one thread
+        queued = asyncio.ensure_future(one.run(ran.append, "queued"))
+        await asyncio.sleep(0)  # both are in the queue now
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        release.set()
+        assert await busy
+        await one.run(ran.append, "after")  # everything queued before it has run
+
+    try:
+        run(scenario())
+    finally:
+        one.shutdown()
+    assert ran == ["after"]
+
+
+def test_calls_of_many_callers_each_get_their_own_answer(lane: Lane, run: Any) -> None:
+    async def scenario() -> list[int]:
+        return list(await asyncio.gather(*(lane.run(pow, n, 2) for n in range(500))))
+
+    assert run(scenario()) == [n * n for n in range(500)]
+
+
+def test_a_blocking_call_from_another_thread_answers_there(lane: Lane) -> None:
+    answers: list[object] = []
+
+    def elsewhere() -> None:
+        answers.append(lane.call(divmod, 9, 4))
+        with pytest.raises(ZeroDivisionError):
+            lane.call(divmod, 1, 0)
+        answers.append("refused")
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join(30)
+    assert answers == [(2, 1), "refused"]
+
+
+def test_after_shutdown_no_call_is_accepted(run: Any) -> None:
+    closed = Lane(1, "ficc-closed")
+    run(closed.run(int))  # its thread runs
+    closed.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        run(closed.run(int))
+    with pytest.raises(RuntimeError, match="shut down"):
+        closed.call(int)
+
+
+def test_shutdown_cancels_the_calls_still_queued_and_waits_for_the_running_one(
+    run: Any,
+) -> None:
+    one = Lane(1, "ficc-one")
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def running() -> str:
+        started.set()
+        release.wait(30)
+        return "finished"
+
+    async def scenario() -> tuple[object, object]:
+        first = asyncio.ensure_future(one.run(running))
+        second = asyncio.ensure_future(one.run(ran.append, "queued"))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+        one.shutdown(wait=False)  # the second is still queued behind the first
+        release.set()
+        outcomes = await asyncio.gather(first, second, return_exceptions=True)
+        return outcomes[0], outcomes[1]
+
+    first, second = run(scenario())
+    one.shutdown()  # and now its thread is gone
+    assert first == "finished"
+    assert isinstance(second, asyncio.CancelledError)
+    assert ran == []
