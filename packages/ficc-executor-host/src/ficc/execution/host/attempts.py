@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import msgspec
 
@@ -36,7 +36,15 @@ from ficc.execution.host.records import ResourceUsage
 from ficc.execution.host.sdk import Observation
 from ficc.execution.host.service.interface import CgroupUsage, ServiceHandle, SystemService
 
-__all__ = ["INTERNAL_ERROR", "AttemptWork", "HostWork", "Settings", "Shared", "WallTimes"]
+__all__ = [
+    "INTERNAL_ERROR",
+    "AttemptWork",
+    "Decoded",
+    "HostWork",
+    "Settings",
+    "Shared",
+    "WallTimes",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -153,6 +161,55 @@ class WallTimes:
         self.ended.pop(attempt_id, None)
 
 
+class Decoded:
+    """What never changes of an attempt once recorded, decoded once: its plan (fixed at
+    admission) and its prepared result (fixed by `prepare_ok`).
+
+    Why: the runner reads both on every observe of a starting attempt (every 10 ms)
+    and at every step after it; reading them from the ledger and decoding them each
+    time was a tenth of the daemon's busy time with short jobs. Neither is ever
+    rewritten, and records are never deleted, so an attempt ID names one plan and one
+    prepared result for the ledger's life. Bounded by the bytes
+    they were decoded from (`MOST_BYTES`, the oldest go first), and an attempt's are
+    dropped at its release. The storage binding is still verified on every use.
+    """
+
+    MOST_BYTES: Final = 2 << 20
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, str], tuple[Any, int]] = {}
+        """(kind, attempt ID) -> (value, bytes), oldest first."""
+        self._bytes = 0
+
+    def plan(self, attempt_id: str) -> planlib.Plan | None:
+        found = self._kept.get(("plan", attempt_id))
+        return None if found is None else cast(planlib.Plan, found[0])
+
+    def prepared(self, attempt_id: str) -> sdk.PrepareResult | None:
+        found = self._kept.get(("prepared", attempt_id))
+        return None if found is None else cast(sdk.PrepareResult, found[0])
+
+    def keep_plan(self, attempt_id: str, plan: planlib.Plan, size: int) -> None:
+        self._keep(("plan", attempt_id), plan, size)
+
+    def keep_prepared(self, attempt_id: str, prepared: sdk.PrepareResult, size: int) -> None:
+        self._keep(("prepared", attempt_id), prepared, size)
+
+    def forget(self, attempt_id: str) -> None:
+        for key in (("plan", attempt_id), ("prepared", attempt_id)):
+            found = self._kept.pop(key, None)
+            if found is not None:
+                self._bytes -= found[1]
+
+    def _keep(self, key: tuple[str, str], value: object, size: int) -> None:
+        if key in self._kept or size > self.MOST_BYTES:
+            return
+        self._kept[key] = (value, size)
+        self._bytes += size
+        while self._bytes > self.MOST_BYTES:
+            self._bytes -= self._kept.pop(next(iter(self._kept)))[1]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Shared:
     """The parts every part of the runner works with; one of each per runner."""
@@ -167,6 +224,7 @@ class Shared:
     details: dict[str, str] = dataclasses.field(default_factory=dict)
     """attempt ID -> what the runtime printed when its start failed before the release
     (shown on observe rows that ask for `detail`; until the release or a restart)."""
+    decoded: Decoded = dataclasses.field(default_factory=Decoded)
 
 
 class AttemptWork(HostWork):
@@ -181,6 +239,7 @@ class AttemptWork(HostWork):
         self._handles = shared.handles
         self._walls = shared.walls
         self._details = shared.details
+        self._decoded = shared.decoded
 
     async def _apply(
         self,
@@ -229,8 +288,11 @@ class AttemptWork(HostWork):
         )
 
     async def _attempt(self, record: AttemptRecord) -> _Attempt:
-        data = await self._db(self._ctx.ledger.plan_bytes, record.attempt_id)
-        plan = planlib.decode_plan(data)
+        plan = self._decoded.plan(record.attempt_id)
+        if plan is None:
+            data = await self._db(self._ctx.ledger.plan_bytes, record.attempt_id)
+            plan = planlib.decode_plan(data)
+            self._decoded.keep_plan(record.attempt_id, plan, len(data))
         if record.slot_id is None or record.slot_id not in self._ctx.slots:
             raise HostError("slot_unknown", f"attempt {record.attempt_id} holds no configured slot")
         slot = self._ctx.slots[record.slot_id]
@@ -270,8 +332,12 @@ class AttemptWork(HostWork):
         verified is never handed to a provider: `storage_unverified` (start and release
         refuse, observe records the outcome as lost, a stop kills the service without
         the provider's stop), so no provider acts on a path the daemon cannot vouch for."""
-        data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
-        prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
+        prepared = self._decoded.prepared(attempt.id)
+        if prepared is None:
+            data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
+            if data is not None:
+                prepared = msgspec.json.decode(data, type=sdk.PrepareResult)
+                self._decoded.keep_prepared(attempt.id, prepared, len(data))
         try:
             storage = await self._io(_verified_storage, attempt)
         except OSError as error:

@@ -231,6 +231,7 @@ class Runner(AttemptWork):
         self._killed.discard(attempt.id)
         self._walls.forget(attempt.id)
         self._details.pop(attempt.id, None)
+        self._decoded.forget(attempt.id)
 
     async def _release_context(self, attempt: _Attempt) -> sdk.Context:
         """The release's context. A storage directory an earlier release of this
