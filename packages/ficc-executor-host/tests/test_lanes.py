@@ -4,6 +4,7 @@ threads and a real loop (asyncio's own and uvloop, which the daemon runs)."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
@@ -11,7 +12,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from ficc.execution.host.lanes import Lane
+from ficc.execution.host.lanes import Lane, Spares, ToLoop
+from ficc_testkit.waits import wait_for
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -132,3 +134,57 @@ def test_shutdown_cancels_the_calls_still_queued_and_waits_for_the_running_one(
     assert first == "finished"
     assert isinstance(second, asyncio.CancelledError)
     assert ran == []
+
+
+def test_a_spare_thread_that_finished_its_call_takes_the_next(run: Any) -> None:
+    spares = Spares(2, "ficc-spare")
+
+    async def scenario() -> list[int]:
+        loop = asyncio.get_running_loop()
+        seen = []
+        for _ in range(3):
+            future: asyncio.Future[int] = loop.create_future()
+            spares.submit(threading.get_ident, (), {}, ToLoop(loop, future))
+            seen.append(await future)
+        return seen
+
+    first, second, third = run(scenario())
+    assert first == second == third
+
+
+def test_a_hung_call_keeps_its_thread_and_the_next_call_gets_another(run: Any) -> None:
+    spares = Spares(2, "ficc-spare")
+    hung = threading.Event()
+
+    async def scenario() -> tuple[bool, str]:
+        loop = asyncio.get_running_loop()
+        held: asyncio.Future[bool] = loop.create_future()
+        spares.submit(hung.wait, (30,), {}, ToLoop(loop, held))
+        answered: asyncio.Future[str] = loop.create_future()
+        spares.submit(str.upper, ("next",), {}, ToLoop(loop, answered))
+        text = await answered  # while the first still waits
+        hung.set()
+        return await held, text
+
+    assert run(scenario()) == (True, "NEXT")
+
+
+def test_no_more_spare_threads_are_kept_than_asked(run: Any) -> None:
+    name = f"ficc-spare-{secrets.token_hex(4)}"
+    spares = Spares(1, name)
+    both = threading.Barrier(2)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in range(2)]
+        for future in futures:  # two at once: two threads
+            spares.submit(both.wait, (30,), {}, ToLoop(loop, future))
+        await asyncio.gather(*futures)
+
+    run(scenario())
+
+    def spare_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == name]
+
+    wait_for(lambda: len(spare_threads()) == 1, "one of the two threads to end")
+    assert len(spares._idle) == 1

@@ -25,10 +25,7 @@ The handlers (requests) and the runner (asynchronous work after a reply) both ta
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import functools
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -36,7 +33,7 @@ from ficc.execution.host.clock import BootClock
 from ficc.execution.host.config import Config
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.group_commit import GroupCommit
-from ficc.execution.host.lanes import Lane, ToLoop
+from ficc.execution.host.lanes import Lane, Spares, ToLoop
 from ficc.execution.host.ledger import Ledger
 from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.interface import SystemService
@@ -81,6 +78,7 @@ class Workers:
         self._db = Lane(1, "ficc-db")
         self._io = Lane(io_threads, "ficc-io")
         self._provider_threads = provider_threads
+        self._providers = Spares(provider_threads, "ficc-provider")
         self._provider_slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -141,13 +139,13 @@ class Workers:
         started = False
         try:
             async with self._provider_slot():
-                outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
-                call = functools.partial(fn, *args, **kwargs)
-                threading.Thread(
-                    target=_fill, args=(outcome, call, on_end), name="ficc-provider", daemon=True
-                ).start()
+                loop = asyncio.get_running_loop()
+                outcome: asyncio.Future[T] = loop.create_future()
+                call = (fn, args, kwargs, on_end)
+                self._providers.submit(_ending, call, {}, _Provided(loop, outcome, on_end))
                 started = True
-                return await asyncio.wait_for(asyncio.wrap_future(outcome), timeout)
+                async with asyncio.timeout(timeout):
+                    return await outcome
         finally:
             if not started and on_end is not None:
                 on_end()
@@ -188,28 +186,39 @@ class _Step:
         self.answer.give(None, RuntimeError(message))
 
 
-def _fill(
-    outcome: concurrent.futures.Future[T],
-    call: Callable[[], T],
+class _Provided(ToLoop[Any]):
+    """The answer of a provider call: one never made (its caller timed out or was
+    cancelled before a thread took it) still runs `on_end`."""
+
+    __slots__ = ("on_end",)
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        future: asyncio.Future[Any],
+        on_end: Callable[[], None] | None,
+    ) -> None:
+        super().__init__(loop, future)
+        self.on_end = on_end
+
+    def wanted(self) -> bool:
+        if super().wanted():
+            return True
+        _ended(self.on_end)
+        return False
+
+
+def _ending(
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     on_end: Callable[[], None] | None,
-) -> None:
-    """A provider thread's body: the call's result or exception into `outcome`, after
-    `on_end` ran (so whoever sees the result also sees the call over)."""
-    if not outcome.set_running_or_notify_cancel():
-        _ended(on_end)
-        return  # timed out before the thread ran: the call is never made
+) -> T:
+    """A provider call, then `on_end` (so whoever sees its result also sees it over)."""
     try:
-        result = call()
-    except BaseException as error:
-        try:
-            _ended(on_end)
-        finally:
-            outcome.set_exception(error)
-        return
-    try:
-        _ended(on_end)
+        return fn(*args, **kwargs)
     finally:
-        outcome.set_result(result)
+        _ended(on_end)
 
 
 def _ended(on_end: Callable[[], None] | None) -> None:

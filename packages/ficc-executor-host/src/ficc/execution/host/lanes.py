@@ -27,7 +27,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["Answer", "Lane", "ToLoop"]
+__all__ = ["Answer", "Lane", "Spares", "ToLoop"]
 
 
 class Answer(Protocol):
@@ -184,3 +184,41 @@ class Lane:
         if wait:
             for thread in threads:
                 thread.join()
+
+
+class Spares:
+    """A thread of its own for each call, and up to `keep` finished threads kept for
+    the next calls (named `name`).
+
+    For calls that may hang past their timeout (provider calls): on a fixed pool they
+    would queue behind each other, so each gets a thread of its own; but starting a
+    thread costs a round trip with it (`Thread.start` waits until it runs), and a
+    thread that has finished its call can take the next one as well.
+    """
+
+    def __init__(self, keep: int, name: str) -> None:
+        self._keep, self._name = keep, name
+        self._idle: list[queue.SimpleQueue[_Item]] = []
+        self._lock = threading.Lock()
+
+    def submit(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], answer: Answer
+    ) -> None:
+        """Run one call in a spare thread, or in a new one when none is idle."""
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=self._work, args=(inbox,), name=self._name, daemon=True
+            )
+            thread.start()
+        inbox.put((fn, args, kwargs, answer))
+
+    def _work(self, inbox: queue.SimpleQueue[_Item]) -> None:
+        while True:
+            _run_one(*inbox.get())
+            with self._lock:
+                if len(self._idle) >= self._keep:
+                    return
+                self._idle.append(inbox)
