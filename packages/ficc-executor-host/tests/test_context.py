@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from ficc.execution.host.context import Workers
+from ficc_testkit.waits import wait_for
 
 
 @pytest.fixture
@@ -154,3 +156,36 @@ def test_a_provider_call_s_exception_reaches_the_caller(workers: Workers) -> Non
 
     with pytest.raises(ValueError, match="malformed"):
         asyncio.run(workers.provider(refuse, timeout=30))
+
+
+def test_a_provider_answer_that_came_before_a_late_loop_saw_the_deadline_counts(
+    workers: Workers,
+) -> None:
+    """The loop is held up (by this test) until the call has answered and its deadline
+    has passed: both wait for the same loop turn, and the answer counts."""
+
+    async def scenario() -> str:
+        begun = time.monotonic()
+        call = asyncio.ensure_future(workers.provider(str.upper, "done", timeout=0.2))
+        await asyncio.sleep(0)  # the call is handed to a thread
+        wait_for(lambda: workers._providers._idle, "the call to answer (its thread idle again)")
+        wait_for(lambda: time.monotonic() > begun + 0.3, "the deadline to pass")
+        return await call
+
+    assert asyncio.run(scenario()) == "DONE"
+
+
+def test_shutdown_ends_the_idle_provider_threads() -> None:
+    pool = Workers(io_threads=1, provider_threads=2)
+    name_of = "ficc-provider"
+    before = {t for t in threading.enumerate() if t.name == name_of}
+
+    async def scenario() -> list[str]:
+        return list(await asyncio.gather(*(pool.provider(str, n, timeout=30) for n in range(2))))
+
+    assert asyncio.run(scenario()) == ["0", "1"]
+    pool.shutdown()
+    wait_for(
+        lambda: not {t for t in threading.enumerate() if t.name == name_of} - before,
+        "the idle provider threads to end",
+    )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +39,8 @@ from ficc.execution.host.ledger import Ledger
 from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.interface import SystemService
 from ficc.execution.host.staging import Stager
+
+_log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -114,11 +117,14 @@ class Workers:
         answer = ToLoop(loop, outcome)
         io = self._io
 
-        def first() -> None:
+        def first(answer: ToLoop[T]) -> None:
             io.submit(then, (lookup(),), {}, _Step(answer, "I/O", results=True))
 
-        self._db.submit(first, (), {}, _Step(answer, "ledger", results=False))
-        return await outcome
+        self._db.submit(first, (answer,), {}, _Step(answer, "ledger", results=False))
+        try:
+            return await outcome
+        finally:
+            del outcome, answer  # a raised exception's traceback would hold them
 
     async def provider(
         self,
@@ -144,11 +150,19 @@ class Workers:
                 call = (fn, args, kwargs, on_end)
                 self._providers.submit(_ending, call, {}, _Provided(loop, outcome, on_end))
                 started = True
-                async with asyncio.timeout(timeout):
-                    return await outcome
+                try:
+                    # wait_for, not asyncio.timeout: an answer already on its way when the
+                    # deadline passes (the loop was late) still counts.
+                    return await asyncio.wait_for(outcome, timeout)
+                except TimeoutError:
+                    if outcome.done() and not outcome.cancelled():
+                        return outcome.result()
+                    raise
+                finally:
+                    del outcome  # a raised exception's traceback would hold it
         finally:
-            if not started and on_end is not None:
-                on_end()
+            if not started:
+                _ended(on_end)
 
     def _provider_slot(self) -> asyncio.Semaphore:
         """The bound on running provider calls, for the running loop."""
@@ -163,6 +177,7 @@ class Workers:
         replays work whose outcome it does not know)."""
         for lane in (self._io, self._db):
             lane.shutdown(wait=True)
+        self._providers.shutdown()
 
 
 class _Step:
@@ -222,8 +237,13 @@ def _ending(
 
 
 def _ended(on_end: Callable[[], None] | None) -> None:
-    if on_end is not None:
+    """Run `on_end`; its failure is logged and changes nothing of the call's outcome."""
+    if on_end is None:
+        return
+    try:
         on_end()
+    except Exception:
+        _log.exception("the end of a provider call could not be noted")
 
 
 @dataclasses.dataclass

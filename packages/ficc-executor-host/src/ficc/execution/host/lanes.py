@@ -110,6 +110,9 @@ def _run_one(
         result = fn(*args, **kwargs)
     except BaseException as error:  # the caller's to judge, as any exception
         answer.give(None, error)
+        # The exception's traceback holds this frame: let go of the call's arguments
+        # (an input chunk, say) now, not when the cyclic collector finds them.
+        fn = args = kwargs = answer = None  # type: ignore[assignment]
     else:
         answer.give(result, None)
 
@@ -132,7 +135,10 @@ class Lane:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self.submit(fn, args, kwargs, ToLoop(loop, future))
-        return await future
+        try:
+            return await future
+        finally:
+            del future  # a raised exception's traceback would hold it, and it the exception
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` in one of the lane's threads, waited for here (from a
@@ -198,8 +204,9 @@ class Spares:
 
     def __init__(self, keep: int, name: str) -> None:
         self._keep, self._name = keep, name
-        self._idle: list[queue.SimpleQueue[_Item]] = []
+        self._idle: list[queue.SimpleQueue[_Item | None]] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def submit(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], answer: Answer
@@ -207,7 +214,7 @@ class Spares:
         """Run one call in a spare thread, or in a new one when none is idle."""
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
+        if inbox is None:  # (after `shutdown` too: the new thread ends after its call)
             inbox = queue.SimpleQueue()
             thread = threading.Thread(
                 target=self._work, args=(inbox,), name=self._name, daemon=True
@@ -215,10 +222,20 @@ class Spares:
             thread.start()
         inbox.put((fn, args, kwargs, answer))
 
-    def _work(self, inbox: queue.SimpleQueue[_Item]) -> None:
-        while True:
-            _run_one(*inbox.get())
+    def _work(self, inbox: queue.SimpleQueue[_Item | None]) -> None:
+        while (item := inbox.get()) is not None:
+            _run_one(*item)
+            del item
             with self._lock:
-                if len(self._idle) >= self._keep:
+                if self._closed or len(self._idle) >= self._keep:
                     return
                 self._idle.append(inbox)
+
+    def shutdown(self) -> None:
+        """End the idle threads; a call still running ends its thread when it returns
+        (nobody waits for it: such a call may hang)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for inbox in idle:
+            inbox.put(None)
