@@ -155,6 +155,7 @@ class Workers:
                     # deadline passes (the loop was late) still counts.
                     return await asyncio.wait_for(outcome, timeout)
                 except TimeoutError:
+                    # Python 3.12's wait_for is asyncio.timeout inside: the same rule.
                     if outcome.done() and not outcome.cancelled():
                         return outcome.result()
                     raise

@@ -138,7 +138,7 @@ class Lane:
         try:
             return await future
         finally:
-            del future  # a raised exception's traceback would hold it, and it the exception
+            del future  # else a raised exception's traceback and the future hold each other
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` in one of the lane's threads, waited for here (from a
