@@ -424,10 +424,10 @@ def test_a_batch_read_as_one_json_row_is_the_records_read_row_by_row(ledger: Led
     to_running(ledger, made[5])
     ledger.apply(fence(made[5]), lc.StopRequested())
     fences = [fence(p) for p in made] + [Fence(new_id(), 1, SHA)]
-    assert ledger._records_as_one  # this SQLite has its JSON functions
+    assert ledger._as_one  # this SQLite has its JSON functions
     ledger._cache = None  # both reads from the database
     as_one = ledger.fenced(fences)
-    ledger._records_as_one = False
+    ledger._as_one = False
     row_by_row = ledger.fenced(fences)
     assert [repr(r) for r in as_one] == [repr(r) for r in row_by_row]
     states = [r.code if isinstance(r, HostError) else r.status.state for r in as_one]
@@ -1830,6 +1830,39 @@ def test_a_renew_batch_gives_the_answers_of_its_rows_one_by_one(tmp_path: Path) 
     finally:
         batch.close()
         rows.close()
+
+
+def test_a_renewal_group_written_in_one_statement_holds_what_row_by_row_writes_hold(
+    tmp_path: Path,
+) -> None:
+    """The renewals of a group are written as one JSON parameter in one statement where
+    SQLite has its JSON functions: in order, so an attempt renewed twice in one group
+    ends with its later lease, and the database then holds exactly what the cache
+    kept and what one `executemany` writes."""
+    plans = [make_plan() for _ in range(3)]
+    one_statement, row_by_row = _twins(tmp_path, plans)
+    try:
+        assert one_statement._as_one  # this SQLite has its JSON functions
+        row_by_row._as_one = False
+        first, second, third = (fence(p) for p in plans)
+        groups = [
+            [(first, Renew(2, 6000)), (second, Renew(2, 6000))],
+            [(first, Renew(3, 7000)), (third, Renew(2, 5000)), (second, Renew(2, 6000))],
+        ]
+        answers = [led.renew_batches(groups, NOW, MAX_LEASE) for led in (one_statement, row_by_row)]
+        assert [[_outcome(r) for r in rows] for rows in answers[0]] == [
+            [_outcome(r) for r in rows] for rows in answers[1]
+        ]
+        cached = [one_statement.get(p.attempt_id) for p in plans]
+        for led in (one_statement, row_by_row):
+            led._cache = None  # read the database itself
+        held = [one_statement.get(p.attempt_id) for p in plans]
+        assert held == cached == [row_by_row.get(p.attempt_id) for p in plans]
+        leases = [(r.lease.sequence, r.lease.expires_at_ms) if r.lease else None for r in held]
+        assert leases == [(3, 7000), (2, 6000), (2, 5000)]
+    finally:
+        one_statement.close()
+        row_by_row.close()
 
 
 def test_a_renew_batch_that_changes_nothing_commits_nothing(ledger: Ledger) -> None:

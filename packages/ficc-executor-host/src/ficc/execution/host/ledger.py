@@ -391,9 +391,11 @@ class Ledger:
         """The configured space bounds (`bound_space`); None: unbounded."""
         self._reserve_spent = False
         """The reserve was deleted to let a write through; made again when there is room."""
-        self._records_as_one = _has_json(db)
-        """Batch reads come back as one JSON row (`ledger_schema.SELECT_AS_ONE`) where
-        this SQLite has its JSON functions (3.38 and newer always do); else row by row."""
+        self._as_one = _has_json(db)
+        """Batch reads come back as one JSON row (`ledger_schema.SELECT_AS_ONE`), and a
+        renewal's writes go in as one JSON parameter (`ledger_schema.RENEW_AS_ONE_SQL`),
+        where this SQLite has its JSON functions (3.38 and newer always do); else row by
+        row."""
         row = None
         if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone():
             row = db.execute(
@@ -403,7 +405,7 @@ class Ledger:
             raise HostError("ledger_schema", _unreadable_schema(path, row))
         self._bindings = Bindings(row[1], row[2], ADMISSION_VERSION)
         # Only now: its TEMP triggers need this ledger's tables.
-        self._cache = RecordCache(db) if self._records_as_one else None
+        self._cache = RecordCache(db) if self._as_one else None
         """Records as last committed (see `record_cache`); it needs the JSON functions."""
         self._unchanged: int | None = None
         """In a write transaction: `total_changes` before its first change."""
@@ -1355,7 +1357,11 @@ class Ledger:
                 [self._renew_one(fence, renewal, terms, records, writes) for fence, renewal in rows]
                 for rows in batches
             ]
-            self._db.executemany(ledger_schema.RENEW_SQL, writes)
+            if writes and self._as_one:
+                rows_json = msgspec.json.encode(writes).decode()
+                self._db.execute(ledger_schema.RENEW_AS_ONE_SQL, (rows_json,))
+            elif writes:
+                self._db.executemany(ledger_schema.RENEW_SQL, writes)
             return results
 
     def _renew_one(
@@ -1368,7 +1374,7 @@ class Ledger:
     ) -> Applied | HostError:
         """Renew one row; `records` (this transaction's, by ID) is kept current, so a
         later row of the same attempt sees this one's lease. The row's write is added
-        to `writes`, which the transaction runs in order in one `executemany`."""
+        to `writes`, which the transaction then writes in order, in one statement."""
         now, maximum_lease_seconds, offer, ordinal = terms
         record = _fenced_in(records, fence)
         if isinstance(record, HostError):
@@ -1648,7 +1654,7 @@ class Ledger:
     def _select(self, where: str, parameters: Sequence[object]) -> list[AttemptRecord]:
         """The records `where` selects, in one result row where SQLite can (see
         `ledger_schema.SELECT_AS_ONE`)."""
-        if self._records_as_one:
+        if self._as_one:
             (cell,) = self._db.execute(
                 f"{ledger_schema.SELECT_AS_ONE} {where}", parameters
             ).fetchone()

@@ -343,6 +343,24 @@ RENEW_SQL: Final = (
 """Record a renewed lease: attempt ID, `lease_values(lease)`, the ordinal."""
 
 
+def _json_items(count: int) -> list[str]:
+    """`json_each`'s `value` (a JSON array) as its first `count` items, SQL values."""
+    return [f"json_extract(value, '$[{i}]')" for i in range(count)]
+
+
+RENEW_AS_ONE_SQL: Final = (
+    f"INSERT INTO renewals (attempt_id, {', '.join(LEASE_FIELDS)}, updated)"  # noqa: S608
+    f" SELECT {', '.join(_json_items(len(LEASE_FIELDS) + 2))}"
+    " FROM json_each(?) WHERE true ON CONFLICT (attempt_id)"
+    f" DO UPDATE SET {', '.join(f'{n} = excluded.{n}' for n in (*LEASE_FIELDS, 'updated'))}"
+)
+"""`RENEW_SQL` for many leases in ONE statement: its one parameter is a JSON array of
+`RENEW_SQL`'s parameter lists, written in order. One statement is one step, so
+the ledger thread gives up the interpreter's lock once for a batch's writes instead of
+once per row (see `SELECT_AS_ONE`). The `WHERE true` tells SQLite's parser that
+`ON CONFLICT` belongs to the `INSERT`."""
+
+
 def lease_values(lease: Lease | None) -> list[object]:
     if lease is None:
         return [None] * len(LEASE_FIELDS)
