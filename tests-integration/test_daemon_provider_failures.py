@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from ficc.execution.plan import Plan
-from ficc_testkit.driver import attempt, rows
+from ficc_testkit.driver import DaemonProcess, attempt, rows
 from ficc_testkit.host import Daemon
 from ficc_testkit.plans import with_environment
 from ficc_testkit.waits import wait_for
@@ -142,15 +142,19 @@ def test_cleanup_kills_what_a_provider_left_of_the_slot_account(daemon: Daemon) 
 
 
 def test_release_kills_what_a_dead_daemon_left_of_the_slot_account(daemon: Daemon) -> None:
-    """Cleanup confirmed, then a process of the slot account appears before release (a
-    provider command of a daemon killed in the middle of a release): release kills it
-    before it calls the provider, and frees the slot."""
+    """Cleanup confirmed, then the daemon is killed and a process of the slot account
+    appears before release (what a provider command of a daemon killed in the middle
+    of a release leaves): the next daemon's release kills it before it calls the
+    provider, and frees the slot."""
     plan = daemon.plan()
     rows(daemon.prepare([plan]))
     daemon.wait_state(plan, lambda r: r.ready, "readiness")
     daemon.stop_attempt(plan)
     slot = settled_clean(daemon, plan).slot
     assert slot is not None
+    daemon.process.kill()
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+    daemon.start()
     account = daemon.accounts[f"slot{slot[-1]}"]
     stray = subprocess.Popen(
         ["/bin/sleep", "3600"], user=int(account.uid), group=int(account.gid),

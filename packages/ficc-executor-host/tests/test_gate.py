@@ -182,6 +182,21 @@ def test_parse_mountinfo_refuses_malformed_lines(broken: bytes) -> None:
     assert refused.value.code == "gate_evidence"
 
 
+def test_the_daemons_own_mount_table_is_read_each_time_and_parsed_when_it_changed() -> None:
+    """Each start looks up where the daemon sees the cgroup hierarchies in its own
+    mount table: read every time, parsed again only when its bytes changed."""
+    with open("/proc/self/mountinfo", "rb") as own:
+        expected = procfs.parse_mountinfo(own.read())
+    procfs._own_mount_table.cache_clear()
+    assert procfs._own_mounts(os.getpid()) == expected
+    assert procfs._own_mounts(os.getpid()) == expected
+    assert procfs._own_mount_table.cache_info().hits == 1
+    other = procfs._own_mount_table(b"36 35 98:0 / /elsewhere rw - tmpfs src rw\n")
+    assert [m.mount_point for m in other] == ["/elsewhere"]
+    assert procfs._own_mounts(os.getpid()) == expected  # the new bytes are parsed again
+    assert procfs._own_mount_table.cache_info().misses == 3
+
+
 def _escape(path: str) -> bytes:
     out = bytearray()
     for byte in path.encode():

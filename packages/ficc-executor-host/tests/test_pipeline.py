@@ -735,6 +735,86 @@ def test_release_after_a_refused_start_removes_layout_and_service(world: World) 
     assert (status.state, status.outcome) == ("released", "failed")
 
 
+def _counting_account_walks(world: World, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The slot accounts `kill_account` walked the host's tasks for, in order."""
+    walked: list[int] = []
+    real = world.ctx.service.kill_account
+
+    def counted(uid: int, timeout: float | None = None) -> bool:
+        walked.append(uid)
+        return real(uid, timeout)
+
+    monkeypatch.setattr(world.ctx.service, "kill_account", counted)
+    return walked
+
+
+async def _released(world: World, runner: Runner, attempt_id: str) -> None:
+    """What the release handler does: the runner's release, then the record's."""
+    await runner.release(attempt_id)
+    world.ctx.ledger.apply(world.record(attempt_id).fence, lifecycle.Release())
+
+
+def _stray_of(world: World) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["/bin/sleep", "1000"], stdin=subprocess.DEVNULL,
+        user=world.uid, group=world.gid, extra_groups=[], start_new_session=True,
+    )  # fmt: skip
+
+
+def test_a_release_walks_the_slot_account_again_only_when_its_cleanup_was_not_seen_here(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cleanup walks every task of the host for the slot account and confirms it idle.
+    The release walks again (and kills what it finds) unless this runner confirmed
+    that cleanup itself and no provider call of the attempt began since: after a
+    restart, or after a later provider call, what runs as the account may be an
+    orphaned provider command."""
+    walked = _counting_account_walks(world, monkeypatch)
+    strays: list[subprocess.Popen[bytes]] = []
+    released: list[str] = []
+
+    async def cleaned(runner: Runner) -> str:
+        """One attempt (the slot's only one), failed in provider prepare and cleaned."""
+        attempt_id = world.admit(world.plan(devices=("gpu",))).attempt_id
+        runner.admitted([attempt_id])
+        await until(settled_and_clean(world, attempt_id), "failed and cleaned")
+        return attempt_id
+
+    async def released_walking(runner: Runner, attempt_id: str) -> list[int]:
+        strays.append(_stray_of(world))
+        await until(lambda: _runs_as(strays[-1].pid, world.uid), "the stray runs")
+        before = len(walked)
+        await _released(world, runner, attempt_id)
+        released.append(attempt_id)
+        assert strays[-1].wait(timeout=10) == -signal.SIGKILL
+        return walked[before:]
+
+    async def scenario() -> None:
+        async with running(Runner(world.ctx, settings=FAST)) as runner:
+            seen_here = await cleaned(runner)
+            before = len(walked)
+            await _released(world, runner, seen_here)
+            released.append(seen_here)
+            assert len(walked) == before  # seen idle here, no call since: no walk
+            after_a_call = await cleaned(runner)
+            in_flight = runner._batcher.in_flight
+            in_flight.end(in_flight.begin("ficc-test", [after_a_call]))
+            assert await released_walking(runner, after_a_call) == [world.uid]
+            after_restart = await cleaned(runner)
+        async with running(Runner(world.ctx, settings=FAST)) as restarted:
+            assert await released_walking(restarted, after_restart) == [world.uid]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for stray in strays:
+            stray.kill()
+            stray.wait()
+    assert len(released) == 3
+    for attempt_id in released:
+        assert world.installed.calls("release", attempt_id) == 1
+
+
 # --- stops and leases -----------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import re
 import stat
@@ -684,14 +685,25 @@ def read_exe(pid_fd: int, pid: int) -> Exe:
         raise _os_error(pid, "exe", exc) from exc
 
 
-def _devices_mount(pid: int) -> str | None:
-    """Where the daemon sees the v1 devices hierarchy (its own mountinfo), if anywhere."""
+def _own_mounts(pid: int) -> tuple[Mount, ...]:
+    """The daemon's own mount table, read now (`pid`: the process the caller reads
+    evidence of, for the error). It is parsed only when its bytes changed since the
+    last read: every start reads it twice, and it rarely changes."""
     own = open_process_dir(os.getpid())
     try:
-        mounts = parse_mountinfo(read_bounded(own, "mountinfo", pid))
+        return _own_mount_table(read_bounded(own, "mountinfo", pid))
     finally:
         os.close(own)
-    for mount in mounts:
+
+
+@functools.lru_cache(maxsize=1)
+def _own_mount_table(data: bytes) -> tuple[Mount, ...]:
+    return parse_mountinfo(data)
+
+
+def _devices_mount(pid: int) -> str | None:
+    """Where the daemon sees the v1 devices hierarchy (its own mountinfo), if anywhere."""
+    for mount in _own_mounts(pid):
         if mount.fs_type == "cgroup" and "devices" in mount.super_options and mount.root == "/":
             return mount.mount_point
     return None
@@ -727,12 +739,7 @@ def read_devices(cgroups: tuple[CgroupEntry, ...], pid: int) -> tuple[DeviceAcce
 
 def _cgroup2_mount(pid: int) -> str | None:
     """Where the daemon sees the cgroup v2 hierarchy (its own mountinfo), if anywhere."""
-    own = open_process_dir(os.getpid())
-    try:
-        mounts = parse_mountinfo(read_bounded(own, "mountinfo", pid))
-    finally:
-        os.close(own)
-    for mount in mounts:
+    for mount in _own_mounts(pid):
         if mount.fs_type == "cgroup2" and mount.root == "/":
             return mount.mount_point
     return None
