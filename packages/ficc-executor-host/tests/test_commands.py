@@ -9,6 +9,7 @@ integration tests in tests-integration/ run the real one as a separate process.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -296,6 +297,7 @@ def test_serve_listens_notifies_serves_and_stops_on_sigterm(
         ready = await until(notifications, "READY=1")
         assert any(line.startswith("STATUS=serving 3 sockets") for line in ready)
         assert fake.started
+        assert gc.get_freeze_count() > 0  # what startup made is set aside
         # No WATCHDOG=1 here: the pings come from the monitor's ticks (test_notify.py,
         # and the daemon under real systemd in tools/systemd/tests/test_daemon_unit.py).
         pages = await fetch_snapshots(Client(admin))
@@ -309,7 +311,9 @@ def test_serve_listens_notifies_serves_and_stops_on_sigterm(
             await daemon
         assert fake.closed
 
+    assert gc.get_freeze_count() == 0
     asyncio.run(main())
+    assert gc.get_freeze_count() == 0  # and given back when it stops
     out, err = capsys.readouterr()
     assert "attempts       2" in out.splitlines()
     events = [line for line in err.splitlines() if line.startswith("{")]

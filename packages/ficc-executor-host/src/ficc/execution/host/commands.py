@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import difflib
 import errno
+import gc
 import importlib
 import json
 import logging
@@ -515,7 +516,18 @@ async def run_daemon(
         await daemon.close()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        gc.unfreeze()
         stderr_log(_line("info", "stopped"))
+
+
+def _set_startup_aside() -> None:
+    """Once ready: collect, then put every object startup made (modules, the
+    configuration, the providers, what recovery read) out of the cyclic collector's
+    sight (`gc.freeze`). They live as long as the daemon, and a full collection
+    stops every thread while it walks them: 18 ms once the daemon was serving (P8),
+    1 ms with them set aside. The stop gives them back (`gc.unfreeze`)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _serve_until(
@@ -524,6 +536,7 @@ async def _serve_until(
     endpoints = list(socket_paths(config))
 
     def ready() -> None:
+        _set_startup_aside()
         status = f"serving {len(endpoints)} sockets in {config.socket_dir}"
         try:
             notify.ready(status)
