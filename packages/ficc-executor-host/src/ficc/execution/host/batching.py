@@ -71,24 +71,11 @@ class InFlight:
         self._running: collections.Counter[str] = collections.Counter()
         self._late: collections.Counter[str] = collections.Counter()
         self._late_calls: collections.Counter[str] = collections.Counter()
-        self._begun: collections.Counter[str] = collections.Counter()
 
     def begin(self, provider: str, attempt_ids: list[str]) -> _Call:
         with self._lock:
             self._running.update(attempt_ids)
-            self._begun.update(attempt_ids)
         return _Call(provider, attempt_ids)
-
-    def begun(self, attempt_id: str) -> int:
-        """How many provider calls of the attempt began in this daemon so far (until
-        `forget`): two equal readings mean no call began between them."""
-        with self._lock:
-            return self._begun[attempt_id]
-
-    def forget(self, attempt_id: str) -> None:
-        """The attempt is released: its count of calls goes."""
-        with self._lock:
-            self._begun.pop(attempt_id, None)
 
     def timed_out(self, call: _Call) -> None:
         with self._lock:

@@ -51,11 +51,6 @@ Decisions (see also docs/operations.md):
   end on its own for up to `Settings.wind_down` before cleanup stops the service, so
   the runtime finishes its teardown (a provider can then release without undoing a
   half-finished one).
-- Release kills whatever runs as the slot account before it calls the provider
-  (a provider command orphaned when a daemon died during an earlier release),
-  unless this daemon found the account idle when it confirmed the cleanup and no
-  provider call of the attempt began since: then nothing can run as the account,
-  and the walk of every task on the host is not repeated.
 - Restart (`recover`): the ledger turns starting/running into unknown and in-flight
   preparations into failed; every settled attempt without confirmed cleanup has its
   service adopted by name, stopped and checked idle. Prepared attempts whose streams
@@ -141,9 +136,6 @@ class Runner(AttemptWork):
         """Attempts with a release under way (a controller may resend one)."""
         self._winding_down: dict[str, float] = {}
         """Exited attempts whose service still runs: when cleanup first saw it so."""
-        self._idle_at: dict[str, int] = {}
-        """Attempts whose cleanup this daemon confirmed, with their count of provider
-        calls begun (`InFlight.begun`) when it found the slot account idle."""
         self._ticks = 0
         self._deadlines = Deadlines(ctx)
         self._preparer = Preparer(shared, spawn=self._spawn)
@@ -220,8 +212,7 @@ class Runner(AttemptWork):
         context = await self._release_context(attempt)
         # What the payload wrote goes first, so a full slot leaves room for the provider.
         await self._io(attempt.layout.free_payload_data, attempt.id)
-        in_flight = self._batcher.in_flight
-        if first and not in_flight.running(attempt.id) and not self._still_idle(attempt.id):
+        if first and not self._batcher.in_flight.running(attempt.id):
             # Cleanup was confirmed, so anything of the slot account running now was
             # orphaned by a daemon that died during a provider command (its release).
             await self._io(self._ctx.service.kill_account, attempt.slot.uid)
@@ -241,18 +232,6 @@ class Runner(AttemptWork):
         self._walls.forget(attempt.id)
         self._details.pop(attempt.id, None)
         self._decoded.forget(attempt.id)
-        self._idle_at.pop(attempt.id, None)
-        self._batcher.in_flight.forget(attempt.id)
-
-    def _still_idle(self, attempt_id: str) -> bool:
-        """Whether this daemon found the slot account idle when it confirmed the
-        attempt's cleanup and no provider call of the attempt began since. Then nothing
-        of the account can run now: only the attempt's service (stopped) and its
-        provider calls run as it, and the slot is the attempt's until its release. A
-        release then needs no second walk of every task on the host; after a restart
-        (nothing known) it walks."""
-        seen = self._idle_at.get(attempt_id)
-        return seen is not None and seen == self._batcher.in_flight.begun(attempt_id)
 
     async def _release_context(self, attempt: _Attempt) -> sdk.Context:
         """The release's context. A storage directory an earlier release of this
@@ -500,7 +479,6 @@ class Runner(AttemptWork):
         busy = self._preparer.running(fresh.attempt_id) or self._batcher.in_flight.running(
             fresh.attempt_id
         )
-        begun = self._batcher.in_flight.begun(fresh.attempt_id)  # see `_still_idle`
         attempt = await self._attempt(fresh)
         try:
             handle = await self._service(attempt)
@@ -525,7 +503,6 @@ class Runner(AttemptWork):
         if idle:
             await self._deadlines.drop(attempt)
             await self._apply(fresh, lifecycle.CleanupConfirmed())
-            self._idle_at[attempt.id] = begun
             return
         metrics.PROCESS.cleanup_not_confirmed()
         if not fresh.status.quarantined:
