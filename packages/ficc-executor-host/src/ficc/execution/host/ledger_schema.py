@@ -335,11 +335,13 @@ def status_values(status: lifecycle.Status) -> list[object]:
     return [getattr(status, name) for name in STATUS_FIELDS]
 
 
-RENEW_SQL: Final = (
-    f"INSERT INTO renewals (attempt_id, {', '.join(LEASE_FIELDS)}, updated)"  # noqa: S608
-    f" VALUES ({', '.join('?' * (len(LEASE_FIELDS) + 2))}) ON CONFLICT (attempt_id)"
-    f" DO UPDATE SET {', '.join(f'{n} = excluded.{n}' for n in (*LEASE_FIELDS, 'updated'))}"
+_RENEWAL_COLUMNS: Final = ("attempt_id", *LEASE_FIELDS, "updated")
+_RENEW_INTO: Final = f"INSERT INTO renewals ({', '.join(_RENEWAL_COLUMNS)})"
+_RENEW_UPSERT: Final = " ON CONFLICT (attempt_id) DO UPDATE SET " + ", ".join(
+    f"{n} = excluded.{n}" for n in _RENEWAL_COLUMNS[1:]
 )
+
+RENEW_SQL: Final = f"{_RENEW_INTO} VALUES ({', '.join('?' * len(_RENEWAL_COLUMNS))}){_RENEW_UPSERT}"
 """Record a renewed lease: attempt ID, `lease_values(lease)`, the ordinal."""
 
 
@@ -349,10 +351,8 @@ def _json_items(count: int) -> list[str]:
 
 
 RENEW_AS_ONE_SQL: Final = (
-    f"INSERT INTO renewals (attempt_id, {', '.join(LEASE_FIELDS)}, updated)"  # noqa: S608
-    f" SELECT {', '.join(_json_items(len(LEASE_FIELDS) + 2))}"
-    " FROM json_each(?) WHERE true ON CONFLICT (attempt_id)"
-    f" DO UPDATE SET {', '.join(f'{n} = excluded.{n}' for n in (*LEASE_FIELDS, 'updated'))}"
+    f"{_RENEW_INTO} SELECT {', '.join(_json_items(len(_RENEWAL_COLUMNS)))}"  # noqa: S608
+    f" FROM json_each(?) WHERE true{_RENEW_UPSERT}"
 )
 """`RENEW_SQL` for many leases in ONE statement: its one parameter is a JSON array of
 `RENEW_SQL`'s parameter lists, written in order. One statement is one step, so
