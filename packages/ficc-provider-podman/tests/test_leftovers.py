@@ -15,6 +15,7 @@ import pytest
 from ficc_provider_podman.account import (
     SlotAccount,
     kill_leftovers,
+    live_processes_by_uid,
     live_processes_of,
     processes_of,
     run_podman,
@@ -86,3 +87,41 @@ def test_a_set_user_id_process_of_the_account_is_found_refused_and_killed(
     finally:
         child.kill()
         child.wait()
+
+
+def test_one_walk_for_two_accounts_answers_each_as_its_own_walk_would(
+    setuid_cat: Path,
+) -> None:
+    """Concurrent slots share a walk of /proc: a root entry (a set-user-ID program)
+    counts for the account among its UIDs, any other entry only for its owner."""
+    accounts = Accounts.ensure(f"ficc-lw{os.getpid() % 100000}-", ["one", "two"])
+    one, two = accounts["one"], accounts["two"]
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        for who, program in ((one, "/bin/cat"), (two, str(setuid_cat))):
+            child = subprocess.Popen(
+                [program],
+                user=who.uid,
+                group=who.gid,
+                extra_groups=[],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                cwd="/",
+            )
+            children.append(child)
+            assert child.stdin is not None
+            assert child.stdout is not None
+            child.stdin.write(b"up\n")
+            child.stdin.flush()
+            assert child.stdout.readline() == b"up\n"
+        found = live_processes_by_uid({one.uid, two.uid})
+        assert found == {one.uid: [children[0].pid], two.uid: [children[1].pid]}
+        assert live_processes_of(one.uid) == [children[0].pid]
+        assert live_processes_of(two.uid) == [children[1].pid]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+        for who in (one, two):
+            kill_processes_of(who.uid)
+        accounts.remove()

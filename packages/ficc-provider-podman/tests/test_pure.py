@@ -6,6 +6,8 @@ import copy
 import os
 import shutil
 import threading
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -14,10 +16,11 @@ import pytest
 
 from ficc_provider_podman import container, observe
 from ficc_provider_podman import driver as podman_driver
-from ficc_provider_podman.account import SlotAccount, processes_by_uid, processes_of
+from ficc_provider_podman.account import LiveWalks, SlotAccount, processes_by_uid, processes_of
 from ficc_provider_podman.config import Config, load
 from ficc_provider_podman.errors import ProviderError
 from ficc_provider_podman.observe import parse_device_results
+from ficc_testkit.waits import wait_for
 
 SHA = "sha256:" + "a" * 64
 
@@ -331,3 +334,52 @@ def test_one_observe_call_walks_proc_once_for_all_its_rows(
     replies = driver.observe(contexts)  # type: ignore[arg-type]
     assert [r["error"] for r in replies] == ["not_prepared"] * 3  # no state: each row refused
     assert walks == [{1000, 1001, 1002}]
+
+
+def test_slots_that_ask_during_a_walk_share_the_next_one() -> None:
+    """The first caller's walk is held; eight slots ask meanwhile. They are answered by
+    one more walk, which began after all of them asked and looked for all of them."""
+    started, release = threading.Event(), threading.Event()
+    asked: list[set[int]] = []
+
+    def walk(uids: Collection[int]) -> dict[int, list[int]]:
+        asked.append(set(uids))
+        if len(asked) == 1:
+            started.set()
+            release.wait()
+        return {uid: [1000 + len(asked)] for uid in uids}
+
+    walks = LiveWalks(walk)
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        first = pool.submit(walks.of, 1)
+        started.wait()
+        later = [pool.submit(walks.of, uid) for uid in range(2, 10)]
+        wait_for(
+            lambda: walks._next is not None and len(walks._next.wanted) == 8,
+            "eight slots to wait for the next walk",
+        )
+        release.set()
+        assert first.result() == [1001]  # the walk it led
+        assert [f.result() for f in later] == [[1002]] * 8
+    assert asked == [{1}, set(range(2, 10))]
+    assert walks.walks == 2
+    assert walks._next is None  # nothing is kept
+    assert walks._running is None
+
+
+def test_a_failed_walk_fails_its_callers_and_the_next_walk_is_fresh() -> None:
+    calls = 0
+
+    def walk(uids: Collection[int]) -> dict[int, list[int]]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise PermissionError("no /proc")
+        return {uid: [7] for uid in uids}
+
+    walks = LiveWalks(walk)
+    with pytest.raises(PermissionError):
+        walks.of(5)
+    assert walks.of(5) == [7]
+    assert walks.of(6) == [7]
+    assert calls == 3

@@ -37,7 +37,7 @@ import stat
 import subprocess
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -364,27 +364,109 @@ def live_processes_of(uid: int) -> list[int]:
     """PIDs of live processes with `uid` as their real, effective, saved or filesystem
     UID; one whose status cannot be parsed counts.
 
-    A process's /proc entry belongs to its effective UID, so the status is read for
-    every entry of `uid` or of root (a set-user-ID-root program the account runs):
-    the entries of other accounts, such as the other slots' Podman processes, are
-    passed over with a stat, and kernel threads (root's, without an executable) with
-    a readlink. For the checks that the account is idle and for killing what is
-    left, not for every observe.
+    From a walk of /proc that began after this call (`LiveWalks`): the checks that the
+    account is idle, and the kills of what is left, of slots preparing or releasing at
+    the same time share walks. For those checks, not for every observe.
     """
-    found = []
+    return _LIVE.of(uid)
+
+
+def live_processes_by_uid(uids: Collection[int]) -> dict[int, list[int]]:
+    """`live_processes_of` for several accounts with one walk of its own (an account
+    without processes has no key).
+
+    A process's /proc entry belongs to its effective UID, so the status is read for
+    every entry of an account asked for or of root (a set-user-ID-root program the
+    account runs): the entries of other accounts, such as the other slots' Podman
+    processes, are passed over with a stat, and kernel threads (root's, without an
+    executable) with a readlink. A root entry counts for every account among its UIDs;
+    any other entry only for its owner.
+    """
+    wanted = set(uids)
+    found: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             owner = entry.stat(follow_symlinks=False).st_uid
-            if owner not in (uid, 0) or (owner == 0 and not _has_executable(entry.name)):
+            if owner not in wanted and (owner != 0 or not _has_executable(entry.name)):
                 continue
         except OSError:
             continue
         parsed = _credentials(int(entry.name))
-        if parsed is not None and (parsed[0] == -1 or uid in parsed[2]) and not parsed[1]:
-            found.append(int(entry.name))
+        if parsed is None or parsed[1]:
+            continue
+        candidates = wanted if owner == 0 else {owner}
+        for uid in candidates if parsed[0] == -1 else candidates.intersection(parsed[2]):
+            found.setdefault(uid, []).append(int(entry.name))
     return found
+
+
+class _Walk:
+    """One walk of /proc: the accounts it looks for, and its answer once done."""
+
+    def __init__(self) -> None:
+        self.wanted: set[int] = set()
+        self.begun = False
+        self.done = threading.Event()
+        self.found: dict[int, list[int]] = {}
+        self.error: BaseException | None = None
+
+
+class LiveWalks:
+    """`live_processes_of` for many threads at once, each answered by a walk of /proc
+    that began after it asked.
+
+    Who asks joins the next walk, which has not begun; it begins as soon as no walk
+    runs, led by whichever of its callers gets there first, and looks for every
+    account asked for until then. So an answer is exactly as fresh as a walk of one's
+    own, and the slots of one batch, checked at about the same time, share walks.
+    """
+
+    def __init__(self, walk: Callable[[Collection[int]], dict[int, list[int]]]) -> None:
+        self._walk = walk
+        self._lock = threading.Lock()
+        self._running: _Walk | None = None
+        self._next: _Walk | None = None
+        self.walks = 0
+
+    def of(self, uid: int) -> list[int]:
+        with self._lock:
+            if self._next is None:
+                self._next = _Walk()
+            mine = self._next
+            mine.wanted.add(uid)
+        while not self._begin(mine):
+            running = self._running
+            if running is not None:
+                running.done.wait()
+        mine.done.wait()
+        if mine.error is not None:
+            raise mine.error
+        return list(mine.found.get(uid, []))
+
+    def _begin(self, mine: _Walk) -> bool:
+        """Whether `mine` has begun; leads it (and returns once it is done) if no walk
+        runs."""
+        with self._lock:
+            if mine.begun:
+                return True
+            if self._running is not None:
+                return False
+            mine.begun, self._running, self._next = True, mine, None
+        try:
+            mine.found = self._walk(frozenset(mine.wanted))
+        except BaseException as error:  # every caller of this walk gets it
+            mine.error = error
+        finally:
+            with self._lock:
+                self._running = None
+                self.walks += 1
+            mine.done.set()
+        return True
+
+
+_LIVE = LiveWalks(live_processes_by_uid)
 
 
 def _has_executable(pid: str) -> bool:

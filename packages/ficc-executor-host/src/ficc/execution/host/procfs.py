@@ -850,20 +850,29 @@ TASK_STATUS_BYTES = 8192
 
 def state_and_uids(data: bytes) -> tuple[bytes, tuple[int, ...]] | None:
     """The `State:` letter and the four `Uid:` values of a status file, or None when
-    either is missing or malformed (a caller counting live tasks counts it as live).
+    either is missing or malformed, or `Uid:` comes first (a caller counting live tasks
+    counts it as live).
 
-    Only these two lines are parsed: a host-wide scan reads every task's status.
+    Only these two lines are looked up, by search rather than by splitting every line:
+    a host-wide scan reads every task's status. A line can only begin after a newline
+    the kernel wrote, because it escapes a newline in a task's name.
     """
-    state: bytes | None = None
-    for line in data.split(b"\n"):
-        if line.startswith(b"State:"):
-            state = line[6:].strip()[:1]
-        elif line.startswith(b"Uid:"):
-            parts = line[4:].split()
-            if state is None or len(parts) != 4 or not all(p.isdigit() for p in parts):
-                return None
-            return state, tuple(int(p) for p in parts)
-    return None
+    text = b"\n" + data
+    state_at = text.find(b"\nState:")
+    uid_at = text.find(b"\nUid:")
+    if state_at < 0 or uid_at < state_at:
+        return None
+    state = _line_value(text, state_at + 7)[:1]
+    parts = _line_value(text, uid_at + 5).split()
+    if len(parts) != 4 or not all(part.isdigit() for part in parts):
+        return None
+    return state, tuple(map(int, parts))
+
+
+def _line_value(text: bytes, start: int) -> bytes:
+    """The rest of the line from `start`, without its surrounding blanks."""
+    end = text.find(b"\n", start)
+    return text[start : None if end < 0 else end].strip()
 
 
 def _task_status(path: str) -> bytes | None:
