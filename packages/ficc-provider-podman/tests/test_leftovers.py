@@ -12,6 +12,7 @@ from typing import cast
 
 import pytest
 
+from ficc_provider_podman import account as accounts_module
 from ficc_provider_podman.account import (
     SlotAccount,
     kill_leftovers,
@@ -125,3 +126,35 @@ def test_one_walk_for_two_accounts_answers_each_as_its_own_walk_would(
         for who in (one, two):
             kill_processes_of(who.uid)
         accounts.remove()
+
+
+def test_a_root_entry_whose_executable_cannot_be_read_is_judged_by_its_status(
+    account: Account, setuid_cat: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without CAP_SYS_PTRACE (or under an LSM) reading /proc/PID/exe is refused; only a
+    missing link marks a kernel thread. A set-user-ID process of the account is still
+    found when every link is refused."""
+    child = subprocess.Popen(
+        [str(setuid_cat)],
+        user=account.uid,
+        group=account.gid,
+        extra_groups=[],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd="/",
+    )
+    try:
+        assert child.stdin is not None
+        assert child.stdout is not None
+        child.stdin.write(b"up\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"up\n"
+
+        def refused(path: str) -> str:
+            raise PermissionError(13, "Permission denied", path)
+
+        monkeypatch.setattr(accounts_module.os, "readlink", refused)
+        assert child.pid in live_processes_of(account.uid)
+    finally:
+        child.kill()
+        child.wait()

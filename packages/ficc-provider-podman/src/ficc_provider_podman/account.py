@@ -470,11 +470,15 @@ _LIVE = LiveWalks(live_processes_by_uid)
 
 
 def _has_executable(pid: str) -> bool:
-    """False for a kernel thread (and a process already gone): no /proc/PID/exe."""
+    """False for a kernel thread (and a process already gone): no /proc/PID/exe. True
+    when the link exists but cannot be read (a daemon without CAP_SYS_PTRACE, or one
+    confined by an LSM): such a process is judged by its status, not passed over."""
     try:
         os.readlink(f"/proc/{pid}/exe")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    except PermissionError:
+        return True
     return True
 
 

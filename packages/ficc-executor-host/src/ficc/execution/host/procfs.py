@@ -864,7 +864,7 @@ def state_and_uids(data: bytes) -> tuple[bytes, tuple[int, ...]] | None:
         return None
     state = _line_value(text, state_at + 7)[:1]
     parts = _line_value(text, uid_at + 5).split()
-    if len(parts) != 4 or not all(part.isdigit() for part in parts):
+    if len(parts) != 4 or not b"".join(parts).isdigit():  # each part is non-empty
         return None
     return state, tuple(map(int, parts))
 
