@@ -52,14 +52,10 @@ def setuid_cat() -> Iterator[Path]:
         yield program
 
 
-def test_a_set_user_id_process_of_the_account_is_found_refused_and_killed(
-    account: Account, setuid_cat: Path
-) -> None:
-    """Its real UID is the account's but its /proc entry is root's (the owner is the
-    effective UID): a walk that trusts the owner misses it, so the idle check and the
-    kill read each process's credentials."""
+def _cat_as(account: Account, program: Path) -> subprocess.Popen[bytes]:
+    """`program` (a cat) run by `account`, returned once it has echoed a line: it runs."""
     child = subprocess.Popen(
-        [str(setuid_cat)],
+        [str(program)],
         user=account.uid,
         group=account.gid,
         extra_groups=[],
@@ -67,12 +63,22 @@ def test_a_set_user_id_process_of_the_account_is_found_refused_and_killed(
         stdout=subprocess.PIPE,
         cwd="/",
     )
+    assert child.stdin is not None
+    assert child.stdout is not None
+    child.stdin.write(b"up\n")
+    child.stdin.flush()
+    assert child.stdout.readline() == b"up\n"
+    return child
+
+
+def test_a_set_user_id_process_of_the_account_is_found_refused_and_killed(
+    account: Account, setuid_cat: Path
+) -> None:
+    """Its real UID is the account's but its /proc entry is root's (the owner is the
+    effective UID): a walk that trusts the owner misses it, so the idle check and the
+    kill read each process's credentials."""
+    child = _cat_as(account, setuid_cat)
     try:
-        assert child.stdin is not None
-        assert child.stdout is not None
-        child.stdin.write(b"up\n")
-        child.stdin.flush()
-        assert child.stdout.readline() == b"up\n"  # cat runs, set-user-ID root
         owner = os.stat(f"/proc/{child.pid}").st_uid
         assert owner == 0, "the premise: a set-user-ID process's /proc entry is root's"
         assert child.pid not in processes_of(account.uid)  # the cheap walk cannot see it
@@ -99,22 +105,8 @@ def test_one_walk_for_two_accounts_answers_each_as_its_own_walk_would(
     one, two = accounts["one"], accounts["two"]
     children: list[subprocess.Popen[bytes]] = []
     try:
-        for who, program in ((one, "/bin/cat"), (two, str(setuid_cat))):
-            child = subprocess.Popen(
-                [program],
-                user=who.uid,
-                group=who.gid,
-                extra_groups=[],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                cwd="/",
-            )
-            children.append(child)
-            assert child.stdin is not None
-            assert child.stdout is not None
-            child.stdin.write(b"up\n")
-            child.stdin.flush()
-            assert child.stdout.readline() == b"up\n"
+        children.append(_cat_as(one, Path("/bin/cat")))
+        children.append(_cat_as(two, setuid_cat))
         found = live_processes_by_uid({one.uid, two.uid})
         assert found == {one.uid: [children[0].pid], two.uid: [children[1].pid]}
         assert live_processes_of(one.uid) == [children[0].pid]
@@ -134,21 +126,8 @@ def test_a_root_entry_whose_executable_cannot_be_read_is_judged_by_its_status(
     """Without CAP_SYS_PTRACE (or under an LSM) reading /proc/PID/exe is refused; only a
     missing link marks a kernel thread. A set-user-ID process of the account is still
     found when every link is refused."""
-    child = subprocess.Popen(
-        [str(setuid_cat)],
-        user=account.uid,
-        group=account.gid,
-        extra_groups=[],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd="/",
-    )
+    child = _cat_as(account, setuid_cat)
     try:
-        assert child.stdin is not None
-        assert child.stdout is not None
-        child.stdin.write(b"up\n")
-        child.stdin.flush()
-        assert child.stdout.readline() == b"up\n"
 
         def refused(path: str) -> str:
             raise PermissionError(13, "Permission denied", path)
