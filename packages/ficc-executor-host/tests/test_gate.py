@@ -1666,6 +1666,13 @@ def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world:
         (b"Name:\tx\nState:\tS (sleeping)\nUid:\t1\t2\t3\n", None),  # three values
         (b"Name:\tx\nState:\tS (sleeping)\nUid:\t1\t2\t3\t-4\n", None),
         (b"", None),
+        # a name is not a line: the kernel escapes a newline in it
+        (b"Name:\tState:\tZ\nState:\tS (sleeping)\nUid:\t1\t2\t3\t4\n", (b"S", (1, 2, 3, 4))),
+        # the kernel writes one State line; were there two, the first would count
+        (
+            b"Name:\tx\nState:\tS (sleeping)\nState:\tZ (zombie)\nUid:\t1\t2\t3\t4\n",
+            (b"S", (1, 2, 3, 4)),
+        ),
     ],
 )
 def test_a_status_the_scan_cannot_read_is_none_which_counts_as_live(

@@ -383,3 +383,75 @@ def test_a_failed_walk_fails_its_callers_and_the_next_walk_is_fresh() -> None:
     assert walks.of(5) == [7]
     assert walks.of(6) == [7]
     assert calls == 3
+
+
+def test_every_caller_of_a_failed_walk_gets_its_error() -> None:
+    """Eight slots ask while the first walk runs; the walk they share then fails. Each
+    of them gets the error (none waits for ever, none gets an answer), and the walk
+    after that is fresh."""
+    started, release = threading.Event(), threading.Event()
+    asked: list[set[int]] = []
+
+    def walk(uids: Collection[int]) -> dict[int, list[int]]:
+        asked.append(set(uids))
+        if len(asked) == 1:
+            started.set()
+            release.wait()
+        if len(asked) == 2:
+            raise PermissionError("no /proc")
+        return {uid: [3] for uid in uids}
+
+    walks = LiveWalks(walk)
+    with ThreadPoolExecutor(max_workers=9) as pool:
+        first = pool.submit(walks.of, 1)
+        started.wait()
+        later = [pool.submit(walks.of, uid) for uid in range(2, 10)]
+        wait_for(
+            lambda: walks._next is not None and len(walks._next.wanted) == 8,
+            "eight slots to wait for the next walk",
+        )
+        release.set()
+        assert first.result() == [3]  # the walk it led
+        assert [type(f.exception()) for f in later] == [PermissionError] * 8
+    assert walks.of(2) == [3]
+    assert asked == [{1}, set(range(2, 10)), {2}]
+    assert walks._running is None
+
+
+class _InterruptOnceLed:
+    """A lock that, when released right after a caller took the lead of a walk, raises
+    KeyboardInterrupt once: an asynchronous exception at the worst moment."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.walks: LiveWalks | None = None
+        self.armed = True
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if self.armed and self.walks is not None and self.walks._running is not None:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_right_after_taking_the_lead_still_ends_the_walk() -> None:
+    walked: list[set[int]] = []
+
+    def walk(uids: Collection[int]) -> dict[int, list[int]]:
+        walked.append(set(uids))
+        return {uid: [9] for uid in uids}
+
+    walks = LiveWalks(walk)
+    lock = _InterruptOnceLed()
+    lock.walks = walks
+    walks._lock = lock  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        walks.of(4)
+    assert not lock.armed  # the interrupt came after the lead was taken
+    assert walks._running is None  # ended: a later caller need not wait for it
+    assert walks.walks == 1
+    assert walks.of(4) == [9]
+    assert walked == [{4}]

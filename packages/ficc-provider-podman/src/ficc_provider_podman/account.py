@@ -447,23 +447,36 @@ class LiveWalks:
 
     def _begin(self, mine: _Walk) -> bool:
         """Whether `mine` has begun; leads it (and returns once it is done) if no walk
-        runs."""
-        with self._lock:
-            if mine.begun:
-                return True
-            if self._running is not None:
-                return False
-            mine.begun, self._running, self._next = True, mine, None
+        runs.
+
+        Taking the lead is one step under the lock, and everything after it sits in one
+        `try`: no exception, not even one raised asynchronously, can leave a walk led
+        but never finished and its other callers waiting for ever.
+        """
+        leading = False
         try:
-            mine.found = self._walk(frozenset(mine.wanted))
-        except BaseException as error:  # every caller of this walk gets it
-            mine.error = error
-        finally:
             with self._lock:
-                self._running = None
-                self.walks += 1
-            mine.done.set()
+                if mine.begun:
+                    return True
+                if self._running is not None:
+                    return False
+                mine.begun, self._running, self._next, leading = True, mine, None, True
+            mine.found = self._walk(frozenset(mine.wanted))
+        except BaseException as error:
+            if not leading:
+                raise
+            mine.error = error  # every caller of this walk gets it
+        finally:
+            if leading:
+                self._finish(mine)
         return True
+
+    def _finish(self, mine: _Walk) -> None:
+        """Ends the walk this caller led: the next may begin, its callers wake."""
+        with self._lock:
+            self._running = None
+            self.walks += 1
+        mine.done.set()
 
 
 _LIVE = LiveWalks(live_processes_by_uid)
