@@ -141,20 +141,24 @@ def test_cleanup_kills_what_a_provider_left_of_the_slot_account(daemon: Daemon) 
     assert attempt(daemon.release(plan)).state == "released"
 
 
-def test_release_kills_what_a_dead_daemon_left_of_the_slot_account(daemon: Daemon) -> None:
-    """Cleanup confirmed, then the daemon is killed and a process of the slot account
-    appears before release (what a provider command of a daemon killed in the middle
-    of a release leaves): the next daemon's release kills it before it calls the
-    provider, and frees the slot."""
+@pytest.mark.parametrize("restarted", [True, False], ids=["next-daemon", "same-daemon"])
+def test_release_kills_what_appeared_of_the_slot_account_after_cleanup(
+    daemon: Daemon, restarted: bool
+) -> None:
+    """Cleanup confirmed, then a process of the slot account appears before release
+    (what a provider command of a daemon killed in the middle of a release leaves, or
+    anything else run as that account): release kills it before it calls the
+    provider, and frees the slot, whether the daemon was restarted in between or not."""
     plan = daemon.plan()
     rows(daemon.prepare([plan]))
     daemon.wait_state(plan, lambda r: r.ready, "readiness")
     daemon.stop_attempt(plan)
     slot = settled_clean(daemon, plan).slot
     assert slot is not None
-    daemon.process.kill()
-    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
-    daemon.start()
+    if restarted:
+        daemon.process.kill()
+        daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+        daemon.start()
     account = daemon.accounts[f"slot{slot[-1]}"]
     stray = subprocess.Popen(
         ["/bin/sleep", "3600"], user=int(account.uid), group=int(account.gid),
