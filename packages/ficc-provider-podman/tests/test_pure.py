@@ -6,8 +6,8 @@ import copy
 import os
 import shutil
 import threading
-from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -336,9 +336,12 @@ def test_one_observe_call_walks_proc_once_for_all_its_rows(
     assert walks == [{1000, 1001, 1002}]
 
 
-def test_slots_that_ask_during_a_walk_share_the_next_one() -> None:
-    """The first caller's walk is held; eight slots ask meanwhile. They are answered by
-    one more walk, which began after all of them asked and looked for all of them."""
+def _eight_ask_during_a_held_walk(
+    answer: Callable[[int, Collection[int]], dict[int, list[int]]],
+) -> tuple[LiveWalks, list[set[int]], Future[list[int]], list[Future[list[int]]]]:
+    """Slot 1 leads a walk, held until slots 2-9 wait for the next one; then both walks
+    run. `answer(n, uids)` is the n-th walk's answer (or raises). Returns the walks,
+    what each walk looked for, and the callers' finished futures."""
     started, release = threading.Event(), threading.Event()
     asked: list[set[int]] = []
 
@@ -347,7 +350,7 @@ def test_slots_that_ask_during_a_walk_share_the_next_one() -> None:
         if len(asked) == 1:
             started.set()
             release.wait()
-        return {uid: [1000 + len(asked)] for uid in uids}
+        return answer(len(asked), uids)
 
     walks = LiveWalks(walk)
     with ThreadPoolExecutor(max_workers=9) as pool:
@@ -359,8 +362,17 @@ def test_slots_that_ask_during_a_walk_share_the_next_one() -> None:
             "eight slots to wait for the next walk",
         )
         release.set()
-        assert first.result() == [1001]  # the walk it led
-        assert [f.result() for f in later] == [[1002]] * 8
+    return walks, asked, first, later
+
+
+def test_slots_that_ask_during_a_walk_share_the_next_one() -> None:
+    """The first caller's walk is held; eight slots ask meanwhile. They are answered by
+    one more walk, which began after all of them asked and looked for all of them."""
+    walks, asked, first, later = _eight_ask_during_a_held_walk(
+        lambda n, uids: {uid: [1000 + n] for uid in uids}
+    )
+    assert first.result() == [1001]  # the walk it led
+    assert [f.result() for f in later] == [[1002]] * 8
     assert asked == [{1}, set(range(2, 10))]
     assert walks.walks == 2
     assert walks._next is None  # nothing is kept
@@ -389,30 +401,15 @@ def test_every_caller_of_a_failed_walk_gets_its_error() -> None:
     """Eight slots ask while the first walk runs; the walk they share then fails. Each
     of them gets the error (none waits for ever, none gets an answer), and the walk
     after that is fresh."""
-    started, release = threading.Event(), threading.Event()
-    asked: list[set[int]] = []
 
-    def walk(uids: Collection[int]) -> dict[int, list[int]]:
-        asked.append(set(uids))
-        if len(asked) == 1:
-            started.set()
-            release.wait()
-        if len(asked) == 2:
+    def answer(n: int, uids: Collection[int]) -> dict[int, list[int]]:
+        if n == 2:
             raise PermissionError("no /proc")
         return {uid: [3] for uid in uids}
 
-    walks = LiveWalks(walk)
-    with ThreadPoolExecutor(max_workers=9) as pool:
-        first = pool.submit(walks.of, 1)
-        started.wait()
-        later = [pool.submit(walks.of, uid) for uid in range(2, 10)]
-        wait_for(
-            lambda: walks._next is not None and len(walks._next.wanted) == 8,
-            "eight slots to wait for the next walk",
-        )
-        release.set()
-        assert first.result() == [3]  # the walk it led
-        assert [type(f.exception()) for f in later] == [PermissionError] * 8
+    walks, asked, first, later = _eight_ask_during_a_held_walk(answer)
+    assert first.result() == [3]  # the walk it led
+    assert [type(f.exception()) for f in later] == [PermissionError] * 8
     assert walks.of(2) == [3]
     assert asked == [{1}, set(range(2, 10)), {2}]
     assert walks._running is None
