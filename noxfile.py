@@ -54,6 +54,7 @@ PACKAGES = ROOT / "packages"
 DISTRIBUTIONS = [
     "ficc-hoststate",
     "ficc-protocol",
+    "ficc-provider-sdk",
     "ficc-executor-host",
     "ficc-provider-podman",
 ]
@@ -510,7 +511,10 @@ def _ensure_commit(ref: str) -> None:
 
 
 def _build_wheels(session: nox.Session, tree: pathlib.Path, out: pathlib.Path) -> None:
-    for name in ("ficc-protocol", "ficc-executor-host"):
+    """The host's wheels as `tree` has them (an older tree may lack the provider SDK)."""
+    for name in ("ficc-protocol", "ficc-provider-sdk", "ficc-executor-host"):
+        if not (tree / "packages" / name / "pyproject.toml").exists():
+            continue
         with session.chdir(tree / "packages" / name):
             session.run("hatchling", "build", "-t", "wheel", "-d", str(out))
 

@@ -36,11 +36,17 @@ from ficc_testkit.wheels import build_wheel
 
 pytestmark = [
     pytest.mark.podman("installs the wheels and runs a real job with rootless Podman"),
-    pytest.mark.slow("builds the four wheels and a virtualenv"),
+    pytest.mark.slow("builds the five wheels and a virtualenv"),
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ("ficc-hoststate", "ficc-protocol", "ficc-executor-host", "ficc-provider-podman")
+DISTRIBUTIONS = (
+    "ficc-hoststate",
+    "ficc-protocol",
+    "ficc-provider-sdk",
+    "ficc-executor-host",
+    "ficc-provider-podman",
+)
 USERADD = (
     "useradd",
     "--system",

@@ -1,4 +1,4 @@
-"""Release metadata of the four distributions: one version each, LICENSE, URLs,
+"""Release metadata of the five distributions: one version each, LICENSE, URLs,
 classifiers, consistent dependency bounds, the console commands, the Podman wheel tag.
 """
 
@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ["ficc-hoststate", "ficc-protocol", "ficc-executor-host", "ficc-provider-podman"]
+DISTRIBUTIONS = [
+    "ficc-hoststate",
+    "ficc-protocol",
+    "ficc-provider-sdk",
+    "ficc-executor-host",
+    "ficc-provider-podman",
+]
 
 
 def project(name: str) -> dict[str, Any]:
@@ -59,9 +65,10 @@ def test_dependency_bounds_are_ranges_and_agree() -> None:
 
 def _imported_distributions(name: str) -> set[str]:
     """The distributions whose modules `name`'s own source imports, other than itself."""
-    owners = {
+    owners = {  # the most specific first
         "ficc.hoststate": "ficc-hoststate",
         "ficc.execution.host": "ficc-executor-host",
+        "ficc.execution.provider": "ficc-provider-sdk",
         "ficc.execution": "ficc-protocol",
     }
     found: set[str] = set()
@@ -70,7 +77,8 @@ def _imported_distributions(name: str) -> set[str]:
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules = [node.module]
+                # `from ficc.execution import provider` imports ficc.execution.provider
+                modules = [f"{node.module}.{alias.name}" for alias in node.names]
             else:
                 continue
             for module in modules:
@@ -87,6 +95,23 @@ def test_every_distribution_a_package_imports_is_a_declared_dependency(name: str
     """A wheel must not rely on another distribution pulling in what it imports itself."""
     declared = {re.split(r"[<>=]", r)[0] for r in project(name)["dependencies"]}
     assert _imported_distributions(name) - declared == set()
+
+
+def _our_dependencies(name: str) -> set[str]:
+    """Every distribution of this repository that installing `name` installs too."""
+    needed: set[str] = set()
+    for requirement in project(name)["dependencies"]:
+        dependency = re.split(r"[<>=]", requirement)[0]
+        if dependency in DISTRIBUTIONS and dependency not in needed:
+            needed |= {dependency, *_our_dependencies(dependency)}
+    return needed
+
+
+def test_a_provider_installs_the_contract_without_the_daemon() -> None:
+    """A provider needs the provider SDK and the plan types, never the root daemon."""
+    assert _our_dependencies("ficc-provider-podman") == {"ficc-provider-sdk", "ficc-protocol"}
+    assert _our_dependencies("ficc-provider-sdk") == {"ficc-protocol"}
+    assert "ficc-provider-sdk" in _our_dependencies("ficc-executor-host")
 
 
 def test_the_console_commands_are_declared() -> None:

@@ -29,7 +29,7 @@ from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc_testkit.accounts import Account, create_account, lookup
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ["ficc-protocol", "ficc-executor-host", "ficc-provider-podman"]
+PACKAGES = ["ficc-protocol", "ficc-provider-sdk", "ficc-executor-host", "ficc-provider-podman"]
 PROVIDER_PACKAGE = "ficc-provider-podman"
 SERVICE_BASE = "ficc"
 """The cgroupfs service backend's directory in each hierarchy (CgroupfsService default)."""
@@ -247,7 +247,7 @@ def make_slot(layout: RunLayout) -> provision.Provisioned:
 
 
 def build_wheels(layout: RunLayout) -> dict[str, Path]:
-    """Wheels of the three distributions, built by hatchling from copies of the sources.
+    """Wheels of the four distributions, built by hatchling from copies of the sources.
 
     Copies, so that compiling the provider's barrier never rewrites a file in the
     repository that a running test may be using.

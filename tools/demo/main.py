@@ -4,7 +4,7 @@
 2. accounts                   ficc-demo-transport (the controller's transport) and
                               ficc-demo-slot (the job runs as it), created if missing
 3. the previous run           stopped and removed if something is left of it
-4. wheels and the provider    three wheels built by hatchling; the provider installed
+4. wheels and the provider    four wheels built by hatchling; the provider installed
                               into a root-owned prefix and pinned by its digest
 5. the test image             static busybox -> OCI archive, no registry
 6. the configuration          root 0600 JSON, checked by the daemon's own parser first

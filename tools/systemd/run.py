@@ -45,7 +45,7 @@ import rootfs  # a sibling script, not a package
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 INSIDE = "/opt/ficc"
 # ficc-testkit: the markers, driver and host the tests use; never released.
-PACKAGES = ["ficc-protocol", "ficc-executor-host", "ficc-testkit"]
+PACKAGES = ["ficc-protocol", "ficc-provider-sdk", "ficc-executor-host", "ficc-testkit"]
 TEST_FILES = [
     "packages/ficc-executor-host/tests/test_service_behaviour.py",
     "packages/ficc-executor-host/tests/test_service_systemd.py",

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ficc.execution import provider as sdk
 from ficc.execution.host import commands
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.providers import (
@@ -41,7 +42,7 @@ from ficc.execution.host.providers import (
 )
 from ficc.execution.host.providers import loader as loader_module
 from ficc_testkit import wheels
-from sdk_support import sample_context, with_check
+from ficc_testkit.contexts import sample_context, with_check
 
 ROOT = Path(__file__).resolve().parents[3]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
@@ -694,3 +695,64 @@ def test_group_preserves_order_and_bounds_batches(keys: list[str]) -> None:
         keys, key=lambda k: k, invoke=lambda _k, batch: [RowResult({"k": k}) for k in batch]
     )
     assert [r.reply for r in echoed] == [{"k": k} for k in keys]
+
+
+class _RefusingDriver:
+    """Refuses the second row: by returning the refusal, or (wrongly) by raising it."""
+
+    def __init__(self, raising: bool) -> None:
+        self.raising = raising
+
+    def probe(self, contexts: list[sdk.Context]) -> list[sdk.Reply]:
+        replies = []
+        for index, _ in enumerate(contexts):
+            if index == 1 and self.raising:
+                raise sdk.Refused("image_unknown", "that image is not configured")
+            if index == 1:
+                replies.append(sdk.refusal("image_unknown", "that image is not configured"))
+            else:
+                replies.append(sdk.reply(sdk.ProbeReply(ok=True)))
+        return replies
+
+
+def test_refused_is_returned_for_one_row_never_raised() -> None:
+    """What Refused's docstring tells a provider: `refusal()` refuses one row, while a
+    raised Refused (like any raise) fails every row of the call."""
+    rows = [sample_context(), sample_context(), sample_context()]
+    returned = call(_RefusingDriver(raising=False), "probe", rows)
+    assert [(r.ok, r.code) for r in returned] == [
+        (True, None),
+        (False, "image_unknown"),
+        (True, None),
+    ]
+    raised = call(_RefusingDriver(raising=True), "probe", rows)
+    assert [r.code for r in raised] == ["provider_error"] * 3
+    doc = " ".join((sdk.Refused.__doc__ or "").split())
+    assert "`refusal(code, message)`" in doc
+    assert "fails every row of its call" in doc
+
+
+_OLD_PATH = """
+import warnings
+from ficc.execution import provider
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from ficc.execution.host import sdk
+    from ficc.execution.host.sdk import Refused
+assert Refused is provider.Refused
+assert sdk.__all__ == provider.__all__
+assert all(getattr(sdk, name) is getattr(provider, name) for name in provider.__all__)
+(warning,) = [w for w in caught if w.category is DeprecationWarning]
+print(warning.message)
+"""
+
+
+def test_the_old_sdk_path_is_the_same_contract_and_says_where_it_moved() -> None:
+    """A provider written against `ficc.execution.host.sdk` keeps loading for the 0.1
+    releases, with the same objects, and is told to import `ficc.execution.provider`."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OLD_PATH], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "import ficc.execution.provider instead" in done.stdout
+    assert "goes away in ficc-executor-host 0.2" in done.stdout

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from ficc.execution.host import staging
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.fsutil import identity_of
-from ficc.execution.host.sdk import FileIdentity, InputCapability
 from ficc.execution.host.staging import (
     STAGING_DIRECTORY,
     Stager,
@@ -34,6 +33,7 @@ from ficc.execution.host.staging import (
     streams_of,
 )
 from ficc.execution.plan import InputObject
+from ficc.execution.provider import FileIdentity, InputCapability
 from ficc_testkit.plans import new_id
 
 GROUP = "ficc-t-stage"

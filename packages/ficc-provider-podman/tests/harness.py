@@ -25,7 +25,8 @@ from typing import Any
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, layout, procfs, sdk
+from ficc.execution import provider as sdk
+from ficc.execution.host import gate, layout, procfs
 from ficc.execution.host.expectation import (
     PrepareResult,
     build_expectation,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import msgspec
 
 import harness as h
-from ficc.execution.host import sdk
+from ficc.execution import provider as sdk
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
 from ficc_provider_podman.container import container_name

@@ -36,7 +36,7 @@ digest = compute_digest("podman", [site]).digest
 config = {"images": [{"digest": sha, "archive": archive, "archive_sha256": sha, "image_id": sha}]}
 loaded = load_provider("podman", digest, config, [site])
 from ficc.execution import plan as planlib
-from ficc.execution.host import sdk
+from ficc.execution import provider as sdk
 limits = planlib.Limits(1000, 64 << 20, 0, 8, 1 << 20, 100, [])
 job = planlib.Job("job", "cpu", planlib.Runtime("podman", sha, sha, "vm", "none"),
                   planlib.Payload(["/bin/true"], {}), limits, [], [], False)

@@ -15,7 +15,8 @@ umask 022
 step "install the wheels (Installing)"
 python3 -m venv /opt/ficc/venv
 /opt/ficc/venv/bin/pip install -q --no-index --find-links "$wheels" \
-    "$wheels"/ficc_protocol-*.whl "$wheels"/ficc_executor_host-*.whl
+    "$wheels"/ficc_protocol-*.whl "$wheels"/ficc_provider_sdk-*.whl \
+    "$wheels"/ficc_executor_host-*.whl
 /opt/ficc/venv/bin/pip install -q --no-index --find-links "$wheels" "$wheels"/ficc_provider_podman-*.whl
 chown -R root:root /opt/ficc && chmod -R go-w /opt/ficc
 /opt/ficc/venv/bin/ficc-executor --version

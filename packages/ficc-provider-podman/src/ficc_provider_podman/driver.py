@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import sdk
+from ficc.execution import provider as sdk
 from ficc_provider_podman import account as accounts
 from ficc_provider_podman import container, inputs, observe, removal
 from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock

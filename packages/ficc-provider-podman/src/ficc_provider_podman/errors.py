@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ficc.execution.host.sdk import Refused
+from ficc.execution.provider import Refused
 
 
 class ProviderError(Refused):

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from ficc.execution.host import sdk
+from ficc.execution import provider as sdk
 from ficc_provider_podman.config import Config
 from ficc_provider_podman.errors import ProviderError
 

@@ -73,7 +73,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from ficc.execution.host import sdk
+from ficc.execution import provider as sdk
 
 API_VERSION = 1
 

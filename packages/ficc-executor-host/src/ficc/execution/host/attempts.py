@@ -22,8 +22,9 @@ from typing import Any, Final, TypeVar, cast
 import msgspec
 
 from ficc.execution import plan as planlib
+from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import layout, leases, lifecycle, sdk, slotfs
+from ficc.execution.host import layout, leases, lifecycle, slotfs
 from ficc.execution.host.batching import PROVIDER_TIMEOUT, Batcher
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
@@ -33,8 +34,8 @@ from ficc.execution.host.ledger import AttemptRecord
 from ficc.execution.host.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.providers.driver import RowResult
 from ficc.execution.host.records import ResourceUsage
-from ficc.execution.host.sdk import Observation
 from ficc.execution.host.service.interface import CgroupUsage, ServiceHandle, SystemService
+from ficc.execution.provider import Observation
 
 __all__ = [
     "INTERNAL_ERROR",

@@ -34,8 +34,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final
 
+from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import sdk
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
 

@@ -45,7 +45,8 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, layout, sdk, slotfs
+from ficc.execution import provider as sdk
+from ficc.execution.host import gate, layout, slotfs
 from ficc.execution.host.commands import version_line
 from ficc.execution.host.config import Config, Slot, load_config, open_image_parent
 from ficc.execution.host.daemon import service_backend

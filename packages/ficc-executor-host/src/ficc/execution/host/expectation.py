@@ -46,7 +46,9 @@ from ficc.execution import plan as planlib
 from ficc.execution.host import gate, procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import AttemptPaths
-from ficc.execution.host.sdk import (
+from ficc.execution.host.service import cgroups
+from ficc.execution.host.service.interface import DeviceRule, ServiceHandle, ServiceSpec
+from ficc.execution.provider import (
     BarrierSpec,
     GeneratedTarget,
     MountSpec,
@@ -54,8 +56,6 @@ from ficc.execution.host.sdk import (
     PrepareResult,
     decode_reply,
 )
-from ficc.execution.host.service import cgroups
-from ficc.execution.host.service.interface import DeviceRule, ServiceHandle, ServiceSpec
 
 __all__ = [
     "DEFAULT_NOFILE",

@@ -32,7 +32,7 @@ import stat
 from collections.abc import Callable
 
 from ficc.execution.host.errors import HostError
-from ficc.execution.host.sdk import FileIdentity
+from ficc.execution.provider import FileIdentity
 
 __all__ = [
     "FileIdentity",

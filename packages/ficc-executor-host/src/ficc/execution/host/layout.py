@@ -44,7 +44,8 @@ from collections.abc import Sequence
 from typing import Final, Protocol
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import fsutil, sdk, slotfs
+from ficc.execution import provider as sdk
+from ficc.execution.host import fsutil, slotfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.staging import STAGING_DIRECTORY
 

@@ -76,8 +76,9 @@ from typing import Any, Final
 
 import msgspec
 
+from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import layout, lifecycle, metrics, procfs, sdk, slotfs
+from ficc.execution.host import layout, lifecycle, metrics, procfs, slotfs
 from ficc.execution.host.attempts import (
     AttemptWork,
     Settings,

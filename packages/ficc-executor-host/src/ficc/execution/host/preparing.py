@@ -27,8 +27,9 @@ from typing import Any
 
 import msgspec
 
+from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import lifecycle, sdk, slotfs
+from ficc.execution.host import lifecycle, slotfs
 from ficc.execution.host.attempts import (
     INTERNAL_ERROR,
     AttemptWork,

@@ -73,7 +73,7 @@ from ficc.execution.host.fsutil import (
     require_owner,
     storage_refusal,
 )
-from ficc.execution.host.sdk import InputCapability
+from ficc.execution.provider import InputCapability
 
 __all__ = [
     "STAGING_DIRECTORY",

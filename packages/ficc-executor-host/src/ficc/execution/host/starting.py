@@ -55,7 +55,8 @@ from typing import Any
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, layout, lifecycle, procfs, runtime_errors, sdk
+from ficc.execution import provider as sdk
+from ficc.execution.host import gate, layout, lifecycle, procfs, runtime_errors
 from ficc.execution.host.attempts import (
     INTERNAL_ERROR,
     AttemptWork,
@@ -77,8 +78,8 @@ from ficc.execution.host.expectation import (
 )
 from ficc.execution.host.handlers import ceiling_limits
 from ficc.execution.host.layout import RELEASE_MARKER
-from ficc.execution.host.sdk import DeviceOpen
 from ficc.execution.host.service.interface import Controls, ServiceHandle
+from ficc.execution.provider import DeviceOpen
 from ficc.execution.wire import DETAIL_MAX
 
 __all__ = ["MAX_OBSERVATION_PAUSE", "Starter", "observation_pause"]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import sdk
+from ficc.execution import provider as sdk
 from ficc_testkit.plans import make_plan
 
 

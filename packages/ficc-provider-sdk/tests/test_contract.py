@@ -1,4 +1,4 @@
-"""The provider SDK: the Structs both sides use, and docs/providers.md staying true to them."""
+"""The provider contract: the Structs both sides use, and docs/providers.md staying true to them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import re
 import msgspec
 import pytest
 
-from ficc.execution.host import sdk
-from ficc.execution.host.providers.driver import call
-from sdk_support import sample_context, with_check
+from ficc.execution import provider as sdk
+from ficc_testkit.contexts import sample_context, with_check
 
 DOC = pathlib.Path(__file__).parents[3] / "docs" / "providers.md"
 
@@ -110,38 +109,3 @@ def test_contexts_are_frozen_and_prepare_adds_check() -> None:
 def test_storage_binding_says_whether_it_was_verified() -> None:
     assert not sdk.StorageBinding(path="/s").verified
     assert sdk.StorageBinding(path="/s", device=1, inode=2, bytes=3, inodes=4).verified
-
-
-class _RefusingDriver:
-    """Refuses the second row: by returning the refusal, or (wrongly) by raising it."""
-
-    def __init__(self, raising: bool) -> None:
-        self.raising = raising
-
-    def probe(self, contexts: list[sdk.Context]) -> list[sdk.Reply]:
-        replies = []
-        for index, _ in enumerate(contexts):
-            if index == 1 and self.raising:
-                raise sdk.Refused("image_unknown", "that image is not configured")
-            if index == 1:
-                replies.append(sdk.refusal("image_unknown", "that image is not configured"))
-            else:
-                replies.append(sdk.reply(sdk.ProbeReply(ok=True)))
-        return replies
-
-
-def test_refused_is_returned_for_one_row_never_raised() -> None:
-    """What Refused's docstring tells a provider: `refusal()` refuses one row, while a
-    raised Refused (like any raise) fails every row of the call."""
-    rows = [sample_context(), sample_context(), sample_context()]
-    returned = call(_RefusingDriver(raising=False), "probe", rows)
-    assert [(r.ok, r.code) for r in returned] == [
-        (True, None),
-        (False, "image_unknown"),
-        (True, None),
-    ]
-    raised = call(_RefusingDriver(raising=True), "probe", rows)
-    assert [r.code for r in raised] == ["provider_error"] * 3
-    doc = " ".join((sdk.Refused.__doc__ or "").split())
-    assert "`refusal(code, message)`" in doc
-    assert "fails every row of its call" in doc
