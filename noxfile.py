@@ -385,14 +385,17 @@ def _install_built_wheels(session: nox.Session) -> None:
 
 @nox.session
 def ci(session: nox.Session) -> None:
-    """Everything CI runs: every package's tests against the installed wheels (the
-    fast lane first, then the tests that need root or Podman), integration, systemd,
-    the VM lane (a production host: its `--ci` suites, reboot and power cut), upgrade,
-    lint, typecheck, build."""
+    """Everything CI runs, cheapest first, stopping at the first failure: lint,
+    typecheck, every package's fast lane against the installed wheels, then the tests
+    that need root or Podman, integration, systemd, the VM lane (a production host:
+    its `--ci` suites, reboot and power cut), upgrade, build."""
     _install_built_wheels(session)
     session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
-    _unit_tests(session)  # first: a broken codec fails the run in a minute
+    # first: a lint or type error, or a broken codec, fails the run in a minute or two
+    _lint(session)
+    _typecheck(session)
+    _unit_tests(session)
     for name in _present():
         _pytest(session, PACKAGES / name / "tests", "-m", OUTSIDE_THE_FAST_LANE)
     _integration_tests(session)
@@ -400,8 +403,6 @@ def ci(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "systemd" / "unified.py"))
     session.run("python", str(ROOT / "tools" / "vm" / "run.py"), "--ci")
     _upgrade(session)
-    _lint(session)
-    _typecheck(session)
     _build(session)
 
 

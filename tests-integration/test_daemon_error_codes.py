@@ -43,6 +43,7 @@ import pytest
 import error_codes
 from ficc.execution.errors import ErrorCode
 from ficc.execution.frames import HEADER, REQUEST_MAX
+from ficc.execution.host.codes import HostCode
 from ficc.execution.plan import Output, Plan, plan_digest
 from ficc.execution.protocol import (
     CollectRequest,
@@ -1066,29 +1067,24 @@ def documented_codes() -> set[str]:
 
 
 def host_code_literals() -> set[str]:
-    """Every code the host package passes to HostError (or a refusal helper) literally."""
+    """Every code the host package names: `ErrorCode.X` and `HostCode.X` (a code is never
+    a string literal there: packages/ficc-executor-host/tests/test_codes.py)."""
     found: set[str] = set()
-    callers = {"HostError", "_Rejection", "_refuse", "failed", "Refuse"}
+    enums = {"ErrorCode": ErrorCode, "HostCode": HostCode}
     for path in HOST_SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and node.args):
-                continue
-            func = node.func
-            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
-            first = node.args[0]
-            if name in callers and isinstance(first, ast.Constant):
-                if isinstance(first.value, str) and re.fullmatch(r"[a-z][a-z0-9_]*", first.value):
-                    found.add(first.value)
-            elif (
-                isinstance(first, ast.Attribute)
-                and isinstance(first.value, ast.Name)
-                and first.value.id == "ErrorCode"
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in enums
+                and node.attr.isupper()
             ):
-                found.add(ErrorCode[first.attr].value)
-        for match in re.finditer(r'^[A-Z_]+: Final = "([a-z][a-z0-9_]*)"', path.read_text(), re.M):
-            if match.group(1).startswith("provider_"):  # PROVIDER_TIMEOUT and friends
-                found.add(match.group(1))
+                found.add(enums[node.value.id][node.attr].value)
     return found
+
+
+def test_the_host_codes_are_exactly_the_inventory_of_host_only_codes() -> None:
+    assert sorted(c.value for c in HostCode) == sorted(error_codes.HOST_ONLY)
 
 
 def test_the_inventory_covers_every_error_code_member() -> None:
@@ -1110,7 +1106,8 @@ def test_every_code_the_host_raises_is_inventoried_or_host_only() -> None:
     literals = host_code_literals()
     assert "slot_full" in literals  # the scan sees literal codes
     assert "lease_sequence" in literals
-    assert "not_terminal" in literals  # and ErrorCode attributes
+    assert "not_terminal" in literals
+    assert "ledger_busy" in literals  # and HostCode attributes
     unlisted = literals - set(error_codes.BY_CODE) - set(error_codes.HOST_ONLY)
     assert not unlisted, f"host codes in neither ENTRIES nor HOST_ONLY: {sorted(unlisted)}"
     both = set(error_codes.HOST_ONLY) & set(error_codes.BY_CODE)

@@ -143,3 +143,19 @@ def test_the_podman_wheel_is_tagged_for_any_python_on_this_platform(tmp_path: Pa
     assert not [n for n in names if n.endswith(".so")]
     assert any(n.endswith("_bin/ficc-barrier") for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+
+
+def test_the_64_bit_count_is_defined_once() -> None:
+    """`Count`, `Positive` and their bound live in ficc-protocol's plan module; every
+    other distribution uses them instead of spelling the bound again."""
+    spelt = re.compile(r"2\s*\*\*\s*63|1\s*<<\s*63|9223372036854775807")
+    home = ROOT / "packages" / "ficc-protocol" / "src" / "ficc" / "execution" / "plan.py"
+    again = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for name in DISTRIBUTIONS
+        for path in sorted((ROOT / "packages" / name / "src").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if spelt.search(line) and path != home
+    ]
+    assert again == []
+    assert spelt.search(home.read_text())

@@ -30,6 +30,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from ficc.execution import plan as planlib
 from ficc_provider_podman.errors import ProviderError
 
 Sha256 = Annotated[str, msgspec.Meta(pattern=r"\Asha256:[0-9a-f]{64}\Z")]
@@ -71,7 +72,7 @@ class Image(_Strict, frozen=True):
 class LocalInput(_Strict, frozen=True):
     id: Identity
     path: AbsolutePath
-    bytes: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    bytes: planlib.Count
     digest: Sha256
 
 

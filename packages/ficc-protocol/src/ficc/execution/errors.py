@@ -31,6 +31,7 @@ class ErrorCode(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"
     LEASE_SEQUENCE = "lease_sequence"
     LEASE_TOO_LONG = "lease_too_long"
+    LEASE_REAPER_UNAVAILABLE = "lease_reaper_unavailable"
     # admission and offer
     ADMISSION_REJECTED = "admission_rejected"
     OFFER_CLOSED = "offer_closed"

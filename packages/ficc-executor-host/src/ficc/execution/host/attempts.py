@@ -26,6 +26,7 @@ from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import layout, leases, lifecycle, slotfs
 from ficc.execution.host.batching import PROVIDER_TIMEOUT, Batcher
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.context import PROVIDER_CALL_TIMEOUT_S, HostContext, SlotRuntime
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import DEFAULT_NOFILE
@@ -89,10 +90,12 @@ def _decoded(result: RowResult, method: str, kind: type[_R]) -> _R:
     try:
         return sdk.decode_reply(method, result.reply, kind)
     except (msgspec.ValidationError, ValueError) as error:
-        raise HostError("provider_malformed", f"{method} returned {error}") from error
+        raise HostError(HostCode.PROVIDER_MALFORMED, f"{method} returned {error}") from error
 
 
-PASSED_THROUGH = frozenset({PROVIDER_TIMEOUT, ErrorCode.PROVIDER_UNAVAILABLE, "input_changed"})
+PASSED_THROUGH = frozenset(
+    {PROVIDER_TIMEOUT, ErrorCode.PROVIDER_UNAVAILABLE, ErrorCode.INPUT_CHANGED}
+)
 """Provider refusal codes kept as the attempt's reason: each means to a controller what
 the host's own code means (`input_changed`: a staged input is no longer the file that
 completed, found by the provider's check of its own link). Any other becomes
@@ -102,7 +105,7 @@ completed, found by the provider's check of its own link). Any other becomes
 def _row_error(result: RowResult, method: str) -> HostError:
     code = result.code or ErrorCode.PROVIDER_FAILED
     if code not in PASSED_THROUGH:
-        code = "probe_failed" if method == "probe" else ErrorCode.PROVIDER_FAILED
+        code = HostCode.PROBE_FAILED if method == "probe" else ErrorCode.PROVIDER_FAILED
     return HostError(code, f"provider {method}: {result.message or 'no reply'}")
 
 
@@ -295,7 +298,9 @@ class AttemptWork(HostWork):
             plan = planlib.decode_plan(data)
             self._decoded.keep_plan(record.attempt_id, plan, len(data))
         if record.slot_id is None or record.slot_id not in self._ctx.slots:
-            raise HostError("slot_unknown", f"attempt {record.attempt_id} holds no configured slot")
+            raise HostError(
+                ErrorCode.SLOT_UNKNOWN, f"attempt {record.attempt_id} holds no configured slot"
+            )
         slot = self._ctx.slots[record.slot_id]
         place = layout.Layout(slot)
         name = service_name(self._ctx.config.installation_id, record.attempt_id)
@@ -343,7 +348,7 @@ class AttemptWork(HostWork):
             storage = await self._io(_verified_storage, attempt)
         except OSError as error:
             raise HostError(
-                "storage_unverified",
+                HostCode.STORAGE_UNVERIFIED,
                 f"the storage binding of attempt {attempt.id} cannot be verified ({error});"
                 " check the slot's filesystem and the attempt directory",
             ) from error
@@ -371,7 +376,7 @@ def _verified_storage(attempt: _Attempt) -> sdk.StorageBinding:
     slot = os.stat(attempt.slot.path, follow_symlinks=False)
     if st.st_dev != slot.st_dev:
         raise HostError(
-            "storage_unverified",
+            HostCode.STORAGE_UNVERIFIED,
             f"{attempt.paths.storage} is not on the slot's reserved filesystem; check the slot",
         )
     limits = attempt.plan.job.limits

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.protocol import SENDERS, Sender, may_send
 
@@ -61,4 +62,4 @@ def authorize(kind: SocketKind, action: str, socket_name: str | None = None) -> 
         fix = "send it on the " + " or ".join(f"{k.value} socket" for k in permitted)
     else:
         fix = "it is not an action of this protocol"
-    raise HostError("not_authorized", f"{where} may not send {action[:80]!r}; {fix}")
+    raise HostError(ErrorCode.NOT_AUTHORIZED, f"{where} may not send {action[:80]!r}; {fix}")

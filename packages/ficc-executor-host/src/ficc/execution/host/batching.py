@@ -41,7 +41,7 @@ from ficc.execution.host.providers.driver import MAX_BATCH, RowResult, call
 
 __all__ = ["PROVIDER_TIMEOUT", "Batcher", "Cohort", "Ticket"]
 
-PROVIDER_TIMEOUT: Final = "provider_timeout"
+PROVIDER_TIMEOUT: Final = ErrorCode.PROVIDER_TIMEOUT
 """The code of every row of a provider call that took longer than its timeout."""
 _log = logging.getLogger(__name__)
 

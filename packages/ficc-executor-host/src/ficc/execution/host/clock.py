@@ -10,6 +10,7 @@ import os
 import re
 import time
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import BOOT_ID_PATTERN, Now
 
@@ -27,11 +28,14 @@ def read_boot_id(path: str = BOOT_ID_PATH) -> str:
             os.close(fd)
     except OSError as error:
         raise HostError(
-            "clock_unavailable", f"cannot read {path}: {error.strerror}; the host needs procfs"
+            HostCode.CLOCK_UNAVAILABLE,
+            f"cannot read {path}: {error.strerror}; the host needs procfs",
         ) from None
     boot_id = raw.decode("ascii", "replace").strip()
     if not _BOOT_ID.match(boot_id):
-        raise HostError("clock_unavailable", f"{path} does not hold a boot ID: {boot_id[:40]!r}")
+        raise HostError(
+            HostCode.CLOCK_UNAVAILABLE, f"{path} does not hold a boot ID: {boot_id[:40]!r}"
+        )
     return boot_id
 
 

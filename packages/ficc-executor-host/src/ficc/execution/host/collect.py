@@ -246,7 +246,7 @@ def _open_object(layout: Layout, record: ledgerlib.AttemptRecord, plan: Plan, na
     except HostError as error:
         if error.code == ErrorCode.OBJECT_UNKNOWN:
             raise
-        detail = "does not exist (yet)" if error.code == "not_found" else error.message
+        detail = "does not exist (yet)" if error.code == ErrorCode.NOT_FOUND else error.message
         raise HostError(
             ErrorCode.OBJECT_UNAVAILABLE,
             f"{name} of attempt {attempt_id} is not readable: {detail} [{error.code}]",

@@ -41,6 +41,7 @@ import msgspec
 
 from ficc.execution.client import Client, ClientError, ConnectFailed
 from ficc.execution.host import logs, metrics, notify, provision, smoke
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.config import (
     Config,
     check_accounts,
@@ -682,9 +683,11 @@ async def fetch_snapshots(client: Client) -> list[SnapshotReply] | ErrorReply:
         if reply.next is None:
             return pages
         if after is not None and reply.next <= after:
-            raise HostError("status_cursor", f"the snapshot cursor did not advance past {after}")
+            raise HostError(
+                HostCode.STATUS_CURSOR, f"the snapshot cursor did not advance past {after}"
+            )
         after = reply.next
-    raise HostError("status_cursor", f"more than {_MAX_PAGES} snapshot pages; giving up")
+    raise HostError(HostCode.STATUS_CURSOR, f"more than {_MAX_PAGES} snapshot pages; giving up")
 
 
 def format_status(

@@ -37,8 +37,9 @@ import msgspec
 import msgspec.inspect
 
 from ficc.execution.host import fsutil, ledger_space, slotfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
-from ficc.execution.plan import Digest, Identity, Name
+from ficc.execution.plan import Count, Digest, Identity, Name, Positive
 from ficc.execution.wire import Control
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -48,8 +49,6 @@ _MAX_JSON_DEPTH = 32
 _ABSOLUTE_PATH = r"\A/[^\x00-\x1f\x7f]*\Z"
 AbsolutePath = Annotated[str, msgspec.Meta(pattern=_ABSOLUTE_PATH, max_length=4095)]
 AccountId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 LedgerBytes = Annotated[int, msgspec.Meta(ge=ledger_space.MIN_LEDGER_MAX_BYTES, le=2**50)]
 FreeBytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
@@ -140,7 +139,7 @@ def load_config(path: str) -> Config:
     suffix = posixpath.splitext(path)[1]
     if suffix not in (".json", ".toml"):
         raise _refuse(
-            "config_invalid", path, "the file name must end in .json or .toml", "rename it"
+            HostCode.CONFIG_INVALID, path, "the file name must end in .json or .toml", "rename it"
         )
     return parse_config(read_trusted_file(path, MAX_CONFIG_BYTES), suffix)
 
@@ -167,11 +166,13 @@ def _decode_document(data: bytes, suffix: str) -> object:
             )
     except (UnicodeDecodeError, ValueError) as error:  # JSONDecodeError, TOMLDecodeError
         problem = f"not valid {suffix[1:]}: {error}"
-        raise _refuse("config_invalid", "top level", problem, "fix the syntax") from None
+        raise _refuse(HostCode.CONFIG_INVALID, "top level", problem, "fix the syntax") from None
     except RecursionError:
         problem = f"not valid {suffix[1:]}: nested too deeply"
-        raise _refuse("config_invalid", "top level", problem, "fix the syntax") from None
-    raise _refuse("config_invalid", "top level", f"unknown format {suffix!r}", "use .json or .toml")
+        raise _refuse(HostCode.CONFIG_INVALID, "top level", problem, "fix the syntax") from None
+    raise _refuse(
+        HostCode.CONFIG_INVALID, "top level", f"unknown format {suffix!r}", "use .json or .toml"
+    )
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -229,7 +230,9 @@ def _schema_refusal(detail: str) -> HostError:
         fix = "add it"
     else:
         fix = "fix this value"
-    return _refuse("config_invalid", key, problem, f"{fix}; docs/configuration.md lists every key")
+    return _refuse(
+        HostCode.CONFIG_INVALID, key, problem, f"{fix}; docs/configuration.md lists every key"
+    )
 
 
 def _readable_problem(problem: str, key: str) -> str:
@@ -290,11 +293,11 @@ def _check_accounts(config: Config) -> None:
     for key, uid in accounts:
         if uid == 0:
             raise _refuse(
-                "config_invalid", key, "is 0 (root)", "use a dedicated unprivileged account"
+                HostCode.CONFIG_INVALID, key, "is 0 (root)", "use a dedicated unprivileged account"
             )
         if uid in seen:
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 key,
                 f"UID {uid} is also {seen[uid]}",
                 "give the transport, each local owner and each slot its own account",
@@ -310,7 +313,7 @@ def _check_slot_identities(config: Config) -> None:
     for i, slot in enumerate(config.slots):
         if slot.id in ids:
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 f"slots[{i}].id",
                 f"{slot.id!r} is also slots[{ids[slot.id]}].id",
                 "give every slot a distinct id",
@@ -318,11 +321,14 @@ def _check_slot_identities(config: Config) -> None:
         ids[slot.id] = i
         if slot.gid == 0:
             raise _refuse(
-                "config_invalid", f"slots[{i}].gid", "is 0 (root)", "use the slot's own group"
+                HostCode.CONFIG_INVALID,
+                f"slots[{i}].gid",
+                "is 0 (root)",
+                "use the slot's own group",
             )
         if slot.gid in gids:
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 f"slots[{i}].gid",
                 f"GID {slot.gid} is also slots[{gids[slot.gid]}].gid",
                 "give every slot its own group, so no slot can read another's inputs",
@@ -330,7 +336,7 @@ def _check_slot_identities(config: Config) -> None:
         gids[slot.gid] = i
         if slot.filesystem_uuid in uuids:
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 f"slots[{i}].filesystem_uuid",
                 f"is also slots[{uuids[slot.filesystem_uuid]}].filesystem_uuid",
                 "give every slot a filesystem of its own",
@@ -345,7 +351,7 @@ def _check_paths(config: Config) -> None:
     for key, path in paths:
         if path == "/" or path.startswith("//") or posixpath.normpath(path) != path:
             raise _refuse(
-                "config_invalid",
+                HostCode.CONFIG_INVALID,
                 key,
                 f"{path!r} is not a normalized absolute directory below /",
                 "write it without '.', '..', repeated or trailing slashes",
@@ -354,7 +360,7 @@ def _check_paths(config: Config) -> None:
     for (outer_key, outer), (inner_key, inner) in itertools.pairwise(ordered):
         if inner == outer or inner.startswith(outer + "/"):
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 inner_key,
                 f"{inner!r} is the same as or inside {outer_key} {outer!r}",
                 "use separate directories, none inside another",
@@ -367,7 +373,7 @@ def _check_allowance(key: str, allowance: Allowance) -> None:
         for i, value in enumerate(values):
             if value in values[:i]:
                 raise _refuse(
-                    "config_invalid",
+                    HostCode.CONFIG_INVALID,
                     f"{key}.{field}[{i}]",
                     f"{value!r} is listed twice",
                     "list each entry once",
@@ -382,7 +388,7 @@ def _check_offer_within_ceiling(config: Config) -> None:
     ceiling, offer = config.ceiling, config.initial_offer
     if ceiling.slots > len(config.slots):
         raise _refuse(
-            "config_conflict",
+            HostCode.CONFIG_CONFLICT,
             "ceiling.slots",
             f"{ceiling.slots} exceeds the {len(config.slots)} configured slots",
             "lower it or configure more slots",
@@ -390,7 +396,7 @@ def _check_offer_within_ceiling(config: Config) -> None:
     for field in _COUNTS:
         if getattr(offer, field) > getattr(ceiling, field):
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 f"initial_offer.{field}",
                 f"{getattr(offer, field)} exceeds ceiling.{field} {getattr(ceiling, field)}",
                 "lower the offer or raise the ceiling",
@@ -400,7 +406,7 @@ def _check_offer_within_ceiling(config: Config) -> None:
         for i, value in enumerate(getattr(offer, field)):
             if value not in allowed:
                 raise _refuse(
-                    "config_conflict",
+                    HostCode.CONFIG_CONFLICT,
                     f"initial_offer.{field}[{i}]",
                     f"{value!r} is not in ceiling.{field}",
                     "add it to the ceiling or remove it from the offer",
@@ -412,7 +418,7 @@ def _check_providers(config: Config) -> None:
     for i, provider in enumerate(config.providers):
         if provider.id in ids:
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 f"providers[{i}].id",
                 f"{provider.id!r} is also providers[{ids[provider.id]}].id",
                 "configure each provider once",
@@ -422,7 +428,7 @@ def _check_providers(config: Config) -> None:
     for i, runtime in enumerate(config.ceiling.runtimes):
         if runtime not in ids:
             raise _refuse(
-                "config_conflict",
+                HostCode.CONFIG_CONFLICT,
                 f"ceiling.runtimes[{i}]",
                 f"{runtime!r} is not a configured provider",
                 "add it to providers or remove it from the ceiling",
@@ -432,7 +438,7 @@ def _check_providers(config: Config) -> None:
 def _check_json_value(key: str, value: object, depth: int) -> None:
     """Provider configuration is handed over as JSON: refuse TOML dates and deep nesting."""
     if depth > _MAX_JSON_DEPTH:
-        raise _refuse("config_invalid", key, "is nested too deeply", "flatten it")
+        raise _refuse(HostCode.CONFIG_INVALID, key, "is nested too deeply", "flatten it")
     if isinstance(value, dict):
         for name, item in value.items():
             _check_json_value(f"{key}.{name}", item, depth + 1)
@@ -440,10 +446,10 @@ def _check_json_value(key: str, value: object, depth: int) -> None:
         for i, item in enumerate(value):
             _check_json_value(f"{key}[{i}]", item, depth + 1)
     elif isinstance(value, float) and not math.isfinite(value):
-        raise _refuse("config_invalid", key, "is not a finite number", "use a finite number")
+        raise _refuse(HostCode.CONFIG_INVALID, key, "is not a finite number", "use a finite number")
     elif value is not None and not isinstance(value, (str, int, float)):
         raise _refuse(
-            "config_invalid",
+            HostCode.CONFIG_INVALID,
             key,
             f"has type {type(value).__name__}, which JSON cannot carry",
             "use a string, number, boolean, null, list or table",
@@ -534,7 +540,11 @@ def open_trusted_directory(path: str, key: str, code: str, mode: int | None = No
     try:
         fd = fsutil.open_dir(path, open_child=open_child, check=check)
     except FileNotFoundError:
-        missing = "host_path_missing" if code == "host_path_unsafe" else "config_missing"
+        missing = (
+            HostCode.HOST_PATH_MISSING
+            if code == HostCode.HOST_PATH_UNSAFE
+            else HostCode.CONFIG_MISSING
+        )
         raise _refuse(missing, key, f"{path} does not exist", _create_advice(key)) from None
     except OSError as error:
         fix = (
@@ -557,8 +567,8 @@ def read_trusted_file(path: str, limit: int) -> bytes:
     key = path
     parent, name = posixpath.split(path)
     if not path.startswith("/") or not name:
-        raise _refuse("config_unsafe_file", key, "is not an absolute file path", "give one")
-    parent_fd = open_trusted_directory(parent, key, "config_unsafe_file")
+        raise _refuse(HostCode.CONFIG_UNSAFE_FILE, key, "is not an absolute file path", "give one")
+    parent_fd = open_trusted_directory(parent, key, HostCode.CONFIG_UNSAFE_FILE)
     try:
         return _read_checked_file(parent_fd, name, key, limit)
     finally:
@@ -566,12 +576,12 @@ def read_trusted_file(path: str, limit: int) -> bytes:
 
 
 def _read_checked_file(parent_fd: int, name: str, key: str, limit: int) -> bytes:
-    code = "config_unsafe_file"
+    code = HostCode.CONFIG_UNSAFE_FILE
     try:
         before = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
     except FileNotFoundError:
         raise _refuse(
-            "config_missing", key, "does not exist", "create it or fix the path"
+            HostCode.CONFIG_MISSING, key, "does not exist", "create it or fix the path"
         ) from None
     except OSError as error:
         raise _unreadable(error, key) from None
@@ -600,11 +610,11 @@ def _unreadable(error: OSError, key: str) -> HostError:
         fix = "run the command as root (the configuration is root's alone, mode 0600)"
     else:
         fix = "check the file and the disk it is on"
-    return _refuse("config_unreadable", key, str(error.strerror), fix)
+    return _refuse(HostCode.CONFIG_UNREADABLE, key, str(error.strerror), fix)
 
 
 def _check_config_stat(st: os.stat_result, key: str, limit: int) -> None:
-    code = "config_unsafe_file"
+    code = HostCode.CONFIG_UNSAFE_FILE
     if stat.S_ISLNK(st.st_mode):
         raise _refuse(code, key, "is a symbolic link", "name the real file")
     if not stat.S_ISREG(st.st_mode):
@@ -629,7 +639,9 @@ def _read_bounded(fd: int, limit: int, key: str) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
         if total > limit:
-            raise _refuse("config_unsafe_file", key, "grew past the size limit", "keep it small")
+            raise _refuse(
+                HostCode.CONFIG_UNSAFE_FILE, key, "grew past the size limit", "keep it small"
+            )
     return b"".join(chunks)
 
 
@@ -660,7 +672,7 @@ def check_directories(config: Config) -> None:
         ("socket_dir", config.socket_dir, SOCKET_DIR_MODE),
     ]
     for key, path, mode in checks:
-        os.close(open_trusted_directory(path, key, "host_path_unsafe", mode))
+        os.close(open_trusted_directory(path, key, HostCode.HOST_PATH_UNSAFE, mode))
 
 
 def check_slots(config: Config) -> None:
@@ -670,7 +682,13 @@ def check_slots(config: Config) -> None:
     fds: list[int] = []
     try:
         for i, slot in enumerate(config.slots):
-            fds.append(open_trusted_directory(slot.path, f"slots[{i}].path", "host_path_unsafe"))
+            fds.append(
+                open_trusted_directory(
+                    slot.path,
+                    f"slots[{i}].path",
+                    HostCode.HOST_PATH_UNSAFE,
+                )
+            )
         devices: list[tuple[str, int]] = []
         for i, (slot, fd) in enumerate(zip(config.slots, fds, strict=True)):
             key = f"slots[{i}]"
@@ -685,7 +703,7 @@ def check_slots(config: Config) -> None:
 
 def open_image_parent(path: str, key: str) -> int:
     """The directory of a loop-mounted slot's image file, trusted like the config's."""
-    return open_trusted_directory(path, key, "slot_filesystem")
+    return open_trusted_directory(path, key, HostCode.SLOT_FILESYSTEM)
 
 
 def check_accounts(config: Config) -> None:
@@ -701,7 +719,7 @@ def check_accounts(config: Config) -> None:
             pwd.getpwuid(uid)
         except KeyError:
             raise _refuse(
-                "account_missing",
+                HostCode.ACCOUNT_MISSING,
                 key,
                 f"UID {uid} has no account on this host",
                 f"create it (useradd --system --uid {uid} --no-create-home"
@@ -725,9 +743,9 @@ def check_metrics_textfile(config: Config) -> None:
     parent, name = posixpath.split(path)
     if not name.endswith(METRICS_TEXTFILE_SUFFIX) or name.startswith("."):
         raise _refuse(
-            "config_invalid",
+            HostCode.CONFIG_INVALID,
             key,
             f"{path!r} does not name a {METRICS_TEXTFILE_SUFFIX} file",
             "name the file node_exporter's textfile collector reads, e.g. ficc.prom",
         )
-    os.close(open_trusted_directory(parent, key, "host_path_unsafe"))
+    os.close(open_trusted_directory(parent, key, HostCode.HOST_PATH_UNSAFE))

@@ -46,7 +46,9 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host import gate, layout, slotfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.commands import version_line
 from ficc.execution.host.config import Config, Slot, load_config, open_image_parent
 from ficc.execution.host.daemon import service_backend
@@ -92,7 +94,7 @@ CHECK_REFUSAL: Final = "conformance_check"
 """The code of the kit's check() refusal, which prepare must pass through unchanged."""
 MAX_CHECK_CALLS: Final = 32
 """Refusing check() at call 1, 2, ... stops here (a prepare calling it more is fine)."""
-USAGE: Final = "conformance_usage"
+USAGE: Final = HostCode.CONFORMANCE_USAGE
 """The code of a run that could not start because of its arguments (exit 2)."""
 
 _S = TypeVar("_S", bound=msgspec.Struct)
@@ -299,7 +301,7 @@ class Kit:
         _require(rule, result.reply is None, f"probe accepted it: {result.reply!r}")
         _require(
             rule,
-            result.code not in ("provider_error", "provider_malformed"),
+            result.code not in (HostCode.PROVIDER_ERROR, HostCode.PROVIDER_MALFORMED),
             f"not refused with a code of its own: {result.code}: {result.message}",
         )
 
@@ -564,7 +566,8 @@ class Kit:
             os.close(fd)
         if st.st_dev != os.stat(self.slot.path, follow_symlinks=False).st_dev:
             raise HostError(
-                "storage_unverified", f"{attempt.paths.storage} is not on the slot's filesystem"
+                HostCode.STORAGE_UNVERIFIED,
+                f"{attempt.paths.storage} is not on the slot's filesystem",
             )
         limits = attempt.plan.job.limits
         return sdk.StorageBinding(
@@ -721,25 +724,28 @@ def _setup(args: argparse.Namespace) -> Kit:
     configured = [p for p in config.providers if p.id == args.provider]
     if not configured:
         raise HostError(
-            "provider_unknown", f"{args.config} configures no provider {args.provider!r}"
+            HostCode.PROVIDER_UNKNOWN, f"{args.config} configures no provider {args.provider!r}"
         )
     provider = configured[0]
     path = args.provider_path
     pin = compute_digest(provider.id, path).digest if args.unpinned else provider.package_digest
     loaded = load_provider(provider.id, pin, provider.configuration, path)
     if plan.streamed_inputs:
-        raise HostError("plan_unsupported", "the kit runs plans without streamed inputs")
+        raise HostError(HostCode.PLAN_UNSUPPORTED, "the kit runs plans without streamed inputs")
     slots = [
         s
         for s in config.slots
         if (s.id == args.slot if args.slot else s.slot_class == plan.job.slot_class)
     ]
     if not slots:
-        raise HostError("slot_unknown", "no configured slot matches --slot or the plan's class")
+        raise HostError(
+            ErrorCode.SLOT_UNKNOWN, "no configured slot matches --slot or the plan's class"
+        )
     service = service_backend(config.supervisor, bound_to_daemon=False)
     if not service.account_idle(slots[0].uid):
         raise HostError(
-            "slot_busy", f"slot {slots[0].id}'s account has processes: stop what uses the slot"
+            HostCode.SLOT_BUSY,
+            f"slot {slots[0].id}'s account has processes: stop what uses the slot",
         )
     return Kit(
         loaded.driver,

@@ -31,6 +31,7 @@ from ficc.execution._executor import ReceivedRequest
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host import fsutil, handlers, ledger_space, metrics, notify
 from ficc.execution.host.clock import BootClock
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.config import Config, Provider, check_host
 from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.errors import HostError
@@ -218,7 +219,7 @@ def check_ledger_present(config: Config) -> tuple[bool, bool]:
         os.close(state_fd)
     if not has_ledger and has_marker:
         raise HostError(
-            "ledger_missing",
+            HostCode.LEDGER_MISSING,
             f"{config.state_dir}/{LEDGER_FILE} is missing but {LEDGER_MARKER} shows a ledger"
             " existed: restore it from backup; a new ledger would silently invalidate every"
             " saved admission binding",
@@ -252,7 +253,7 @@ def check_ledger(config: Config) -> str:
                 " serve opens and checks it, with admission closed until there is room for"
                 " the reserve again: free space on that filesystem"
             )
-        if error.code != "ledger_busy":
+        if error.code != HostCode.LEDGER_BUSY:
             raise
         return LEDGER_HELD
     return "ok"
@@ -307,7 +308,7 @@ def check_slots_kept(config: Config, ledger: Ledger) -> None:
     missing = sorted(occupied - {s.id for s in config.slots})
     if missing:
         raise HostError(
-            "slot_removed",
+            HostCode.SLOT_REMOVED,
             f"the ledger holds unreleased attempts on slot(s) {', '.join(missing)}, which"
             " the configuration no longer has: put each back (same id, path, account and"
             " filesystem) and start the daemon, release those attempts, then remove the"

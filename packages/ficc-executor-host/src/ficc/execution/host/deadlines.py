@@ -29,6 +29,7 @@ from typing import Final
 
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.attempts import HostWork, _Attempt
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.ledger import AttemptRecord
@@ -101,7 +102,7 @@ class Deadlines(HostWork):
                 )
             except OSError as error:
                 raise HostError(
-                    "service_create",
+                    HostCode.SERVICE_CREATE,
                     f"the lease deadline could not be handed to the reaper ({error}); "
                     "check the state directory",
                 ) from error
@@ -133,7 +134,7 @@ class Deadlines(HostWork):
         error = await self._sync(records, renewal=True)
         if isinstance(error, OSError):
             raise HostError(
-                "lease_reaper_unavailable",
+                ErrorCode.LEASE_REAPER_UNAVAILABLE,
                 f"the renewal is recorded, but the lease reaper's deadline could not be"
                 f" moved ({error}), so the payload may still be stopped at the old"
                 " deadline: free space in state_dir (or fix its deadlines/ directory),"

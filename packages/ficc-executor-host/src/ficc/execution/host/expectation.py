@@ -44,6 +44,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution.host import gate, procfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.layout import AttemptPaths
 from ficc.execution.host.service import cgroups
@@ -89,7 +90,7 @@ SERVICE_ENVIRONMENT: Final = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C
 
 def _invalid(message: str) -> HostError:
     return HostError(
-        "provider_malformed",
+        HostCode.PROVIDER_MALFORMED,
         f"the provider's prepare result is not acceptable: {message}; the attempt cannot"
         " start: fix the provider or its configuration, then admit a new attempt",
     )
@@ -191,7 +192,7 @@ def check_device_opens(result: PrepareResult, opened: Mapping[str, bool] | None)
     wrong += [p for p in result.negative_devices if seen.get(p) is not False]
     if wrong:
         raise HostError(
-            "gate_device",
+            HostCode.GATE_DEVICE,
             f"device-open results contradict the prepared policy for {wrong}; the payload"
             " is not released: check the provider's device configuration",
         )
@@ -239,7 +240,7 @@ def service_spec(
             ServiceSpec,
         )
     except msgspec.ValidationError as error:
-        raise HostError("service_spec", f"the service cannot be built: {error}") from error
+        raise HostError(HostCode.SERVICE_SPEC, f"the service cannot be built: {error}") from error
 
 
 def _cgroup_requirements(

@@ -14,6 +14,7 @@ import functools
 import os
 from typing import Final
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 NETWORK_FILESYSTEMS: Final[dict[int, str]] = {
@@ -64,14 +65,14 @@ def check_local(fd: int, where: str) -> None:
         magic = filesystem_magic(fd)
     except OSError as error:
         raise HostError(
-            "unsupported_filesystem",
+            HostCode.UNSUPPORTED_FILESYSTEM,
             f"cannot tell which filesystem {where} is on ({error.strerror}); put it on a"
             " local filesystem (ext4, xfs, btrfs)",
         ) from None
     name = NETWORK_FILESYSTEMS.get(magic)
     if name is not None:
         raise HostError(
-            "unsupported_filesystem",
+            HostCode.UNSUPPORTED_FILESYSTEM,
             f"{where} is on a network or distributed filesystem ({name}, magic {magic:#x});"
             " the ledger's locking and durability hold only on a local filesystem: move"
             " state_dir to a local filesystem (ext4, xfs, btrfs) of this host",

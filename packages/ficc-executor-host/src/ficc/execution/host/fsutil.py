@@ -31,6 +31,8 @@ import secrets
 import stat
 from collections.abc import Callable
 
+from ficc.execution.errors import ErrorCode
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.provider import FileIdentity
 
@@ -71,7 +73,7 @@ def check_name(name: str) -> None:
     """Refuse anything but one plain path component."""
     if not name or name in {".", ".."} or "/" in name or "\0" in name:
         raise HostError(
-            "unsafe_path",
+            ErrorCode.UNSAFE_PATH,
             f"{name!r} is not a single plain file name; use a name without '/', NUL, '.' or '..'",
         )
 
@@ -88,17 +90,19 @@ def _refusal(dir_fd: int, name: str, error: OSError, where: str) -> HostError:
     st = _lstat_at(dir_fd, name)
     if st is not None and stat.S_ISLNK(st.st_mode):
         return HostError(
-            "unsafe_path",
+            ErrorCode.UNSAFE_PATH,
             f"{where} is a symbolic link; the daemon never follows links it did not "
             "create: replace it with a real directory or file",
         )
     if error.errno == errno.ENOENT:
-        return HostError("not_found", f"{where} does not exist; create it or fix the path")
+        return HostError(ErrorCode.NOT_FOUND, f"{where} does not exist; create it or fix the path")
     if error.errno == errno.ENOTDIR:
-        return HostError("not_directory", f"{where} is not a directory")
+        return HostError(HostCode.NOT_DIRECTORY, f"{where} is not a directory")
     if error.errno == errno.EEXIST:
-        return HostError("file_exists", f"{where} already exists; remove it or pick a new name")
-    return HostError("io_error", f"{where}: {error.strerror or error}")
+        return HostError(
+            HostCode.FILE_EXISTS, f"{where} already exists; remove it or pick a new name"
+        )
+    return HostError(ErrorCode.IO_ERROR, f"{where}: {error.strerror or error}")
 
 
 def open_dir_at(dir_fd: int, name: str) -> int:
@@ -121,7 +125,7 @@ def open_dir_below(dir_fd: int, name: str) -> int:
     if found != parent:
         os.close(fd)
         raise HostError(
-            "storage_unverified",
+            HostCode.STORAGE_UNVERIFIED,
             f"directory {name!r} is another filesystem mounted inside the slot (device"
             f" {os.major(found)}:{os.minor(found)}, the slot's is {os.major(parent)}:"
             f"{os.minor(parent)}); nothing is written there: unmount it, then retry",
@@ -146,7 +150,7 @@ def open_dir(
     """
     if not path.startswith("/") or os.path.normpath(path) != path or "//" in path or "\0" in path:
         raise HostError(
-            "unsafe_path",
+            ErrorCode.UNSAFE_PATH,
             f"{path!r} is not an absolute normalized path; write it without '.', '..', "
             "repeated or trailing '/'",
         )
@@ -180,7 +184,7 @@ def require_owner(st: os.stat_result, uid: int, where: str) -> None:
     """Refuse a file or directory not owned by `uid`."""
     if st.st_uid != uid:
         raise HostError(
-            "wrong_owner",
+            ErrorCode.WRONG_OWNER,
             f"{where} is owned by uid {st.st_uid}, expected uid {uid}; fix its ownership",
         )
 
@@ -188,13 +192,13 @@ def require_owner(st: os.stat_result, uid: int, where: str) -> None:
 def _check_regular(st: os.stat_result, where: str, owner_uid: int | None) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise HostError(
-            "not_regular_file",
+            ErrorCode.NOT_REGULAR_FILE,
             f"{where} is not a regular file (mode {stat.filemode(st.st_mode)}); "
             "replace it with a regular file",
         )
     if st.st_nlink != 1:
         raise HostError(
-            "hard_link_refused",
+            ErrorCode.HARD_LINK_REFUSED,
             f"{where} has {st.st_nlink} hard links; a file the daemon trusts must have "
             "exactly one: remove the other links",
         )
@@ -285,7 +289,7 @@ def bounded_read(fd: int, limit: int) -> bytes:
         parts.append(block)
         offset += len(block)
     raise HostError(
-        "file_too_large",
+        HostCode.FILE_TOO_LARGE,
         f"the file is longer than the allowed {limit} bytes; shorten it",
     )
 
@@ -295,7 +299,7 @@ def storage_refusal(what: str, error: OSError, failed_code: str) -> HostError:
     is full, else `failed_code`; either way the attempt cannot start."""
     if error.errno in {errno.ENOSPC, errno.EDQUOT}:
         return HostError(
-            "slot_full",
+            ErrorCode.SLOT_FULL,
             f"the slot filesystem is full while writing {what}; the attempt cannot start: "
             "release it and free space on the slot",
         )

@@ -28,6 +28,7 @@ from typing import Annotated
 import msgspec
 
 from ficc.execution.host import procfs, seccomp
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.procfs import DeviceAccess, Evidence, FileIdentity, Mount
 
@@ -205,7 +206,7 @@ def check_ids(evidence: Evidence, expectation: Expectation) -> list[Failure]:
     if any(uid != expectation.uid for uid in uids):
         failures.append(
             _fail(
-                "gate_uid",
+                HostCode.GATE_UID,
                 f"UIDs (real, effective, saved, fs) are {uids}, expected all {expectation.uid}",
             )
         )
@@ -213,7 +214,7 @@ def check_ids(evidence: Evidence, expectation: Expectation) -> list[Failure]:
     if any(gid != expectation.gid for gid in gids) or extra_groups:
         failures.append(
             _fail(
-                "gate_gid",
+                HostCode.GATE_GID,
                 f"GIDs are {gids} with groups {list(status.groups)}, "
                 f"expected all {expectation.gid} and no other group",
             )
@@ -227,13 +228,13 @@ def check_privileges(evidence: Evidence, expectation: Expectation) -> list[Failu
     sets = msgspec.structs.asdict(status.capabilities)
     held = {name: f"{mask:#x}" for name, mask in sets.items() if mask}
     if held:
-        failures.append(_fail("gate_capabilities", f"capability sets are not empty: {held}"))
+        failures.append(_fail(HostCode.GATE_CAPABILITIES, f"capability sets are not empty: {held}"))
     if status.no_new_privs != 1:
-        failures.append(_fail("gate_no_new_privs", f"NoNewPrivs is {status.no_new_privs}"))
+        failures.append(_fail(HostCode.GATE_NO_NEW_PRIVS, f"NoNewPrivs is {status.no_new_privs}"))
     if status.seccomp != 2 or status.seccomp_filters == 0:
         failures.append(
             _fail(
-                "gate_seccomp",
+                HostCode.GATE_SECCOMP,
                 f"seccomp mode is {status.seccomp} with "
                 f"{status.seccomp_filters} filters, expected mode 2 (filter)",
             )
@@ -249,17 +250,17 @@ def check_syscall_filter(evidence: Evidence, expectation: Expectation) -> list[F
     filters = evidence.syscall_filters
     if filters is None:
         detail = evidence.syscall_filters_error or "no filter was read"
-        return [_fail("gate_seccomp", f"the system-call filter cannot be judged: {detail}")]
+        return [_fail(HostCode.GATE_SECCOMP, f"the system-call filter cannot be judged: {detail}")]
     try:
         allowed = seccomp.allowed_calls(filters)
     except seccomp.BadProgram as error:
-        return [_fail("gate_seccomp", f"the system-call filter cannot be judged: {error}")]
+        return [_fail(HostCode.GATE_SECCOMP, f"the system-call filter cannot be judged: {error}")]
     if not allowed:
         return []
     shown = ", ".join(allowed[:8]) + (f" and {len(allowed) - 8} more" if len(allowed) > 8 else "")
     return [
         _fail(
-            "gate_seccomp",
+            HostCode.GATE_SECCOMP,
             f"the system-call filter allows {shown}, which every payload filter must deny",
         )
     ]
@@ -277,10 +278,10 @@ def check_cgroups(evidence: Evidence, expectation: Expectation) -> list[Failure]
         entries = [e for e in evidence.cgroups if _hierarchy(requirement.controller, e)]
         name = requirement.controller or "v2"
         if not entries:
-            failures.append(_fail("gate_cgroup", f"the process has no {name} cgroup"))
+            failures.append(_fail(HostCode.GATE_CGROUP, f"the process has no {name} cgroup"))
         failures.extend(
             _fail(
-                "gate_cgroup",
+                HostCode.GATE_CGROUP,
                 f"{name} cgroup is {entry.path}, not inside "
                 f"the attempt's service {requirement.path}",
             )
@@ -301,9 +302,11 @@ def check_namespaces(evidence: Evidence, expectation: Expectation) -> list[Failu
         own = evidence.namespaces.get(kind)
         reference = evidence.reference_namespaces.get(kind, ())
         if own is None or not reference:
-            failures.append(_fail("gate_namespace", f"no {kind} namespace to compare"))
+            failures.append(_fail(HostCode.GATE_NAMESPACE, f"no {kind} namespace to compare"))
         elif own in reference:
-            failures.append(_fail("gate_namespace", f"{kind} namespace {own} is the daemon's own"))
+            failures.append(
+                _fail(HostCode.GATE_NAMESPACE, f"{kind} namespace {own} is the daemon's own")
+            )
     return failures
 
 
@@ -315,13 +318,13 @@ def check_rlimits(evidence: Evidence, expectation: Expectation) -> list[Failure]
     for ceiling in ceilings:
         limit = limits.get(ceiling.name)
         if limit is None:
-            failures.append(_fail("gate_rlimit", f"limit {ceiling.name} is not reported"))
+            failures.append(_fail(HostCode.GATE_RLIMIT, f"limit {ceiling.name} is not reported"))
             continue
         values = (limit.soft, limit.hard)
         if any(value is None or value > ceiling.maximum for value in values):
             failures.append(
                 _fail(
-                    "gate_rlimit",
+                    HostCode.GATE_RLIMIT,
                     f"limit {ceiling.name} is soft {limit.soft} hard "
                     f"{limit.hard} (None = unlimited), expected at most {ceiling.maximum}",
                 )
@@ -347,7 +350,7 @@ def check_fds(evidence: Evidence, expectation: Expectation) -> list[Failure]:
         if allowance is None or not _fd_allowed(entry, allowance):
             failures.append(
                 _fail(
-                    "gate_fd",
+                    HostCode.GATE_FD,
                     f"descriptor {entry.fd} ({entry.kind} {entry.target!r}) "
                     "is not an allowed descriptor",
                 )
@@ -403,18 +406,18 @@ def check_mounts(evidence: Evidence, expectation: Expectation) -> list[Failure]:
             # never by a generated rule that happens to cover the same path.
             mismatch = _prepared_mismatch(mount, expected)
             if mismatch is not None:
-                failures.append(_fail("gate_mount", f"{where} does not match: {mismatch}"))
+                failures.append(_fail(HostCode.GATE_MOUNT, f"{where} does not match: {mismatch}"))
         elif not any(_generated_match(mount, rule) for rule in expectation.generated):
             failures.append(
                 _fail(
-                    "gate_mount",
+                    HostCode.GATE_MOUNT,
                     f"{where} with options {list(mount.mount_options)} "
                     "is neither a prepared mount nor an allowed generated target",
                 )
             )
     present = {mount.mount_point for mount in evidence.mounts}
     failures.extend(
-        _fail("gate_mount", f"prepared mount {target!r} is missing")
+        _fail(HostCode.GATE_MOUNT, f"prepared mount {target!r} is missing")
         for target in prepared
         if target not in present
     )
@@ -426,7 +429,7 @@ def check_exe(evidence: Evidence, expectation: Expectation) -> list[Failure]:
         return []
     return [
         _fail(
-            "gate_exe",
+            HostCode.GATE_EXE,
             f"the executable {evidence.exe.target!r} is "
             f"{evidence.exe.identity}, not the barrier {expectation.barrier}",
         )
@@ -466,7 +469,7 @@ def check_devices(evidence: Evidence, expectation: Expectation) -> list[Failure]
     if evidence.devices is not None:
         return [
             _fail(
-                "gate_device",
+                HostCode.GATE_DEVICE,
                 f"the device policy grants {grant}, which the prepared devices do not include",
             )
             for grant in _beyond(evidence.devices, allowed)
@@ -474,14 +477,14 @@ def check_devices(evidence: Evidence, expectation: Expectation) -> list[Failure]
     programs = evidence.device_programs
     if not programs:
         detail = evidence.device_programs_error or "and no cgroup v2 device program runs for it"
-        return [_fail("gate_device", f"the process has no v1 devices cgroup {detail}")]
+        return [_fail(HostCode.GATE_DEVICE, f"the process has no v1 devices cgroup {detail}")]
     readable = [p for p in programs if p.rules is not None]
     if any(not _beyond(p.rules, allowed) for p in readable if p.rules is not None):
         return []
     if not readable:
         return [
             _fail(
-                "gate_device",
+                HostCode.GATE_DEVICE,
                 f"none of the {len(programs)} cgroup v2 device programs of the process is "
                 "one the host can read, so its device policy is unknown",
             )
@@ -491,7 +494,7 @@ def check_devices(evidence: Evidence, expectation: Expectation) -> list[Failure]
     )
     return [
         _fail(
-            "gate_device",
+            HostCode.GATE_DEVICE,
             f"the cgroup v2 device policy grants {', '.join(wider[:8])}, which the prepared "
             "devices do not include",
         )
@@ -526,7 +529,7 @@ RELEASE_CONTENT = b"ficc-release-v1\n"
 
 def _single_name(name: str) -> None:
     if not name or name in (".", "..") or "/" in name or "\0" in name:
-        raise HostError("gate_evidence", f"{name!r} is not a plain file name")
+        raise HostError(HostCode.GATE_EVIDENCE, f"{name!r} is not a plain file name")
 
 
 def publish_file(
@@ -578,7 +581,7 @@ def write_release_marker(dir_fd: int, name: str, *, group: int) -> None:
         publish_file(dir_fd, name, RELEASE_CONTENT, mode=0o640, gid=group, durable=False)
     except OSError as exc:
         raise HostError(
-            "release_marker_failed",
+            HostCode.RELEASE_MARKER_FAILED,
             f"cannot create the release marker {name!r} ({exc.strerror}); the payload "
             "stays blocked: stop the attempt and check the attempt directory",
         ) from exc
@@ -609,7 +612,7 @@ def inspect_and_check(
         return Verdict(
             ok=False,
             failures=(
-                _fail("gate_evidence", f"cannot write evidence {evidence_name!r}: {reason}"),
+                _fail(HostCode.GATE_EVIDENCE, f"cannot write evidence {evidence_name!r}: {reason}"),
             ),
         )
     verdict = check(evidence, expectation)

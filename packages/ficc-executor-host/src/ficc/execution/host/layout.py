@@ -45,7 +45,9 @@ from typing import Final, Protocol
 
 from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host import fsutil, slotfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.staging import STAGING_DIRECTORY
 
@@ -117,14 +119,14 @@ def check_attempt_id(attempt_id: str) -> None:
     """Refuse anything but an Identity: it becomes a directory name."""
     if not isinstance(attempt_id, str) or not _IDENTITY.match(attempt_id):
         raise HostError(
-            "unsafe_path", f"attempt ID {attempt_id!r} is not 32 lowercase hex characters"
+            ErrorCode.UNSAFE_PATH, f"attempt ID {attempt_id!r} is not 32 lowercase hex characters"
         )
 
 
 def _unsafe(where: str, st: os.stat_result, uid: int, mode: int | None) -> HostError:
     wanted = "" if mode is None else f" with mode {mode:04o}"
     return HostError(
-        "layout_unsafe",
+        ErrorCode.LAYOUT_UNSAFE,
         f"{where} is {stat.filemode(st.st_mode)} owned by uid {st.st_uid}, expected a"
         f" directory owned by uid {uid}{wanted}; investigate, then fix or remove it",
     )
@@ -177,7 +179,7 @@ class Layout:
             self._create(attempt_id)
         except OSError as error:
             raise fsutil.storage_refusal(
-                f"the layout of attempt {attempt_id}", error, "storage_failed"
+                f"the layout of attempt {attempt_id}", error, ErrorCode.STORAGE_FAILED
             ) from error
         return self.paths(attempt_id)
 
@@ -247,7 +249,7 @@ class Layout:
                 try:
                     fd = fsutil.open_dir_at(slot_fd, top)
                 except HostError as error:
-                    if error.code == "not_found":
+                    if error.code == ErrorCode.NOT_FOUND:
                         continue
                     raise
                 try:
@@ -273,7 +275,7 @@ class Layout:
                 try:
                     base_fd = _open_checked(slot_fd, ATTEMPTS_DIRECTORY, _ROOT, _BASE_MODE)
                 except HostError as error:
-                    if error.code == "not_found":
+                    if error.code == ErrorCode.NOT_FOUND:
                         return
                     raise
             finally:
@@ -284,7 +286,7 @@ class Layout:
                 os.close(base_fd)
         except OSError as error:
             raise HostError(
-                "layout_cleanup_failed",
+                ErrorCode.LAYOUT_CLEANUP_FAILED,
                 f"removing the layout of attempt {attempt_id} on slot {self.slot_path} failed"
                 f" ({error.strerror or error}); the reservation stays: fix the slot"
                 " filesystem and retry the release",
@@ -301,7 +303,7 @@ class Layout:
         try:
             attempt_fd = self.open_attempt(attempt_id)
         except HostError as error:
-            if error.code == "not_found":
+            if error.code == ErrorCode.NOT_FOUND:
                 return
             raise
         try:
@@ -320,7 +322,7 @@ class Layout:
             fsutil.fsync_dir(attempt_fd)
         except OSError as error:
             raise HostError(
-                "layout_cleanup_failed",
+                ErrorCode.LAYOUT_CLEANUP_FAILED,
                 f"removing what attempt {attempt_id} wrote on slot {self.slot_path} failed"
                 f" ({error.strerror or error}); the reservation stays: retry the release",
             ) from error
@@ -331,7 +333,7 @@ class Layout:
         try:
             attempt_fd = _open_checked(base_fd, attempt_id, _ROOT, _BASE_MODE)
         except HostError as error:
-            if error.code == "not_found":
+            if error.code == ErrorCode.NOT_FOUND:
                 return
             raise
         try:
@@ -422,7 +424,7 @@ def _ensure_log(logs_fd: int, name: str) -> None:
     try:
         fd = fsutil.create_exclusive(logs_fd, name, 0o600, os.O_WRONLY)
     except HostError as error:
-        if error.code != "file_exists":
+        if error.code != HostCode.FILE_EXISTS:
             raise
         fd = fsutil.open_regular_at(logs_fd, name, os.O_RDONLY, owner_uid=_ROOT)
     os.close(fd)
@@ -430,7 +432,7 @@ def _ensure_log(logs_fd: int, name: str) -> None:
 
 def _unexpected(where: str, st: os.stat_result) -> HostError:
     return HostError(
-        "unexpected_entry",
+        ErrorCode.UNEXPECTED_ENTRY,
         f"{where} ({stat.filemode(st.st_mode)}, uid {st.st_uid}) is not something the host"
         " creates or may delete blindly (a device, a mount point or a foreign name);"
         " inspect and remove it by hand, then retry the release",

@@ -23,11 +23,13 @@ from typing import Annotated, Protocol
 
 import msgspec
 
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host.errors import HostError
+from ficc.execution.plan import Count, Positive
 
 BOOT_ID_PATTERN = r"\A[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z"
 BootId = Annotated[str, msgspec.Meta(pattern=BOOT_ID_PATTERN)]
-Nanoseconds = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Nanoseconds = Count
 
 _NS_PER_MS = 1_000_000
 _NS_PER_S = 1_000_000_000
@@ -56,10 +58,10 @@ class Lease(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A lease as the host records it: the terms as sent and the boot-clock deadline."""
 
     boot_id: BootId
-    sequence: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
-    expires_at_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    sequence: Positive
+    expires_at_ms: Count
     deadline_boottime_ns: Nanoseconds
-    effective_expires_at_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+    effective_expires_at_ms: Count
     """The deadline the host enforces, as wall-clock Unix ms computed at receipt: the
     asked `expires_at_ms` unless `maximum_lease_seconds` capped it (or it had passed).
     `expires_at_ms` stays the value asked for, which identifies a duplicate renewal."""
@@ -83,14 +85,14 @@ def grant(first: Renewal, now: Now, maximum_lease_seconds: int) -> Lease:
     """
     if first.sequence != 1:
         raise HostError(
-            "lease_sequence",
+            ErrorCode.LEASE_SEQUENCE,
             f"the first lease of an attempt has sequence 1, not {first.sequence}; "
             "send prepare with lease sequence 1",
         )
     remaining = _remaining_ns(first, now, maximum_lease_seconds)
     if remaining <= 0:
         raise HostError(
-            "lease_expired",
+            ErrorCode.LEASE_EXPIRED,
             f"expires_at_ms {first.expires_at_ms} is not in the future by this host's clock; "
             "send a lease that expires later (check the controller's clock)",
         )
@@ -110,7 +112,7 @@ def renew(current: Lease, renewal: Renewal, now: Now, maximum_lease_seconds: int
     """
     if not is_current(current, now):
         raise HostError(
-            "lease_expired",
+            ErrorCode.LEASE_EXPIRED,
             f"the lease (sequence {current.sequence}) has expired and cannot be renewed; "
             "the attempt is being stopped, release it when it is terminal",
         )
@@ -120,7 +122,7 @@ def renew(current: Lease, renewal: Renewal, now: Now, maximum_lease_seconds: int
     if renewal.sequence <= current.sequence:
         reused = "was already used with another expires_at_ms" if same_sequence else "is stale"
         raise HostError(
-            "lease_sequence",
+            ErrorCode.LEASE_SEQUENCE,
             f"lease sequence {renewal.sequence} {reused} (current {current.sequence}); "
             "send a renewal with a sequence greater than the current one",
         )

@@ -63,6 +63,7 @@ from ficc.execution.host import (
     lifecycle,
 )
 from ficc.execution.host.admission import AdmissionRejection
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Clock, Lease, Now
 from ficc.execution.host.ledger_schema import ADMITTED, SCHEMA_VERSION
@@ -131,7 +132,7 @@ class _Batch:
 
 
 def _unsafe(message: str) -> HostError:
-    return HostError("ledger_unsafe", message)
+    return HostError(HostCode.LEDGER_UNSAFE, message)
 
 
 def _check_state_dir(dir_fd: int, where: str) -> os.stat_result:
@@ -328,13 +329,13 @@ def _check_owner_then_migrate(db: sqlite3.Connection, path: str, installation_id
     version, owner = row
     if owner != installation_id:
         raise HostError(
-            "ledger_installation_mismatch",
+            HostCode.LEDGER_INSTALLATION_MISMATCH,
             f"{path} belongs to installation {owner}, not {installation_id}; point state_dir"
             " at this installation's ledger",
         )
     if version > SCHEMA_VERSION:
         raise HostError(
-            "ledger_schema",
+            HostCode.LEDGER_SCHEMA,
             f"{path} was written by a newer release (schema {version}; this one reads up to"
             f" {SCHEMA_VERSION}); run that release, never an older one, on this ledger",
         )
@@ -402,7 +403,7 @@ class Ledger:
                 "SELECT schema_version, installation_id, ledger_id, admission_version FROM meta"
             ).fetchone()
         if row is None or row[0] != SCHEMA_VERSION or row[3] != ADMISSION_VERSION:
-            raise HostError("ledger_schema", _unreadable_schema(path, row))
+            raise HostError(HostCode.LEDGER_SCHEMA, _unreadable_schema(path, row))
         self._bindings = Bindings(row[1], row[2], ADMISSION_VERSION)
         # Only now: its TEMP triggers need this ledger's tables.
         self._cache = RecordCache(db) if self._as_one else None
@@ -432,7 +433,8 @@ class Ledger:
             msgspec.convert(installation_id, planlib.Identity)
         except msgspec.ValidationError as error:
             raise HostError(
-                "invalid_installation_id", f"{error}; use the configured 32-hex installation ID"
+                HostCode.INVALID_INSTALLATION_ID,
+                f"{error}; use the configured 32-hex installation ID",
             ) from error
         if (why := admission.within(initial_offer, ceiling)) is not None:
             raise HostError(ErrorCode.OFFER_EXCEEDS_CEILING, f"initial offer: {why}")
@@ -468,7 +470,7 @@ class Ledger:
             if _no_space(error):
                 raise
             raise HostError(
-                "ledger_exists",
+                HostCode.LEDGER_EXISTS,
                 f"{state_dir}/{LEDGER_FILE} cannot be created exclusively ({error.code});"
                 " if a ledger is there, open it instead of creating one",
             ) from error
@@ -531,12 +533,12 @@ class Ledger:
         try:
             fd = fsutil.open_regular_at(dir_fd, LEDGER_FILE, os.O_RDONLY, owner_uid=0)
         except HostError as error:
-            if error.code != "not_found":  # its message already says what to fix
+            if error.code != ErrorCode.NOT_FOUND:  # its message already says what to fix
                 raise HostError(
-                    "ledger_unsafe", f"{state_dir}/{LEDGER_FILE}: {error.message}"
+                    HostCode.LEDGER_UNSAFE, f"{state_dir}/{LEDGER_FILE}: {error.message}"
                 ) from error
             raise HostError(
-                "ledger_missing",
+                HostCode.LEDGER_MISSING,
                 f"{state_dir}/{LEDGER_FILE}: {error.message}; restore it from backup"
                 " (serve creates a ledger only in a state_dir that never held one)",
             ) from error
@@ -552,7 +554,7 @@ class Ledger:
             mode = db.execute("PRAGMA journal_mode").fetchone()[0]
             if mode != "wal" or db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
                 raise HostError(
-                    "ledger_corrupt",
+                    HostCode.LEDGER_CORRUPT,
                     f"{state_dir}/{LEDGER_FILE} failed its integrity check (journal {mode});"
                     " restore it from backup",
                 )
@@ -1461,9 +1463,9 @@ class Ledger:
                 fence, state.id, expected_offset, state.offset, state.identity, when=when
             )
         reason = (
-            "input_digest_mismatch"
-            if state.failed == "input_digest_mismatch"
-            else ("storage_failed")
+            ErrorCode.INPUT_DIGEST_MISMATCH
+            if state.failed == ErrorCode.INPUT_DIGEST_MISMATCH
+            else ErrorCode.STORAGE_FAILED
         )
         with self._write() as ordinal:
             current = self._staging_input(fence, state.id, expected_offset)
@@ -1503,7 +1505,7 @@ class Ledger:
             )
         current = self._input(fence.attempt_id, object_id)
         if current.failed is not None:
-            raise HostError("input_failed", f"the object failed earlier ({current.failed})")
+            raise HostError(ErrorCode.INPUT_FAILED, f"the object failed earlier ({current.failed})")
         if current.complete:
             raise HostError(ErrorCode.INPUT_COMPLETE, "the object is complete and read-only")
         if current.offset != expected_offset:
@@ -1733,7 +1735,7 @@ def _lock_state_dir(state_dir: str) -> int:
     except BlockingIOError as error:
         os.close(dir_fd)
         raise HostError(
-            "ledger_busy",
+            HostCode.LEDGER_BUSY,
             f"another process has the ledger in {state_dir} open; stop the other daemon first",
         ) from error
     except BaseException:

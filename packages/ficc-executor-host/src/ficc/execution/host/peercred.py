@@ -28,7 +28,9 @@ from typing import NamedTuple, Protocol
 
 import msgspec
 
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host.authority import SocketKind
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.config import SOCKET_DIR_MODE, Config, open_trusted_directory
 from ficc.execution.host.errors import HostError
 
@@ -91,7 +93,7 @@ def socket_paths(config: Config) -> tuple[Endpoint, ...]:
 def peer_credentials(sock: _Socket) -> PeerCredentials:
     """The (pid, uid, gid) the kernel recorded for the peer when it connected."""
     if sock.family != socket.AF_UNIX:
-        raise HostError("not_authorized", "peer credentials exist only on Unix sockets")
+        raise HostError(ErrorCode.NOT_AUTHORIZED, "peer credentials exist only on Unix sockets")
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     return PeerCredentials(*_UCRED.unpack(raw))
 
@@ -100,7 +102,7 @@ def check_peer(endpoint: Endpoint, uid: int) -> None:
     """Refuse a peer whose UID is not the one this socket belongs to."""
     if uid != endpoint.peer_uid:
         raise HostError(
-            "not_authorized",
+            ErrorCode.NOT_AUTHORIZED,
             f"peer UID {uid} may not use {endpoint.name}; only UID {endpoint.peer_uid} "
             f"({endpoint.key}) may connect to it",
         )
@@ -113,7 +115,12 @@ def listen(endpoint: Endpoint, backlog: int = 64) -> socket.socket:
     can connect through a looser file in between.
     """
     directory, name = posixpath.split(endpoint.path)
-    dir_fd = open_trusted_directory(directory, "socket_dir", "host_path_unsafe", SOCKET_DIR_MODE)
+    dir_fd = open_trusted_directory(
+        directory,
+        "socket_dir",
+        HostCode.HOST_PATH_UNSAFE,
+        SOCKET_DIR_MODE,
+    )
     try:
         _remove_stale(dir_fd, name, endpoint)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -143,7 +150,7 @@ def _remove_stale(dir_fd: int, name: str, endpoint: Endpoint) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid not in (0, endpoint.peer_uid):
         raise HostError(
-            "socket_unsafe",
+            HostCode.SOCKET_UNSAFE,
             f"{endpoint.path} exists and is not a socket this daemon made; "
             "inspect it and remove it by hand",
         )
@@ -155,7 +162,7 @@ def _remove_stale(dir_fd: int, name: str, endpoint: Endpoint) -> None:
         probe.close()
     if result != errno.ECONNREFUSED:
         raise HostError(
-            "socket_in_use",
+            HostCode.SOCKET_IN_USE,
             f"something is listening on {endpoint.path}; stop the other daemon first",
         )
     os.unlink(name, dir_fd=dir_fd)
@@ -165,7 +172,7 @@ def _check_socket_file(st: os.stat_result, endpoint: Endpoint) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if not stat.S_ISSOCK(st.st_mode) or st.st_uid != endpoint.peer_uid or mode != SOCKET_MODE:
         raise HostError(
-            "socket_unsafe",
+            HostCode.SOCKET_UNSAFE,
             f"{endpoint.path} did not take owner {endpoint.peer_uid} and mode 0600 "
             f"(it has owner {st.st_uid}, mode {mode:04o}); check the file system of socket_dir",
         )

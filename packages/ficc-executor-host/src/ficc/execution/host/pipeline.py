@@ -90,6 +90,7 @@ from ficc.execution.host.attempts import (
     _row_error,
 )
 from ficc.execution.host.batching import PROVIDER_TIMEOUT, Batcher, Ticket
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.deadlines import Deadlines
 from ficc.execution.host.errors import HostError
@@ -245,7 +246,7 @@ class Runner(AttemptWork):
         except HostError as error:
             if error.code == ErrorCode.NOT_FOUND and await self._io(_storage_freed, attempt):
                 return await self._freed_context(attempt)
-            if error.code != "storage_unverified":
+            if error.code != HostCode.STORAGE_UNVERIFIED:
                 raise
             raise HostError(
                 ErrorCode.LAYOUT_UNSAFE,

@@ -137,7 +137,7 @@ class Preparer(AttemptWork):
         try:
             states: list[StreamState] = await self._io(stager.prepare_attempt, attempt.id)
         except HostError as error:
-            if error.code == "inputs_preparing":
+            if error.code == ErrorCode.INPUTS_PREPARING:
                 return False  # another prepare_attempt is on it
             raise
         recorded = {i.object_id: i for i in inputs}

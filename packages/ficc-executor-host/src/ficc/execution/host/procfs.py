@@ -28,6 +28,7 @@ from typing import Annotated, NamedTuple
 import msgspec
 
 from ficc.execution.host import seccomp
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 MAX_PROC_FILE_BYTES = 1 << 20
@@ -208,7 +209,7 @@ class Evidence(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def malformed(what: str, detail: str) -> HostError:
     return HostError(
-        "gate_evidence",
+        HostCode.GATE_EVIDENCE,
         f"cannot parse {what} of the payload process ({detail}); the payload is not "
         "released: report this kernel output to the ficc maintainers",
     )
@@ -216,7 +217,7 @@ def malformed(what: str, detail: str) -> HostError:
 
 def process_changed(pid: int, detail: str) -> HostError:
     return HostError(
-        "gate_process_changed",
+        HostCode.GATE_PROCESS_CHANGED,
         f"process {pid} {detail} while it was being inspected; the payload is not "
         "released: stop the attempt's service and start the attempt again",
     )
@@ -485,7 +486,7 @@ def _os_error(pid: int, what: str, exc: OSError) -> HostError:
     if exc.errno in _VANISHED:
         return process_changed(pid, f"vanished (reading {what})")
     return HostError(
-        "gate_evidence",
+        HostCode.GATE_EVIDENCE,
         f"cannot read {what} of process {pid} ({exc.strerror}); the payload is not "
         "released: the daemon must run as root with /proc mounted",
     )
@@ -515,7 +516,7 @@ def read_bounded(dir_fd: int, name: str, pid: int) -> bytes:
 def open_process_dir(pid: int) -> int:
     """A directory fd on /proc/PID; reads through it fail once that process is gone."""
     if pid <= 0:
-        raise HostError("gate_evidence", f"invalid process id {pid}")
+        raise HostError(HostCode.GATE_EVIDENCE, f"invalid process id {pid}")
     try:
         return os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -588,7 +589,7 @@ def _fd_entry(pid_fd: int, fd_dir: int, name: str, pid: int) -> FdEntry:
     try:
         flags, mnt_id = parse_fdinfo(read_bounded(pid_fd, f"fdinfo/{name}", pid))
     except HostError as exc:
-        if exc.code != "gate_process_changed":
+        if exc.code != HostCode.GATE_PROCESS_CHANGED:
             raise
         # Closed after stat: the process itself is re-checked by the start time.
         flags = mnt_id = None
@@ -617,7 +618,7 @@ def read_fds(pid_fd: int, pid: int) -> tuple[FdEntry, ...]:
             for entry in entries:
                 if len(names) == MAX_FDS:
                     raise HostError(
-                        "gate_fd",
+                        HostCode.GATE_FD,
                         f"process {pid} has more than {MAX_FDS} open descriptors; "
                         "the payload is not released",
                     )
@@ -727,7 +728,7 @@ def read_devices(cgroups: tuple[CgroupEntry, ...], pid: int) -> tuple[DeviceAcce
             current = following
     except OSError as exc:
         raise HostError(
-            "gate_evidence",
+            HostCode.GATE_EVIDENCE,
             f"cannot open the devices cgroup {entry.path!r} of process {pid} "
             f"({exc.strerror}); the payload is not released",
         ) from exc

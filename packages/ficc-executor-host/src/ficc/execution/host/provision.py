@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ficc.execution.host import slotfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.config import open_trusted_directory
 from ficc.execution.host.errors import HostError
 
@@ -59,7 +60,7 @@ def _run(*argv: str) -> str:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         detail = (result.stderr or result.stdout).strip()
-        raise HostError("provision_failed", f"{' '.join(argv)} failed: {detail}")
+        raise HostError(HostCode.PROVISION_FAILED, f"{' '.join(argv)} failed: {detail}")
     return result.stdout
 
 
@@ -79,7 +80,7 @@ def _allocate(image: str, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as error:
         raise HostError(
-            "provision_failed", f"cannot allocate {size} bytes for {image}: {error.strerror}"
+            HostCode.PROVISION_FAILED, f"cannot allocate {size} bytes for {image}: {error.strerror}"
         ) from None
     finally:
         os.close(fd)
@@ -102,14 +103,14 @@ def _mkfs(source: str, storage_inodes: int, *, force: bool) -> None:
 def _prepare_mount_point(mount: str) -> None:
     path = pathlib.Path(mount)
     if not path.is_absolute() or os.path.normpath(mount) != mount:
-        raise HostError("provision_failed", f"{mount} is not a normalized absolute path")
+        raise HostError(HostCode.PROVISION_FAILED, f"{mount} is not a normalized absolute path")
     _make_traversable(path)
     if path.is_symlink() or not path.is_dir():
-        raise HostError("provision_failed", f"{mount} is not a directory")
+        raise HostError(HostCode.PROVISION_FAILED, f"{mount} is not a directory")
     if os.path.ismount(mount):
-        raise HostError("provision_failed", f"something is already mounted on {mount}")
+        raise HostError(HostCode.PROVISION_FAILED, f"something is already mounted on {mount}")
     if any(path.iterdir()):
-        raise HostError("provision_failed", f"{mount} is not empty; use an empty directory")
+        raise HostError(HostCode.PROVISION_FAILED, f"{mount} is not empty; use an empty directory")
 
 
 def _make_traversable(path: pathlib.Path) -> None:
@@ -131,7 +132,9 @@ def _fits(mount: str, storage_bytes: int, storage_inodes: int) -> int:
     st = os.statvfs(mount)
     usable = (st.f_blocks - (st.f_bfree - st.f_bavail)) * st.f_frsize
     if st.f_files < storage_inodes:
-        raise HostError("provision_failed", f"mkfs made {st.f_files} inodes, not {storage_inodes}")
+        raise HostError(
+            HostCode.PROVISION_FAILED, f"mkfs made {st.f_files} inodes, not {storage_inodes}"
+        )
     return max(0, storage_bytes - usable)
 
 
@@ -146,7 +149,9 @@ def _finish(
     finally:
         os.close(fd)
     if found is None:
-        raise HostError("provision_failed", f"cannot read the UUID of the filesystem on {mount}")
+        raise HostError(
+            HostCode.PROVISION_FAILED, f"cannot read the UUID of the filesystem on {mount}"
+        )
     return Provisioned(mount, source, found, storage_bytes, storage_inodes, loop)
 
 
@@ -159,14 +164,16 @@ def create_image_slot(
     checks the same): whoever could replace the image could replace the slot."""
     parent, name = os.path.split(image)
     if not image.startswith("/") or os.path.normpath(image) != image or not name:
-        raise HostError("provision_failed", f"{image} is not a normalized absolute file path")
-    parent_fd = open_trusted_directory(parent, "--image", "provision_failed")
+        raise HostError(
+            HostCode.PROVISION_FAILED, f"{image} is not a normalized absolute file path"
+        )
+    parent_fd = open_trusted_directory(parent, "--image", HostCode.PROVISION_FAILED)
     try:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         os.close(os.open(name, flags, 0o600, dir_fd=parent_fd))
     except FileExistsError:
         raise HostError(
-            "provision_failed",
+            HostCode.PROVISION_FAILED,
             f"{image} already exists. If it is a slot this command made and only its mount"
             f" is missing, mount it again: ficc-executor provision-slot --remount --image"
             f" {image} --mount {mount}; otherwise choose a new file",
@@ -185,7 +192,9 @@ def create_image_slot(
                 return _finish(mount, image, storage_bytes, storage_inodes, loop=True)
             _run("umount", mount)
             size += -(-(lacking + lacking // 8 + MIB) // MIB) * MIB
-        raise HostError("provision_failed", f"could not size {image} for {storage_bytes} bytes")
+        raise HostError(
+            HostCode.PROVISION_FAILED, f"could not size {image} for {storage_bytes} bytes"
+        )
     except BaseException:
         remove_slot(mount, image)
         raise
@@ -213,7 +222,9 @@ def _loop_mount(image: str, mount: str) -> None:
             # Clearing a mounted loop device only marks it: it detaches with the unmount.
             subprocess.run(["losetup", "--detach", node], capture_output=True, check=False)
         return
-    raise HostError("provision_failed", f"mount -o loop {image} {mount} failed: {result.stderr}")
+    raise HostError(
+        HostCode.PROVISION_FAILED, f"mount -o loop {image} {mount} failed: {result.stderr}"
+    )
 
 
 def create_device_slot(
@@ -222,10 +233,10 @@ def create_device_slot(
     """Format the block device `device` as an ext4 slot filesystem and mount it."""
     _prepare_mount_point(mount)
     if not os.path.exists(device) or not stat.S_ISBLK(os.stat(device).st_mode):
-        raise HostError("provision_failed", f"{device} is not a block device")
+        raise HostError(HostCode.PROVISION_FAILED, f"{device} is not a block device")
     if _has_signature(device):
         raise HostError(
-            "provision_failed",
+            HostCode.PROVISION_FAILED,
             f"{device} already holds a filesystem; wipe it first (wipefs -a {device}) "
             "if its data is really unwanted",
         )
@@ -234,7 +245,9 @@ def create_device_slot(
     lacking = _fits(mount, storage_bytes, storage_inodes)
     if lacking:
         _run("umount", mount)
-        raise HostError("provision_failed", f"{device} lacks {lacking} bytes for storage_bytes")
+        raise HostError(
+            HostCode.PROVISION_FAILED, f"{device} lacks {lacking} bytes for storage_bytes"
+        )
     return _finish(mount, device, storage_bytes, storage_inodes, loop=False)
 
 
@@ -246,12 +259,14 @@ def remount_slot(source: str, mount: str, *, loop: bool) -> Provisioned:
     if loop:
         parent, name = os.path.split(source)
         if not source.startswith("/") or os.path.normpath(source) != source or not name:
-            raise HostError("provision_failed", f"{source} is not a normalized absolute path")
-        os.close(open_trusted_directory(parent, "--image", "provision_failed"))
+            raise HostError(
+                HostCode.PROVISION_FAILED, f"{source} is not a normalized absolute path"
+            )
+        os.close(open_trusted_directory(parent, "--image", HostCode.PROVISION_FAILED))
         if not os.path.isfile(source) or os.path.islink(source):
-            raise HostError("provision_failed", f"{source} is not an existing image file")
+            raise HostError(HostCode.PROVISION_FAILED, f"{source} is not an existing image file")
     elif not os.path.exists(source) or not stat.S_ISBLK(os.stat(source).st_mode):
-        raise HostError("provision_failed", f"{source} is not a block device")
+        raise HostError(HostCode.PROVISION_FAILED, f"{source} is not a block device")
     _prepare_mount_point(mount)
     if loop:
         _loop_mount(source, mount)
@@ -374,7 +389,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"slot filesystem {slot.filesystem_uuid} mounted again on {slot.mount}")
             return 0
         if args.bytes is None or args.inodes is None:
-            raise HostError("provision_failed", "--bytes and --inodes are required to make a slot")
+            raise HostError(
+                HostCode.PROVISION_FAILED, "--bytes and --inodes are required to make a slot"
+            )
         if args.image:
             slot = create_image_slot(args.image, args.mount, args.bytes, args.inodes)
         else:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Iterable
 from typing import Final, NamedTuple, Protocol
 
 from ficc.execution.host import procfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 NOLOGIN_SHELLS: Final = frozenset(
@@ -119,7 +120,7 @@ def check_filesystem(slot: SlotSpec, key: str, dir_fd: int, open_parent: OpenPar
     _check_mount_root(slot, key, mount)
     if mount.fs_type not in FILESYSTEM_TYPES:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"{slot.path} is {mount.fs_type}, not one of {', '.join(sorted(FILESYSTEM_TYPES))}",
             "make the slot an ext4 filesystem (`ficc-executor provision-slot`)",
@@ -135,7 +136,7 @@ def _check_mount_root(slot: SlotSpec, key: str, mount: procfs.Mount) -> None:
     if mount.root != "/" or mount.mount_point != slot.path:
         where = mount.mount_point if mount.root == "/" else f"{mount.root} of {mount.source}"
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"{slot.path} is not the root of its own filesystem (it is inside {where})",
             "if its filesystem exists but is not mounted (a mount that failed at boot), mount"
@@ -152,7 +153,7 @@ def check_identity(
     found = filesystem_uuid(dir_fd, mount if mount is not None else mount_of(dir_fd, key))
     if found != slot.filesystem_uuid:
         raise _refuse(
-            "slot_identity",
+            HostCode.SLOT_IDENTITY,
             key,
             f"{slot.path} holds filesystem {found or 'without a UUID'}, "
             f"not the configured {slot.filesystem_uuid}",
@@ -170,7 +171,10 @@ def verify(slot: SlotSpec, open_parent: OpenParent) -> None:
         fd = os.open(slot.path, _DIR_FLAGS)
     except OSError as error:
         raise _refuse(
-            "slot_filesystem", key, f"cannot open {slot.path}: {error.strerror}", "check the mount"
+            HostCode.SLOT_FILESYSTEM,
+            key,
+            f"cannot open {slot.path}: {error.strerror}",
+            "check the mount",
         ) from None
     try:
         mount = mount_of(fd, key)
@@ -181,7 +185,7 @@ def verify(slot: SlotSpec, open_parent: OpenParent) -> None:
         _check_backing_file(key, mount, open_parent)
     except OSError as error:
         raise _refuse(
-            "slot_filesystem", key, f"cannot check {slot.path}: {error}", "check the mount"
+            HostCode.SLOT_FILESYSTEM, key, f"cannot check {slot.path}: {error}", "check the mount"
         ) from None
     finally:
         os.close(fd)
@@ -193,7 +197,7 @@ def check_distinct(devices: Iterable[tuple[str, int]], others: Iterable[tuple[st
     for key, device in devices:
         if device in seen:
             raise _refuse(
-                "slot_filesystem",
+                HostCode.SLOT_FILESYSTEM,
                 key,
                 f"is on the same filesystem as {seen[device]}",
                 "give every slot a filesystem of its own",
@@ -223,10 +227,12 @@ def mount_of(dir_fd: int, key: str) -> procfs.Mount:
             mount = None if mount_id is None else procfs.find_mount(table.read(), mount_id)
     except (OSError, HostError) as error:
         raise _refuse(
-            "slot_filesystem", key, f"cannot read its mount: {error}", "check /proc"
+            HostCode.SLOT_FILESYSTEM, key, f"cannot read its mount: {error}", "check /proc"
         ) from None
     if mount is None:
-        raise _refuse("slot_filesystem", key, "its mount is not in the mount table", "check it")
+        raise _refuse(
+            HostCode.SLOT_FILESYSTEM, key, "its mount is not in the mount table", "check it"
+        )
     return mount
 
 
@@ -240,7 +246,7 @@ def _check_backing_file(key: str, mount: procfs.Mount, open_parent: OpenParent) 
     parent, name = os.path.split(image)
     if not image.startswith("/") or os.path.normpath(image) != image or not name:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"its loop device is backed by {image!r}, not a file path",
             "mount the slot's image file again (it was deleted or renamed)",
@@ -259,7 +265,7 @@ def _check_backing_file(key: str, mount: procfs.Mount, open_parent: OpenParent) 
             or st.st_nlink != 1
         ):
             raise _refuse(
-                "slot_filesystem",
+                HostCode.SLOT_FILESYSTEM,
                 key,
                 f"its image {image} is not a root-owned 0600 file with one link",
                 f"chown root:root {image} && chmod 0600 {image}",
@@ -281,7 +287,7 @@ def _allocate_holes(fd: int, size: int, key: str, image: str) -> None:
             os.close(writable)
     except OSError as error:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"its image {image} has holes and cannot be allocated in full: {error.strerror}",
             "free space on the image's filesystem (the slot's room must be reserved there)",
@@ -295,7 +301,7 @@ def _check_options(slot: SlotSpec, key: str, dir_fd: int) -> None:
     ]
     if missing:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"{slot.path} is mounted without {','.join(missing)}",
             "mount it with -o nodev,nosuid (and the same options in /etc/fstab or its mount unit)",
@@ -308,7 +314,7 @@ def _check_writable(slot: SlotSpec, key: str, dir_fd: int) -> None:
     read-only slot at startup does not keep the daemon from recovering the others."""
     if os.fstatvfs(dir_fd).f_flag & os.ST_RDONLY:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"{slot.path} is mounted read-only (after a filesystem error?)",
             "check the filesystem (e2fsck) and mount it read-write again",
@@ -321,7 +327,7 @@ def _check_size(slot: SlotSpec, key: str, dir_fd: int) -> None:
     usable = (st.f_blocks - root_only) * st.f_frsize
     if usable < slot.storage_bytes:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"{slot.path} holds {usable} bytes for the slot account, less than "
             f"storage_bytes {slot.storage_bytes}",
@@ -329,7 +335,7 @@ def _check_size(slot: SlotSpec, key: str, dir_fd: int) -> None:
         )
     if st.f_files < slot.storage_inodes:
         raise _refuse(
-            "slot_filesystem",
+            HostCode.SLOT_FILESYSTEM,
             key,
             f"{slot.path} has {st.f_files} inodes, fewer than storage_inodes {slot.storage_inodes}",
             "make the filesystem with more inodes (mkfs.ext4 -N) or lower storage_inodes",
@@ -401,7 +407,7 @@ def check_account(slot: SlotSpec, key: str) -> None:
         account = pwd.getpwuid(slot.uid)
     except KeyError:
         raise _refuse(
-            "slot_account",
+            HostCode.SLOT_ACCOUNT,
             key,
             f"no account has UID {slot.uid}",
             f"create it with its own group: groupadd --system --gid {slot.gid} NAME &&"
@@ -411,14 +417,14 @@ def check_account(slot: SlotSpec, key: str) -> None:
     name = account.pw_name
     if account.pw_gid != slot.gid:
         raise _refuse(
-            "slot_account",
+            HostCode.SLOT_ACCOUNT,
             key,
             f"account {name} has primary GID {account.pw_gid}, not the configured {slot.gid}",
             "set gid to the account's own group",
         )
     if account.pw_shell not in NOLOGIN_SHELLS:
         raise _refuse(
-            "slot_account",
+            HostCode.SLOT_ACCOUNT,
             key,
             f"account {name} has login shell {account.pw_shell or '(empty: /bin/sh)'}",
             f"usermod --shell /usr/sbin/nologin {name}",
@@ -431,13 +437,16 @@ def _check_own_group(slot: SlotSpec, key: str, name: str) -> None:
         group = grp.getgrgid(slot.gid)
     except KeyError:
         raise _refuse(
-            "slot_account", key, f"no group has GID {slot.gid}", f"groupadd --gid {slot.gid} {name}"
+            HostCode.SLOT_ACCOUNT,
+            key,
+            f"no group has GID {slot.gid}",
+            f"groupadd --gid {slot.gid} {name}",
         ) from None
     sharing = [p.pw_name for p in pwd.getpwall() if p.pw_gid == slot.gid and p.pw_uid != slot.uid]
     if sharing or group.gr_mem:
         others = sorted(set(sharing) | set(group.gr_mem))
         raise _refuse(
-            "slot_account",
+            HostCode.SLOT_ACCOUNT,
             key,
             f"group {group.gr_name} (GID {slot.gid}) is shared with {', '.join(others)}",
             "give the slot account a group of its own",
@@ -447,7 +456,7 @@ def _check_own_group(slot: SlotSpec, key: str, name: str) -> None:
         names = [_group_name(gid) for gid in extra]
         shown = ", ".join(f"{n} (GID {gid})" for n, gid in zip(names, extra, strict=True))
         raise _refuse(
-            "slot_account",
+            HostCode.SLOT_ACCOUNT,
             key,
             f"account {name} is also in groups {shown}",
             f"remove it from each: gpasswd -d {name} {names[0]}",

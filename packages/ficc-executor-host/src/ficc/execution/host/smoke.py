@@ -29,6 +29,7 @@ from typing import Any
 from ficc.execution import plan as planlib
 from ficc.execution.client import Client, ClientError
 from ficc.execution.host.authority import SocketKind
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.config import Config, load_config
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.peercred import socket_paths
@@ -87,7 +88,7 @@ def _provider_image(config: Config, provider_id: str | None, image: str | None) 
             return provider.id, digests[0]
     named = f"provider {provider_id!r}" if provider_id else "any provider"
     raise HostError(
-        "smoke_no_image",
+        HostCode.SMOKE_NO_IMAGE,
         f"{named} of the configuration has no image configured; add one to its `images`"
         ' (docs/operations.md, "Adding an image") or name one with --image',
     )
@@ -100,14 +101,14 @@ def choose_plan(config: Config, snapshot: SnapshotReply, args: argparse.Namespac
     pin = pins.get(provider_id)
     if pin is None or not pin.available:
         raise HostError(
-            "smoke_provider_unavailable",
+            HostCode.SMOKE_PROVIDER_UNAVAILABLE,
             f"provider {provider_id!r} is not available on this host (it failed its pin or"
             " its configuration check): `ficc-executor check-config --config PATH` says why",
         )
     offer = snapshot.offer
     if not {"admit", "start"} <= OFFER_ALLOWS[offer.control]:
         raise HostError(
-            "smoke_offer_closed",
+            HostCode.SMOKE_OFFER_CLOSED,
             f"the offer is {offer.control}, so no job is admitted or started: set it to"
             f" active first (a `set_offer` with expected_revision {offer.revision} and"
             ' control "active" through `ficc-executor request --socket .../admin.sock`)',
@@ -115,10 +116,10 @@ def choose_plan(config: Config, snapshot: SnapshotReply, args: argparse.Namespac
     slot_class = args.slot_class or config.slots[0].slot_class
     classes = {c.class_: c for c in snapshot.capacity.slot_classes}
     if slot_class not in classes:
-        raise HostError("smoke_slot_class", f"no slot of class {slot_class!r} is configured")
+        raise HostError(HostCode.SMOKE_SLOT_CLASS, f"no slot of class {slot_class!r} is configured")
     if classes[slot_class].free == 0:
         raise HostError(
-            "smoke_no_free_slot",
+            HostCode.SMOKE_NO_FREE_SLOT,
             f"every {slot_class!r} slot is in use; run the smoke test when one is free",
         )
     offered = snapshot.offer.limits.projects or list(config.ceiling.projects)
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         snapshot = _snapshot(admin)
     except ClientError as error:
         raise HostError(
-            "smoke_no_daemon",
+            HostCode.SMOKE_NO_DAEMON,
             f"the daemon does not answer on {admin} ({type(error).__name__}: {error});"
             " start it first",
         ) from None
@@ -407,7 +408,7 @@ def _primary_gid(uid: int) -> int:
         return pwd.getpwuid(uid).pw_gid
     except KeyError:
         raise HostError(
-            "account_missing", f"transport_uid {uid} has no account; create it first"
+            HostCode.ACCOUNT_MISSING, f"transport_uid {uid} has no account; create it first"
         ) from None
 
 

@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.fsutil import (
     FileIdentity,
@@ -178,7 +179,7 @@ def check_capacity(inputs: Iterable[DeclaredInput], slot_storage_bytes: int) -> 
     total = sum(i.bytes for i in inputs if i.delivery == "stream")
     if total > slot_storage_bytes:
         raise HostError(
-            "slot_capacity",
+            ErrorCode.SLOT_CAPACITY,
             f"the streamed inputs declare {total} bytes but the slot reserves only "
             f"{slot_storage_bytes}; use a slot class with more storage or smaller inputs",
         )
@@ -191,37 +192,37 @@ def plan_write(
     obj = state.id
     if in_flight:
         return HostError(
-            "input_busy",
+            ErrorCode.INPUT_BUSY,
             "another input write for this attempt is in flight; retry on a later polling cycle",
         )
     if state.failed is not None:
         return HostError(
-            "input_failed",
+            ErrorCode.INPUT_FAILED,
             f"input {obj} failed earlier ({state.failed}); the attempt cannot start: release it",
         )
     if state.complete:
-        return HostError("input_complete", f"input {obj} is complete and read-only")
+        return HostError(ErrorCode.INPUT_COMPLETE, f"input {obj} is complete and read-only")
     if offset != state.offset:
         return HostError(
-            "input_offset_changed",
+            ErrorCode.INPUT_OFFSET_CHANGED,
             f"input {obj} continues at durable offset {state.offset}, not {offset}; "
             "read input_status and continue from the offset it returns",
         )
     if chunk_len == 0 and state.bytes != 0:
         return HostError(
-            "input_size_mismatch",
+            ErrorCode.INPUT_SIZE_MISMATCH,
             f"an empty chunk is valid only for an empty object; input {obj} declares "
             f"{state.bytes} bytes",
         )
     if offset + chunk_len > state.bytes:
         return HostError(
-            "input_size_mismatch",
+            ErrorCode.INPUT_SIZE_MISMATCH,
             f"a chunk of {chunk_len} bytes at offset {offset} overruns the {state.bytes} "
             f"bytes declared for input {obj}",
         )
     if not chunk_digest_ok:
         return HostError(
-            "input_digest_mismatch",
+            ErrorCode.INPUT_DIGEST_MISMATCH,
             f"the chunk at offset {offset} of input {obj} does not match its SHA-256; "
             "resend the chunk",
         )
@@ -246,7 +247,7 @@ def identity_refusal(
     if same:
         return None
     return HostError(
-        "input_changed",
+        ErrorCode.INPUT_CHANGED,
         f"the staged input {capability.name!r} (object {capability.id}) changed after it"
         " was staged (its device, inode, mode, size, mtime or owner is no longer the one"
         " recorded when it completed); the attempt failed and its payload never ran:"
@@ -261,7 +262,8 @@ def _failed(state: StreamState, code: str) -> StreamState:
 def _check_identity(value: str, what: str) -> None:
     if not _IDENTITY.match(value):
         raise HostError(
-            "unsafe_path", f"{what} {value!r} is not 32 lowercase hex characters; fix the plan"
+            ErrorCode.UNSAFE_PATH,
+            f"{what} {value!r} is not 32 lowercase hex characters; fix the plan",
         )
 
 
@@ -315,7 +317,8 @@ class Stager:
         attempt = self._attempt(attempt_id)
         if not attempt.busy.acquire(blocking=False):
             raise HostError(
-                "inputs_preparing", "the staging directory is being initialized; retry later"
+                ErrorCode.INPUTS_PREPARING,
+                "the staging directory is being initialized; retry later",
             )
         try:
             if attempt.removed:
@@ -332,7 +335,7 @@ class Stager:
                     raise
             except OSError as error:
                 where = f"the staging directory of attempt {attempt_id}"
-                raise storage_refusal(where, error, "input_storage_failed") from error
+                raise storage_refusal(where, error, ErrorCode.INPUT_STORAGE_FAILED) from error
             attempt.states = states
             attempt.dir_fd = dir_fd
             attempt.preparing = False
@@ -351,13 +354,15 @@ class Stager:
         with self._lock:
             attempt = self._attempts.get(attempt_id)
             if attempt is not None and not attempt.busy.acquire(blocking=False):
-                raise HostError("input_busy", "an input write is in flight; retry the release")
+                raise HostError(
+                    ErrorCode.INPUT_BUSY, "an input write is in flight; retry the release"
+                )
         try:
             try:
                 self._remove_directory(attempt_id)
             except OSError as error:
                 raise HostError(
-                    "staging_cleanup_failed",
+                    ErrorCode.STAGING_CLEANUP_FAILED,
                     f"removing the staged inputs of attempt {attempt_id} failed "
                     f"({error.strerror or error}); the reservation stays: fix the slot "
                     "filesystem and retry the release",
@@ -385,7 +390,7 @@ class Stager:
         state = self.state(attempt_id, object_id)
         if state.failed is not None:
             raise HostError(
-                "input_failed",
+                ErrorCode.INPUT_FAILED,
                 f"input {object_id} failed ({state.failed}); the attempt cannot start: "
                 "release it and admit a new attempt",
             )
@@ -401,7 +406,7 @@ class Stager:
         attempt = self._ready_attempt(attempt_id)
         if not self.all_complete(attempt_id):
             raise HostError(
-                "inputs_incomplete", "some streamed inputs are not complete; keep uploading"
+                ErrorCode.INPUTS_INCOMPLETE, "some streamed inputs are not complete; keep uploading"
             )
         return [
             InputCapability(
@@ -423,7 +428,7 @@ class Stager:
         object_id = capability.id
         _check_identity(object_id, "input object ID")
         if capability.path != self._object_path(attempt_id, object_id):
-            raise HostError("input_changed", f"capability {object_id} has a foreign path")
+            raise HostError(ErrorCode.INPUT_CHANGED, f"capability {object_id} has a foreign path")
         seen = self._lstat_staged(attempt_id, object_id)
         refusal = identity_refusal(capability, seen, self._slot_gid)
         if refusal is not None:
@@ -443,7 +448,7 @@ class Stager:
             try:
                 self.verify_identity(attempt_id, capability)
             except HostError as error:
-                if error.code != "input_changed":
+                if error.code != ErrorCode.INPUT_CHANGED:
                     raise
                 return error
         return None
@@ -548,12 +553,16 @@ class Stager:
                     return None
                 os.fsync(fd)
             except OSError as error:
-                raise storage_refusal(f"input {state.id}", error, "input_storage_failed") from error
+                raise storage_refusal(
+                    f"input {state.id}", error, ErrorCode.INPUT_STORAGE_FAILED
+                ) from error
             attempt.hashers[state.id] = (end, hasher)
             if end < state.bytes:
                 return msgspec.structs.replace(state, offset=end)
             if "sha256:" + hasher.hexdigest() != state.digest:
-                return msgspec.structs.replace(state, offset=end, failed="input_digest_mismatch")
+                return msgspec.structs.replace(
+                    state, offset=end, failed=ErrorCode.INPUT_DIGEST_MISMATCH
+                )
             return msgspec.structs.replace(
                 state, offset=end, complete=True, identity=self._seal(fd, state.id)
             )
@@ -567,7 +576,9 @@ class Stager:
             os.fchmod(fd, _COMPLETE_MODE)
             os.fsync(fd)
         except OSError as error:
-            raise storage_refusal(f"input {object_id}", error, "input_storage_failed") from error
+            raise storage_refusal(
+                f"input {object_id}", error, ErrorCode.INPUT_STORAGE_FAILED
+            ) from error
         return identity_of(fd)
 
     def _hasher(self, attempt: _Attempt, fd: int, state: StreamState) -> Any:
@@ -581,7 +592,7 @@ class Stager:
             block = os.pread(fd, min(_REHASH_BLOCK, state.offset - position), position)
             if not block:
                 raise HostError(
-                    "input_changed",
+                    ErrorCode.INPUT_CHANGED,
                     f"staged input {state.id} is shorter than its durable offset "
                     f"{state.offset}; release the attempt",
                 )
@@ -609,13 +620,13 @@ class Stager:
         except FileNotFoundError:
             st = None
         if st is None or identity_of(st) != state.identity or st.st_uid != _ROOT:
-            raise HostError("input_changed", f"completed input {state.id} changed on disk")
+            raise HostError(ErrorCode.INPUT_CHANGED, f"completed input {state.id} changed on disk")
 
     def _check_or_create_partial(self, dir_fd: int, state: StreamState) -> None:
         try:
             fd = open_regular_at(dir_fd, state.id, owner_uid=_ROOT)
         except HostError as error:
-            if error.code != "not_found" or state.offset != 0:
+            if error.code != ErrorCode.NOT_FOUND or state.offset != 0:
                 raise
             os.close(create_exclusive(dir_fd, state.id, _INCOMPLETE_MODE))
             return
@@ -626,7 +637,7 @@ class Stager:
         # 0440 is allowed: a crash between sealing and the ledger commit leaves it.
         if st.st_mode & 0o7137 or st.st_size < state.offset:
             raise HostError(
-                "input_changed",
+                ErrorCode.INPUT_CHANGED,
                 f"partial input {state.id} has mode {stat.filemode(st.st_mode)} and "
                 f"{st.st_size} bytes (durable offset {state.offset})",
             )
@@ -645,7 +656,7 @@ class Stager:
             require_owner(st, _ROOT, f"staging directory {name!r}")
             if st.st_mode & 0o077:
                 raise HostError(
-                    "unsafe_path",
+                    ErrorCode.UNSAFE_PATH,
                     f"staging directory {name!r} has mode {stat.filemode(st.st_mode)}; it "
                     "must be private to root (0700): fix it or remove it",
                 )
@@ -674,7 +685,7 @@ class Stager:
                 try:
                     child = open_dir_at(fd, name)
                 except HostError as error:
-                    if error.code == "not_found":
+                    if error.code == ErrorCode.NOT_FOUND:
                         return None
                     raise
                 os.close(fd)
@@ -692,7 +703,7 @@ class Stager:
             try:
                 root_fd = open_dir_at(slot_fd, STAGING_DIRECTORY)
             except HostError as error:
-                if error.code == "not_found":
+                if error.code == ErrorCode.NOT_FOUND:
                     return
                 raise
         finally:
@@ -701,7 +712,7 @@ class Stager:
             try:
                 dir_fd = open_dir_at(root_fd, attempt_id)
             except HostError as error:
-                if error.code == "not_found":
+                if error.code == ErrorCode.NOT_FOUND:
                     return
                 raise
             try:
@@ -730,7 +741,7 @@ class Stager:
         attempt = self._attempt(attempt_id)
         if attempt.preparing:
             raise HostError(
-                "inputs_preparing",
+                ErrorCode.INPUTS_PREPARING,
                 "the staging directory is still being initialized; retry on a later polling cycle",
             )
         return attempt
@@ -740,7 +751,7 @@ class Stager:
         state = attempt.states.get(object_id)
         if state is None:
             raise HostError(
-                "input_not_declared",
+                ErrorCode.INPUT_NOT_DECLARED,
                 f"{object_id!r} is not a streamed input of this attempt's plan",
             )
         return state
@@ -753,7 +764,7 @@ def _expected_entries(dir_fd: int) -> list[str]:
         for entry in entries:
             if not (_IDENTITY.match(entry.name) and entry.is_file(follow_symlinks=False)):
                 raise HostError(
-                    "unexpected_entry",
+                    ErrorCode.UNEXPECTED_ENTRY,
                     f"staging directory contains {entry.name!r}, which staging never "
                     "creates; inspect and remove it by hand, then retry the release",
                 )
@@ -802,6 +813,6 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 def _not_staged(attempt_id: str) -> HostError:
     return HostError(
-        "attempt_not_staged",
+        ErrorCode.ATTEMPT_NOT_STAGED,
         f"attempt {attempt_id} has no staged inputs on this slot; register and prepare it first",
     )

@@ -67,6 +67,7 @@ from ficc.execution.host.attempts import (
     _row_error,
 )
 from ficc.execution.host.batching import PROVIDER_TIMEOUT, Ticket
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.deadlines import Deadlines
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import (
@@ -343,7 +344,7 @@ class Starter(AttemptWork):
     async def _prepared(self, attempt: _Attempt) -> PrepareResult:
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
         if data is None:
-            raise HostError("prepare_result_missing", "no persisted prepare result")
+            raise HostError(HostCode.PREPARE_RESULT_MISSING, "no persisted prepare result")
         return decode_prepare_result(msgspec.json.decode(data))
 
     async def _create_service(self, attempt: _Attempt, result: PrepareResult) -> ServiceHandle:
@@ -363,7 +364,9 @@ class Starter(AttemptWork):
         controls: Controls = await self._io(self._ctx.service.controls, handle)
         wrong = _limits_not_enforced(controls, attempt.plan.job.limits)
         if wrong:
-            raise HostError("service_limits", f"the service does not enforce the plan: {wrong}")
+            raise HostError(
+                HostCode.SERVICE_LIMITS, f"the service does not enforce the plan: {wrong}"
+            )
         return handle
 
     async def _lease_still_current(self, attempt_id: str) -> bool:
@@ -399,7 +402,7 @@ class Starter(AttemptWork):
                 raise _barrier_exited()
             if time.monotonic() >= deadline:
                 raise HostError(
-                    "start_timeout",
+                    HostCode.START_TIMEOUT,
                     f"no payload PID within {self._settings.start_timeout}s; the payload never"
                     " ran: check the provider",
                 )
@@ -458,7 +461,7 @@ class Starter(AttemptWork):
         if not wrong:
             return verdict
         failure = gate.Failure(
-            "gate_limits",
+            HostCode.GATE_LIMITS,
             f"the service's cgroups no longer enforce the plan's limits, as the host set "
             f"and read them when it made the service ({wrong}); {gate.ADVICE}",
         )
@@ -559,7 +562,9 @@ def _barrier_pidfd(pid: int) -> int:
 
 
 def _barrier_exited() -> HostError:
-    return HostError("barrier_exited", "the barrier exited before release; the payload never ran")
+    return HostError(
+        HostCode.BARRIER_EXITED, "the barrier exited before release; the payload never ran"
+    )
 
 
 def _ended(pidfd: int) -> bool:

@@ -80,7 +80,7 @@ Reply = dict[str, Any]
 
 _Path = Annotated[str, msgspec.Meta(pattern=r"\A/[^\x00]*\Z", max_length=4096)]
 _Arg = Annotated[str, msgspec.Meta(pattern=r"\A[^\x00]*\Z", max_length=65536)]
-_Number = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+_Number = planlib.Count
 _Id = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
 _DeviceNumber = Annotated[int, msgspec.Meta(ge=0, le=2**20 - 1)]
 _Pid = Annotated[int, msgspec.Meta(gt=0, le=2**22)]

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 GROUP = "ficc.executor"
@@ -134,7 +135,7 @@ def find_distribution(name: str, path: Sequence[str] | None = None) -> ProviderD
             dist_info = getattr(dist, "_path", None)
             if not isinstance(dist_info, Path):
                 raise HostError(
-                    "provider_unsupported",
+                    HostCode.PROVIDER_UNSUPPORTED,
                     f"provider {name!r} comes from a distribution that is not an unpacked "
                     "directory install; install its wheel with pip into site-packages",
                 )
@@ -142,14 +143,14 @@ def find_distribution(name: str, path: Sequence[str] | None = None) -> ProviderD
             found[dist_info] = ProviderDistribution(name, entry.value, dist_info, dist_info.parent)
     if not found:
         raise HostError(
-            "provider_missing",
+            HostCode.PROVIDER_MISSING,
             f"no installed distribution registers {name!r} in entry-point group {GROUP!r}; "
             "install the provider or fix the provider id in the configuration",
         )
     if len(found) > 1:
         places = ", ".join(sorted(str(p) for p in found))
         raise HostError(
-            "provider_ambiguous",
+            HostCode.PROVIDER_AMBIGUOUS,
             f"several distributions register {name!r} in {GROUP!r} ({places}); "
             "uninstall all but the one you intend to pin",
         )
@@ -256,10 +257,10 @@ class _Verifier:
         try:
             fd = self._open_file(relpath)
         except HostError as error:
-            if error.code != "provider_tampered":
+            if error.code != HostCode.PROVIDER_TAMPERED:
                 raise
             raise HostError(
-                "provider_unsupported",
+                HostCode.PROVIDER_UNSUPPORTED,
                 f"{self.dist.dist_info} has no RECORD (not a wheel install); "
                 "install the provider wheel with pip",
             ) from None
@@ -270,22 +271,24 @@ class _Verifier:
         try:
             rows = list(csv.reader(io.StringIO(data.decode("utf-8"))))
         except (UnicodeDecodeError, csv.Error):
-            raise _refuse("provider_tampered", "RECORD is not UTF-8 CSV") from None
+            raise _refuse(HostCode.PROVIDER_TAMPERED, "RECORD is not UTF-8 CSV") from None
         record: dict[str, tuple[str | None, int | None]] = {}
         for row in rows:
             if not row:
                 continue
             if len(row) != 3 or not (row[2] == "" or row[2].isdigit()):
-                raise _refuse("provider_tampered", f"RECORD row {row!r} is malformed")
+                raise _refuse(HostCode.PROVIDER_TAMPERED, f"RECORD row {row!r} is malformed")
             path, hash_value, size = row
             self._check_record_path(path)
             if path in record:
-                raise _refuse("provider_tampered", f"RECORD lists {path!r} twice")
+                raise _refuse(HostCode.PROVIDER_TAMPERED, f"RECORD lists {path!r} twice")
             record[path] = (_record_hash(hash_value), int(size) if size else None)
             if len(record) > MAX_FILES:
-                raise HostError("provider_unsupported", f"RECORD lists more than {MAX_FILES} files")
+                raise HostError(
+                    HostCode.PROVIDER_UNSUPPORTED, f"RECORD lists more than {MAX_FILES} files"
+                )
         if relpath not in record:
-            raise _refuse("provider_tampered", "RECORD does not list itself")
+            raise _refuse(HostCode.PROVIDER_TAMPERED, "RECORD does not list itself")
         return record
 
     def _check_record_path(self, path: str) -> None:
@@ -301,13 +304,15 @@ class _Verifier:
             or "\\" in path
             or any(part in ("", ".", "..") for part in body)
         ):
-            raise _refuse("provider_tampered", f"RECORD path {path!r} is not a plain relative path")
+            raise _refuse(
+                HostCode.PROVIDER_TAMPERED, f"RECORD path {path!r} is not a plain relative path"
+            )
 
     def _refuse_editable(self, record: dict[str, tuple[str | None, int | None]]) -> None:
         pth = [p for p in record if p.endswith(".pth")]
         if pth:
             raise HostError(
-                "provider_editable",
+                HostCode.PROVIDER_EDITABLE,
                 f"the provider installs path hooks {pth}; editable or path-hook installs "
                 "cannot be pinned: install the provider wheel itself",
             )
@@ -322,11 +327,11 @@ class _Verifier:
         try:
             info = json.loads(data)
         except ValueError:
-            raise _refuse("provider_tampered", "direct_url.json is not JSON") from None
+            raise _refuse(HostCode.PROVIDER_TAMPERED, "direct_url.json is not JSON") from None
         dir_info = info.get("dir_info") if isinstance(info, dict) else None
         if isinstance(dir_info, dict) and dir_info.get("editable"):
             raise HostError(
-                "provider_editable",
+                HostCode.PROVIDER_EDITABLE,
                 f"{self.dist.dist_info.name} is an editable install of {info.get('url')!r}; "
                 "a pinned provider must be an installed wheel: pip install the built wheel",
             )
@@ -344,14 +349,15 @@ class _Verifier:
                 return None
             is_record = relpath == f"{self.dist_info_rel}/RECORD"
             if record_sha is None and not is_record:
-                raise _refuse("provider_tampered", f"RECORD has no sha256 for {relpath!r}")
+                raise _refuse(HostCode.PROVIDER_TAMPERED, f"RECORD has no sha256 for {relpath!r}")
             keep = relpath.startswith(self.dist_info_rel + "/") and size <= MAX_SMALL_FILE_BYTES
             sha, data = self._hash(fd, relpath, size, keep)
         finally:
             os.close(fd)
         if not is_record and (record_sha != sha or record_size not in (None, size)):
             raise _refuse(
-                "provider_tampered", f"{relpath!r} on disk differs from the distribution's RECORD"
+                HostCode.PROVIDER_TAMPERED,
+                f"{relpath!r} on disk differs from the distribution's RECORD",
             )
         if data is not None:
             self.small[relpath] = data
@@ -361,7 +367,7 @@ class _Verifier:
         self.total += size
         if self.total > MAX_TOTAL_BYTES:
             raise HostError(
-                "provider_unsupported", f"the distribution exceeds {MAX_TOTAL_BYTES} bytes"
+                HostCode.PROVIDER_UNSUPPORTED, f"the distribution exceeds {MAX_TOTAL_BYTES} bytes"
             )
         digest = hashlib.sha256()
         kept = bytearray()
@@ -374,13 +380,17 @@ class _Verifier:
             if keep:
                 kept += chunk
         if seen != size:
-            raise _refuse("provider_tampered", f"{relpath!r} changed size while being hashed")
+            raise _refuse(
+                HostCode.PROVIDER_TAMPERED, f"{relpath!r} changed size while being hashed"
+            )
         return digest.hexdigest(), bytes(kept) if keep else None
 
     def _read_bounded(self, fd: int, relpath: str, limit: int) -> bytes:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise HostError("provider_unsupported", f"{relpath!r} is larger than {limit} bytes")
+            raise HostError(
+                HostCode.PROVIDER_UNSUPPORTED, f"{relpath!r} is larger than {limit} bytes"
+            )
         return self._hash(fd, relpath, size, keep=True)[1] or b""
 
     # ---- opening without following links ----------------------------------------------
@@ -412,7 +422,7 @@ class _Verifier:
         except FileNotFoundError:
             return  # _openat reports it as missing
         if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
-            raise _refuse("provider_unsafe", f"{relpath!r} is not a regular file")
+            raise _refuse(HostCode.PROVIDER_UNSAFE, f"{relpath!r} is not a regular file")
 
     def _open_dir(self, reldir: str) -> int:
         """Walk `reldir` below the site directory one component at a time, no links."""
@@ -441,13 +451,13 @@ class _Verifier:
             return os.open(name, flags, dir_fd=dir_fd)
         except FileNotFoundError:
             missing = f"{relpath!r} is listed in RECORD but missing"
-            raise _refuse("provider_tampered", missing) from None
+            raise _refuse(HostCode.PROVIDER_TAMPERED, missing) from None
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.ENOTDIR):  # a symlink where none may be
                 linked = f"{relpath!r} is or passes through a symlink"
-                raise _refuse("provider_unsafe", linked) from None
+                raise _refuse(HostCode.PROVIDER_UNSAFE, linked) from None
             unreadable = f"cannot open {relpath!r}: {error.strerror}"
-            raise _refuse("provider_tampered", unreadable) from None
+            raise _refuse(HostCode.PROVIDER_TAMPERED, unreadable) from None
 
     # ---- unlisted files -----------------------------------------------------------------
 
@@ -475,7 +485,7 @@ class _Verifier:
                 if stat.S_ISREG(mode) and (relpath in record or _is_bytecode_cache(relpath)):
                     continue
                 raise _refuse(
-                    "provider_tampered",
+                    HostCode.PROVIDER_TAMPERED,
                     f"{relpath!r} is inside the provider's package directories "
                     "but not listed in its RECORD",
                 )
@@ -486,7 +496,9 @@ class _Verifier:
         """Every non-directory below dir_fd, checked for links, owner and mode."""
         names = sorted(os.listdir(dir_fd))
         if len(names) > MAX_FILES:
-            raise HostError("provider_unsupported", f"{reldir!r} has more than {MAX_FILES} entries")
+            raise HostError(
+                HostCode.PROVIDER_UNSUPPORTED, f"{reldir!r} has more than {MAX_FILES} entries"
+            )
         for name in names:
             relpath = f"{reldir}/{name}"
             info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -506,11 +518,13 @@ class _Verifier:
     def _metadata(self) -> tuple[str, str, str]:
         data = self.small.get(f"{self.dist_info_rel}/METADATA")
         if data is None:
-            raise HostError("provider_unsupported", "the distribution has no METADATA in RECORD")
+            raise HostError(
+                HostCode.PROVIDER_UNSUPPORTED, "the distribution has no METADATA in RECORD"
+            )
         headers = email.parser.BytesParser().parsebytes(data, headersonly=True)
         name, version = headers.get("Name"), headers.get("Version")
         if not name or not version:
-            raise _refuse("provider_tampered", "METADATA lacks Name or Version")
+            raise _refuse(HostCode.PROVIDER_TAMPERED, "METADATA lacks Name or Version")
         return normalize_name(str(name)), str(version), hashlib.sha256(data).hexdigest()
 
     def _confirm_entry_point(self) -> None:
@@ -525,7 +539,8 @@ class _Verifier:
             value = None
         if value is None or value.strip() != self.dist.entry_point:
             raise _refuse(
-                "provider_tampered", "entry_points.txt changed while the provider was checked"
+                HostCode.PROVIDER_TAMPERED,
+                "entry_points.txt changed while the provider was checked",
             )
 
 
@@ -540,15 +555,17 @@ def _check_safe(info: os.stat_result, relpath: str, *, directory: bool) -> None:
     kind = "directory" if directory else "regular file"
     expected = stat.S_ISDIR if directory else stat.S_ISREG
     if stat.S_ISLNK(info.st_mode):
-        raise _refuse("provider_unsafe", f"{relpath!r} is a symlink")
+        raise _refuse(HostCode.PROVIDER_UNSAFE, f"{relpath!r} is a symlink")
     if not expected(info.st_mode):
-        raise _refuse("provider_unsafe", f"{relpath!r} is not a {kind}")
+        raise _refuse(HostCode.PROVIDER_UNSAFE, f"{relpath!r} is not a {kind}")
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise _refuse("provider_unsafe", f"{relpath!r} is writable by group or others")
+        raise _refuse(HostCode.PROVIDER_UNSAFE, f"{relpath!r} is writable by group or others")
     if not directory and info.st_mode & (stat.S_ISUID | stat.S_ISGID):
-        raise _refuse("provider_unsafe", f"{relpath!r} is setuid or setgid")
+        raise _refuse(HostCode.PROVIDER_UNSAFE, f"{relpath!r} is setuid or setgid")
     if not directory and info.st_nlink != 1:
-        raise _refuse("provider_unsafe", f"{relpath!r} has {info.st_nlink} hard links")
+        raise _refuse(HostCode.PROVIDER_UNSAFE, f"{relpath!r} has {info.st_nlink} hard links")
     allowed = {0} if os.geteuid() == 0 else {0, os.geteuid()}
     if info.st_uid not in allowed:
-        raise _refuse("provider_unsafe", f"{relpath!r} is owned by uid {info.st_uid}, not root")
+        raise _refuse(
+            HostCode.PROVIDER_UNSAFE, f"{relpath!r} is owned by uid {info.st_uid}, not root"
+        )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 _NAME = re.compile(r"\A[a-z][a-z0-9_.-]{0,79}\Z")
@@ -63,28 +64,29 @@ def bounded(error: BaseException) -> str:
 def call(driver: Any, method: str, contexts: Sequence[object]) -> list[RowResult]:
     """Call `driver.method` once with 1..64 contexts; exactly one result per context."""
     if method not in METHODS:
-        raise HostError("provider_method", f"{method!r} is not a provider driver method")
+        raise HostError(HostCode.PROVIDER_METHOD, f"{method!r} is not a provider driver method")
     if not 1 <= len(contexts) <= MAX_BATCH:
         raise HostError(
-            "provider_batch_size", f"a batch has 1..{MAX_BATCH} rows, not {len(contexts)}"
+            HostCode.PROVIDER_BATCH_SIZE, f"a batch has 1..{MAX_BATCH} rows, not {len(contexts)}"
         )
     count = len(contexts)
     try:
         rows = [dict(c) if isinstance(c, Mapping) else c for c in contexts]
         replies = getattr(driver, method)(rows)
     except (Exception, SystemExit) as error:
-        return [RowResult.failed("provider_error", f"{method}: {bounded(error)}")] * count
+        return [RowResult.failed(HostCode.PROVIDER_ERROR, f"{method}: {bounded(error)}")] * count
     if not isinstance(replies, list) or len(replies) != count:
         got = f"{len(replies)} rows" if isinstance(replies, list) else type(replies).__name__
         message = f"{method} returned {got} for {count} contexts"
-        return [RowResult.failed("provider_malformed", message)] * count
+        return [RowResult.failed(HostCode.PROVIDER_MALFORMED, message)] * count
     return [_row(method, reply) for reply in replies]
 
 
 def _row(method: str, reply: object) -> RowResult:
     if not isinstance(reply, dict) or not all(isinstance(key, str) for key in reply):
         return RowResult.failed(
-            "provider_malformed", f"{method} returned a {type(reply).__name__} row, not a dict"
+            HostCode.PROVIDER_MALFORMED,
+            f"{method} returned a {type(reply).__name__} row, not a dict",
         )
     if "error" in reply:
         return _refusal(method, reply)
@@ -97,7 +99,9 @@ def _refusal(method: str, reply: dict[str, Any]) -> RowResult:
     text = message if isinstance(message, str) else f"{method} refused the row"
     if isinstance(code, str) and _NAME.match(code):
         return RowResult.failed(code, text)
-    return RowResult.failed("provider_error", f"{method} refused with a malformed code: {text}")
+    return RowResult.failed(
+        HostCode.PROVIDER_ERROR, f"{method} refused with a malformed code: {text}"
+    )
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def call_grouped(
     for batch in group(rows, key):
         outcome = invoke(batch.key, [rows[i] for i in batch.indices])
         if len(outcome) != len(batch.indices):
-            raise HostError("provider_batch_size", "a grouped call lost or added rows")
+            raise HostError(HostCode.PROVIDER_BATCH_SIZE, "a grouped call lost or added rows")
         for index, result in zip(batch.indices, outcome, strict=True):
             results[index] = result
     return [r for r in results if r is not None]

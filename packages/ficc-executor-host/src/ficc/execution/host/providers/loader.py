@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from types import CodeType, ModuleType
 from typing import Any
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.providers.digest import DistributionDigest, compute_digest
 from ficc.execution.host.providers.driver import METHODS, bounded
@@ -56,7 +57,7 @@ def load_provider(
     verified = compute_digest(name, path)
     if verified.digest != pinned_digest:
         raise HostError(
-            "provider_digest_mismatch",
+            HostCode.PROVIDER_DIGEST_MISMATCH,
             f"provider {name!r} ({verified.name} {verified.version}) is installed with "
             f"digest {verified.digest} but the configuration pins {pinned_digest}; review "
             f"the installed provider, then run `python -m ficc.execution provider-digest "
@@ -68,25 +69,25 @@ def load_provider(
     api_version = getattr(target, "API_VERSION", None)
     if type(api_version) is not int or api_version != API_VERSION:
         raise HostError(
-            "provider_api_version",
+            HostCode.PROVIDER_API_VERSION,
             f"provider {name!r} declares API_VERSION {api_version!r}; this host speaks "
             f"{API_VERSION}: install a provider release built for API version {API_VERSION}",
         )
     configure = getattr(target, "configure", None)
     if not callable(configure):
-        raise HostError("provider_invalid", f"provider {name!r} has no callable configure()")
+        raise HostError(HostCode.PROVIDER_INVALID, f"provider {name!r} has no callable configure()")
     try:
         driver = configure(dict(configuration))
     except (Exception, SystemExit) as error:  # a provider's sys.exit() must not stop the host
         raise HostError(
-            "provider_configure_failed",
+            HostCode.PROVIDER_CONFIGURE_FAILED,
             f"provider {name!r} refused its configuration: {bounded(error)}; "
             "fix the provider's configuration object",
         ) from error
     missing = [method for method in METHODS if not callable(getattr(driver, method, None))]
     if missing:
         raise HostError(
-            "provider_invalid",
+            HostCode.PROVIDER_INVALID,
             f"provider {name!r} returned a driver without {', '.join(missing)}; "
             "it does not implement the provider interface",
         )
@@ -97,14 +98,14 @@ def _import_pinned(verified: DistributionDigest, module_name: str) -> ModuleType
     top = module_name.split(".", maxsplit=1)[0]
     if top not in verified.import_roots:
         raise HostError(
-            "provider_unsupported",
+            HostCode.PROVIDER_UNSUPPORTED,
             f"entry point module {module_name!r} is not a regular package or module "
             f"installed by {verified.name}; the provider cannot be pinned",
         )
     already = sorted(m for m in sys.modules if m == top or m.startswith(top + "."))
     if already:
         raise HostError(
-            "provider_already_imported",
+            HostCode.PROVIDER_ALREADY_IMPORTED,
             f"{already[0]!r} was imported before its digest was checked; "
             "restart the daemon so the provider is loaded only through the pin",
         )
@@ -118,7 +119,7 @@ def _import_pinned(verified: DistributionDigest, module_name: str) -> ModuleType
         raise
     except (Exception, SystemExit) as error:  # a provider's sys.exit() must not stop the host
         raise HostError(
-            "provider_import_failed",
+            HostCode.PROVIDER_IMPORT_FAILED,
             f"importing provider module {module_name!r} failed: {bounded(error)}; install "
             "what it needs into the daemon's environment or reinstall the provider, then pin "
             "the digest `ficc-executor provider-digest` prints",
@@ -132,7 +133,8 @@ def _resolve(module: ModuleType, attribute: str, name: str) -> Any:
             target = getattr(target, part)
         except AttributeError:
             raise HostError(
-                "provider_invalid", f"provider {name!r} entry point names missing {attribute!r}"
+                HostCode.PROVIDER_INVALID,
+                f"provider {name!r} entry point names missing {attribute!r}",
             ) from None
     return target
 
@@ -170,7 +172,7 @@ class _PinnedFinder(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
         if spec.origin is None or os.path.normpath(spec.origin) not in self.allowed:
             raise HostError(
-                "provider_tampered",
+                HostCode.PROVIDER_TAMPERED,
                 f"module {fullname!r} resolves to {spec.origin!r}, which is not a verified "
                 "file of the pinned provider",
             )

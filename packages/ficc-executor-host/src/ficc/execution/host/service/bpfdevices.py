@@ -27,6 +27,7 @@ import os
 import platform
 import struct
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service.interface import DeviceAccess, DeviceRule
 
@@ -129,7 +130,7 @@ def decode(raw: bytes) -> list[DeviceAccess] | None:
 def _bpf(command: int, attr: ctypes.Array[ctypes.c_char]) -> int:
     number = _SYSCALL.get(platform.machine())
     if number is None:
-        raise HostError("service_devices_unenforceable", "no bpf(2) number for this CPU")
+        raise HostError(HostCode.SERVICE_DEVICES_UNENFORCEABLE, "no bpf(2) number for this CPU")
     libc = ctypes.CDLL(None, use_errno=True)
     result = int(libc.syscall(number, command, attr, len(attr)))
     if result < 0:
@@ -169,7 +170,7 @@ def attach_program(cgroup_dir: str, raw: bytes, flags: int = _F_ALLOW_MULTI) -> 
         prog = _bpf(_PROG_LOAD, load)
     except OSError as error:
         raise HostError(
-            "service_devices_unenforceable",
+            HostCode.SERVICE_DEVICES_UNENFORCEABLE,
             f"the kernel refused the device filter ({error}): {log.value.decode(errors='replace')}",
         ) from error
     try:
@@ -188,7 +189,7 @@ def attach_program(cgroup_dir: str, raw: bytes, flags: int = _F_ALLOW_MULTI) -> 
             os.close(target)
     except OSError as error:
         raise HostError(
-            "service_devices_unenforceable", f"attaching the device filter failed: {error}"
+            HostCode.SERVICE_DEVICES_UNENFORCEABLE, f"attaching the device filter failed: {error}"
         ) from error
     finally:
         os.close(prog)

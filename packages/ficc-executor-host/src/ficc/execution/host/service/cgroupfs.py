@@ -53,7 +53,9 @@ import threading
 import time
 from typing import Literal
 
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host import procfs, taskscan
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
@@ -138,7 +140,7 @@ class CgroupfsService:
                 error.add_note(f"cleanup after the refusal also failed: {cleanup}")
             if isinstance(error, OSError):
                 raise HostError(
-                    "service_create",
+                    HostCode.SERVICE_CREATE,
                     f"creating service {spec.name} failed: {error}; check the cgroup "
                     "mounts, the working directory and the output paths",
                 ) from error
@@ -168,7 +170,7 @@ class CgroupfsService:
             return True
         if cgroups.host_has_swap():
             raise HostError(
-                "service_swap_unenforceable",
+                HostCode.SERVICE_SWAP_UNENFORCEABLE,
                 "the kernel has no swap accounting but swap is active, so the swap limit "
                 "cannot be enforced; boot with swapaccount=1 or disable swap",
             )
@@ -188,7 +190,7 @@ class CgroupfsService:
                 cgroups.make_dir(node, exclusive=True)
             except FileExistsError as error:
                 raise HostError(
-                    "service_exists",
+                    HostCode.SERVICE_EXISTS,
                     f"cgroup {node} already exists; stop and remove the old service "
                     "(adopt it by name) before creating it again",
                 ) from error
@@ -232,7 +234,7 @@ class CgroupfsService:
                 cgroups.write_text(path, value)
             except OSError as error:
                 raise HostError(
-                    "service_limits", f"the kernel refused {value!r} for {path}: {error}"
+                    HostCode.SERVICE_LIMITS, f"the kernel refused {value!r} for {path}: {error}"
                 ) from error
         if self._version == 2:
             bpfdevices.attach(nodes[UNIFIED], spec.devices)
@@ -246,7 +248,7 @@ class CgroupfsService:
         flag = os.path.join(memory, "memory.use_hierarchy")
         if os.path.exists(flag) and cgroups.read_text(flag).strip() != "1":
             raise HostError(
-                "service_limits",
+                HostCode.SERVICE_LIMITS,
                 f"{memory} has memory.use_hierarchy 0, so child cgroups would escape "
                 "the memory limit; set it to 1 on the base cgroup before any child exists",
             )
@@ -303,7 +305,7 @@ class CgroupfsService:
             process.wait()
             if isinstance(error, OSError):
                 raise HostError(
-                    "service_start",
+                    HostCode.SERVICE_START,
                     f"the start shim of {spec.name} could not be confined and released: {error}",
                 ) from error
             raise
@@ -318,7 +320,7 @@ class CgroupfsService:
             process.kill()
             status = process.wait()
             raise HostError(
-                "service_start",
+                HostCode.SERVICE_START,
                 f"the start shim did not become ready (exit status {status}); check that "
                 f"{self._interpreter} is executable by the slot account and that the "
                 "nofile limit does not exceed the daemon's own hard limit",
@@ -327,13 +329,13 @@ class CgroupfsService:
     def _await_exec(self, process: subprocess.Popen[bytes], ready: int, program: str) -> None:
         """EOF on the close-on-exec ready pipe is the kernel's word that exec worked."""
         if not _readable(ready, self._start_timeout):
-            raise HostError("service_start", f"{program} was not executed in time; retry")
+            raise HostError(HostCode.SERVICE_START, f"{program} was not executed in time; retry")
         report = os.read(ready, 64)
         if report:
             number = int(report[1:]) if report[1:].isdigit() else 0
             process.wait()
             raise HostError(
-                "service_start",
+                HostCode.SERVICE_START,
                 f"cannot execute {program}: {os.strerror(number)}; check the provider's argv",
             )
 
@@ -346,7 +348,7 @@ class CgroupfsService:
         wrong = cgroups.hierarchies_not_at(self._layout, memberships, expected)
         if wrong:
             raise HostError(
-                "service_start",
+                HostCode.SERVICE_START,
                 f"process {pid} is not in {expected} of the {', '.join(wrong)} hierarchies "
                 "after joining them; refusing to release it",
             )
@@ -414,12 +416,14 @@ class CgroupfsService:
         for key, path in handle.cgroups.items():
             if key not in mounts or path != os.path.join(mounts[key], self._base, handle.name):
                 raise HostError(
-                    "service_handle",
+                    HostCode.SERVICE_HANDLE,
                     f"handle of {handle.name} names cgroup {path!r}, which is not this "
                     f"backend's node for {key!r}; adopt the service by name instead",
                 )
         if handle.backend != self.backend or handle.cgroup_version != self._layout.version:
-            raise HostError("service_handle", f"handle of {handle.name} is not a cgroupfs one")
+            raise HostError(
+                HostCode.SERVICE_HANDLE, f"handle of {handle.name} is not a cgroupfs one"
+            )
         return dict(handle.cgroups)
 
     def exit_status(self, handle: ServiceHandle) -> int | None:
@@ -472,7 +476,7 @@ class CgroupfsService:
 
     def start_reaper(self, unit: str, command: list[str], directory: str) -> bool:
         raise HostError(
-            "service_unsupported", "the cgroupfs backend runs no units; use place_reaper"
+            HostCode.SERVICE_UNSUPPORTED, "the cgroupfs backend runs no units; use place_reaper"
         )
 
     def adopt(self, name: str) -> ServiceHandle | None:
@@ -496,7 +500,7 @@ class CgroupfsService:
         while pids := self.members(handle):
             if time.monotonic() >= deadline:
                 raise HostError(
-                    "service_stop_unconfirmed",
+                    HostCode.SERVICE_STOP_UNCONFIRMED,
                     f"service {handle.name} still has processes {sorted(pids)[:16]} after "
                     f"{self._stop_timeout}s; keep the attempt quarantined and retry stop",
                 )
@@ -509,7 +513,7 @@ class CgroupfsService:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired as error:
                 raise HostError(
-                    "service_stop_unconfirmed",
+                    HostCode.SERVICE_STOP_UNCONFIRMED,
                     f"the main process of {handle.name} left the tree but has not exited; "
                     "retry stop",
                 ) from error
@@ -575,7 +579,7 @@ class CgroupfsService:
         pids = self.members(handle)
         if pids:
             raise HostError(
-                "service_not_empty",
+                ErrorCode.SERVICE_NOT_EMPTY,
                 f"service {handle.name} still has processes {sorted(pids)[:16]}; stop it "
                 "and confirm it is empty before removing it",
             )
@@ -584,7 +588,7 @@ class CgroupfsService:
                 cgroups.remove_tree(node)
             except OSError as error:
                 raise HostError(
-                    "service_not_empty",
+                    ErrorCode.SERVICE_NOT_EMPTY,
                     f"cgroup {node} could not be removed ({error}); stop the service and retry",
                 ) from error
         with self._lock:
@@ -642,7 +646,7 @@ def _verify(spec: ServiceSpec, controls: Controls, swap: bool) -> None:
     ]
     if wrong:
         raise HostError(
-            "service_limits",
+            HostCode.SERVICE_LIMITS,
             f"the kernel does not enforce the planned controls for {spec.name}: "
             + "; ".join(wrong),
         )
@@ -662,7 +666,7 @@ def _single_filter(node: str) -> list[DeviceAccess] | None:
         filters = bpfdevices.attached(node)
     except OSError as error:  # bpf() refused (no CAP_BPF?) or the cgroup went away
         raise HostError(
-            "service_devices",
+            HostCode.SERVICE_DEVICES,
             f"the device filter of {node} cannot be read back ({error}); the payload is not "
             "released: give the daemon CAP_BPF and CAP_SYS_ADMIN",
         ) from error
@@ -713,7 +717,7 @@ def kill_account(uid: int, timeout: float) -> bool:
             return not found
         if time.monotonic() >= deadline:
             raise HostError(
-                "service_stop_unconfirmed",
+                HostCode.SERVICE_STOP_UNCONFIRMED,
                 f"processes {pids[:16]} of slot account {uid} survived SIGKILL for {timeout}s;"
                 " investigate them (uninterruptible sleep on a dead mount?)",
             )

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service.interface import DeviceAccess, DeviceRule, ServiceLimits
 
@@ -50,7 +51,7 @@ class Layout:
         for hierarchy in self.hierarchies:
             if controller in hierarchy.controllers:
                 return hierarchy
-        raise HostError("service_unsupported", f"no cgroup hierarchy has {controller!r}")
+        raise HostError(HostCode.SERVICE_UNSUPPORTED, f"no cgroup hierarchy has {controller!r}")
 
 
 _NOT_CONTROLLERS = frozenset({"rw", "ro", "xattr", "clone_children", "noprefix", "cpuset_v2_mode"})
@@ -110,7 +111,7 @@ def choose_layout(hierarchies: list[Hierarchy], v2_controllers: frozenset[str]) 
     missing = V1_REQUIRED - present
     if missing:
         raise HostError(
-            "service_unsupported",
+            HostCode.SERVICE_UNSUPPORTED,
             "this host has neither usable cgroup v2 controllers (memory, pids, cpu) nor "
             f"the cgroup v1 hierarchies {sorted(missing)}; mount them or use the "
             "systemd supervisor",
@@ -212,7 +213,7 @@ def parse_devices(text: str) -> list[DeviceAccess]:
         kind, numbers, access = line.split()
         major, minor = numbers.split(":")
         if kind not in {"a", "b", "c"}:
-            raise HostError("service_limits", f"unexpected device rule {line!r}")
+            raise HostError(HostCode.SERVICE_LIMITS, f"unexpected device rule {line!r}")
         rules.append(
             DeviceAccess(
                 kind=kind,  # type: ignore[arg-type]  # checked just above
@@ -262,21 +263,21 @@ def check_device_node(device: DeviceRule) -> None:
         info = os.lstat(device.path)
     except OSError as error:
         raise HostError(
-            "service_devices", f"device {device.path} cannot be inspected: {error}"
+            HostCode.SERVICE_DEVICES, f"device {device.path} cannot be inspected: {error}"
         ) from error
     if device.minor is None:
         if not stat.S_ISDIR(info.st_mode):
             raise HostError(
-                "service_devices",
+                HostCode.SERVICE_DEVICES,
                 f"{device.path} must be the directory of device class {device.major}:*",
             )
         return
     if not stat.S_ISCHR(info.st_mode):
-        raise HostError("service_devices", f"{device.path} is not a character device node")
+        raise HostError(HostCode.SERVICE_DEVICES, f"{device.path} is not a character device node")
     actual = (os.major(info.st_rdev), os.minor(info.st_rdev))
     if actual != (device.major, device.minor):
         raise HostError(
-            "service_devices",
+            HostCode.SERVICE_DEVICES,
             f"{device.path} is device {actual[0]}:{actual[1]}, not the prepared "
             f"{device.major}:{device.minor}; fix the provider's device list",
         )

@@ -33,6 +33,7 @@ from typing import Annotated, Literal, Protocol
 
 import msgspec
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 #: Service names become cgroup directory names (and systemd unit names), so they are
@@ -43,8 +44,6 @@ _NAME = re.compile(NAME_PATTERN)
 ServiceName = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN)]
 AbsolutePath = Annotated[str, msgspec.Meta(pattern=r"^/[^\x00]*$", max_length=4096)]
 HostId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
-Positive = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 DeviceNumber = Annotated[int, msgspec.Meta(ge=0, le=2**20 - 1)]
 EnvName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
 EnvValue = Annotated[str, msgspec.Meta(pattern=r"^[^\x00]*$", max_length=65536)]
@@ -55,7 +54,7 @@ def check_name(name: str) -> str:
     """Refuse a service name that could not be a single cgroup directory name."""
     if not _NAME.fullmatch(name):
         raise HostError(
-            "service_spec",
+            HostCode.SERVICE_SPEC,
             f"service name {name!r} is not allowed; use letters, digits, '.', '_' and '-' "
             "(at most 200 characters, not starting with a punctuation mark)",
         )
@@ -67,7 +66,7 @@ def check_account(spec: ServiceSpec, *, root_supervisor: bool) -> None:
     the provider's argv runs as the slot account, never with the daemon's authority."""
     if 0 in (spec.uid, spec.gid) and not root_supervisor:
         raise HostError(
-            "service_spec",
+            HostCode.SERVICE_SPEC,
             f"service {spec.name} would run as UID/GID 0; run it as the slot account, "
             "or configure a root supervisor explicitly",
         )
@@ -133,12 +132,12 @@ class ServiceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.argv[0].startswith("/"):
             raise HostError(
-                "service_spec",
+                HostCode.SERVICE_SPEC,
                 f"argv[0] {self.argv[0]!r} must be an absolute program path; the service "
                 "never searches PATH",
             )
         if len({(d.major, d.minor) for d in self.devices}) != len(self.devices):
-            raise HostError("service_spec", "a device is listed twice; list each node once")
+            raise HostError(HostCode.SERVICE_SPEC, "a device is listed twice; list each node once")
 
 
 class DeviceAccess(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ficc.execution.host import procfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service.interface import ServiceSpec
 
@@ -31,12 +32,14 @@ def open_output(path: str) -> int:
     try:
         fd = os.open(path, flags | os.O_NONBLOCK, 0o600)
     except OSError as error:
-        raise HostError("service_output", f"cannot open output file {path}: {error}") from error
+        raise HostError(
+            HostCode.SERVICE_OUTPUT, f"cannot open output file {path}: {error}"
+        ) from error
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
         os.close(fd)
         raise HostError(
-            "service_output",
+            HostCode.SERVICE_OUTPUT,
             f"{path} is not a regular, singly linked file owned by the daemon; remove it",
         )
     os.set_blocking(fd, True)
@@ -49,10 +52,12 @@ def trusted_interpreter(path: str) -> str:
     try:
         info = os.stat(real)
     except OSError as error:
-        raise HostError("service_unsupported", f"shim interpreter {path}: {error}") from error
+        raise HostError(
+            HostCode.SERVICE_UNSUPPORTED, f"shim interpreter {path}: {error}"
+        ) from error
     if not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
         raise HostError(
-            "service_unsupported",
+            HostCode.SERVICE_UNSUPPORTED,
             f"shim interpreter {real} must be a regular file owned by root and writable "
             "only by root",
         )
@@ -80,7 +85,7 @@ def check_credentials(pid: int, spec: ServiceSpec, *, groups: frozenset[str]) ->
         problems.append(f"nofile limit {limits.get('Max open files')}")
     if problems:
         raise HostError(
-            "service_start",
+            HostCode.SERVICE_START,
             f"the start shim of {spec.name} is not confined as planned: {', '.join(problems)}",
         )
 

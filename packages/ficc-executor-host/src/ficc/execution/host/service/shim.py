@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 
 __all__ = ["ORDER_LIMIT", "PIPE_SOURCE", "SOCKET_SOURCE", "encode_order"]
@@ -39,17 +40,21 @@ def encode_order(argv: Sequence[str], environment: Mapping[str, str]) -> bytes:
     fields = [str(len(argv)), *argv]
     for name, value in environment.items():
         if not name or "=" in name:
-            raise HostError("service_spec", f"environment name {name!r} cannot be passed")
+            raise HostError(HostCode.SERVICE_SPEC, f"environment name {name!r} cannot be passed")
         fields.append(f"{name}={value}")
     try:
         encoded = [os.fsencode(field) for field in fields]
     except UnicodeEncodeError as error:
-        raise HostError("service_spec", f"argv or environment is not encodable: {error}") from None
+        raise HostError(
+            HostCode.SERVICE_SPEC, f"argv or environment is not encodable: {error}"
+        ) from None
     if not argv or any(b"\0" in field for field in encoded):
-        raise HostError("service_spec", "argv must be non-empty and no field may contain NUL")
+        raise HostError(
+            HostCode.SERVICE_SPEC, "argv must be non-empty and no field may contain NUL"
+        )
     data = b"".join(field + b"\0" for field in encoded)
     if len(data) > ORDER_LIMIT:
-        raise HostError("service_spec", "argv and environment exceed 16 MiB; shorten them")
+        raise HostError(HostCode.SERVICE_SPEC, "argv and environment exceed 16 MiB; shorten them")
     return data
 
 

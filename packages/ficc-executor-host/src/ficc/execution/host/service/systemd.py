@@ -88,7 +88,9 @@ from collections.abc import Mapping
 
 import msgspec
 
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host import procfs
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import accounting, cgroups, shim, systemd_devices
 from ficc.execution.host.service.cgroupfs import CgroupfsService
@@ -182,7 +184,7 @@ def device_allow(devices: list[DeviceRule], classes: Mapping[int, list[str]]) ->
             names[0] in others for major, others in classes.items() if major != device.major
         ):
             raise HostError(
-                "service_devices",
+                HostCode.SERVICE_DEVICES,
                 f"device class {device.major}:* has no unique driver name in /proc/devices "
                 f"({names}); systemd can only allow a whole major by its name",
             )
@@ -281,11 +283,11 @@ def reaper_run_argv(unit: str, command: list[str], *, directory: str, slice_name
     paths = [part for part in command if not part.startswith("-")]
     if not command or not all(os.path.isabs(path) for path in paths):
         raise HostError(
-            "service_spec", f"the lease reaper's command {command!r} needs absolute paths"
+            HostCode.SERVICE_SPEC, f"the lease reaper's command {command!r} needs absolute paths"
         )
     if any("$" in part or "%" in part for part in command):
         raise HostError(
-            "service_spec",
+            HostCode.SERVICE_SPEC,
             f"the lease reaper's command {command!r} holds '$' or '%', which systemd would "
             "expand; give state_dir (and the daemon's Python) a path without them",
         )
@@ -355,7 +357,7 @@ _UNIT = re.compile(r"^[A-Za-z0-9:_.\\@-]{1,250}\.service$")
 
 def check_unit(unit: str) -> str:
     if not _UNIT.fullmatch(unit):
-        raise HostError("service_spec", f"{unit!r} is not a service unit name")
+        raise HostError(HostCode.SERVICE_SPEC, f"{unit!r} is not a service unit name")
     return unit
 
 
@@ -381,14 +383,14 @@ class SystemdService:
         root_supervisor: bool = False,
     ) -> None:
         if not slice_name.endswith(".slice") or "-" in slice_name or "/" in slice_name:
-            raise HostError("service_spec", f"{slice_name!r} must be a top-level .slice")
+            raise HostError(HostCode.SERVICE_SPEC, f"{slice_name!r} must be a top-level .slice")
         self._slice = slice_name
         if bind_to is None and bind_to_own_unit:
             with open("/proc/self/cgroup", encoding="ascii") as listing:
                 bind_to = own_unit(listing.read(1 << 20))
             if bind_to is None:
                 raise HostError(
-                    "service_unsupported",
+                    HostCode.SERVICE_UNSUPPORTED,
                     "this process does not run in a systemd service unit, so attempts "
                     "cannot be bound to it (a daemon stop would leave them running); run "
                     "the daemon as its systemd service or use the cgroupfs supervisor",
@@ -421,7 +423,8 @@ class SystemdService:
             cgroups.check_device_node(device)
         if not os.path.isdir(spec.cwd):
             raise HostError(
-                "service_create", f"working directory {spec.cwd} of {spec.name} does not exist"
+                HostCode.SERVICE_CREATE,
+                f"working directory {spec.cwd} of {spec.name} does not exist",
             )
         with open("/proc/devices", encoding="ascii") as listing:
             classes = parse_proc_devices(listing.read(1 << 20))
@@ -437,7 +440,7 @@ class SystemdService:
         )
         if self._show(unit, "LoadState").get("LoadState") not in {"not-found", None}:
             raise HostError(
-                "service_exists",
+                HostCode.SERVICE_EXISTS,
                 f"unit {unit} already exists; stop and remove the old service (adopt it by "
                 "name) before creating it again",
             )
@@ -460,7 +463,7 @@ class SystemdService:
                     error.add_note(f"cleanup after the refusal also failed: {cleanup}")
             if isinstance(error, OSError):
                 raise HostError(
-                    "service_create",
+                    HostCode.SERVICE_CREATE,
                     f"creating unit {unit} failed: {error}; check systemd, the working "
                     "directory and the output paths",
                 ) from error
@@ -484,7 +487,7 @@ class SystemdService:
             info = os.lstat(directory)
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o066:
                 raise HostError(
-                    "service_create",
+                    HostCode.SERVICE_CREATE,
                     f"{directory} must be a root-owned directory that only root can list "
                     "or write (0711); fix or remove it",
                 )
@@ -523,9 +526,9 @@ class SystemdService:
             return True
         reason = result.stderr.strip()[:2000]
         if "already" in reason:
-            raise HostError("service_exists", f"unit {unit} already exists: {reason}")
+            raise HostError(HostCode.SERVICE_EXISTS, f"unit {unit} already exists: {reason}")
         self._abandon(unit.removesuffix(_UNIT_SUFFIX))
-        raise HostError("service_start", f"systemd could not start unit {unit}: {reason}")
+        raise HostError(HostCode.SERVICE_START, f"systemd could not start unit {unit}: {reason}")
 
     def _gate(
         self, spec: ServiceSpec, unit: str, listener: socket.socket, outputs: list[int]
@@ -534,7 +537,7 @@ class SystemdService:
             link, _ = listener.accept()
         except TimeoutError as error:
             raise HostError(
-                "service_start",
+                HostCode.SERVICE_START,
                 f"the start shim of {unit} did not connect within {self._start_timeout}s; "
                 f"check `journalctl -u {unit}` and that {self._interpreter} runs as the slot "
                 "account",
@@ -543,11 +546,11 @@ class SystemdService:
             link.settimeout(self._start_timeout)
             pid, uid, gid = _peer(link)
             if link.recv(1) != b"R":
-                raise HostError("service_start", f"the start shim of {unit} did not report")
+                raise HostError(HostCode.SERVICE_START, f"the start shim of {unit} did not report")
             show = self._show(unit, "MainPID", "ControlGroup")
             if show.get("MainPID") != str(pid) or (uid, gid) != (spec.uid, spec.gid):
                 raise HostError(
-                    "service_start",
+                    HostCode.SERVICE_START,
                     f"the gate peer (pid {pid}, uid {uid}) is not the main process "
                     f"{show.get('MainPID')} of {unit} as the slot account; refusing to release",
                 )
@@ -566,7 +569,7 @@ class SystemdService:
             if report:
                 number = int(report[1:]) if report[1:].isdigit() else 0
                 raise HostError(
-                    "service_start",
+                    HostCode.SERVICE_START,
                     f"cannot execute {spec.argv[0]}: {os.strerror(number)}; check the "
                     "provider's argv",
                 )
@@ -577,7 +580,7 @@ class SystemdService:
         expected = unit_cgroup(self._slice, name)
         if control_group != expected:
             raise HostError(
-                "service_start",
+                HostCode.SERVICE_START,
                 f"systemd put the unit in cgroup {control_group!r}, not {expected!r}",
             )
         nodes = self._existing_nodes(expected)
@@ -585,7 +588,7 @@ class SystemdService:
         missing = [c for c in required if self._key(c) not in nodes]
         if missing:
             raise HostError(
-                "service_limits",
+                HostCode.SERVICE_LIMITS,
                 f"systemd did not create the unit's cgroup for {missing}; limits there "
                 "cannot be enforced",
             )
@@ -614,7 +617,7 @@ class SystemdService:
         ]
         if wrong:
             raise HostError(
-                "service_start",
+                HostCode.SERVICE_START,
                 f"process {pid} is not in {path} of the {', '.join(wrong)} hierarchies; "
                 "refusing to release it",
             )
@@ -628,7 +631,7 @@ class SystemdService:
         if not os.path.exists(path):
             if cgroups.host_has_swap():
                 raise HostError(
-                    "service_swap_unenforceable",
+                    HostCode.SERVICE_SWAP_UNENFORCEABLE,
                     "the kernel has no swap accounting but swap is active, so the swap "
                     "limit cannot be enforced; boot with swapaccount=1 or disable swap",
                 )
@@ -639,7 +642,9 @@ class SystemdService:
         try:
             cgroups.write_text(path, str(total))
         except OSError as error:
-            raise HostError("service_limits", f"the kernel refused {total} for {path}") from error
+            raise HostError(
+                HostCode.SERVICE_LIMITS, f"the kernel refused {total} for {path}"
+            ) from error
         return True
 
     def _enter_supervisor(self, pid: int, name: str, nodes: dict[str, str]) -> None:
@@ -662,7 +667,7 @@ class SystemdService:
         wrong += _compare(_planned_kernel(spec, swap), _kernel_view(controls))
         if wrong:
             raise HostError(
-                "service_limits",
+                HostCode.SERVICE_LIMITS,
                 f"the planned controls of {spec.name} are not in force: " + "; ".join(wrong),
             )
 
@@ -777,7 +782,7 @@ class SystemdService:
         if "already" in reason:
             return False
         raise HostError(
-            "service_start",
+            HostCode.SERVICE_START,
             f"systemd could not start the lease reaper's unit {unit}: {reason}; see "
             f"`journalctl -u {unit}`",
         )
@@ -793,7 +798,7 @@ class SystemdService:
         loaded = show.get("LoadState") == "loaded"
         if loaded and show.get("Slice") != self._slice:
             raise HostError(
-                "service_handle",
+                HostCode.SERVICE_HANDLE,
                 f"unit {unit_name(name)} exists in {show.get('Slice')!r}, not in "
                 f"{self._slice}: it is not an attempt's service; leave it alone",
             )
@@ -805,13 +810,15 @@ class SystemdService:
         """The same nodes as a handle of the private cgroupfs reader (base = slice),
         refused unless each node is exactly this unit's cgroup (`service_handle`)."""
         if handle.backend != self.backend or handle.cgroup_version != self._layout.version:
-            raise HostError("service_handle", f"handle of {handle.name} is not a systemd one")
+            raise HostError(
+                HostCode.SERVICE_HANDLE, f"handle of {handle.name} is not a systemd one"
+            )
         path = unit_cgroup(self._slice, handle.name)
         mounts = {h.key: h.mount for h in self._layout.hierarchies}
         for key, node in handle.cgroups.items():
             if key not in mounts or key.startswith("name=") or node != mounts[key] + path:
                 raise HostError(
-                    "service_handle",
+                    HostCode.SERVICE_HANDLE,
                     f"handle of {handle.name} names cgroup {node!r}, which is not its unit's "
                     f"node for {key!r}; adopt the service by name instead",
                 )
@@ -823,7 +830,7 @@ class SystemdService:
         result = _command(argv, self._stop_timeout)
         if result.returncode != 0:
             raise HostError(
-                "service_unsupported",
+                HostCode.SERVICE_UNSUPPORTED,
                 f"systemctl show {unit} failed: {result.stderr.strip()[:2000]}; is systemd "
                 "PID 1 and D-Bus running?",
             )
@@ -854,14 +861,14 @@ class SystemdService:
         pids = self._files.members(files)
         if pids:
             raise HostError(
-                "service_stop_unconfirmed",
+                HostCode.SERVICE_STOP_UNCONFIRMED,
                 f"unit {unit} still has processes {sorted(pids)[:16]}; keep the attempt "
                 "quarantined and retry stop",
             )
         result = _command([SYSTEMCTL, "stop", unit], self._stop_timeout)
         if not wait_until(lambda: self._settled(unit), deadline):
             raise HostError(
-                "service_stop_unconfirmed",
+                HostCode.SERVICE_STOP_UNCONFIRMED,
                 f"unit {unit} is empty but systemd did not confirm the stop "
                 f"({result.stderr.strip()[:500]}); retry stop",
             )
@@ -878,14 +885,14 @@ class SystemdService:
         pids = self._files.members(files)
         if pids:
             raise HostError(
-                "service_not_empty",
+                ErrorCode.SERVICE_NOT_EMPTY,
                 f"service {handle.name} still has processes {sorted(pids)[:16]}; stop it "
                 "and confirm it is empty before removing it",
             )
         unit = unit_name(handle.name)
         if not self._settled(unit):
             raise HostError(
-                "service_not_empty", f"unit {unit} is still active; stop it before removing"
+                ErrorCode.SERVICE_NOT_EMPTY, f"unit {unit} is still active; stop it before removing"
             )
         _command([SYSTEMCTL, "reset-failed", unit], self._stop_timeout)
         self._files.remove(files)
@@ -895,7 +902,7 @@ class SystemdService:
             lambda: self._show(unit, "LoadState").get("LoadState") != "loaded", deadline
         ):
             raise HostError(
-                "service_not_empty", f"systemd still has unit {unit} loaded; retry remove"
+                ErrorCode.SERVICE_NOT_EMPTY, f"systemd still has unit {unit} loaded; retry remove"
             )
 
     def _trim(self, name: str) -> None:
@@ -911,7 +918,7 @@ class SystemdService:
                 cgroups.remove_tree(top)
             except OSError as error:
                 raise HostError(
-                    "service_not_empty",
+                    ErrorCode.SERVICE_NOT_EMPTY,
                     f"cgroup {top} could not be removed ({error}); stop the service and retry",
                 ) from error
 
@@ -939,10 +946,10 @@ def _command(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str
         )
     except subprocess.TimeoutExpired as error:
         raise HostError(
-            "service_unsupported", f"{argv[0]} did not answer within {timeout}s"
+            HostCode.SERVICE_UNSUPPORTED, f"{argv[0]} did not answer within {timeout}s"
         ) from error
     except FileNotFoundError as error:
-        raise HostError("service_unsupported", f"{argv[0]} is missing: {error}") from error
+        raise HostError(HostCode.SERVICE_UNSUPPORTED, f"{argv[0]} is missing: {error}") from error
     result.stdout = result.stdout[:_OUTPUT_LIMIT]
     return result
 
@@ -972,7 +979,7 @@ def _recv_report(link: socket.socket) -> bytes:
     try:
         return link.recv(64)
     except TimeoutError as error:
-        raise HostError("service_start", "the program was not executed in time") from error
+        raise HostError(HostCode.SERVICE_START, "the program was not executed in time") from error
 
 
 def _planned_kernel(spec: ServiceSpec, swap: bool) -> dict[str, object]:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import struct
 from typing import Literal
 
+from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import bpfdevices
 from ficc.execution.host.service.interface import DeviceAccess
@@ -205,7 +206,7 @@ def read_back(cgroup_dir: str) -> list[DeviceAccess]:
 
 def _refusal(cgroup_dir: str, problem: str) -> HostError:
     return HostError(
-        "service_devices_unenforceable",
+        HostCode.SERVICE_DEVICES_UNENFORCEABLE,
         f"the device policy of {cgroup_dir} cannot be verified: {problem}; this host's "
         "systemd must attach exactly its own DevicePolicy=strict program (systemd 252 "
         "shape) to the unit, or use a cgroup v1 (hybrid) host",
