@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, procfs
+from ficc.execution.host import gate, gate_reader, procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.expectation import (
     PrepareResult,
@@ -306,7 +306,7 @@ def test_expectation_mounts_carry_recorded_identities(tmp_path: Path) -> None:
 
 def test_an_unconfined_process_fails_the_built_expectation() -> None:
     """The builder's output is usable by the real gate: this test process is refused."""
-    verdict = gate.check(procfs.read_evidence(os.getpid()), expectation())
+    verdict = gate.check(gate_reader.read_evidence(os.getpid()), expectation())
     codes = {failure.code for failure in verdict.failures}
     assert not verdict.ok
     assert {"gate_uid", "gate_namespace", "gate_exe", "gate_cgroup"} <= codes

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host import gate, procfs, seccomp
+from ficc.execution.host import gate, gate_reader, procfs, seccomp
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.gate import (
     CgroupRequirement,
@@ -188,12 +188,12 @@ def test_the_daemons_own_mount_table_is_read_each_time_and_parsed_when_it_change
     with open("/proc/self/mountinfo", "rb") as own:
         expected = procfs.parse_mountinfo(own.read())
     procfs._own_mount_table.cache_clear()
-    assert procfs._own_mounts(os.getpid()) == expected
-    assert procfs._own_mounts(os.getpid()) == expected
+    assert procfs.own_mounts(os.getpid()) == expected
+    assert procfs.own_mounts(os.getpid()) == expected
     assert procfs._own_mount_table.cache_info().hits == 1
     other = procfs._own_mount_table(b"36 35 98:0 / /elsewhere rw - tmpfs src rw\n")
     assert [m.mount_point for m in other] == ["/elsewhere"]
-    assert procfs._own_mounts(os.getpid()) == expected  # the new bytes are parsed again
+    assert procfs.own_mounts(os.getpid()) == expected  # the new bytes are parsed again
     assert procfs._own_mount_table.cache_info().misses == 3
 
 
@@ -1073,7 +1073,7 @@ PRIVILEGE_CODES = {"gate_uid", "gate_gid", "gate_capabilities", "gate_no_new_pri
 def test_unconfined_root_process_is_refused(world: World) -> None:
     """The contract's 'an unconfined test provider must be refused', on a real `sleep`."""
     payload = world.command(["sleep", "1000"], exe="/bin/sleep")
-    verdict = gate.check(procfs.read_evidence(payload.pid), world.expectation())
+    verdict = gate.check(gate_reader.read_evidence(payload.pid), world.expectation())
     assert not verdict.ok
     assert {
         *PRIVILEGE_CODES,
@@ -1105,7 +1105,7 @@ def test_setpriv_drop_passes_privilege_checks_but_not_seccomp_or_namespaces(
         exe="/bin/sleep",
     )
     world.join_cgroups(payload.pid)
-    codes = _codes(gate.check(procfs.read_evidence(payload.pid), world.expectation()))
+    codes = _codes(gate.check(gate_reader.read_evidence(payload.pid), world.expectation()))
     assert not codes & {*PRIVILEGE_CODES, "gate_cgroup", "gate_device"}
     assert {"gate_seccomp", "gate_namespace"} <= codes
 
@@ -1117,7 +1117,7 @@ def test_unshare_namespaces_pass_the_namespace_check(world: World) -> None:
     argv = ["unshare", "--mount", "--pid", "--fork", "--net", "--ipc", "--uts", "sleep", "1000"]
     payload = world.command(argv, exe="/bin/sleep")
     assert payload.pid != payload.runner.pid
-    evidence = procfs.read_evidence(payload.pid)
+    evidence = gate_reader.read_evidence(payload.pid)
     codes = _codes(gate.check(evidence, world.expectation()))
     assert "gate_namespace" not in codes
     assert codes >= PRIVILEGE_CODES
@@ -1272,7 +1272,7 @@ def test_zombie_is_refused_as_changed(world: World) -> None:
         assert time.monotonic() < deadline, "the killed process never became a zombie"
         time.sleep(0.005)
     with pytest.raises(HostError) as refused:
-        procfs.read_evidence(payload.pid)
+        gate_reader.read_evidence(payload.pid)
     assert refused.value.code == "gate_process_changed"
 
 
@@ -1366,7 +1366,7 @@ def test_reader_refuses_a_pid_that_does_not_exist(world: World) -> None:
     payload = world.command(["sleep", "1000"], exe="/bin/sleep")
     payload.kill()
     with pytest.raises(HostError) as refused:
-        procfs.read_evidence(payload.pid)
+        gate_reader.read_evidence(payload.pid)
     assert refused.value.code == "gate_process_changed"
 
 
@@ -1589,7 +1589,7 @@ def test_the_live_v2_device_program_of_a_process_is_read_back_and_judged() -> No
         bpfdevices.attach(str(group), [DeviceRule("/dev/null", 1, 3)])
         sleeper = subprocess.Popen(["sleep", "1000"], stdin=subprocess.DEVNULL)
         (group / "cgroup.procs").write_text(str(sleeper.pid))
-        evidence = procfs.read_evidence(sleeper.pid)
+        evidence = gate_reader.read_evidence(sleeper.pid)
         assert evidence.device_programs is not None, evidence.device_programs_error
         assert [p.rules for p in evidence.device_programs if p.rules] == [V2_NULL]
         as_v2 = msgspec.structs.replace(evidence, devices=None)
@@ -1648,7 +1648,7 @@ def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world:
     gone.kill()
     with pytest.raises(seccomp.FiltersUnreadable):
         seccomp.read_filters(pid)
-    unread = procfs.read_syscall_filters(pid, _evidence().status)
+    unread = gate_reader.read_syscall_filters(pid, _evidence().status)
     assert unread[0] is None
     assert unread[1] is not None
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from ficc.execution.host import gate, procfs
+from ficc.execution.host import gate, gate_reader, procfs
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, systemd_devices
 from ficc.execution.host.service.interface import (
@@ -257,7 +257,7 @@ def test_the_gate_judges_the_live_payload_cgroup_below_a_unit(units: list[str]) 
     )
     (node / "payload").mkdir()
     (node / "payload" / "cgroup.procs").write_text(str(pid))
-    evidence = procfs.read_evidence(pid)
+    evidence = gate_reader.read_evidence(pid)
     assert evidence.devices is None  # no v1 devices hierarchy here
     assert evidence.device_programs, evidence.device_programs_error
     decoded = [p.rules for p in evidence.device_programs if p.rules is not None]

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from ficc.execution._executor import ReceivedRequest
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import fsutil, handlers, ledger_space, metrics, notify
+from ficc.execution.host import ceiling, fsutil, handlers, ledger_space, metrics, notify
 from ficc.execution.host.clock import BootClock
 from ficc.execution.host.codes import HostCode
 from ficc.execution.host.config import Config, Provider, check_host
@@ -284,8 +284,8 @@ def open_ledger(config: Config) -> Ledger:
         ledger = Ledger.create(
             config.state_dir,
             config.installation_id,
-            handlers.initial_limits(config),
-            handlers.ceiling_limits(config),
+            ceiling.initial_limits(config),
+            ceiling.ceiling_limits(config),
             config.initial_offer.control,
         )
     try:

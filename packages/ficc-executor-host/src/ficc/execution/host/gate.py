@@ -27,7 +27,7 @@ from typing import Annotated
 
 import msgspec
 
-from ficc.execution.host import procfs, seccomp
+from ficc.execution.host import gate_reader, procfs, seccomp
 from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.procfs import DeviceAccess, Evidence, FileIdentity, Mount
@@ -602,7 +602,7 @@ def inspect_and_check(
     tests can kill the process at exact points, without sleeping.
     """
     try:
-        evidence = procfs.read_evidence(pid, after_first_read=after_first_read)
+        evidence = gate_reader.read_evidence(pid, after_first_read=after_first_read)
     except HostError as exc:
         return Verdict(ok=False, failures=(Failure(exc.code, exc.message),))
     try:

@@ -57,7 +57,7 @@ from ficc.execution.host import leases, lifecycle, taskscan
 from ficc.execution.host import ledger as ledgerlib
 from ficc.execution.host import metrics as metricslib
 from ficc.execution.host import usage as usagelib
-from ficc.execution.host.config import Config
+from ficc.execution.host.ceiling import ceiling_limits
 from ficc.execution.host.context import HostContext
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.group_commit import GroupCommit
@@ -73,7 +73,6 @@ from ficc.execution.protocol import (
     MetricsRequest,
     ObjectRef,
     ObserveRequest,
-    OfferLimits,
     PrepareRequest,
     ReconcileAbsentRequest,
     RejectAbsentRequest,
@@ -149,44 +148,7 @@ async def handle(
         return error_reply(request.id, error.code, error.message)
 
 
-# --- host facts shared with the daemon -----------------------------------------------
-
-
-def ceiling_limits(config: Config) -> OfferLimits:
-    """The administrator's ceiling as offer limits (storage: the slots' total)."""
-    ceiling = config.ceiling
-    return OfferLimits(
-        resources=Resources(
-            attempts=ceiling.slots,
-            cpu_millis=ceiling.cpu_millis,
-            memory_bytes=ceiling.memory_bytes,
-            swap_bytes=ceiling.swap_bytes,
-            processes=ceiling.processes,
-            storage_bytes=sum(s.storage_bytes for s in config.slots),
-            storage_inodes=sum(s.storage_inodes for s in config.slots),
-        ),
-        projects=list(ceiling.projects),
-        runtimes=list(ceiling.runtimes),
-    )
-
-
-def initial_limits(config: Config) -> OfferLimits:
-    """The configured initial offer as offer limits."""
-    offer = config.initial_offer
-    ceiling = ceiling_limits(config)
-    return OfferLimits(
-        resources=Resources(
-            attempts=offer.slots,
-            cpu_millis=offer.cpu_millis,
-            memory_bytes=offer.memory_bytes,
-            swap_bytes=offer.swap_bytes,
-            processes=offer.processes,
-            storage_bytes=ceiling.resources.storage_bytes,
-            storage_inodes=ceiling.resources.storage_inodes,
-        ),
-        projects=list(offer.projects),
-        runtimes=list(offer.runtimes),
-    )
+# --- host facts admission checks against --------------------------------------------
 
 
 def host_facts(ctx: HostContext, now: leases.Now) -> ledgerlib.HostFacts:
@@ -1146,10 +1108,8 @@ __all__ = [
     "INPUT_CHUNK_BYTES",
     "RunnerPort",
     "attempt_row",
-    "ceiling_limits",
     "handle",
     "host_facts",
     "idle_evidence",
-    "initial_limits",
     "provider_refusal",
 ]

@@ -84,9 +84,9 @@ from ficc.execution.host.records import (
     ResourceUsage,
     Row,
     SlotSpec,
+    StreamState,
     lease_is_current,
 )
-from ficc.execution.host.staging import StreamState
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc.execution.wire import Control
 

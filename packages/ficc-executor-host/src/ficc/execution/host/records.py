@@ -13,11 +13,11 @@ from typing import Final, Literal, NamedTuple
 import msgspec
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import fsutil, leases, lifecycle
+from ficc.execution.host import leases, lifecycle
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.leases import Lease, Now
-from ficc.execution.host.staging import StreamState
 from ficc.execution.protocol import Fence, OfferLimits
+from ficc.execution.provider import FileIdentity
 from ficc.execution.wire import Control
 
 OFFER_ALLOWS: Final[dict[str, frozenset[str]]] = {
@@ -33,6 +33,24 @@ leases alive but starts nothing; stopped renews nothing, so expiry stops the wor
 RESOURCES: Final = ("cpu_millis", "memory_bytes", "swap_bytes", "processes")
 STORAGE: Final = ("storage_bytes", "storage_inodes")
 """The resource and storage amounts of a reservation, by their column and limit names."""
+
+
+class StreamState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What the ledger records about one streamed object.
+
+    `offset` is the durable next offset. `failed` holds the refusal code that made
+    the object unusable (a failed object prevents start; the attempt follows the
+    normal cleanup and release path). `identity` is recorded at completion.
+    """
+
+    id: str
+    name: str
+    bytes: int
+    digest: str
+    offset: int = 0
+    complete: bool = False
+    failed: str | None = None
+    identity: FileIdentity | None = None
 
 
 class Bindings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -114,7 +132,7 @@ class InputRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offset: int
     complete: bool
     failed: str | None = None
-    identity: fsutil.FileIdentity | None = None
+    identity: FileIdentity | None = None
 
     def stream_state(self) -> StreamState:
         """The staging state to register with a `Stager` (after a restart, say)."""

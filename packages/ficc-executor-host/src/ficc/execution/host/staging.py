@@ -74,6 +74,7 @@ from ficc.execution.host.fsutil import (
     require_owner,
     storage_refusal,
 )
+from ficc.execution.host.records import StreamState
 from ficc.execution.provider import InputCapability
 
 __all__ = [
@@ -140,24 +141,6 @@ class _Whole:
 
     def chunk_pieces(self) -> Iterable[bytes]:
         return (self._data,)
-
-
-class StreamState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What the ledger records about one streamed object.
-
-    `offset` is the durable next offset. `failed` holds the refusal code that made
-    the object unusable (a failed object prevents start; the attempt follows the
-    normal cleanup and release path). `identity` is recorded at completion.
-    """
-
-    id: str
-    name: str
-    bytes: int
-    digest: str
-    offset: int = 0
-    complete: bool = False
-    failed: str | None = None
-    identity: FileIdentity | None = None
 
 
 def streams_of(inputs: Iterable[DeclaredInput]) -> list[StreamState]:

@@ -67,6 +67,7 @@ from ficc.execution.host.attempts import (
     _row_error,
 )
 from ficc.execution.host.batching import PROVIDER_TIMEOUT, Ticket
+from ficc.execution.host.ceiling import ceiling_limits
 from ficc.execution.host.codes import HostCode
 from ficc.execution.host.deadlines import Deadlines
 from ficc.execution.host.errors import HostError
@@ -77,7 +78,6 @@ from ficc.execution.host.expectation import (
     decode_prepare_result,
     service_spec,
 )
-from ficc.execution.host.handlers import ceiling_limits
 from ficc.execution.host.layout import RELEASE_MARKER
 from ficc.execution.host.service.interface import Controls, ServiceHandle
 from ficc.execution.provider import DeviceOpen
