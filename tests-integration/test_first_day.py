@@ -33,6 +33,7 @@ from ficc_testkit.podman import Sources, build_image
 from ficc_testkit.slots import private_directory, remove_tree
 from ficc_testkit.waits import wait_for
 from ficc_testkit.wheels import build_wheel
+from test_packaging import DISTRIBUTIONS
 
 pytestmark = [
     pytest.mark.podman("installs the wheels and runs a real job with rootless Podman"),
@@ -40,13 +41,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = (
-    "ficc-hoststate",
-    "ficc-protocol",
-    "ficc-provider-sdk",
-    "ficc-executor-host",
-    "ficc-provider-podman",
-)
 USERADD = (
     "useradd",
     "--system",

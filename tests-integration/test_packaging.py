@@ -17,13 +17,28 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = [
-    "ficc-hoststate",
-    "ficc-protocol",
-    "ficc-provider-sdk",
-    "ficc-executor-host",
-    "ficc-provider-podman",
-]
+TESTKIT = "ficc-testkit"  # never released
+
+
+def _released() -> list[str]:
+    """noxfile.py's DISTRIBUTIONS (in dependency order), read without importing nox."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    (value,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["DISTRIBUTIONS"]
+    ]
+    names: list[str] = ast.literal_eval(value)
+    return names
+
+
+DISTRIBUTIONS = _released()
+
+
+def test_every_package_but_the_test_kit_is_a_released_distribution() -> None:
+    packages = {p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml")}
+    assert sorted(DISTRIBUTIONS) == sorted(packages - {TESTKIT})
 
 
 def project(name: str) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import secrets
 import subprocess
 from collections.abc import Callable, Iterator
@@ -32,7 +31,8 @@ from ficc.execution.host.service import (
     ServiceSpec,
 )
 from ficc.execution.host.service.systemd import SystemdService, parse_show
-from ficc_testkit.accounts import account_command
+from ficc_testkit.accounts import temporary_account
+from ficc_testkit.services import purge_cgroups
 
 PYTHON = "/usr/bin/python3"
 SYSTEMCTL = "/usr/bin/systemctl"
@@ -70,13 +70,8 @@ needs_systemd = pytest.mark.skipif(not UNDER_SYSTEMD, reason=SYSTEMD_REASON)
 @pytest.fixture(scope="module")
 def slot() -> Iterator[tuple[int, int]]:
     """A real system account of our own, so parallel runs never see each other's tasks."""
-    name = f"ficc-t-{secrets.token_hex(4)}"
-    account_command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
-    entry = pwd.getpwnam(name)
-    try:
-        yield entry.pw_uid, entry.pw_gid
-    finally:
-        account_command("userdel", name)
+    with temporary_account("ficc-t-") as account:
+        yield account.uid, account.gid
 
 
 @pytest.fixture
@@ -126,24 +121,6 @@ def systemd_backend(prefix: str) -> Iterator[SystemdService]:
         yield backend
     finally:
         purge_units(prefix)
-
-
-def purge_cgroups(backend: CgroupfsService, base: str) -> None:
-    """Stop and remove every service under `base`, then the base itself."""
-    names = set()
-    for hierarchy in backend.layout.hierarchies:
-        top = os.path.join(hierarchy.mount, base)
-        if os.path.isdir(top):
-            names |= {e.name for e in os.scandir(top) if e.is_dir(follow_symlinks=False)}
-    for name in names:
-        handle = backend.adopt(name)
-        if handle is not None:
-            backend.stop(handle)
-            backend.remove(handle)
-    for hierarchy in backend.layout.hierarchies:
-        top = os.path.join(hierarchy.mount, base)
-        if os.path.isdir(top):
-            os.rmdir(top)
 
 
 def purge_units(prefix: str) -> None:

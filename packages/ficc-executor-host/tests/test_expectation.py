@@ -25,6 +25,7 @@ from ficc.execution.host.expectation import (
     device_rules,
 )
 from ficc.execution.host.service.interface import ServiceHandle
+from ficc_testkit.plans import make_plan
 
 SHA = "sha256:" + "a" * 64
 BARRIER = os.path.realpath("/bin/sh")
@@ -32,34 +33,10 @@ SERVICE = "/ficc/ficc-work-x"
 
 
 def plan(devices: tuple[str, ...] = ("null",)) -> planlib.Plan:
-    return planlib.Plan(
-        version=1,
-        deployment_id="3" * 32,
-        node_id="4" * 32,
-        project_id="2" * 32,
-        job_id="5" * 32,
-        attempt_id="6" * 32,
-        generation=1,
-        offer_revision=1,
-        job=planlib.Job(
-            name="job",
-            slot_class="cpu",
-            runtime=planlib.Runtime("test", SHA, SHA, "strict", "none"),
-            payload=planlib.Payload(argv=["/bin/true"], environment={}),
-            limits=planlib.Limits(
-                cpu_millis=500,
-                memory_bytes=1 << 28,
-                swap_bytes=0,
-                processes=64,
-                storage_bytes=1 << 20,
-                storage_inodes=100,
-                devices=list(devices),
-            ),
-            inputs=[],
-            outputs=[],
-            sensitive=False,
-        ),
-    )
+    return make_plan(
+        package_digest=SHA, image_digest=SHA, cpu_millis=500, memory_bytes=1 << 28,
+        storage_bytes=1 << 20, storage_inodes=100, devices=devices,
+    )  # fmt: skip
 
 
 def identity(path: str) -> dict[str, int]:

@@ -45,9 +45,9 @@ from ficc.execution.host.gate import (
 from ficc.execution.host.procfs import FileIdentity
 from ficc.execution.host.service import bpfdevices, cgroups
 from ficc.execution.host.service.interface import DeviceRule
+from ficc_testkit.accounts import temporary_account
 from ficc_testkit.waits import wait_for
 
-SLOT_USER = "ficc-gate-test"
 HIERARCHIES = ("pids", "devices", "unified")
 BUSYBOX = "/bin/busybox"
 
@@ -1016,18 +1016,8 @@ def _descendant_running(pid: int, target: FileIdentity) -> int | None:
 
 @pytest.fixture(scope="module")
 def slot_account() -> Iterator[tuple[int, int]]:
-    created = False
-    if subprocess.run(["id", "-u", SLOT_USER], check=False, capture_output=True).returncode != 0:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", SLOT_USER],
-            check=True,
-        )
-        created = True
-    uid = int(subprocess.run(["id", "-u", SLOT_USER], capture_output=True, check=True).stdout)
-    gid = int(subprocess.run(["id", "-g", SLOT_USER], capture_output=True, check=True).stdout)
-    yield uid, gid
-    if created:
-        subprocess.run(["userdel", SLOT_USER], check=False)
+    with temporary_account("ficc-gate-") as account:
+        yield account.uid, account.gid
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from ficc.execution import host
 
 SOURCE = pathlib.Path(host.__file__).parent
-README = SOURCE.parents[3] / "README.md"
+README = pathlib.Path(__file__).parents[1] / "README.md"
 HOST = "ficc.execution.host"
 IMPURE = {"os", "socket", "sqlite3", "asyncio", "ctypes"}
 

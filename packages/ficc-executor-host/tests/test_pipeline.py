@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import os
-import pwd
 import secrets
 import select
 import shutil
@@ -78,6 +77,7 @@ from ficc.execution.host.starting import AFTER_EXIT_LOOKS
 from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
 from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels
+from ficc_testkit.accounts import temporary_account
 from lease_support import SteppedClock
 
 pytestmark = pytest.mark.root(
@@ -102,26 +102,11 @@ FAST = Settings(tick=0.05, provider_timeout=30.0, start_timeout=30.0, observe_in
 # --- module fixtures: slot account, installed provider ------------------------------
 
 
-def _account(*command: str) -> None:
-    """useradd/userdel, retrying while another process holds /etc/passwd's lock."""
-    deadline = time.monotonic() + 30
-    while (
-        result := subprocess.run(command, check=False, capture_output=True, text=True)
-    ).returncode:
-        assert time.monotonic() < deadline, f"{command}: {result.stderr}"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def slot_account() -> Iterator[tuple[int, int]]:
     """A system account of our own, so no other test's processes count against idle."""
-    name = f"ficc-t-r{os.getpid()}"
-    _account("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
-    entry = pwd.getpwnam(name)
-    try:
-        yield entry.pw_uid, entry.pw_gid
-    finally:
-        _account("userdel", name)
+    with temporary_account("ficc-t-r") as account:
+        yield account.uid, account.gid
 
 
 @dataclass
@@ -399,6 +384,19 @@ def state_of(world: World, attempt_id: str) -> Callable[[], bool]:
     return lambda: (
         world.record(attempt_id).status.state != "prepared" or world.record(attempt_id).status.ready
     )
+
+
+async def ready(world: World, runner: Runner, fence: Fence) -> None:
+    """Hand the admitted attempt to the runner and wait until it is prepared and ready."""
+    runner.admitted([fence.attempt_id])
+    await until(state_of(world, fence.attempt_id), "ready")
+
+
+async def ready_and_started(world: World, runner: Runner, fence: Fence) -> None:
+    """`ready`, then the start as the handler records it and hands it to the runner."""
+    await ready(world, runner, fence)
+    world.start(fence)
+    runner.start_requested([fence.attempt_id])
 
 
 def settled_and_clean(world: World, attempt_id: str) -> Callable[[], bool]:
@@ -687,10 +685,7 @@ def test_gate_refuses_the_unconfined_test_provider_and_never_releases_the_payloa
 
     async def scenario() -> None:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([attempt_id])
+            await ready_and_started(world, runner, fence)
             runner.start_requested([attempt_id])  # a second start is ignored
             await until(settled_and_clean(world, attempt_id), "refused and cleaned")
 
@@ -719,10 +714,7 @@ def test_release_after_a_refused_start_removes_layout_and_service(world: World) 
 
     async def scenario() -> None:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([attempt_id])
+            await ready_and_started(world, runner, fence)
             await until(settled_and_clean(world, attempt_id), "refused and cleaned")
             await runner.release(attempt_id)
 
@@ -756,10 +748,7 @@ def test_lease_expiry_during_start_stops_the_service_and_records_expired(world: 
 
     async def scenario() -> None:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([attempt_id])
+            await ready_and_started(world, runner, fence)
             await until(_barrier_waiting(world, attempt_id), "the barrier runs")
             assert world.record(attempt_id).status.state == "starting"
             world.end_lease(fence)
@@ -778,10 +767,7 @@ def test_stop_during_start_cancels_and_confirms_cleanup(world: World) -> None:
 
     async def scenario() -> None:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([attempt_id])
+            await ready_and_started(world, runner, fence)
             await until(_barrier_waiting(world, attempt_id), "the barrier runs")
             applied = world.ctx.ledger.apply(fence, lifecycle.StopRequested())
             assert applied.record.status.stop_pending == "cancelled"
@@ -810,10 +796,7 @@ def _released_by_hand(world: World, fence: Fence) -> dict[str, ServiceHandle]:
 
     async def interrupted_start() -> None:
         runner = Runner(world.ctx, settings=FAST)
-        runner.admitted([attempt_id])
-        await until(state_of(world, attempt_id), "ready")
-        world.start(fence)
-        runner.start_requested([attempt_id])
+        await ready_and_started(world, runner, fence)
         await until(_barrier_waiting(world, attempt_id), "the barrier runs")
         handles.update(runner._handles)
         await runner.close()
@@ -1230,8 +1213,7 @@ def test_a_release_whose_provider_call_hangs_past_its_timeout_keeps_the_reservat
 
     async def scenario() -> tuple[list[HostError | None], list[HostError | None]]:
         async with running(Runner(world.ctx, settings=short)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
+            await ready(world, runner, fence)
             world.ctx.ledger.apply(fence, lifecycle.StopRequested())
             runner.stop_requested([attempt_id])
             await until(settled_and_clean(world, attempt_id), "cancelled and cleaned")
@@ -1503,8 +1485,7 @@ def test_a_renewal_answered_while_the_deadline_is_first_handed_over_reaches_the_
 
     async def scenario() -> None:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
+            await ready(world, runner, fence)
             world.start(fence)
             attempt = await runner._attempt(world.record(attempt_id))
         handover = asyncio.get_running_loop().create_task(deadlines.set(attempt))
@@ -1542,8 +1523,7 @@ def test_a_renewal_whose_attempt_expired_before_its_hand_over_is_refused(
 
     async def scenario() -> frozenset[str]:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
+            await ready(world, runner, fence)
             world.start(fence)
             attempt = await runner._attempt(world.record(attempt_id))
         await deadlines.set(attempt)
@@ -1684,10 +1664,7 @@ def test_recover_turns_starting_into_unknown_stops_the_service_and_never_starts_
 
     async def first_daemon() -> None:
         runner = Runner(world.ctx, settings=FAST)
-        runner.admitted([attempt_id])
-        await until(state_of(world, attempt_id), "ready")
-        world.start(fence)
-        runner.start_requested([attempt_id])
+        await ready_and_started(world, runner, fence)
         await until(_barrier_waiting(world, attempt_id), "the barrier runs")
         await runner.close()  # the daemon "dies": its service keeps running
 
@@ -2118,13 +2095,29 @@ def _start_with_passing_gate(world: World, fence: Fence, during: Callable[[], No
 
     async def scenario() -> None:
         async with running(_passing_gate(world.ctx, during)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([attempt_id])
+            await ready_and_started(world, runner, fence)
             await until(settled_and_clean(world, attempt_id), "settled and cleaned")
 
     asyncio.run(scenario())
+
+
+def _start_with_passing_gate_authorized_after(
+    world: World, fence: Fence, first: Callable[[], object]
+) -> None:
+    """`_start_with_passing_gate`, with `first` run on the ledger thread right before the
+    ledger authorizes the release (after the start pipeline last read the record)."""
+    ledger = world.ctx.ledger
+    authorize = ledger.authorize_release
+
+    def after_first(f: Fence, now: Any, ceiling: Any = None, **release: Any) -> str | None:
+        first()
+        return authorize(f, now, ceiling, **release)
+
+    ledger.authorize_release = after_first  # type: ignore[method-assign]
+    try:
+        _start_with_passing_gate(world, fence, lambda: None)
+    finally:
+        del ledger.authorize_release
 
 
 def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
@@ -2133,18 +2126,9 @@ def test_a_stop_committed_just_before_the_release_is_authorized_never_releases(
     """The stop handler's commit lands after the start pipeline last read the record but
     before the ledger authorizes the release: the marker is never written."""
     fence = world.admit(world.plan())
-    ledger = world.ctx.ledger
-    authorize = ledger.authorize_release
-
-    def stopped_first(f: Fence, now: Any, ceiling: Any = None, **release: Any) -> str | None:
-        ledger.apply(f, lifecycle.StopRequested())
-        return authorize(f, now, ceiling, **release)
-
-    ledger.authorize_release = stopped_first  # type: ignore[method-assign]
-    try:
-        _start_with_passing_gate(world, fence, lambda: None)
-    finally:
-        del ledger.authorize_release
+    _start_with_passing_gate_authorized_after(
+        world, fence, lambda: world.ctx.ledger.apply(fence, lifecycle.StopRequested())
+    )
     status = world.record(fence.attempt_id).status
     assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
     assert (status.state, status.reason) == ("cancelled", "stopped")
@@ -2159,18 +2143,11 @@ def test_a_lease_that_runs_out_while_the_release_waits_for_the_ledger_never_rele
     fence = world.admit(world.plan())
     clock = SteppedClock()
     world.ctx.clock = clock  # type: ignore[assignment]
-    ledger = world.ctx.ledger
-    authorize = ledger.authorize_release
-
-    def waited(f: Fence, when: Any, ceiling: Any = None, **release: Any) -> str | None:
-        clock.advance(1200)  # the lease was 600 s
-        return authorize(f, when, ceiling, **release)
-
-    ledger.authorize_release = waited  # type: ignore[method-assign]
-    try:
-        _start_with_passing_gate(world, fence, lambda: None)
-    finally:
-        del ledger.authorize_release
+    _start_with_passing_gate_authorized_after(
+        world,
+        fence,
+        lambda: clock.advance(1200),  # the lease was 600 s
+    )
     status = world.record(fence.attempt_id).status
     assert not (world.attempt_dir(fence.attempt_id) / "control" / RELEASE_MARKER).exists()
     assert (status.state, status.reason) == ("expired", "lease_expired")
@@ -2263,10 +2240,7 @@ def test_a_barrier_that_dies_after_the_gate_is_never_released(world: World) -> N
 
     async def scenario() -> None:
         async with running(runner):
-            runner.admitted([fence.attempt_id])
-            await until(state_of(world, fence.attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([fence.attempt_id])
+            await ready_and_started(world, runner, fence)
             await until(settled_and_clean(world, fence.attempt_id), "settled and cleaned")
 
     asyncio.run(scenario())
@@ -2462,10 +2436,7 @@ def test_every_context_holds_what_the_provider_contract_lists(world: World) -> N
 
     async def until_settled() -> None:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
-            runner.admitted([attempt_id])
-            await until(state_of(world, attempt_id), "ready")
-            world.start(fence)
-            runner.start_requested([attempt_id])
+            await ready_and_started(world, runner, fence)
             await until(settled_and_clean(world, attempt_id), "refused by the gate, cleaned")
 
     asyncio.run(until_settled())

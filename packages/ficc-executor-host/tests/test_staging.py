@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import grp
 import hashlib
 import os
 import shutil
@@ -34,9 +33,9 @@ from ficc.execution.host.staging import (
 )
 from ficc.execution.plan import InputObject
 from ficc.execution.provider import FileIdentity, InputCapability
+from ficc_testkit.accounts import temporary_account
 from ficc_testkit.plans import new_id
 
-GROUP = "ficc-t-stage"
 EMPTY = "sha256:" + hashlib.sha256(b"").hexdigest()
 
 pytestmark = pytest.mark.root("staging creates root-owned files and chowns to a real group")
@@ -49,15 +48,8 @@ def sha(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def slot_gid() -> Iterator[int]:
     """A real non-root system group for the reserved workload (created if absent)."""
-    created = False
-    try:
-        grp.getgrnam(GROUP)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", GROUP], check=True)
-        created = True
-    yield grp.getgrnam(GROUP).gr_gid
-    if created:
-        subprocess.run(["userdel", GROUP], check=True)
+    with temporary_account("ficc-t-stage-") as account:
+        yield account.gid
 
 
 @pytest.fixture

@@ -38,9 +38,11 @@ from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.staging import Stager, streams_of
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import kill_leftovers
-from ficc_testkit import podman
+from ficc_testkit import plans, podman
 from ficc_testkit.accounts import account_command
 from ficc_testkit.digests import digest_of
+from ficc_testkit.services import purge_cgroups
+from ficc_testkit.slots import remove_tree
 
 REPO = Path(__file__).resolve().parents[3]
 ISOLATION = "shared-kernel"
@@ -133,7 +135,7 @@ def world() -> Iterator[World]:
         w.driver = podman_driver.configure(w.config)
         yield w
     finally:
-        _purge_services(service, service_base)
+        purge_cgroups(service, service_base)
         with contextlib.suppress(Exception):
             kill_leftovers(uid)
         # Podman's per-user leftovers go before the account (its UID may be reused).
@@ -141,29 +143,7 @@ def world() -> Iterator[World]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"/dev/shm/libpod_rootless_lock_{uid}")
         account_command("userdel", name)
-        _remove_tree(base)
-
-
-def _remove_tree(path: Path) -> None:
-    """Podman's overlay storage holds directories without permissions: root removes them."""
-    subprocess.run(["rm", "-rf", "--one-file-system", str(path)], check=False)
-
-
-def _purge_services(service: CgroupfsService, base: str) -> None:
-    names = set()
-    for hierarchy in service.layout.hierarchies:
-        top = os.path.join(hierarchy.mount, base)
-        if os.path.isdir(top):
-            names |= {e.name for e in os.scandir(top) if e.is_dir(follow_symlinks=False)}
-    for name in names:
-        handle = service.adopt(name)
-        if handle is not None:
-            service.stop(handle)
-            service.remove(handle)
-    for hierarchy in service.layout.hierarchies:
-        top = os.path.join(hierarchy.mount, base)
-        if os.path.isdir(top):
-            os.rmdir(top)
+        remove_tree(base)
 
 
 def make_plan(
@@ -188,36 +168,12 @@ def make_plan(
         inputs.append(
             planlib.InputObject(w.local_id, "local.txt", len(w.local_data), digest_of(w.local_data))
         )
-    return planlib.Plan(
-        version=1,
-        deployment_id="1" * 32,
-        node_id="2" * 32,
-        project_id="3" * 32,
-        job_id=secrets.token_hex(16),
-        attempt_id=secrets.token_hex(16),
-        generation=1,
-        offer_revision=1,
-        job=planlib.Job(
-            name="job",
-            slot_class="cpu",
-            runtime=planlib.Runtime(
-                "podman", digest_of(b"pkg"), w.image["image_id"], ISOLATION, "none"
-            ),
-            payload=planlib.Payload(argv=argv, environment=environment or {"GREETING": "hello"}),
-            limits=planlib.Limits(
-                cpu_millis=1000,
-                memory_bytes=memory,
-                swap_bytes=0,
-                processes=processes,
-                storage_bytes=1 << 30,
-                storage_inodes=10000,
-                devices=list(devices),
-            ),
-            inputs=inputs,
-            outputs=[planlib.Output("result", "out.txt")],
-            sensitive=False,
-        ),
-    )
+    return plans.make_plan(
+        provider="podman", package_digest=digest_of(b"pkg"), image_digest=w.image["image_id"],
+        isolation=ISOLATION, argv=argv, environment=environment or {"GREETING": "hello"},
+        memory_bytes=memory, processes=processes, storage_bytes=1 << 30, storage_inodes=10000,
+        devices=devices, inputs=inputs, outputs={"result": "out.txt"},
+    )  # fmt: skip
 
 
 @dataclass

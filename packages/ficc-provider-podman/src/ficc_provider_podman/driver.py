@@ -601,9 +601,7 @@ def _write_private(path: str, data: bytes, *, gid: int, mode: int) -> None:
     try:
         os.fchown(fd, 0, gid)
         os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        inputs.write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -156,10 +156,15 @@ def _copy(source: int, target: int, check: Callable[[], Any]) -> tuple[str, int]
         if not data:
             return digest.hexdigest(), size
         digest.update(data)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(target, view) :]
+        write_all(target, data)
         size += len(data)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of `data`: os.write may write less than it was given."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def verify(placed: list[PlacedInput], dir_fd: int, gid: int) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import os
 import pwd
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 USERADD = ("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin")
@@ -57,6 +58,17 @@ def create_account(name: str) -> Account:
     made = lookup(name)
     assert made is not None, name
     return made
+
+
+@contextlib.contextmanager
+def temporary_account(prefix: str) -> Iterator[Account]:
+    """A fresh system account, `prefix` and 8 hex characters, removed afterwards: no
+    other test's or session's processes ever run as it."""
+    account = create_account(f"{prefix}{secrets.token_hex(4)}")
+    try:
+        yield account
+    finally:
+        account_command("userdel", account.name)
 
 
 @dataclass

@@ -48,6 +48,7 @@ __all__ = [
     "open_dir_at",
     "open_regular_at",
     "require_owner",
+    "write_all",
 ]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -260,9 +261,7 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, mode: int = 0o600) -> No
     fd = create_exclusive(dir_fd, temporary, mode, os.O_WRONLY)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -272,6 +271,13 @@ def atomic_replace(dir_fd: int, name: str, data: bytes, mode: int = 0o600) -> No
             os.unlink(temporary, dir_fd=dir_fd)
         raise
     fsync_dir(dir_fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of `data`: os.write may write less than it was given."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def bounded_read(fd: int, limit: int) -> bytes:

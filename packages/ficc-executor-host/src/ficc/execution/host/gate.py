@@ -27,7 +27,7 @@ from typing import Annotated
 
 import msgspec
 
-from ficc.execution.host import gate_reader, procfs, seccomp
+from ficc.execution.host import fsutil, gate_reader, procfs, seccomp
 from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.procfs import DeviceAccess, Evidence, FileIdentity, Mount
@@ -550,9 +550,7 @@ def publish_file(
     try:
         os.fchown(fd, 0, gid)
         os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        fsutil.write_all(fd, data)
         if durable:
             os.fsync(fd)
         # /proc/self/fd/N is the kernel's documented way to name an O_TMPFILE file.

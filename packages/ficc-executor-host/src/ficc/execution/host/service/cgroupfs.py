@@ -54,7 +54,7 @@ import time
 from typing import Literal
 
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import procfs, taskscan
+from ficc.execution.host import fsutil, procfs, taskscan
 from ficc.execution.host.codes import HostCode
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
@@ -296,7 +296,7 @@ class CgroupfsService:
             self._join(process.pid, spec.name, nodes)
             self._await_ready(process, ready_read)
             check_credentials(process.pid, spec, groups=frozenset())
-            _send_order(gate_write, order)
+            fsutil.write_all(gate_write, order)
             os.close(gate_write)
             gate_write = -1
             self._await_exec(process, ready_read, spec.argv[0])
@@ -680,12 +680,6 @@ def _optional_limit(node: str, name: str) -> int | None:
 
 def _read(node: str, name: str) -> str:
     return cgroups.read_text(os.path.join(node, name))
-
-
-def _send_order(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _readable(fd: int, timeout: float) -> bool:
