@@ -43,7 +43,7 @@ def test_the_stack_summary_sets_waits_aside_and_groups_the_checks(
 
     root = "thread (1): ficc-io_0;Thread.run (threading.py:982);Lane._work (host/lanes.py:170)"
     lines = [
-        f"{root};_run_one (host/lanes.py:104);scan_tasks (host/procfs.py:917) 7",
+        f"{root};_run_one (host/lanes.py:104);scan_tasks (host/taskscan.py:80) 7",
         f"{root};_run_one (host/lanes.py:104);live_processes_by_uid (a.py:390) 2",
         f"{root};_run_one (host/lanes.py:104);processes_by_uid (a.py:353) 3",
         f"{root};_run_one (host/lanes.py:104);fsync_dir (host/fsutil.py:246) 5",

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host import gate, gate_reader, procfs, seccomp
+from ficc.execution.host import gate, gate_reader, procfs, seccomp, taskscan
 from ficc.execution.host.errors import HostError
 from ficc.execution.host.gate import (
     CgroupRequirement,
@@ -1668,13 +1668,13 @@ def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world:
 def test_a_status_the_scan_cannot_read_is_none_which_counts_as_live(
     data: bytes, expected: tuple[bytes, tuple[int, ...]] | None
 ) -> None:
-    assert procfs.state_and_uids(data) == expected
+    assert taskscan.state_and_uids(data) == expected
 
 
 def test_the_scan_finds_this_process_by_its_uid() -> None:
     me = os.getuid()
-    assert (me, os.getpid()) in procfs.live_tasks({me})
-    assert all(uid == me or uid == -1 for uid, _ in procfs.live_tasks({me}))
+    assert (me, os.getpid()) in taskscan.live_tasks({me})
+    assert all(uid == me or uid == -1 for uid, _ in taskscan.live_tasks({me}))
 
 
 _ONE_THREAD_AS = """
@@ -1718,9 +1718,9 @@ def test_the_scan_finds_a_thread_whose_credentials_differ_from_its_leaders(leade
                 return b"\nState:\tZ" in Path(f"/proc/{child.pid}/status").read_bytes()
 
             wait_for(leader_is_a_zombie, "the leader to end alone")
-        assert procfs.live_uid_of(child.pid, {uid}) == uid
-        assert (uid, child.pid) in procfs.live_tasks({uid})
+        assert taskscan.live_uid_of(child.pid, {uid}) == uid
+        assert (uid, child.pid) in taskscan.live_tasks({uid})
     finally:
         child.kill()
         child.wait()
-    assert procfs.live_uid_of(child.pid, {uid}) is None
+    assert taskscan.live_uid_of(child.pid, {uid}) is None

@@ -31,7 +31,7 @@ from ficc.execution._executor import (
     receive_request,
 )
 from ficc.execution.host import lifecycle as lc
-from ficc.execution.host import procfs
+from ficc.execution.host import taskscan
 from ficc.execution.host.config import Config, check_directories, parse_config
 from ficc.execution.host.context import HostContext, ProviderRuntime
 from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, check_ledger, service_backend
@@ -1199,7 +1199,7 @@ def test_a_non_dumpable_process_of_a_slot_account_is_still_found(host: Host) -> 
         assert child.stdout is not None
         assert child.stdout.read(5) == b"ready"
         assert os.stat(f"/proc/{child.pid}/status").st_uid == 0  # what an owner filter sees
-        assert (slot.uid, child.pid) in procfs.live_tasks({slot.uid})
+        assert (slot.uid, child.pid) in taskscan.live_tasks({slot.uid})
         reply = reconcile(host, make_plan())
         assert isinstance(reply, ErrorReply)
         assert f"process {child.pid}" in reply.error.message
@@ -1222,7 +1222,7 @@ def test_reconcile_absent_refuses_a_live_process_of_a_slot_account(host: Host) -
     )
     try:
         deadline = time.monotonic() + 10
-        while (slot.uid, child.pid) not in procfs.live_tasks({slot.uid}):
+        while (slot.uid, child.pid) not in taskscan.live_tasks({slot.uid}):
             assert time.monotonic() < deadline, "setpriv never became the slot account"
             time.sleep(0.01)
         plan = make_plan()

@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ficc.execution.host import procfs
-from ficc.execution.host.procfs import TaskHits
-from ficc.execution.host.taskscan import SharedScan
+from ficc.execution.host import taskscan
+from ficc.execution.host.taskscan import SharedScan, TaskHits
 from ficc_testkit.waits import wait_for
 
 HOST = [
@@ -24,7 +23,7 @@ HOST = [
 
 
 def _scan_of(host: list[TaskHits]) -> Callable[[set[int]], list[TaskHits]]:
-    """A walk of a made-up host: what `procfs.scan_tasks` would find there."""
+    """A walk of a made-up host: what `taskscan.scan_tasks` would find there."""
 
     def scan(uids: set[int]) -> list[TaskHits]:
         return [
@@ -39,15 +38,15 @@ def _scan_of(host: list[TaskHits]) -> Callable[[set[int]], list[TaskHits]]:
 @pytest.mark.parametrize("uids", [{1001}, {1002}, {1003}, {1004}, {1001, 1003}])
 def test_a_shared_answer_is_what_a_walk_of_ones_own_says(uids: set[int]) -> None:
     scan = _scan_of(HOST)
-    assert SharedScan(scan).live_tasks(uids) == procfs.accounts_in(scan(uids), uids)
+    assert SharedScan(scan).live_tasks(uids) == taskscan.accounts_in(scan(uids), uids)
 
 
 def test_the_accounts_of_one_walk_are_each_callers_own() -> None:
     """A process with threads of two accounts is each account's; one that cannot be read
     is everyone's (fail closed), unless it is someone's by a thread that can be read."""
-    assert procfs.accounts_in(HOST, {1001}) == [(1001, 10), (1001, 11), (-1, 12), (-1, 13)]
-    assert procfs.accounts_in(HOST, {1002}) == [(1002, 11), (-1, 12), (-1, 13)]
-    assert procfs.accounts_in(HOST, {1003}) == [(-1, 12), (1003, 13)]
+    assert taskscan.accounts_in(HOST, {1001}) == [(1001, 10), (1001, 11), (-1, 12), (-1, 13)]
+    assert taskscan.accounts_in(HOST, {1002}) == [(1002, 11), (-1, 12), (-1, 13)]
+    assert taskscan.accounts_in(HOST, {1003}) == [(-1, 12), (1003, 13)]
 
 
 def test_callers_that_arrive_during_a_walk_share_the_next_one() -> None:

@@ -1,8 +1,8 @@
 """Host-wide scans of live tasks by account, one walk for every caller waiting on it.
 
 Whether a slot account has anything left anywhere on the host is answered by reading
-the status of every thread on the host (`procfs.live_tasks`: credentials are per
-thread, and no cheaper source is exact). Cleanup asks it for each settled attempt, and
+the status of every thread on the host (`live_tasks`: credentials are per thread,
+and no cheaper source is exact). Cleanup asks it for each settled attempt, and
 a batch of attempts settles together: 32 cleanups walked all of /proc 32 times, each
 walk the longer for the others' processes. `SharedScan` lets concurrent callers share
 a walk. A caller is only ever answered by a walk that began after it asked, so its
@@ -12,14 +12,144 @@ own UIDs would say.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
-from ficc.execution.host import procfs
+__all__ = [
+    "SHARED",
+    "TASK_STATUS_BYTES",
+    "SharedScan",
+    "TaskHits",
+    "accounts_in",
+    "live_tasks",
+    "live_uid_of",
+    "scan_tasks",
+    "state_and_uids",
+]
 
-__all__ = ["SHARED", "SharedScan"]
 
-Scan = Callable[[set[int]], list[procfs.TaskHits]]
+TASK_STATUS_BYTES = 8192
+"""Enough for State and Uid, which come in a status file's first lines."""
+
+
+def state_and_uids(data: bytes) -> tuple[bytes, tuple[int, ...]] | None:
+    """The `State:` letter and the four `Uid:` values of a status file, or None when
+    either is missing or malformed, or `Uid:` comes first (a caller counting live tasks
+    counts it as live).
+
+    Only these two lines are looked up, by search rather than by splitting every line:
+    a host-wide scan reads every task's status. A line can only begin after a newline
+    the kernel wrote, because it escapes a newline in a task's name.
+    """
+    text = b"\n" + data
+    state_at = text.find(b"\nState:")
+    uid_at = text.find(b"\nUid:")
+    if state_at < 0 or uid_at < state_at:
+        return None
+    state = _line_value(text, state_at + 7)[:1]
+    parts = _line_value(text, uid_at + 5).split()
+    if len(parts) != 4 or not b"".join(parts).isdigit():  # each part is non-empty
+        return None
+    return state, tuple(map(int, parts))
+
+
+def _line_value(text: bytes, start: int) -> bytes:
+    """The rest of the line from `start`, without its surrounding blanks."""
+    end = text.find(b"\n", start)
+    return text[start : None if end < 0 else end].strip()
+
+
+def _task_status(path: str) -> bytes | None:
+    """A task's status bytes; None when the task is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    try:
+        return os.read(fd, TASK_STATUS_BYTES)
+    except ProcessLookupError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def live_tasks(uids: set[int]) -> list[tuple[int, int]]:
+    """(uid, pid) of each process with a live (non-zombie) thread whose real,
+    effective, saved or filesystem UID is in `uids`; uid -1 for a process with a
+    thread whose status could not be parsed, which is counted as live (fail closed).
+
+    Every thread is read (credentials are per thread), each on its own: a thread that
+    ends while it is read is skipped without skipping its siblings. Who owns the /proc
+    files is not used to filter: a non-dumpable process's files are root's.
+    """
+    return accounts_in(scan_tasks(uids), uids)
+
+
+class TaskHits(NamedTuple):
+    """What one walk saw of one process: the UIDs of `uids` its live threads hold,
+    and whether a thread's status could not be parsed."""
+
+    pid: int
+    hits: frozenset[int]
+    unreadable: bool
+
+
+def scan_tasks(uids: set[int]) -> list[TaskHits]:
+    """One walk of every thread on the host: each process that holds any of `uids` in
+    a live thread, or has a thread whose status cannot be parsed. `accounts_in` turns
+    it into `live_tasks`'s answer for any subset of `uids`."""
+    found: list[TaskHits] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            seen = _process_hits(int(entry), uids)
+            if seen.hits or seen.unreadable:
+                found.append(seen)
+    return found
+
+
+def accounts_in(scan: list[TaskHits], uids: set[int]) -> list[tuple[int, int]]:
+    """`live_tasks(uids)` from a walk that looked for at least `uids`."""
+    found: list[tuple[int, int]] = []
+    for seen in scan:
+        mine = seen.hits & uids
+        if mine:
+            found.append((min(mine), seen.pid))
+        elif seen.unreadable:
+            found.append((-1, seen.pid))
+    return found
+
+
+def live_uid_of(pid: int, uids: set[int]) -> int | None:
+    """The smallest of `uids` a live thread of process `pid` runs as, -1 for a thread
+    whose status cannot be parsed, or None (none of them, or the process is gone)."""
+    found = accounts_in([_process_hits(pid, uids)], uids)
+    return found[0][0] if found else None
+
+
+def _process_hits(pid: int, uids: set[int]) -> TaskHits:
+    hits: set[int] = set()
+    unreadable = False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        tasks = []
+    for task in tasks:
+        data = _task_status(f"/proc/{pid}/task/{task}/status")
+        if data is None:
+            continue
+        parsed = state_and_uids(data)
+        if parsed is None:
+            unreadable = True
+        elif parsed[0] != b"Z":
+            hits.update(uids.intersection(parsed[1]))
+    return TaskHits(pid, frozenset(hits), unreadable)
+
+
+# --- one walk shared by the callers waiting for it ---------------------------------
+
+Scan = Callable[[set[int]], list[TaskHits]]
 
 
 class SharedScan:
@@ -27,18 +157,18 @@ class SharedScan:
     next one for every UID asked for until then; callers that arrive while a walk runs
     wait for the one after it (they asked too late for the running one)."""
 
-    def __init__(self, scan: Scan = procfs.scan_tasks) -> None:
+    def __init__(self, scan: Scan = scan_tasks) -> None:
         self._scan = scan
         self._changed = threading.Condition()
         self._next = 0  # the walk that serves a caller arriving now
         self._walking = False
         self._wanted: dict[int, set[int]] = {}
         self._waiting: dict[int, int] = {}
-        self._done: dict[int, list[procfs.TaskHits] | BaseException] = {}
+        self._done: dict[int, list[TaskHits] | BaseException] = {}
         self.walks = 0
 
     def live_tasks(self, uids: set[int]) -> list[tuple[int, int]]:
-        """What `procfs.live_tasks(uids)` says, from a walk that began after this call."""
+        """What `live_tasks(uids)` says, from a walk that began after this call."""
         with self._changed:
             walk = self._next
             self._wanted.setdefault(walk, set()).update(uids)
@@ -58,10 +188,10 @@ class SharedScan:
                 del self._waiting[walk], self._done[walk]
         if isinstance(outcome, BaseException):
             raise outcome
-        return procfs.accounts_in(outcome, uids)
+        return accounts_in(outcome, uids)
 
     def _lead(self, walk: int, wanted: set[int]) -> None:
-        outcome: list[procfs.TaskHits] | BaseException
+        outcome: list[TaskHits] | BaseException
         try:
             outcome = self._scan(wanted)
         except BaseException as error:  # every caller of this walk gets it

@@ -727,7 +727,7 @@ def _kill_if_account(pid: int, uid: int) -> None:
     except ProcessLookupError:
         return
     try:
-        if procfs.live_uid_of(pid, {uid}) == uid:  # still the account's, now pinned
+        if taskscan.live_uid_of(pid, {uid}) == uid:  # still the account's, now pinned
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except ProcessLookupError:
         pass
