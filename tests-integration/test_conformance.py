@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from ficc.execution.host.conformance import RULES
+from ficc.execution.host.cli.conformance import RULES
 from ficc.execution.plan import Plan
 from ficc_testkit.digests import fake
 from ficc_testkit.host import IMAGE, PROJECT, Layout

@@ -43,7 +43,7 @@ import pytest
 import error_codes
 from ficc.execution.errors import ErrorCode
 from ficc.execution.frames import HEADER, REQUEST_MAX
-from ficc.execution.host.codes import HostCode
+from ficc.execution.host.core.codes import HostCode
 from ficc.execution.plan import Output, Plan, plan_digest
 from ficc.execution.protocol import (
     CollectRequest,

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from figures import Figure
 
 from ficc.execution import plan as planlib
-from ficc.execution.host.ledger import HostFacts, Lease, Ledger, Now, PrepareRow, SlotSpec
+from ficc.execution.host.ledger.store import HostFacts, Lease, Ledger, Now, PrepareRow, SlotSpec
 from ficc.execution.protocol import OfferLimits, Resources
 from ficc_testkit.digests import fake
 

@@ -36,7 +36,7 @@ import time
 from daemon_support import MIB, BenchHost, SlotPlan, bench_host, decode, exchange
 from figures import Figure
 
-from ficc.execution.host.buffers import KEPT_REQUEST_IDLE_S
+from ficc.execution.host.context.buffers import KEPT_REQUEST_IDLE_S
 from ficc.execution.plan import InputObject, Plan
 from ficc.execution.protocol import (
     InputStatusRequest,

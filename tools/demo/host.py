@@ -24,7 +24,7 @@ import psutil
 
 from demo.config import SLOT_STORAGE_BYTES, SLOT_STORAGE_INODES, Image
 from demo.layout import DISK_BASE, IMAGE_TAG, PROVIDER, RunLayout
-from ficc.execution.host import provision
+from ficc.execution.host.cli import provision
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc_testkit.accounts import Account, create_account, lookup
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ficc.execution.host.clock import BootClock
-from ficc.execution.host.leases import Now
+from ficc.execution.host.core.leases import Now
+from ficc.execution.host.linux.clock import BootClock
 
 NS_PER_S = 1_000_000_000
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import admission
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.ledger import AttemptRecord, Offer
-from ficc.execution.host.lifecycle import admitted
+from ficc.execution.host.core import admission
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.core.lifecycle import admitted
+from ficc.execution.host.ledger.store import AttemptRecord, Offer
 from test_ledger import CEILING, NOW, facts, lease, limits, make_plan, new_id
 
 OFFER = Offer(revision=1, control="active", limits=limits())

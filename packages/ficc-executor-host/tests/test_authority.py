@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.host.authority import ALL_ACTIONS, SocketKind, allowed, authorize
-from ficc.execution.host.config import Config, parse_config
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.peercred import (
+from ficc.execution.host.config.model import Config, parse_config
+from ficc.execution.host.core.authority import ALL_ACTIONS, SocketKind, allowed, authorize
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.daemon.peercred import (
     Endpoint,
     check_peer,
     listen,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ficc.execution.host.authority import SocketKind
-from ficc.execution.host.budget import Progress, RequestBudget
+from ficc.execution.host.core.authority import SocketKind
+from ficc.execution.host.core.budget import Progress, RequestBudget
 
 
 def test_each_socket_kind_takes_only_from_its_own_pool() -> None:

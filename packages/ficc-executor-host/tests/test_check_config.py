@@ -21,10 +21,11 @@ from typing import Any
 
 import pytest
 
-from ficc.execution.host import provision, slotfs
-from ficc.execution.host.config import parse_config
-from ficc.execution.host.daemon import open_ledger
+from ficc.execution.host.cli import provision
+from ficc.execution.host.config.model import parse_config
+from ficc.execution.host.daemon.root import open_ledger
 from ficc.execution.host.providers import compute_digest
+from ficc.execution.host.storage import slotfs
 from ficc_testkit import wheels
 from ficc_testkit.accounts import account_command
 

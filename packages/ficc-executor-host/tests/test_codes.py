@@ -16,7 +16,7 @@ import pytest
 
 from ficc.execution import host
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host.codes import HostCode
+from ficc.execution.host.core.codes import HostCode
 
 SOURCE = pathlib.Path(host.__file__).parent
 CODE_PARAMETERS = {"code", "failed_code"}

@@ -13,12 +13,12 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.buffers import ReadBuffers
-from ficc.execution.host.collect import PlanCache, identity_digest, read_object
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.layout import Layout
-from ficc.execution.host.ledger import AttemptRecord
+from ficc.execution.host.api.collect import PlanCache, identity_digest, read_object
+from ficc.execution.host.context.buffers import ReadBuffers
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.ledger.store import AttemptRecord
+from ficc.execution.host.storage.layout import Layout
 from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read, validate_request
 from ficc_testkit import plans
 

@@ -2,7 +2,7 @@
 
 `run_daemon` is driven for real: real sockets under /run, a real sd_notify datagram
 socket (abstract namespace, as systemd may pass), a real SIGTERM to this process. The
-core (`ficc.execution.host.daemon`) is replaced by the fake through `open_daemon`; the
+core (`ficc.execution.host.daemon.root`) is replaced by the fake through `open_daemon`; the
 integration tests in tests-integration/ run the real one as a separate process.
 """
 
@@ -28,11 +28,12 @@ from typing import Any
 import pytest
 
 from ficc.execution.client import Client
-from ficc.execution.host import commands, logs
-from ficc.execution.host.commands import fetch_snapshots, format_status, run_daemon
-from ficc.execution.host.config import Config, parse_config
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.server import ServerLimits
+from ficc.execution.host.cli import commands
+from ficc.execution.host.cli.commands import fetch_snapshots, format_status, run_daemon
+from ficc.execution.host.config.model import Config, parse_config
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.daemon import logs
+from ficc.execution.host.daemon.server import ServerLimits
 from ficc.execution.protocol import AnyRequest, OfferLimits, Resources, Sender, SnapshotRequest
 from ficc.execution.wire import (
     AnyReply,

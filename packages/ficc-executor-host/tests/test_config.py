@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host.config import (
+from ficc.execution.host.config.model import (
     MAX_CONFIG_BYTES,
     Config,
     check_accounts,
@@ -30,7 +30,7 @@ from ficc.execution.host.config import (
     open_trusted_directory,
     parse_config,
 )
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
 
 NOBODY = 65534
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"

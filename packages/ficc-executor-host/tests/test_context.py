@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ficc.execution.host.context import Workers
+from ficc.execution.host.context.parts import Workers
 from ficc_testkit.waits import wait_for
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ficc.execution.host.attempts import Decoded
+from ficc.execution.host.runner.attempts import Decoded
 from ficc_testkit import plans
 
 

@@ -14,9 +14,10 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import gate, gate_reader, procfs
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.expectation import (
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.gate import checks as gate
+from ficc.execution.host.gate import reader as gate_reader
+from ficc.execution.host.gate.expectation import (
     PrepareResult,
     build_expectation,
     check_device_opens,
@@ -24,6 +25,7 @@ from ficc.execution.host.expectation import (
     decode_prepare_result,
     device_rules,
 )
+from ficc.execution.host.linux import procfs
 from ficc.execution.host.service.interface import ServiceHandle
 from ficc_testkit.plans import make_plan
 

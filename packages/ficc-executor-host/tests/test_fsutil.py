@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.fsutil import (
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux.fsutil import (
     atomic_replace,
     bounded_read,
     create_exclusive,

@@ -32,9 +32,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host import gate, gate_reader, procfs, seccomp, taskscan
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.gate import (
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.gate import checks as gate
+from ficc.execution.host.gate import reader as gate_reader
+from ficc.execution.host.gate.checks import (
     CgroupRequirement,
     Expectation,
     FdAllowance,
@@ -42,7 +43,8 @@ from ficc.execution.host.gate import (
     PreparedMount,
     RlimitCeiling,
 )
-from ficc.execution.host.procfs import FileIdentity
+from ficc.execution.host.linux import procfs, seccomp, taskscan
+from ficc.execution.host.linux.procfs import FileIdentity
 from ficc.execution.host.service import bpfdevices, cgroups
 from ficc.execution.host.service.interface import DeviceRule
 from ficc_testkit.accounts import temporary_account
@@ -1596,7 +1598,7 @@ def test_the_live_v2_device_program_of_a_process_is_read_back_and_judged() -> No
 
 FILTERED_READER = r"""
 import ctypes, json, sys
-from ficc.execution.host import seccomp
+from ficc.execution.host.linux import seccomp
 
 class SockFilter(ctypes.Structure):
     _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from ficc.execution.host.group_commit import GroupCommit
+from ficc.execution.host.context.group_commit import GroupCommit
 
 
 class Calls:

@@ -30,18 +30,18 @@ from ficc.execution._executor import (
     ReceivedInputWriteRequest,
     receive_request,
 )
-from ficc.execution.host import lifecycle as lc
-from ficc.execution.host import taskscan
-from ficc.execution.host.config import Config, check_directories, parse_config
-from ficc.execution.host.context import HostContext, ProviderRuntime
-from ficc.execution.host.daemon import LEDGER_MARKER, Daemon, check_ledger, service_backend
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.layout import Layout, service_name
-from ficc.execution.host.ledger import LEDGER_FILE
-from ficc.execution.host.records import AttemptRecord, ResourceUsage
-from ficc.execution.host.replies import encode_reply
+from ficc.execution.host.config.model import Config, check_directories, parse_config
+from ficc.execution.host.context.parts import HostContext, ProviderRuntime
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.core.records import AttemptRecord, ResourceUsage
+from ficc.execution.host.core.replies import encode_reply
+from ficc.execution.host.daemon.root import LEDGER_MARKER, Daemon, check_ledger, service_backend
+from ficc.execution.host.ledger.store import LEDGER_FILE
+from ficc.execution.host.linux import taskscan
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.systemd import SystemdService
+from ficc.execution.host.storage.layout import Layout, service_name
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,

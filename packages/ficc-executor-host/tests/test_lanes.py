@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from ficc.execution.host.lanes import Lane, Spares, ToLoop
+from ficc.execution.host.context.lanes import Lane, Spares, ToLoop
 from ficc_testkit.waits import wait_for
 
 

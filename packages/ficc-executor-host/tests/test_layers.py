@@ -1,8 +1,10 @@
 """The host's layers, as the README's architecture table states them, held by its code.
 
-Each module belongs to exactly one layer of the table; it imports only from its own
-layer and from the layers listed before it (lazy imports inside functions included);
-and `core` stays pure: no `os`, `socket`, `sqlite3`, `asyncio` or `ctypes`.
+Each layer is a folder of the same name (the few top-level modules are the stable public
+paths, placed in a layer by the table). Each module belongs to exactly one layer; it
+imports only from its own layer and from the layers listed before it (lazy imports
+inside functions included); and `core` stays pure: no `os`, `socket`, `sqlite3`,
+`asyncio` or `ctypes`.
 """
 
 from __future__ import annotations
@@ -134,3 +136,17 @@ def test_lazy_imports_count() -> None:
     tree = ast.parse("def f():\n    from ficc.execution.host.service import bpfdevices\n")
     own, _ = imports_of(tree, {"service", "service.bpfdevices"})
     assert own == {"service.bpfdevices", "service"}
+
+
+PUBLIC_TOP_LEVEL = {"sdk", "commands", "conformance"}
+
+
+def test_each_layer_is_its_folder_and_the_top_level_holds_only_public_paths(
+    table: list[tuple[str, list[str]]],
+) -> None:
+    folders = sorted(p.parent.name for p in SOURCE.glob("*/__init__.py"))
+    assert folders == sorted(layer for layer, _ in table)
+    for layer, entries in table:
+        assert layer in entries, f"the {layer} row does not list its folder `{layer}/`"
+    top = {p.stem for p in SOURCE.glob("*.py")} - {"__init__"}
+    assert top == PUBLIC_TOP_LEVEL

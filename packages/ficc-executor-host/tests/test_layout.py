@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.layout import (
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.storage.layout import (
     CONTROL,
     EVIDENCE,
     LOGS,

@@ -36,11 +36,18 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import leases
-from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.leases import Lease, Now
-from ficc.execution.host.ledger import Admitted, Applied, HostFacts, Ledger, PrepareRow, SlotSpec
+from ficc.execution.host.core import leases
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.core.leases import Lease, Now
+from ficc.execution.host.ledger.store import (
+    Admitted,
+    Applied,
+    HostFacts,
+    Ledger,
+    PrepareRow,
+    SlotSpec,
+)
 from ficc.execution.host.service import reaper
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc_testkit import plans

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host.clock import BOOT_ID_PATH, BootClock, read_boot_id
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.leases import Lease, Now, grant, is_current, remaining_ns, renew
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.core.leases import Lease, Now, grant, is_current, remaining_ns, renew
+from ficc.execution.host.linux.clock import BOOT_ID_PATH, BootClock, read_boot_id
 
 BOOT = "5d714fed-8ede-4113-89a0-7d5338beb1e8"
 OTHER_BOOT = "00000000-1111-2222-3333-444444444444"

@@ -28,10 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import filesystems, ledger_schema
-from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.ledger import (
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.ledger import schema as ledger_schema
+from ficc.execution.host.ledger.store import (
     LEDGER_FILE,
     Admitted,
     Applied,
@@ -44,6 +44,7 @@ from ficc.execution.host.ledger import (
     ResourceUsage,
     SlotSpec,
 )
+from ficc.execution.host.linux import filesystems
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc_testkit import plans
 from ficc_testkit.plans import new_id
@@ -1331,7 +1332,7 @@ def test_set_offer(ledger: Ledger) -> None:
 _CHILD = textwrap.dedent(
     """
     import os, sys
-    from ficc.execution.host.ledger import Ledger, PrepareRow
+    from ficc.execution.host.ledger.store import Ledger, PrepareRow
     sys.path.insert(0, os.environ["FICC_TEST_DIR"])
     from test_ledger import INSTALLATION, facts, lease, make_plan
 

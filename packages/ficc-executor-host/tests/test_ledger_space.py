@@ -19,11 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import ledger_space as space
-from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.ledger import Admitted, Applied, Ledger, PrepareRow
-from ficc.execution.host.ledger_space import Space, SpaceBounds
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.ledger import space
+from ficc.execution.host.ledger.space import Space, SpaceBounds
+from ficc.execution.host.ledger.store import Admitted, Applied, Ledger, PrepareRow
 from test_ledger import (
     CEILING,
     INSTALLATION,

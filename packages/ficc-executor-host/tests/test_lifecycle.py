@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host import lifecycle as lc
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
 
 Status = lc.Status
 

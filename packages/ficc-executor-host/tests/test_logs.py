@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.host import logs
+from ficc.execution.host.daemon import logs
 
 RECORD = {"ts": 1_800_000_000.25, "level": "warning", "event": "busy", "socket": "admin"}
 
@@ -66,7 +66,7 @@ def _emit_in_child(stderr: Path, journal_stream: str | None) -> str:
     if journal_stream is not None:
         env["JOURNAL_STREAM"] = journal_stream
     code = (
-        "from ficc.execution.host import logs\n"
+        "from ficc.execution.host.daemon import logs\n"
         "logs.emit({'ts': 0.0, 'level': 'error', 'event': 'e'})\n"
         "logs.emit({'ts': 0.0, 'level': 'debug', 'event': 'hidden'})\n"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ficc.execution.host import metrics
+from ficc.execution.host.core import metrics
 
 FACTS = metrics.LedgerFacts(
     version="1.2.3",

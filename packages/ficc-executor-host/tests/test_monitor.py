@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from ficc.execution.host import lifecycle
-from ficc.execution.host.ledger import AttemptRecord
-from ficc.execution.host.monitor import Action, Monitor, decide
+from ficc.execution.host.core import lifecycle
+from ficc.execution.host.ledger.store import AttemptRecord
+from ficc.execution.host.runner.monitor import Action, Monitor, decide
 
 
 def status(state: str, **changes: Any) -> lifecycle.Status:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.host import notify
-from ficc.execution.host.ledger import AttemptRecord
-from ficc.execution.host.monitor import Monitor
+from ficc.execution.host.ledger.store import AttemptRecord
+from ficc.execution.host.linux import notify
+from ficc.execution.host.runner.monitor import Monitor
 
 
 @pytest.fixture

@@ -37,25 +37,16 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
-from ficc.execution.host import (
-    attempts,
-    batching,
-    gate,
-    handlers,
-    lifecycle,
-    provision,
-    slotfs,
-    starting,
-)
-from ficc.execution.host.clock import BootClock
-from ficc.execution.host.config import Config
-from ficc.execution.host.context import HostContext, ProviderRuntime, SlotRuntime, Workers
-from ficc.execution.host.deadlines import Deadlines
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.expectation import decode_prepare_result
-from ficc.execution.host.layout import Layout, service_name
-from ficc.execution.host.leases import Lease
-from ficc.execution.host.ledger import (
+from ficc.execution.host.api import handlers
+from ficc.execution.host.cli import provision
+from ficc.execution.host.config.model import Config
+from ficc.execution.host.context.parts import HostContext, ProviderRuntime, SlotRuntime, Workers
+from ficc.execution.host.core import lifecycle
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.core.leases import Lease
+from ficc.execution.host.gate import checks as gate
+from ficc.execution.host.gate.expectation import decode_prepare_result
+from ficc.execution.host.ledger.store import (
     Admitted,
     Applied,
     AttemptRecord,
@@ -65,15 +56,20 @@ from ficc.execution.host.ledger import (
     RecordedUsage,
     SlotSpec,
 )
-from ficc.execution.host.pipeline import RELEASE_MARKER, Runner, Settings
+from ficc.execution.host.linux.clock import BootClock
 from ficc.execution.host.providers import compute_digest, load_provider
 from ficc.execution.host.providers import loader as loader_module
 from ficc.execution.host.providers.loader import LoadedProvider
+from ficc.execution.host.runner import attempts, batching, starting
+from ficc.execution.host.runner.deadlines import Deadlines
+from ficc.execution.host.runner.pipeline import RELEASE_MARKER, Runner, Settings
+from ficc.execution.host.runner.starting import AFTER_EXIT_LOOKS
 from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import ServiceHandle
-from ficc.execution.host.staging import Stager, streams_of
-from ficc.execution.host.starting import AFTER_EXIT_LOOKS
+from ficc.execution.host.storage import slotfs
+from ficc.execution.host.storage.layout import Layout, service_name
+from ficc.execution.host.storage.staging import Stager, streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
 from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels

@@ -29,8 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ficc.execution import provider as sdk
-from ficc.execution.host import commands
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.cli import commands
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.providers import (
     MAX_BATCH,
     RowResult,

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from ficc.execution.host import lifecycle
-from ficc.execution.host.record_cache import RecordCache
-from ficc.execution.host.records import AttemptRecord
+from ficc.execution.host.core import lifecycle
+from ficc.execution.host.core.records import AttemptRecord
+from ficc.execution.host.ledger.cache import RecordCache
 
 
 def _record(attempt_id: str, updated: int = 1) -> AttemptRecord:

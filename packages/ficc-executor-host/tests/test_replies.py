@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from ficc.execution.host import replies
-from ficc.execution.host.replies import Base64Data, encode_reply
+from ficc.execution.host.core import replies
+from ficc.execution.host.core.replies import Base64Data, encode_reply
 from ficc.execution.protocol import COLLECT_MAX_BYTES
 from ficc.execution.wire import ReadRow, ReadsReply
 from ficc.execution.wire import encode_reply as wire_encode_reply

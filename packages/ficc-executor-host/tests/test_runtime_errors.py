@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ficc.execution.host.runtime_errors import sanitized
+from ficc.execution.host.runner.runtime_errors import sanitized
 
 
 def test_control_characters_are_shown_as_question_marks() -> None:

@@ -36,10 +36,10 @@ from ficc.execution._executor import ReceivedInputWriteRequest
 from ficc.execution._executor import ReceivedRequest as AnyRequest
 from ficc.execution.client import Client, Refused
 from ficc.execution.frames import HEADER, REPLY_MAX, REQUEST_MAX
-from ficc.execution.host.authority import SocketKind
-from ficc.execution.host.buffers import RequestBuffers
-from ficc.execution.host.peercred import Endpoint
-from ficc.execution.host.server import ServerLimits, serve
+from ficc.execution.host.context.buffers import RequestBuffers
+from ficc.execution.host.core.authority import SocketKind
+from ficc.execution.host.daemon.peercred import Endpoint
+from ficc.execution.host.daemon.server import ServerLimits, serve
 from ficc.execution.protocol import (
     ZERO_ID,
     Fence,

@@ -33,7 +33,7 @@ import msgspec
 import pytest
 
 import service_support
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service import (
     DeviceRule,
     ServiceHandle,

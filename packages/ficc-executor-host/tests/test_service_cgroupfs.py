@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 import service_support
-from ficc.execution.host import taskscan
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux import taskscan
 from ficc.execution.host.service import (
     CgroupfsService,
     DeviceRule,

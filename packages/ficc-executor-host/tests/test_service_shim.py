@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service import shim
 from ficc.execution.host.service.launch import DEFAULT_INTERPRETER
 

@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 import service_support
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service import DeviceRule, reaper, systemd
 from ficc.execution.host.service.systemd import SystemdService
 from ficc_testkit.waits import wait_for

@@ -26,15 +26,17 @@ import msgspec
 import pytest
 from msgspec.structs import replace
 
-from ficc.execution.host import procfs, provision, slotfs
-from ficc.execution.host.config import (
+from ficc.execution.host.cli import provision
+from ficc.execution.host.config.model import (
     Config,
     Slot,
     check_host,
     open_image_parent,
     parse_config,
 )
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux import procfs
+from ficc.execution.host.storage import slotfs
 from ficc_testkit.accounts import account_command
 from ficc_testkit.units import MIB
 

@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ficc.execution.host import staging
-from ficc.execution.host.errors import HostError
-from ficc.execution.host.fsutil import identity_of
-from ficc.execution.host.staging import (
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux.fsutil import identity_of
+from ficc.execution.host.storage import staging
+from ficc.execution.host.storage.staging import (
     STAGING_DIRECTORY,
     Stager,
     StreamState,

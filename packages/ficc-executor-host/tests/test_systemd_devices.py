@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import service_support
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service import bpfdevices, cgroups, systemd
 from ficc.execution.host.service import systemd_devices as sd
 from ficc.execution.host.service.interface import DeviceAccess, DeviceRule

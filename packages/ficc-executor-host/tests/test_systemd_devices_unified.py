@@ -27,8 +27,10 @@ from typing import Any
 
 import pytest
 
-from ficc.execution.host import gate, gate_reader, procfs
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.gate import checks as gate
+from ficc.execution.host.gate import reader as gate_reader
+from ficc.execution.host.linux import procfs
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, systemd_devices
 from ficc.execution.host.service.interface import (
     DeviceAccess,

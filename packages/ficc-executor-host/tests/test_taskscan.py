@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ficc.execution.host import taskscan
-from ficc.execution.host.taskscan import SharedScan, TaskHits
+from ficc.execution.host.linux import taskscan
+from ficc.execution.host.linux.taskscan import SharedScan, TaskHits
 from ficc_testkit.waits import wait_for
 
 HOST = [

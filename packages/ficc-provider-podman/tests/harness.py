@@ -1,7 +1,7 @@
 """A real host around the Podman provider, for its tests and for benchmark P6.
 
 Everything is real: a system slot account created with useradd, the host's attempt
-layout (ficc.execution.host.layout), its stager for streamed inputs, its cgroupfs
+layout (ficc.execution.host.storage.layout), its stager for streamed inputs, its cgroupfs
 system service running the prepared argv as the slot account, its payload gate and
 release marker, and rootless Podman with the registry-free test image
 (tools/testimage/build.py). The steps follow the host runner (preparing.py, starting.py) in order:
@@ -26,16 +26,18 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
-from ficc.execution.host import gate, layout, procfs
-from ficc.execution.host.expectation import (
+from ficc.execution.host.gate import checks as gate
+from ficc.execution.host.gate.expectation import (
     PrepareResult,
     build_expectation,
     decode_prepare_result,
     service_spec,
 )
+from ficc.execution.host.linux import procfs
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import ServiceHandle
-from ficc.execution.host.staging import Stager, streams_of
+from ficc.execution.host.storage import layout
+from ficc.execution.host.storage.staging import Stager, streams_of
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import kill_leftovers
 from ficc_testkit import plans, podman

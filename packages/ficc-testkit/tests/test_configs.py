@@ -8,7 +8,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ficc.execution.host.config import Config, parse_config
+from ficc.execution.host.config.model import Config, parse_config
 from ficc_testkit import configs
 from ficc_testkit.accounts import Account
 from ficc_testkit.digests import fake

@@ -51,8 +51,8 @@ if not (os.geteuid() == 0 and _pid1_is_systemd() and PROVIDER_WHEELS.is_dir()):
 
 import msgspec  # noqa: E402
 
-from ficc.execution.host import daemon  # noqa: E402
-from ficc.execution.host.errors import HostError  # noqa: E402
+from ficc.execution.host.core.errors import HostError  # noqa: E402
+from ficc.execution.host.daemon import root as daemon  # noqa: E402
 from ficc.execution.host.service import cgroups, reaper  # noqa: E402
 from ficc.execution.host.service.interface import ServiceLimits, ServiceSpec  # noqa: E402
 from ficc.execution.host.service.systemd import SystemdService  # noqa: E402

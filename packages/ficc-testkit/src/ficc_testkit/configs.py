@@ -18,7 +18,7 @@ from typing import Any, Self
 
 import msgspec
 
-from ficc.execution.host.config import Allowance, Config, Offer, Provider, Slot
+from ficc.execution.host.config.model import Allowance, Config, Offer, Provider, Slot
 from ficc_testkit.accounts import Account
 from ficc_testkit.plans import new_id
 from ficc_testkit.slots import SlotFilesystem, remove_slots, remove_tree

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ficc.execution.host.config import Config, Provider
+from ficc.execution.host.config.model import Config, Provider
 from ficc.execution.plan import Plan
 from ficc_testkit import configs
 from ficc_testkit.accounts import Accounts

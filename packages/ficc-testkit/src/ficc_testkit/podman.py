@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ficc.execution.host.config import Config
+from ficc.execution.host.config.model import Config
 from ficc.execution.plan import InputObject, Plan
 from ficc.execution.wire import AttemptRow, ErrorRow, InputRow
 from ficc_testkit import configs

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ficc.execution.host import provision
+from ficc.execution.host.cli import provision
 
 
 def private_directory(parent: str, prefix: str) -> Path:

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 
 GROUP = "ficc.executor"
 

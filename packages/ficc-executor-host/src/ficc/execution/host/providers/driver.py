@@ -22,8 +22,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 
 _NAME = re.compile(r"\A[a-z][a-z0-9_.-]{0,79}\Z")
 

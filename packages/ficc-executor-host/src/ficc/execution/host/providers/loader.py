@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from types import CodeType, ModuleType
 from typing import Any
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.providers.digest import DistributionDigest, compute_digest
 from ficc.execution.host.providers.driver import METHODS, bounded
 

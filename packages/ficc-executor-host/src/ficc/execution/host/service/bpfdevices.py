@@ -27,8 +27,8 @@ import os
 import platform
 import struct
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service.interface import DeviceAccess, DeviceRule
 
 _SYSCALL = {"x86_64": 321, "aarch64": 280}

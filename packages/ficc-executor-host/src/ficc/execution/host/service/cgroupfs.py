@@ -54,9 +54,9 @@ import time
 from typing import Literal
 
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import fsutil, procfs, taskscan
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux import fsutil, procfs, taskscan
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import (

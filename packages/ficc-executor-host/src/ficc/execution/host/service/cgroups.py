@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service.interface import DeviceAccess, DeviceRule, ServiceLimits
 
 #: v1 controllers the cgroupfs backend needs; without all of them it refuses to run.

@@ -33,8 +33,8 @@ from typing import Annotated, Literal, Protocol
 
 import msgspec
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 
 #: Service names become cgroup directory names (and systemd unit names), so they are
 #: restricted to a portable, path-free alphabet.

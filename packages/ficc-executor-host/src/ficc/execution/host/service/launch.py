@@ -12,9 +12,9 @@ import stat
 import time
 from collections.abc import Callable
 
-from ficc.execution.host import procfs
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux import procfs
 from ficc.execution.host.service.interface import ServiceSpec
 
 #: The shim's interpreter: it runs as the slot account, so it must be a system-wide,

@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 
 __all__ = ["ORDER_LIMIT", "PIPE_SOURCE", "SOCKET_SOURCE", "encode_order"]
 

@@ -89,9 +89,9 @@ from collections.abc import Mapping
 import msgspec
 
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host import procfs
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.linux import procfs
 from ficc.execution.host.service import accounting, cgroups, shim, systemd_devices
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.cgroups import Layout

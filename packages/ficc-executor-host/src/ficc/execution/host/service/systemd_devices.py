@@ -62,8 +62,8 @@ from __future__ import annotations
 import struct
 from typing import Literal
 
-from ficc.execution.host.codes import HostCode
-from ficc.execution.host.errors import HostError
+from ficc.execution.host.core.codes import HostCode
+from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.service import bpfdevices
 from ficc.execution.host.service.interface import DeviceAccess
 
