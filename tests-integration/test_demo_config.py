@@ -3,7 +3,7 @@
 The demo (`tools/dev demo`) writes an administrator configuration and builds a plan;
 if either drifted from what the daemon, the protocol or the Podman provider accept,
 the demo would fail only at run time, on a fresh machine, in front of a newcomer.
-These tests run the same values through `ficc.execution.host.config.model.parse_config`,
+These tests run the same values through `ficc.execution.host.config.load.parse_config`,
 the plan codec, request validation and the provider's configuration schema.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ficc.execution.host.config.model import Config, parse_config
+from ficc.execution.host.config.load import parse_config
+from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.plan import Plan, decode_plan, digest_of, encode_plan, plan_digest
 from ficc.execution.protocol import (

@@ -34,7 +34,7 @@ from demo.controller import Result, Target, as_account
 from demo.daemon import DaemonFailed, DaemonProcess
 from demo.layout import DEFAULT_BASE, SLOT_ACCOUNT, TRANSPORT_ACCOUNT, RunLayout
 from ficc.execution.host.cli import provision
-from ficc.execution.host.config.model import parse_config
+from ficc.execution.host.config.load import parse_config
 from ficc.execution.host.core.errors import HostError
 from ficc_testkit.accounts import Account
 from ficc_testkit.plans import new_id

@@ -57,7 +57,7 @@ CAPTURE = """
 import json, subprocess, sys
 from ficc.execution.host.service import bpfdevices
 from ficc.execution.host.service.interface import DeviceRule
-from ficc.execution.host.service.systemd import device_allow, parse_proc_devices
+from ficc.execution.host.service.units import device_allow, parse_proc_devices
 
 classes = parse_proc_devices(open("/proc/devices").read())
 cases = json.loads(sys.argv[1])

@@ -30,7 +30,8 @@ from ficc.execution.host.service import (
     ServiceLimits,
     ServiceSpec,
 )
-from ficc.execution.host.service.systemd import SystemdService, parse_show
+from ficc.execution.host.service.systemd import SystemdService
+from ficc.execution.host.service.units import parse_show
 from ficc_testkit.accounts import temporary_account
 from ficc_testkit.services import purge_cgroups
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ficc.execution.host.config.model import Config, parse_config
+from ficc.execution.host.config.load import parse_config
+from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.authority import ALL_ACTIONS, SocketKind, allowed, authorize
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon.peercred import (

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from ficc.execution.host.cli import provision
-from ficc.execution.host.config.model import parse_config
+from ficc.execution.host.config.load import parse_config
 from ficc.execution.host.daemon.root import open_ledger
 from ficc.execution.host.providers import compute_digest
 from ficc.execution.host.storage import slotfs

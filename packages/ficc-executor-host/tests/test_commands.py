@@ -30,7 +30,8 @@ import pytest
 from ficc.execution.client import Client
 from ficc.execution.host.cli import commands
 from ficc.execution.host.cli.commands import fetch_snapshots, format_status, run_daemon
-from ficc.execution.host.config.model import Config, parse_config
+from ficc.execution.host.config.load import parse_config
+from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon import logs
 from ficc.execution.host.daemon.server import ServerLimits

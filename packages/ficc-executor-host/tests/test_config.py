@@ -19,17 +19,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ficc.execution.host.config.model import (
-    MAX_CONFIG_BYTES,
-    Config,
+from ficc.execution.host.config.host import (
     check_accounts,
     check_directories,
     check_host,
     check_metrics_textfile,
-    load_config,
-    open_trusted_directory,
-    parse_config,
 )
+from ficc.execution.host.config.load import MAX_CONFIG_BYTES, load_config, parse_config
+from ficc.execution.host.config.model import Config
+from ficc.execution.host.config.trusted import open_trusted_directory
 from ficc.execution.host.core.errors import HostError
 
 NOBODY = 65534

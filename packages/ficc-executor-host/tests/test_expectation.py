@@ -25,7 +25,7 @@ from ficc.execution.host.gate.expectation import (
     decode_prepare_result,
     device_rules,
 )
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.service.interface import ServiceHandle
 from ficc_testkit.plans import make_plan
 
@@ -219,7 +219,7 @@ def handle(version: int = 1) -> ServiceHandle:
 
 
 def expectation(version: int = 1, **changes: Any) -> gate.Expectation:
-    logs = (procfs.FileIdentity(1, 2), procfs.FileIdentity(1, 3))
+    logs = (evidencelib.FileIdentity(1, 2), evidencelib.FileIdentity(1, 3))
     return build_expectation(
         uid=1000,
         gid=1001,
@@ -236,7 +236,7 @@ def test_expectation_binds_slot_barrier_cgroups_and_limits() -> None:
     built = expectation()
     barrier = os.stat(BARRIER)
     assert (built.uid, built.gid) == (1000, 1001)
-    assert built.barrier == procfs.FileIdentity(barrier.st_dev, barrier.st_ino)
+    assert built.barrier == evidencelib.FileIdentity(barrier.st_dev, barrier.st_ino)
     assert {(c.controller, c.path) for c in built.cgroups} == {
         ("memory", SERVICE),
         ("pids", SERVICE),
@@ -255,7 +255,7 @@ def test_expectation_allows_only_null_stdin_and_the_host_log_files() -> None:
     assert set(fds) == {0, 1, 2}
     assert not fds[0].pipe
     assert fds[0].files == ()
-    assert fds[1].files == (procfs.FileIdentity(1, 2), procfs.FileIdentity(1, 3))
+    assert fds[1].files == (evidencelib.FileIdentity(1, 2), evidencelib.FileIdentity(1, 3))
 
 
 def test_expectation_device_policy_is_the_closed_policy_on_v1_and_v2() -> None:
@@ -278,7 +278,7 @@ def test_expectation_mounts_carry_recorded_identities(tmp_path: Path) -> None:
     (prepared,) = built.mounts
     assert (prepared.target, prepared.read_only) == ("/data", True)
     assert (prepared.major, prepared.minor) == (os.major(st.st_dev), os.minor(st.st_dev))
-    assert prepared.identity == procfs.FileIdentity(st.st_dev, st.st_ino)
+    assert prepared.identity == evidencelib.FileIdentity(st.st_dev, st.st_ino)
     (generated,) = built.generated
     assert (generated.target, generated.fs_types, generated.subtree) == ("/proc", ("proc",), True)
 

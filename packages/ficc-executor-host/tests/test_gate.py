@@ -43,8 +43,9 @@ from ficc.execution.host.gate.checks import (
     PreparedMount,
     RlimitCeiling,
 )
-from ficc.execution.host.linux import procfs, seccomp, taskscan
-from ficc.execution.host.linux.procfs import FileIdentity
+from ficc.execution.host.linux import evidence as evidencelib
+from ficc.execution.host.linux import procfs, procparse, seccomp, taskscan
+from ficc.execution.host.linux.evidence import FileIdentity
 from ficc.execution.host.service import bpfdevices, cgroups
 from ficc.execution.host.service.interface import DeviceRule
 from ficc_testkit.accounts import temporary_account
@@ -77,11 +78,11 @@ CapAmb:\t0000000000000000
 
 
 def test_parse_status_reads_all_four_ids_and_every_capability_set() -> None:
-    status = procfs.parse_status(STATUS_SAMPLE)
-    assert status.uid == procfs.Ids(1001, 1002, 1003, 1004)
-    assert status.gid == procfs.Ids(2001, 2002, 2003, 2004)
+    status = procparse.parse_status(STATUS_SAMPLE)
+    assert status.uid == evidencelib.Ids(1001, 1002, 1003, 1004)
+    assert status.gid == evidencelib.Ids(2001, 2002, 2003, 2004)
     assert status.groups == (5, 27, 100)
-    assert status.capabilities == procfs.Capabilities(
+    assert status.capabilities == evidencelib.Capabilities(
         effective=2, permitted=1, bounding=0x1FFFFFFFFFF, inheritable=0, ambient=0
     )
     assert (status.no_new_privs, status.seccomp, status.seccomp_filters) == (1, 2, 3)
@@ -101,7 +102,7 @@ def test_parse_status_reads_all_four_ids_and_every_capability_set() -> None:
 )
 def test_parse_status_refuses_missing_or_malformed_fields(broken: bytes) -> None:
     with pytest.raises(HostError) as refused:
-        procfs.parse_status(broken)
+        procparse.parse_status(broken)
     assert refused.value.code == "gate_evidence"
 
 
@@ -116,8 +117,8 @@ def _stat_line(comm: bytes, start_time: int, state: bytes = b"S") -> bytes:
     "comm", [b"sleep", b"a) b", b") 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20", b"(x)"]
 )
 def test_parse_stat_finds_start_time_past_a_hostile_comm(comm: bytes) -> None:
-    parsed = procfs.parse_stat(_stat_line(comm, 987654))
-    assert parsed == procfs.Stat(state="S", start_time=987654)
+    parsed = procparse.parse_stat(_stat_line(comm, 987654))
+    assert parsed == evidencelib.Stat(state="S", start_time=987654)
 
 
 def test_parse_stat_on_a_recorded_line() -> None:
@@ -126,7 +127,7 @@ def test_parse_stat_on_a_recorded_line() -> None:
         b"47869 6000000 900 18446744073709551615 1 1 0 0 0 0 0 16781312 2 0 0 0 17 1 0 "
         b"0 0 0 0 0 0 0 0 0 0 0 0\n"
     )
-    assert procfs.parse_stat(recorded) == procfs.Stat(state="R", start_time=47869)
+    assert procparse.parse_stat(recorded) == evidencelib.Stat(state="R", start_time=47869)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +135,7 @@ def test_parse_stat_on_a_recorded_line() -> None:
 )
 def test_parse_stat_refuses_truncated_lines(broken: bytes) -> None:
     with pytest.raises(HostError) as refused:
-        procfs.parse_stat(broken)
+        procparse.parse_stat(broken)
     assert refused.value.code == "gate_evidence"
 
 
@@ -147,8 +148,8 @@ MOUNTINFO_SAMPLE = (
 
 
 def test_parse_mountinfo_fields_optional_fields_and_octal_escapes() -> None:
-    first, second, third = procfs.parse_mountinfo(MOUNTINFO_SAMPLE)
-    assert first == procfs.Mount(
+    first, second, third = procparse.parse_mountinfo(MOUNTINFO_SAMPLE)
+    assert first == evidencelib.Mount(
         mount_id=36,
         parent_id=35,
         major=98,
@@ -180,7 +181,7 @@ def test_parse_mountinfo_fields_optional_fields_and_octal_escapes() -> None:
 )
 def test_parse_mountinfo_refuses_malformed_lines(broken: bytes) -> None:
     with pytest.raises(HostError) as refused:
-        procfs.parse_mountinfo(broken)
+        procparse.parse_mountinfo(broken)
     assert refused.value.code == "gate_evidence"
 
 
@@ -188,7 +189,7 @@ def test_the_daemons_own_mount_table_is_read_each_time_and_parsed_when_it_change
     """Each start looks up where the daemon sees the cgroup hierarchies in its own
     mount table: read every time, parsed again only when its bytes changed."""
     with open("/proc/self/mountinfo", "rb") as own:
-        expected = procfs.parse_mountinfo(own.read())
+        expected = procparse.parse_mountinfo(own.read())
     procfs._own_mount_table.cache_clear()
     assert procfs.own_mounts(os.getpid()) == expected
     assert procfs.own_mounts(os.getpid()) == expected
@@ -215,7 +216,7 @@ PROPERTY_EXAMPLES = 5000 if os.environ.get("FICC_SOAK") == "1" else 200
 def test_mountinfo_escapes_round_trip(name: str) -> None:
     path = "/" + name
     line = b"1 0 0:1 / " + _escape(path) + b" rw - tmpfs src rw\n"
-    (mount,) = procfs.parse_mountinfo(line)
+    (mount,) = procparse.parse_mountinfo(line)
     assert mount.mount_point == path
 
 
@@ -229,12 +230,12 @@ def test_parse_limits_on_a_recorded_sample() -> None:
         b"Max nice priority         0                    0                    \n"
         b"Max realtime timeout      unlimited            unlimited            us        \n"
     )
-    limits = {limit.name: limit for limit in procfs.parse_limits(sample)}
-    assert limits["core"] == procfs.Rlimit("core", 0, None)
-    assert limits["nproc"] == procfs.Rlimit("nproc", 96364, 96364)
-    assert limits["nofile"] == procfs.Rlimit("nofile", 20000, 20000)
-    assert limits["nice"] == procfs.Rlimit("nice", 0, 0)
-    assert limits["cpu"] == procfs.Rlimit("cpu", None, None)
+    limits = {limit.name: limit for limit in procparse.parse_limits(sample)}
+    assert limits["core"] == evidencelib.Rlimit("core", 0, None)
+    assert limits["nproc"] == evidencelib.Rlimit("nproc", 96364, 96364)
+    assert limits["nofile"] == evidencelib.Rlimit("nofile", 20000, 20000)
+    assert limits["nice"] == evidencelib.Rlimit("nice", 0, 0)
+    assert limits["cpu"] == evidencelib.Rlimit("cpu", None, None)
 
 
 def test_parse_limits_refuses_unknown_labels() -> None:
@@ -242,54 +243,54 @@ def test_parse_limits_refuses_unknown_labels() -> None:
         b"Limit  Soft Limit  Hard Limit  Units\nMax wormholes             1        1        holes\n"
     )
     with pytest.raises(HostError) as refused:
-        procfs.parse_limits(sample)
+        procparse.parse_limits(sample)
     assert refused.value.code == "gate_evidence"
 
 
 def test_parse_cgroup_v1_and_v2_lines() -> None:
-    entries = procfs.parse_cgroup(
+    entries = procparse.parse_cgroup(
         b"9:name=systemd:/\n2:cpu,cpuacct:/ficc/a b\n0::/ficc/attempt-1\n"
     )
     assert entries == (
-        procfs.CgroupEntry(9, ("name=systemd",), "/"),
-        procfs.CgroupEntry(2, ("cpu", "cpuacct"), "/ficc/a b"),
-        procfs.CgroupEntry(0, (), "/ficc/attempt-1"),
+        evidencelib.CgroupEntry(9, ("name=systemd",), "/"),
+        evidencelib.CgroupEntry(2, ("cpu", "cpuacct"), "/ficc/a b"),
+        evidencelib.CgroupEntry(0, (), "/ficc/attempt-1"),
     )
     with pytest.raises(HostError):
-        procfs.parse_cgroup(b"0::relative\n")
+        procparse.parse_cgroup(b"0::relative\n")
 
 
 def test_parse_namespace_links() -> None:
-    assert procfs.parse_namespace_link("mnt", "mnt:[4026531832]") == 4026531832
+    assert procparse.parse_namespace_link("mnt", "mnt:[4026531832]") == 4026531832
     with pytest.raises(HostError):
-        procfs.parse_namespace_link("mnt", "net:[4026531832]")
+        procparse.parse_namespace_link("mnt", "net:[4026531832]")
 
 
 def test_parse_devices_list() -> None:
-    assert procfs.parse_devices_list(b"c 1:3 rwm\nc *:* m\nb 8:* r\n") == (
-        procfs.DeviceAccess("c", 1, 3, "rwm"),
-        procfs.DeviceAccess("c", None, None, "m"),
-        procfs.DeviceAccess("b", 8, None, "r"),
+    assert procparse.parse_devices_list(b"c 1:3 rwm\nc *:* m\nb 8:* r\n") == (
+        evidencelib.DeviceAccess("c", 1, 3, "rwm"),
+        evidencelib.DeviceAccess("c", None, None, "m"),
+        evidencelib.DeviceAccess("b", 8, None, "r"),
     )
     for broken in (b"c 1:3\n", b"x 1:3 r\n", b"c 1-3 r\n", b"c 1:3 rwx\n", b"c a:3 r\n"):
         with pytest.raises(HostError):
-            procfs.parse_devices_list(broken)
+            procparse.parse_devices_list(broken)
 
 
 def test_parse_fdinfo_flags_are_octal() -> None:
-    assert procfs.parse_fdinfo(b"pos:\t0\nflags:\t0100002\nmnt_id:\t24\nino:\t3\n") == (
+    assert procparse.parse_fdinfo(b"pos:\t0\nflags:\t0100002\nmnt_id:\t24\nino:\t3\n") == (
         0o100002,
         24,
     )
 
 
 def test_read_bounded_refuses_symlinks_and_oversized_files(tmp_path: Path) -> None:
-    (tmp_path / "big").write_bytes(b"x" * (procfs.MAX_PROC_FILE_BYTES + 1))
-    (tmp_path / "fits").write_bytes(b"x" * procfs.MAX_PROC_FILE_BYTES)
+    (tmp_path / "big").write_bytes(b"x" * (evidencelib.MAX_PROC_FILE_BYTES + 1))
+    (tmp_path / "fits").write_bytes(b"x" * evidencelib.MAX_PROC_FILE_BYTES)
     (tmp_path / "link").symlink_to(tmp_path / "fits")
     dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert len(procfs.read_bounded(dir_fd, "fits", 1)) == procfs.MAX_PROC_FILE_BYTES
+        assert len(procfs.read_bounded(dir_fd, "fits", 1)) == evidencelib.MAX_PROC_FILE_BYTES
         for name in ("big", "link"):
             with pytest.raises(HostError) as refused:
                 procfs.read_bounded(dir_fd, name, 1)
@@ -355,36 +356,36 @@ def filters(*programs: tuple[tuple[int, int, int, int], ...]) -> seccomp.Seccomp
     return seccomp.SeccompFilters(machine="x86_64", programs=programs)
 
 
-def _evidence(**changes: Any) -> procfs.Evidence:
+def _evidence(**changes: Any) -> evidencelib.Evidence:
     """A recorded-shape evidence record that passes `_expectation()`."""
-    ids = procfs.Ids(SLOT, SLOT, SLOT, SLOT)
-    base = procfs.Evidence(
+    ids = evidencelib.Ids(SLOT, SLOT, SLOT, SLOT)
+    base = evidencelib.Evidence(
         pid=99,
         start_time=5,
-        status=procfs.Status(
+        status=evidencelib.Status(
             uid=ids,
             gid=ids,
             groups=(),
-            capabilities=procfs.Capabilities(0, 0, 0, 0, 0),
+            capabilities=evidencelib.Capabilities(0, 0, 0, 0, 0),
             no_new_privs=1,
             seccomp=2,
             seccomp_filters=1,
         ),
         cgroups=(
-            procfs.CgroupEntry(8, ("pids",), "/ficc/attempt-1/payload"),
-            procfs.CgroupEntry(0, (), "/ficc/attempt-1"),
+            evidencelib.CgroupEntry(8, ("pids",), "/ficc/attempt-1/payload"),
+            evidencelib.CgroupEntry(0, (), "/ficc/attempt-1"),
         ),
-        namespaces={kind: 100 + i for i, kind in enumerate(procfs.NAMESPACE_KINDS)},
-        reference_namespaces={kind: (1,) for kind in procfs.NAMESPACE_KINDS},
+        namespaces={kind: 100 + i for i, kind in enumerate(evidencelib.NAMESPACE_KINDS)},
+        reference_namespaces={kind: (1,) for kind in evidencelib.NAMESPACE_KINDS},
         syscall_filters=filters(deny_program(must_deny())),
-        limits=(procfs.Rlimit("core", 0, 0), procfs.Rlimit("nofile", 64, 64)),
+        limits=(evidencelib.Rlimit("core", 0, 0), evidencelib.Rlimit("nofile", 64, 64)),
         fds=(
-            procfs.FdEntry(0, "/dev/null", "chr", 6, 3, gate.DEV_NULL, 0o100000, 24),
-            procfs.FdEntry(1, "pipe:[77]", "fifo", 13, 9, 0, 1, 14),
-            procfs.FdEntry(2, "/srv/log", "file", LOG.dev, LOG.ino, 0, 1, 27),
+            evidencelib.FdEntry(0, "/dev/null", "chr", 6, 3, gate.DEV_NULL, 0o100000, 24),
+            evidencelib.FdEntry(1, "pipe:[77]", "fifo", 13, 9, 0, 1, 14),
+            evidencelib.FdEntry(2, "/srv/log", "file", LOG.dev, LOG.ino, 0, 1, 27),
         ),
         mounts=(
-            procfs.Mount(
+            evidencelib.Mount(
                 1,
                 0,
                 0,
@@ -398,7 +399,7 @@ def _evidence(**changes: Any) -> procfs.Evidence:
                 ("ro",),
                 FileIdentity(55, 1),
             ),
-            procfs.Mount(
+            evidencelib.Mount(
                 2,
                 1,
                 254,
@@ -413,8 +414,11 @@ def _evidence(**changes: Any) -> procfs.Evidence:
                 BARRIER,
             ),
         ),
-        exe=procfs.Exe(BARRIER, "/barrier"),
-        devices=(procfs.DeviceAccess("c", 1, 3, "rw"), procfs.DeviceAccess("c", None, None, "m")),
+        exe=evidencelib.Exe(BARRIER, "/barrier"),
+        devices=(
+            evidencelib.DeviceAccess("c", 1, 3, "rw"),
+            evidencelib.DeviceAccess("c", None, None, "m"),
+        ),
     )
     return msgspec.structs.replace(base, **changes)
 
@@ -432,7 +436,10 @@ def _expectation(**changes: Any) -> Expectation:
         fds=(FdAllowance(0), FdAllowance(1, files=(LOG,)), FdAllowance(2, files=(LOG,))),
         mounts=(PreparedMount("/barrier", 254, 0, read_only=True, identity=BARRIER),),
         generated=(GeneratedMount("/", ("tmpfs",), read_only=True),),
-        devices=(procfs.DeviceAccess("c", 1, 3, "rwm"), procfs.DeviceAccess("c", None, None, "m")),
+        devices=(
+            evidencelib.DeviceAccess("c", 1, 3, "rwm"),
+            evidencelib.DeviceAccess("c", None, None, "m"),
+        ),
     )
     return msgspec.structs.replace(base, **changes)
 
@@ -532,7 +539,7 @@ def test_recorded_shape_passes_and_verdict_is_ok() -> None:
     assert gate.check(_evidence(), _expectation()) == gate.Verdict(ok=True, failures=())
 
 
-def _with_mount(index: int, **changes: Any) -> procfs.Evidence:
+def _with_mount(index: int, **changes: Any) -> evidencelib.Evidence:
     mounts = list(_evidence().mounts)
     mounts[index] = msgspec.structs.replace(mounts[index], **changes)
     return _evidence(mounts=tuple(mounts))
@@ -545,8 +552,8 @@ def _with_mount(index: int, **changes: Any) -> procfs.Evidence:
         (
             _evidence(
                 cgroups=(
-                    procfs.CgroupEntry(8, ("pids",), "/ficc/attempt-10"),
-                    procfs.CgroupEntry(0, (), "/ficc/attempt-1"),
+                    evidencelib.CgroupEntry(8, ("pids",), "/ficc/attempt-10"),
+                    evidencelib.CgroupEntry(0, (), "/ficc/attempt-1"),
                 )
             ),
             None,
@@ -555,14 +562,18 @@ def _with_mount(index: int, **changes: Any) -> procfs.Evidence:
         (
             _evidence(
                 cgroups=(
-                    procfs.CgroupEntry(0, (), "/ficc/attempt-1/../x"),
-                    procfs.CgroupEntry(8, ("pids",), "/ficc/attempt-1"),
+                    evidencelib.CgroupEntry(0, (), "/ficc/attempt-1/../x"),
+                    evidencelib.CgroupEntry(8, ("pids",), "/ficc/attempt-1"),
                 )
             ),
             None,
             "gate_cgroup",
         ),
-        (_evidence(cgroups=(procfs.CgroupEntry(0, (), "/ficc/attempt-1"),)), None, "gate_cgroup"),
+        (
+            _evidence(cgroups=(evidencelib.CgroupEntry(0, (), "/ficc/attempt-1"),)),
+            None,
+            "gate_cgroup",
+        ),
         (
             _evidence(status=msgspec.structs.replace(_evidence().status, groups=(0,))),
             None,
@@ -576,20 +587,24 @@ def _with_mount(index: int, **changes: Any) -> procfs.Evidence:
         (
             _evidence(
                 status=msgspec.structs.replace(
-                    _evidence().status, capabilities=procfs.Capabilities(0, 0, 0, 0, 1 << 21)
+                    _evidence().status, capabilities=evidencelib.Capabilities(0, 0, 0, 0, 1 << 21)
                 )
             ),
             None,
             "gate_capabilities",
         ),
         (
-            _evidence(limits=(procfs.Rlimit("core", 0, None), procfs.Rlimit("nofile", 64, 64))),
+            _evidence(
+                limits=(evidencelib.Rlimit("core", 0, None), evidencelib.Rlimit("nofile", 64, 64))
+            ),
             None,
             "gate_rlimit",
         ),
-        (_evidence(limits=(procfs.Rlimit("core", 0, 0),)), None, "gate_rlimit"),
+        (_evidence(limits=(evidencelib.Rlimit("core", 0, 0),)), None, "gate_rlimit"),
         (
-            _evidence(limits=(procfs.Rlimit("core", 0, 0), procfs.Rlimit("nofile", 64, None))),
+            _evidence(
+                limits=(evidencelib.Rlimit("core", 0, 0), evidencelib.Rlimit("nofile", 64, None))
+            ),
             None,
             "gate_rlimit",
         ),
@@ -600,24 +615,32 @@ def _with_mount(index: int, **changes: Any) -> procfs.Evidence:
         ),
         (_evidence(reference_namespaces={}), None, "gate_namespace"),
         # A named FIFO on disk is not an anonymous pipe.
-        (_evidence(fds=(procfs.FdEntry(1, "/tmp/fifo", "fifo", 1, 2, 0, 1, 1),)), None, "gate_fd"),
         (
-            _evidence(fds=(procfs.FdEntry(1, "socket:[5]", "socket", 8, 5, 0, 2, 8),)),
+            _evidence(fds=(evidencelib.FdEntry(1, "/tmp/fifo", "fifo", 1, 2, 0, 1, 1),)),
             None,
             "gate_fd",
         ),
         (
-            _evidence(fds=(procfs.FdEntry(0, "/dev/zero", "chr", 6, 4, os.makedev(1, 5), 0, 24),)),
+            _evidence(fds=(evidencelib.FdEntry(1, "socket:[5]", "socket", 8, 5, 0, 2, 8),)),
             None,
             "gate_fd",
         ),
         (
-            _evidence(fds=(procfs.FdEntry(0, "/srv/log", "file", LOG.dev, LOG.ino, 0, 1, 27),)),
+            _evidence(
+                fds=(evidencelib.FdEntry(0, "/dev/zero", "chr", 6, 4, os.makedev(1, 5), 0, 24),)
+            ),
             None,
             "gate_fd",
         ),
         (
-            _evidence(fds=(procfs.FdEntry(3, "", "unknown", None, None, None, None, None),)),
+            _evidence(
+                fds=(evidencelib.FdEntry(0, "/srv/log", "file", LOG.dev, LOG.ino, 0, 1, 27),)
+            ),
+            None,
+            "gate_fd",
+        ),
+        (
+            _evidence(fds=(evidencelib.FdEntry(3, "", "unknown", None, None, None, None, None),)),
             None,
             "gate_fd",
         ),
@@ -645,17 +668,21 @@ def _with_mount(index: int, **changes: Any) -> procfs.Evidence:
             None,
             "gate_mount",
         ),
-        (_evidence(exe=procfs.Exe(None, "")), None, "gate_exe"),
+        (_evidence(exe=evidencelib.Exe(None, "")), None, "gate_exe"),
         (_evidence(devices=None), None, "gate_device"),
-        (_evidence(devices=(procfs.DeviceAccess("a", None, None, "rwm"),)), None, "gate_device"),
-        (_evidence(devices=(procfs.DeviceAccess("c", 1, None, "rw"),)), None, "gate_device"),
-        (_evidence(devices=(procfs.DeviceAccess("c", None, None, "r"),)), None, "gate_device"),
-        (_evidence(devices=(procfs.DeviceAccess("b", 1, 3, "r"),)), None, "gate_device"),
-        (_evidence(devices=(procfs.DeviceAccess("c", 1, 5, "r"),)), None, "gate_device"),
+        (
+            _evidence(devices=(evidencelib.DeviceAccess("a", None, None, "rwm"),)),
+            None,
+            "gate_device",
+        ),
+        (_evidence(devices=(evidencelib.DeviceAccess("c", 1, None, "rw"),)), None, "gate_device"),
+        (_evidence(devices=(evidencelib.DeviceAccess("c", None, None, "r"),)), None, "gate_device"),
+        (_evidence(devices=(evidencelib.DeviceAccess("b", 1, 3, "r"),)), None, "gate_device"),
+        (_evidence(devices=(evidencelib.DeviceAccess("c", 1, 5, "r"),)), None, "gate_device"),
     ],
 )
 def test_each_pure_rule_refuses_with_its_own_code(
-    evidence: procfs.Evidence, expectation: Expectation | None, code: str
+    evidence: evidencelib.Evidence, expectation: Expectation | None, code: str
 ) -> None:
     verdict = gate.check(evidence, expectation or _expectation())
     assert not verdict.ok
@@ -671,7 +698,7 @@ def test_prepared_root_field_and_generated_subtree() -> None:
             GeneratedMount("/proc", ("proc",), subtree=True, required_options=("nosuid",)),
         ),
     )
-    proc = procfs.Mount(
+    proc = evidencelib.Mount(
         3, 1, 0, 60, "/", "/proc/sys", ("ro", "nosuid"), (), "proc", "proc", ("rw",), None
     )
     assert gate.check(_evidence(mounts=(*_evidence().mounts, proc)), expectation).ok
@@ -693,9 +720,9 @@ def test_prepared_root_field_and_generated_subtree() -> None:
         lambda: CgroupRequirement("pids", "ficc"),
         lambda: RlimitCeiling("wormholes", 1),
         lambda: _expectation(fds=(FdAllowance(1), FdAllowance(1))),
-        lambda: _expectation(devices=(procfs.DeviceAccess("a", None, None, "rwm"),)),
-        lambda: procfs.DeviceAccess("c", 1, 3, "rwx"),
-        lambda: procfs.DeviceAccess("c", 1, 3, "rr"),
+        lambda: _expectation(devices=(evidencelib.DeviceAccess("a", None, None, "rwm"),)),
+        lambda: evidencelib.DeviceAccess("c", 1, 3, "rwx"),
+        lambda: evidencelib.DeviceAccess("c", 1, 3, "rr"),
     ],
 )
 def test_invalid_expectations_are_refused_when_built(build: Callable[[], object]) -> None:
@@ -991,7 +1018,7 @@ class World:
                 ),
             ),
             generated=(GeneratedMount("/", ("tmpfs",), read_only=True),),
-            devices=(procfs.DeviceAccess("c", 1, 3, "rwm"),),
+            devices=(evidencelib.DeviceAccess("c", 1, 3, "rwm"),),
         )
         return msgspec.structs.replace(base, **changes)
 
@@ -1126,7 +1153,7 @@ def test_complete_confinement_passes_every_check_and_may_be_released(world: Worl
     verdict = _inspect(world, payload, world.expectation())
     assert verdict == gate.Verdict(ok=True, failures=(), evidence_file=gate.EVIDENCE_FILE)
     evidence = msgspec.json.decode(
-        (world.evidence_dir / gate.EVIDENCE_FILE).read_bytes(), type=procfs.Evidence
+        (world.evidence_dir / gate.EVIDENCE_FILE).read_bytes(), type=evidencelib.Evidence
     )
     assert evidence.status.seccomp == 2
     assert evidence.status.seccomp_filters == 1
@@ -1260,7 +1287,7 @@ def test_zombie_is_refused_as_changed(world: World) -> None:
     os.kill(payload.pid, 9)
     # Not reaped: /proc/PID still exists with the same start time, state Z.
     deadline = time.monotonic() + 30
-    while procfs.parse_stat(Path(f"/proc/{payload.pid}/stat").read_bytes()).state != "Z":
+    while procparse.parse_stat(Path(f"/proc/{payload.pid}/stat").read_bytes()).state != "Z":
         assert time.monotonic() < deadline, "the killed process never became a zombie"
         time.sleep(0.005)
     with pytest.raises(HostError) as refused:
@@ -1276,7 +1303,7 @@ def test_evidence_is_written_before_any_assertion(
     seen: list[dict[str, Any]] = []
     real_check = gate.check
 
-    def spy(evidence: procfs.Evidence, expectation: Expectation) -> gate.Verdict:
+    def spy(evidence: evidencelib.Evidence, expectation: Expectation) -> gate.Verdict:
         path = world.evidence_dir / gate.EVIDENCE_FILE
         seen.append(json.loads(path.read_bytes()))
         return real_check(evidence, expectation)
@@ -1477,7 +1504,7 @@ def podman_expectation(world: World, parent: str, uid: int) -> Expectation:
         generated=generated,
         user_namespace=True,
         cgroup_namespace=True,
-        devices=procfs.parse_devices_list(PODMAN_DEVICES),
+        devices=procparse.parse_devices_list(PODMAN_DEVICES),
     )
 
 
@@ -1537,29 +1564,29 @@ def test_real_podman_container_passes_and_weaker_ones_do_not(
 # ---------------------------------------------------------------- cgroup v2 device policy
 
 V2_NULL = (
-    procfs.DeviceAccess("c", None, None, "m"),
-    procfs.DeviceAccess("b", None, None, "m"),
-    procfs.DeviceAccess("c", 1, 3, "rwm"),
+    evidencelib.DeviceAccess("c", None, None, "m"),
+    evidencelib.DeviceAccess("b", None, None, "m"),
+    evidencelib.DeviceAccess("c", 1, 3, "rwm"),
 )
 
 
-def _v2(*programs: procfs.DeviceProgram, error: str | None = None) -> procfs.Evidence:
+def _v2(*programs: evidencelib.DeviceProgram, error: str | None = None) -> evidencelib.Evidence:
     """Evidence of a process without a v1 devices cgroup (a cgroup v2 host)."""
     return _evidence(devices=None, device_programs=programs or None, device_programs_error=error)
 
 
 def test_the_v2_device_policy_is_judged_from_the_effective_programs() -> None:
     expectation = _expectation(devices=V2_NULL)
-    ours = procfs.DeviceProgram(7, V2_NULL)
+    ours = evidencelib.DeviceProgram(7, V2_NULL)
     assert gate.check(_v2(ours), expectation).ok
     # A foreign program beside a bounding one only denies more: still within the plan.
-    assert gate.check(_v2(procfs.DeviceProgram(8, None), ours), expectation).ok
-    wider = procfs.DeviceProgram(9, (*V2_NULL, procfs.DeviceAccess("c", 1, 5, "rwm")))
+    assert gate.check(_v2(evidencelib.DeviceProgram(8, None), ours), expectation).ok
+    wider = evidencelib.DeviceProgram(9, (*V2_NULL, evidencelib.DeviceAccess("c", 1, 5, "rwm")))
     verdict = gate.check(_v2(wider), expectation)
     assert _codes(verdict) == {"gate_device"}
     assert "c 1:5 rwm" in verdict.failures[0].message
     for refused in (
-        _v2(procfs.DeviceProgram(8, None)),
+        _v2(evidencelib.DeviceProgram(8, None)),
         _v2(),
         _v2(error="bpf(2) refused: EPERM"),
     ):

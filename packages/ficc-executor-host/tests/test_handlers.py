@@ -30,7 +30,9 @@ from ficc.execution._executor import (
     ReceivedInputWriteRequest,
     receive_request,
 )
-from ficc.execution.host.config.model import Config, check_directories, parse_config
+from ficc.execution.host.config.host import check_directories
+from ficc.execution.host.config.load import parse_config
+from ficc.execution.host.config.model import Config
 from ficc.execution.host.context.parts import HostContext, ProviderRuntime
 from ficc.execution.host.core import lifecycle as lc
 from ficc.execution.host.core.errors import HostError

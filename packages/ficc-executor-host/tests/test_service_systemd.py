@@ -25,7 +25,7 @@ import pytest
 
 import service_support
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.service import DeviceRule, reaper, systemd
+from ficc.execution.host.service import DeviceRule, reaper, systemd, units
 from ficc.execution.host.service.systemd import SystemdService
 from ficc_testkit.waits import wait_for
 from service_support import (
@@ -68,24 +68,24 @@ Block devices:
 
 
 def test_unit_and_cgroup_names() -> None:
-    assert systemd.unit_name("ficc-work-i1-a7") == "ficc-work-i1-a7.service"
-    assert systemd.unit_cgroup("ficc.slice", "ficc-work-i1-a7") == (
+    assert units.unit_name("ficc-work-i1-a7") == "ficc-work-i1-a7.service"
+    assert units.unit_cgroup("ficc.slice", "ficc-work-i1-a7") == (
         "/ficc.slice/ficc-work-i1-a7.service"
     )
     with pytest.raises(HostError) as refused:
-        systemd.unit_name("../escape")
+        units.unit_name("../escape")
     assert refused.value.code == "service_spec"
 
 
 def test_cpu_quota_is_exact_to_a_thousandth_of_a_cpu() -> None:
-    assert systemd.cpu_quota(250) == "25%"
-    assert systemd.cpu_quota(1500) == "150%"
-    assert systemd.cpu_quota(255) == "25.5%"
-    assert systemd.cpu_quota(10) == "1%"
+    assert units.cpu_quota(250) == "25%"
+    assert units.cpu_quota(1500) == "150%"
+    assert units.cpu_quota(255) == "25.5%"
+    assert units.cpu_quota(10) == "1%"
 
 
 def test_proc_devices_character_section_only() -> None:
-    classes = systemd.parse_proc_devices(PROC_DEVICES)
+    classes = units.parse_proc_devices(PROC_DEVICES)
     assert classes[136] == ["pts"]
     assert classes[4] == ["/dev/vc/0", "tty", "ttyS"]
     assert 8 not in classes
@@ -93,23 +93,23 @@ def test_proc_devices_character_section_only() -> None:
 
 
 def test_device_allow_matches_the_cgroupfs_allow_list() -> None:
-    classes = systemd.parse_proc_devices(PROC_DEVICES)
+    classes = units.parse_proc_devices(PROC_DEVICES)
     devices = [NULL, DeviceRule("/dev/dri", 226, None)]
-    assert systemd.device_allow(devices, classes) == [
+    assert units.device_allow(devices, classes) == [
         "char-* m",
         "block-* m",
         "/dev/null rwm",
         "char-drm rwm",
     ]
-    assert systemd.device_allow([], classes) == ["char-* m", "block-* m"]
+    assert units.device_allow([], classes) == ["char-* m", "block-* m"]
 
 
 @pytest.mark.parametrize("major", [4, 136, 240])
 def test_a_whole_major_needs_a_name_of_its_own(major: int) -> None:
     """4 has several names, `pts` also names 241, 240 is not registered at all."""
-    classes = systemd.parse_proc_devices(PROC_DEVICES)
+    classes = units.parse_proc_devices(PROC_DEVICES)
     with pytest.raises(HostError) as refused:
-        systemd.device_allow([DeviceRule("/dev/x", major, None)], classes)
+        units.device_allow([DeviceRule("/dev/x", major, None)], classes)
     assert refused.value.code == "service_devices"
 
 
@@ -124,8 +124,8 @@ def test_run_properties_carry_every_control(tmp_path: Path) -> None:
         processes=7,
         nofile=512,
     )
-    classes = systemd.parse_proc_devices(PROC_DEVICES)
-    v1 = systemd.run_properties(
+    classes = units.parse_proc_devices(PROC_DEVICES)
+    v1 = units.run_properties(
         spec,
         slice_name="ficc.slice",
         bind_to="ficc.service",
@@ -156,7 +156,7 @@ def test_run_properties_carry_every_control(tmp_path: Path) -> None:
     ]:
         assert expected in v1
     assert not [p for p in v1 if p.startswith(("MemorySwapMax", "PartOf", "Environment"))]
-    v2 = systemd.run_properties(
+    v2 = units.run_properties(
         spec,
         slice_name="ficc.slice",
         bind_to=None,
@@ -177,12 +177,12 @@ def test_the_lease_reaper_is_a_unit_of_its_own_never_bound_to_the_daemon() -> No
     when it fails, forgotten once it has ended (so the daemon can start it again by
     name), and tied to the daemon's unit by nothing: no stop, crash or freeze of the
     daemon reaches it, and a daemon stop never waits for it."""
-    unit = systemd.reaper_unit(INSTALLATION)
+    unit = units.reaper_unit(INSTALLATION)
     assert unit == f"ficc-lease-reaper-{INSTALLATION}.service"
     with pytest.raises(HostError) as refused:
-        systemd.reaper_unit("../escape")
+        units.reaper_unit("../escape")
     assert refused.value.code == "service_spec"
-    properties = systemd.reaper_properties(DEADLINES, slice_name="ficc.slice")
+    properties = units.reaper_properties(DEADLINES, slice_name="ficc.slice")
     for expected in [
         "Type=exec",
         "Slice=ficc.slice",
@@ -202,13 +202,13 @@ def test_the_lease_reaper_is_a_unit_of_its_own_never_bound_to_the_daemon() -> No
 
 
 def test_the_lease_reaper_unit_is_created_with_systemd_run() -> None:
-    unit = systemd.reaper_unit(INSTALLATION)
+    unit = units.reaper_unit(INSTALLATION)
     command = reaper.command(DEADLINES, "/opt/ficc/venv/bin/python")
-    argv = systemd.reaper_run_argv(unit, command, directory=DEADLINES, slice_name="ficc.slice")
+    argv = units.reaper_run_argv(unit, command, directory=DEADLINES, slice_name="ficc.slice")
     split = argv.index("--")
     assert argv[:3] == ["/usr/bin/systemd-run", "--quiet", f"--unit={unit}"]
     assert argv[3:split] == [
-        f"--property={p}" for p in systemd.reaper_properties(DEADLINES, slice_name="ficc.slice")
+        f"--property={p}" for p in units.reaper_properties(DEADLINES, slice_name="ficc.slice")
     ]
     assert argv[split + 1 :] == command
     assert command[:3] == ["/opt/ficc/venv/bin/python", "-I", "-S"]
@@ -223,38 +223,38 @@ def test_the_lease_reaper_unit_is_created_with_systemd_run() -> None:
     ]
     for relative in refused_commands:
         with pytest.raises(HostError) as refused:
-            systemd.reaper_run_argv(unit, relative, directory=DEADLINES, slice_name="ficc.slice")
+            units.reaper_run_argv(unit, relative, directory=DEADLINES, slice_name="ficc.slice")
         assert refused.value.code == "service_spec"
 
 
 def test_time_spans_as_systemctl_prints_them() -> None:
     """Values seen from systemd 252 for CPUQuota=1%, 25.5%, 100%, 155.5%, 1000.1%."""
-    assert systemd.parse_usec("10ms") == 10_000
-    assert systemd.parse_usec("255ms") == 255_000
-    assert systemd.parse_usec("1s") == 1_000_000
-    assert systemd.parse_usec("1.555000s") == 1_555_000
-    assert systemd.parse_usec("10.001000s") == 10_001_000
-    assert systemd.parse_usec("7us") == 7
-    assert systemd.parse_usec("infinity") is None
-    assert systemd.parse_usec("1min") is None
+    assert units.parse_usec("10ms") == 10_000
+    assert units.parse_usec("255ms") == 255_000
+    assert units.parse_usec("1s") == 1_000_000
+    assert units.parse_usec("1.555000s") == 1_555_000
+    assert units.parse_usec("10.001000s") == 10_001_000
+    assert units.parse_usec("7us") == 7
+    assert units.parse_usec("infinity") is None
+    assert units.parse_usec("1min") is None
 
 
 def test_show_output_and_exit_status() -> None:
-    show = systemd.parse_show("LoadState=loaded\nExecMainCode=2\nExecMainStatus=9\nX=a=b\n")
+    show = units.parse_show("LoadState=loaded\nExecMainCode=2\nExecMainStatus=9\nX=a=b\n")
     assert show["X"] == "a=b"
-    assert systemd.exit_status_of(show) == -signal.SIGKILL
-    assert systemd.exit_status_of({**show, "ExecMainCode": "1", "ExecMainStatus": "7"}) == 7
-    assert systemd.exit_status_of({**show, "ExecMainCode": "0"}) is None
-    assert systemd.exit_status_of({**show, "LoadState": "not-found"}) is None
+    assert units.exit_status_of(show) == -signal.SIGKILL
+    assert units.exit_status_of({**show, "ExecMainCode": "1", "ExecMainStatus": "7"}) == 7
+    assert units.exit_status_of({**show, "ExecMainCode": "0"}) is None
+    assert units.exit_status_of({**show, "LoadState": "not-found"}) is None
 
 
 def test_own_unit_from_proc_cgroup() -> None:
     v1 = "12:pids:/system.slice/ficc.service\n1:name=systemd:/system.slice/ficc.service\n0::/\n"
-    assert systemd.own_unit(v1) == "ficc.service"
+    assert units.own_unit(v1) == "ficc.service"
     v2 = "0::/system.slice/ficc-executor-host.service\n"
-    assert systemd.own_unit(v2) == "ficc-executor-host.service"
-    assert systemd.own_unit("0::/user.slice/user-0.slice/session-3.scope\n") is None
-    assert systemd.own_unit("0::/\n") is None
+    assert units.own_unit(v2) == "ficc-executor-host.service"
+    assert units.own_unit("0::/user.slice/user-0.slice/session-3.scope\n") is None
+    assert units.own_unit("0::/\n") is None
 
 
 def test_the_shim_survives_systemd_command_line_expansion() -> None:
@@ -266,7 +266,7 @@ def test_the_shim_survives_systemd_command_line_expansion() -> None:
 
 def test_binding_to_the_own_unit_needs_one() -> None:
     """Outside a service unit (a test process), the default binding is refused."""
-    own = systemd.own_unit(Path("/proc/self/cgroup").read_text())
+    own = units.own_unit(Path("/proc/self/cgroup").read_text())
     if own is not None:
         pytest.skip(f"this test process runs in the service unit {own}")
     with pytest.raises(HostError) as refused:
@@ -294,7 +294,7 @@ def test_the_lease_reapers_unit_runs_once_and_leaves_when_nothing_is_left(
     does not restart, and systemd forgets the unit, so it can be started again."""
     backend = SystemdService(bind_to_own_unit=False)
     directory = str(tmp_path / "deadlines")
-    unit = systemd.reaper_unit(prefix.removeprefix("ficc-work-"))
+    unit = units.reaper_unit(prefix.removeprefix("ficc-work-"))
     keeper = reaper.Keeper(
         directory, launch=lambda command: backend.start_reaper(unit, command, directory)
     )

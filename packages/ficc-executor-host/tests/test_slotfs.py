@@ -27,15 +27,11 @@ import pytest
 from msgspec.structs import replace
 
 from ficc.execution.host.cli import provision
-from ficc.execution.host.config.model import (
-    Config,
-    Slot,
-    check_host,
-    open_image_parent,
-    parse_config,
-)
+from ficc.execution.host.config.host import check_host, open_image_parent
+from ficc.execution.host.config.load import parse_config
+from ficc.execution.host.config.model import Config, Slot
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import procparse
 from ficc.execution.host.storage import slotfs
 from ficc_testkit.accounts import account_command
 from ficc_testkit.units import MIB
@@ -335,7 +331,7 @@ def test_the_superblock_reader_agrees_with_the_kernel_and_blkid(host: Host) -> N
         fd = os.open(made.mount, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with open("/proc/self/mountinfo", "rb") as table:
-                mounts = procfs.parse_mountinfo(table.read())
+                mounts = procparse.parse_mountinfo(table.read())
             mount = next(m for m in reversed(mounts) if m.mount_point == made.mount)
             kernel = slotfs.filesystem_uuid(fd, mount)
         finally:

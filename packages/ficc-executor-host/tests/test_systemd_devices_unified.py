@@ -30,7 +30,7 @@ import pytest
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.gate import checks as gate
 from ficc.execution.host.gate import reader as gate_reader
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, systemd_devices
 from ficc.execution.host.service.interface import (
     DeviceAccess,
@@ -38,9 +38,9 @@ from ficc.execution.host.service.interface import (
     ServiceLimits,
     ServiceSpec,
 )
-from ficc.execution.host.service.systemd import (
+from ficc.execution.host.service.systemd import SystemdService
+from ficc.execution.host.service.units import (
     SLICE,
-    SystemdService,
     device_allow,
     parse_proc_devices,
     run_properties,
@@ -264,16 +264,16 @@ def test_the_gate_judges_the_live_payload_cgroup_below_a_unit(units: list[str]) 
     assert evidence.device_programs, evidence.device_programs_error
     decoded = [p.rules for p in evidence.device_programs if p.rules is not None]
     null = tuple(
-        procfs.DeviceAccess(r.kind, r.major, r.minor, r.access)
+        evidencelib.DeviceAccess(r.kind, r.major, r.minor, r.access)
         for r in cgroups.expected_devices([NULL])
     )
     assert any(sorted(map(repr, rules)) == sorted(map(repr, null)) for rules in decoded)
 
-    def expectation(devices: tuple[procfs.DeviceAccess, ...]) -> gate.Expectation:
+    def expectation(devices: tuple[evidencelib.DeviceAccess, ...]) -> gate.Expectation:
         return gate.Expectation(
             uid=1,
             gid=1,
-            barrier=procfs.FileIdentity(0, 0),
+            barrier=evidencelib.FileIdentity(0, 0),
             cgroups=(gate.CgroupRequirement("", "/"),),
             rlimits=(),
             fds=(),

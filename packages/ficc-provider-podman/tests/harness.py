@@ -33,7 +33,7 @@ from ficc.execution.host.gate.expectation import (
     decode_prepare_result,
     service_spec,
 )
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.storage import layout
@@ -298,7 +298,7 @@ def run_gate(attempt: Attempt, pid: int, name: str = gate.EVIDENCE_FILE) -> gate
     assert attempt.handle is not None
     service = attempt.w.service
     logs = tuple(
-        procfs.FileIdentity(st.st_dev, st.st_ino)
+        evidencelib.FileIdentity(st.st_dev, st.st_ino)
         for st in (os.stat(p) for p in (attempt.paths.stdout, attempt.paths.stderr))
     )
     expectation = build_expectation(

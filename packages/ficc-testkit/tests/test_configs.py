@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from ficc.execution.host.config.model import Config, parse_config
+from ficc.execution.host.config.load import parse_config
+from ficc.execution.host.config.model import Config
 from ficc_testkit import configs
 from ficc_testkit.accounts import Account
 from ficc_testkit.digests import fake

@@ -39,7 +39,7 @@ import console
 
 from ficc.execution import plan as planlib
 from ficc.execution.client import Client
-from ficc.execution.host.config.model import load_config
+from ficc.execution.host.config.load import load_config
 from ficc.execution.host.ledger.store import LEDGER_FILE
 from ficc.execution.protocol import (
     Fence,

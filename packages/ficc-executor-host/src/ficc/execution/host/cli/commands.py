@@ -41,13 +41,9 @@ import msgspec
 
 from ficc.execution.client import Client, ClientError, ConnectFailed
 from ficc.execution.host.cli import provision, smoke
-from ficc.execution.host.config.model import (
-    Config,
-    check_accounts,
-    check_host,
-    check_metrics_textfile,
-    load_config,
-)
+from ficc.execution.host.config.host import check_accounts, check_host, check_metrics_textfile
+from ficc.execution.host.config.load import load_config
+from ficc.execution.host.config.model import Config
 from ficc.execution.host.core import metrics
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError

@@ -48,7 +48,9 @@ from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.cli.commands import version_line
-from ficc.execution.host.config.model import Config, Slot, load_config, open_image_parent
+from ficc.execution.host.config.host import open_image_parent
+from ficc.execution.host.config.load import load_config
+from ficc.execution.host.config.model import Config, Slot
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon.root import service_backend

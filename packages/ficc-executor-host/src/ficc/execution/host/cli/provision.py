@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass
 from typing import Final
 
-from ficc.execution.host.config.model import open_trusted_directory
+from ficc.execution.host.config.trusted import open_trusted_directory
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.storage import slotfs

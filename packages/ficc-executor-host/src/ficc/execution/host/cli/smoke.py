@@ -28,7 +28,8 @@ from typing import Any
 
 from ficc.execution import plan as planlib
 from ficc.execution.client import Client, ClientError
-from ficc.execution.host.config.model import Config, load_config
+from ficc.execution.host.config.load import load_config
+from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.authority import SocketKind
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError

@@ -29,7 +29,9 @@ from typing import NamedTuple, Protocol
 import msgspec
 
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host.config.model import SOCKET_DIR_MODE, Config, open_trusted_directory
+from ficc.execution.host.config.host import SOCKET_DIR_MODE
+from ficc.execution.host.config.model import Config
+from ficc.execution.host.config.trusted import open_trusted_directory
 from ficc.execution.host.core.authority import SocketKind
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError

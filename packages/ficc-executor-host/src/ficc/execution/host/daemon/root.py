@@ -31,7 +31,8 @@ from ficc.execution._executor import ReceivedRequest
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.api import handlers
 from ficc.execution.host.config import ceiling
-from ficc.execution.host.config.model import Config, Provider, check_host
+from ficc.execution.host.config.host import check_host
+from ficc.execution.host.config.model import Config, Provider
 from ficc.execution.host.context.parts import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.core import metrics
 from ficc.execution.host.core.codes import HostCode

@@ -30,8 +30,9 @@ import msgspec
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.gate import reader as gate_reader
+from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.linux import fsutil, procfs, seccomp
-from ficc.execution.host.linux.procfs import DeviceAccess, Evidence, FileIdentity, Mount
+from ficc.execution.host.linux.evidence import DeviceAccess, Evidence, FileIdentity, Mount
 
 SlotId = Annotated[int, msgspec.Meta(gt=0, le=0xFFFF_FFFE)]
 """A slot account's host UID or GID: never root, never the invalid id."""
@@ -89,7 +90,7 @@ class RlimitCeiling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     maximum: Annotated[int, msgspec.Meta(ge=0)]
 
     def __post_init__(self) -> None:
-        if self.name not in procfs.RLIMIT_LABELS.values():
+        if self.name not in evidencelib.RLIMIT_LABELS.values():
             raise ValueError(f"unknown rlimit {self.name!r}")
 
 
@@ -267,7 +268,7 @@ def check_syscall_filter(evidence: Evidence, expectation: Expectation) -> list[F
     ]
 
 
-def _hierarchy(controller: str, entry: procfs.CgroupEntry) -> bool:
+def _hierarchy(controller: str, entry: evidencelib.CgroupEntry) -> bool:
     if controller == "":
         return entry.hierarchy_id == 0 and entry.controllers == ()
     return entry.hierarchy_id != 0 and controller in entry.controllers
@@ -333,7 +334,7 @@ def check_rlimits(evidence: Evidence, expectation: Expectation) -> list[Failure]
     return failures
 
 
-def _fd_allowed(entry: procfs.FdEntry, allowance: FdAllowance) -> bool:
+def _fd_allowed(entry: evidencelib.FdEntry, allowance: FdAllowance) -> bool:
     if entry.kind == "chr":
         return allowance.dev_null and entry.rdev == DEV_NULL
     if entry.kind == "fifo":

@@ -46,7 +46,7 @@ from ficc.execution import plan as planlib
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.gate import checks as gate
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.service import cgroups
 from ficc.execution.host.service.interface import DeviceRule, ServiceHandle, ServiceSpec
 from ficc.execution.host.storage.layout import AttemptPaths
@@ -263,7 +263,7 @@ def build_expectation(
     handle: ServiceHandle,
     service_cgroup: str,
     processes: int,
-    log_files: tuple[procfs.FileIdentity, ...],
+    log_files: tuple[evidencelib.FileIdentity, ...],
     nofile: int = DEFAULT_NOFILE,
     user_namespace: bool = True,
     cgroup_namespace: bool = True,
@@ -274,9 +274,11 @@ def build_expectation(
     of the backend's supervisor cgroup); `log_files` are the identities of the
     stdout/stderr files the host opened for the service.
     """
-    barrier = procfs.FileIdentity(result.barrier.identity.device, result.barrier.identity.inode)
+    barrier = evidencelib.FileIdentity(
+        result.barrier.identity.device, result.barrier.identity.inode
+    )
     devices = tuple(
-        procfs.DeviceAccess(rule.kind, rule.major, rule.minor, rule.access)
+        evidencelib.DeviceAccess(rule.kind, rule.major, rule.minor, rule.access)
         for rule in cgroups.expected_devices(device_rules(result))
     )
     return gate.Expectation(
@@ -296,7 +298,7 @@ def build_expectation(
                 os.major(mount.identity.device),
                 os.minor(mount.identity.device),
                 mount.read_only,
-                procfs.FileIdentity(mount.identity.device, mount.identity.inode),
+                evidencelib.FileIdentity(mount.identity.device, mount.identity.inode),
             )
             for mount in result.mounts
         ),

@@ -16,19 +16,18 @@ from collections.abc import Callable
 
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import seccomp
-from ficc.execution.host.linux.procfs import (
+from ficc.execution.host.linux.evidence import (
     CgroupEntry,
     DeviceAccess,
     DeviceProgram,
     Evidence,
     Status,
     malformed,
+    process_changed,
+)
+from ficc.execution.host.linux.procfs import (
     open_process_dir,
     own_mounts,
-    parse_cgroup,
-    parse_limits,
-    parse_status,
-    process_changed,
     read_bounded,
     read_devices,
     read_exe,
@@ -38,6 +37,7 @@ from ficc.execution.host.linux.procfs import (
     read_stat,
     reference_namespaces,
 )
+from ficc.execution.host.linux.procparse import parse_cgroup, parse_limits, parse_status
 from ficc.execution.host.service import bpfdevices, systemd_devices
 
 

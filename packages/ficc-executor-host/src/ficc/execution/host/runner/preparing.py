@@ -29,7 +29,7 @@ import msgspec
 
 from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host.config.model import open_image_parent
+from ficc.execution.host.config.host import open_image_parent
 from ficc.execution.host.core import lifecycle
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.gate.expectation import check_prepare_result, decode_prepare_result

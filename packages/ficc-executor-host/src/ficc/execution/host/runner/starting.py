@@ -68,7 +68,7 @@ from ficc.execution.host.gate.expectation import (
     decode_prepare_result,
     service_spec,
 )
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.runner import runtime_errors
 from ficc.execution.host.runner.attempts import (
     INTERNAL_ERROR,
@@ -432,7 +432,7 @@ class Starter(AttemptWork):
     ) -> gate.Verdict:
         """Blocking: build the Expectation and judge the live barrier (evidence first)."""
         logs = tuple(
-            procfs.FileIdentity(st.st_dev, st.st_ino)
+            evidencelib.FileIdentity(st.st_dev, st.st_ino)
             for st in (os.stat(p) for p in (attempt.paths.stdout, attempt.paths.stderr))
         )
         expectation = build_expectation(

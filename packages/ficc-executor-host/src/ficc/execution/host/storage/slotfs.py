@@ -52,7 +52,8 @@ from typing import Final, NamedTuple, Protocol
 
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.linux import procfs
+from ficc.execution.host.linux import evidence as evidencelib
+from ficc.execution.host.linux import procparse
 
 NOLOGIN_SHELLS: Final = frozenset(
     {"/usr/sbin/nologin", "/sbin/nologin", "/usr/bin/nologin", "/bin/false", "/usr/bin/false"}
@@ -60,7 +61,6 @@ NOLOGIN_SHELLS: Final = frozenset(
 FILESYSTEM_TYPES: Final = frozenset({"ext2", "ext3", "ext4", "xfs"})
 OpenParent = Callable[[str, str], int]
 """Opens a directory path trusted like the configuration's (`config.open_image_parent`)."""
-UUID_PATTERN: Final = r"\A[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z"
 FULL_BYTES: Final = 1 << 20
 """Less than this left to an unprivileged writer counts as a full slot."""
 FULL_INODES: Final = 16
@@ -132,7 +132,7 @@ def check_filesystem(slot: SlotSpec, key: str, dir_fd: int, open_parent: OpenPar
     return os.fstat(dir_fd).st_dev
 
 
-def _check_mount_root(slot: SlotSpec, key: str, mount: procfs.Mount) -> None:
+def _check_mount_root(slot: SlotSpec, key: str, mount: evidencelib.Mount) -> None:
     if mount.root != "/" or mount.mount_point != slot.path:
         where = mount.mount_point if mount.root == "/" else f"{mount.root} of {mount.source}"
         raise _refuse(
@@ -147,7 +147,7 @@ def _check_mount_root(slot: SlotSpec, key: str, mount: procfs.Mount) -> None:
 
 
 def check_identity(
-    slot: SlotSpec, key: str, dir_fd: int, mount: procfs.Mount | None = None
+    slot: SlotSpec, key: str, dir_fd: int, mount: evidencelib.Mount | None = None
 ) -> None:
     """The filesystem at `dir_fd` has the configured UUID (code `slot_identity`)."""
     found = filesystem_uuid(dir_fd, mount if mount is not None else mount_of(dir_fd, key))
@@ -218,13 +218,13 @@ def in_use(path: str) -> tuple[int, int]:
     return (st.f_blocks - st.f_bfree) * st.f_frsize, st.f_files - st.f_ffree
 
 
-def mount_of(dir_fd: int, key: str) -> procfs.Mount:
+def mount_of(dir_fd: int, key: str) -> evidencelib.Mount:
     """The mount `dir_fd` is on, found by the mount ID the kernel reports for the fd."""
     try:
         with open(f"/proc/self/fdinfo/{dir_fd}", "rb") as info:
-            _, mount_id = procfs.parse_fdinfo(info.read())
+            _, mount_id = procparse.parse_fdinfo(info.read())
         with open("/proc/self/mountinfo", "rb") as table:
-            mount = None if mount_id is None else procfs.find_mount(table.read(), mount_id)
+            mount = None if mount_id is None else procparse.find_mount(table.read(), mount_id)
     except (OSError, HostError) as error:
         raise _refuse(
             HostCode.SLOT_FILESYSTEM, key, f"cannot read its mount: {error}", "check /proc"
@@ -236,7 +236,7 @@ def mount_of(dir_fd: int, key: str) -> procfs.Mount:
     return mount
 
 
-def _check_backing_file(key: str, mount: procfs.Mount, open_parent: OpenParent) -> None:
+def _check_backing_file(key: str, mount: evidencelib.Mount, open_parent: OpenParent) -> None:
     """A loop-mounted slot's image file: root's alone and allocated in full."""
     try:
         with open(f"/sys/dev/block/{mount.major}:{mount.minor}/loop/backing_file") as f:
@@ -345,7 +345,7 @@ def _check_size(slot: SlotSpec, key: str, dir_fd: int) -> None:
 # --- the filesystem's UUID ------------------------------------------------------------
 
 
-def filesystem_uuid(dir_fd: int, mount: procfs.Mount) -> str | None:
+def filesystem_uuid(dir_fd: int, mount: evidencelib.Mount) -> str | None:
     """The UUID of the filesystem at `dir_fd` (canonical lowercase), or None if it has
     none this host can read."""
     buffer = bytearray(17)
@@ -367,7 +367,7 @@ _SUPERBLOCKS: Final = (
 )
 
 
-def _superblock_uuid(mount: procfs.Mount) -> str | None:
+def _superblock_uuid(mount: evidencelib.Mount) -> str | None:
     """Read the UUID from the superblock of the mount's block device (older kernels)."""
     layout = next((entry[1:] for entry in _SUPERBLOCKS if mount.fs_type in entry[0]), None)
     if layout is None:
