@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 
 from ficc.execution.client import Client
-from ficc.execution.host.cli import commands
-from ficc.execution.host.cli.commands import fetch_snapshots, format_status, run_daemon
+from ficc.execution.host.cli import commands, serve
+from ficc.execution.host.cli.serve import run_daemon
+from ficc.execution.host.cli.status import fetch_snapshots, format_status
 from ficc.execution.host.config.load import parse_config
 from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.errors import HostError
@@ -348,8 +349,8 @@ def test_serve_prints_a_startup_refusal_and_exits_1(
     def refuse(config: Config, path: list[str] | None) -> Any:
         raise HostError("ledger_unsafe", "the ledger file is a symbolic link; remove it")
 
-    monkeypatch.setattr(commands, "checked_config", lambda path: config_for(socket_dir))
-    monkeypatch.setattr(commands, "_open_daemon", refuse)
+    monkeypatch.setattr(serve, "checked_config", lambda path: config_for(socket_dir))
+    monkeypatch.setattr(serve, "_open_daemon", refuse)
     assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert all(RFC3339.match(line["ts"]) for line in lines)
@@ -521,8 +522,8 @@ def test_serve_log_level_hides_lines_below_it(
     def refuse(config: Config, path: list[str] | None) -> Any:
         raise HostError("ledger_unsafe", "the ledger file is a symbolic link; remove it")
 
-    monkeypatch.setattr(commands, "checked_config", lambda path: config_for(socket_dir))
-    monkeypatch.setattr(commands, "_open_daemon", refuse)
+    monkeypatch.setattr(serve, "checked_config", lambda path: config_for(socket_dir))
+    monkeypatch.setattr(serve, "_open_daemon", refuse)
     try:
         argv = ["serve", "--config", "/etc/ficc/x.json", "--log-level", "error"]
         assert commands.main(argv) == 1
@@ -628,7 +629,7 @@ def test_status_json_carries_every_page(
 
     async def main() -> int:
         stop = asyncio.Event()
-        served = asyncio.ensure_future(commands._serve_until(fake, config, ServerLimits(), stop))
+        served = asyncio.ensure_future(serve._serve_until(fake, config, ServerLimits(), stop))
         await _until_listening(admin)
         try:
             return await asyncio.to_thread(commands.main, ["status", "--socket", admin, "--json"])
@@ -658,7 +659,7 @@ def test_an_unexpected_failure_of_serve_is_a_json_line_too(
     def broken(path: str) -> Config:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(commands, "checked_config", broken)
+    monkeypatch.setattr(serve, "checked_config", broken)
     assert commands.main(["serve", "--config", "/etc/ficc/x.json"]) == 1
     starting, line = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert starting["event"] == "starting"

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from ficc.execution.host.cli import conformance
+from ficc.execution.host import conformance
 from ficc.execution.host.cli.conformance import RULES, Outcome
 
 DOC = pathlib.Path(__file__).parents[3] / "docs" / "providers.md"

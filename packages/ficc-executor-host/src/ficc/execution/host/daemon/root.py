@@ -29,7 +29,7 @@ from typing import Protocol
 
 from ficc.execution._executor import ReceivedRequest
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host.api import handlers
+from ficc.execution.host.api import handlers, inputs, port, reports
 from ficc.execution.host.config import ceiling
 from ficc.execution.host.config.host import check_host
 from ficc.execution.host.config.model import Config, Provider
@@ -67,7 +67,7 @@ LEDGER_MARKER = "ledger.created"
 """Written in the state directory right after the ledger is created; never removed."""
 
 
-class RunnerLike(handlers.RunnerPort, Protocol):
+class RunnerLike(port.RunnerPort, Protocol):
     """The runner as the daemon drives it (pipeline.Runner)."""
 
     async def recover(self) -> None: ...
@@ -163,7 +163,7 @@ class Daemon:
         return await handlers.handle(self.ctx, self.runner, sender, request)
 
     def input_chunk_bytes(self) -> int:
-        return handlers.INPUT_CHUNK_BYTES
+        return inputs.INPUT_CHUNK_BYTES
 
     async def close(self) -> None:
         """Stop the monitor and the runner's tasks, the worker threads, the ledger."""
@@ -198,7 +198,7 @@ async def write_metrics_textfile(
     directory, name = os.path.split(path)
     while True:
         try:
-            facts = await ctx.workers.db(handlers.metric_facts, ctx)
+            facts = await ctx.workers.db(reports.metric_facts, ctx)
             text = metrics.render(facts, metrics.PROCESS).encode()
             await asyncio.to_thread(_replace_file, directory, name, text)
         except (OSError, HostError) as error:
