@@ -69,7 +69,8 @@ from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.storage import slotfs
 from ficc.execution.host.storage.layout import Layout, service_name
-from ficc.execution.host.storage.staging import Stager, streams_of
+from ficc.execution.host.storage.staging import Stager
+from ficc.execution.host.storage.streams import streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
 from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels

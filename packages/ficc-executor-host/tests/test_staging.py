@@ -22,10 +22,8 @@ from hypothesis import strategies as st
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux.fsutil import identity_of
 from ficc.execution.host.storage import staging
-from ficc.execution.host.storage.staging import (
-    STAGING_DIRECTORY,
-    Stager,
-    StreamState,
+from ficc.execution.host.storage.staging import STAGING_DIRECTORY, Stager, StreamState
+from ficc.execution.host.storage.streams import (
     check_capacity,
     identity_refusal,
     plan_write,

@@ -37,7 +37,8 @@ from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.storage import layout
-from ficc.execution.host.storage.staging import Stager, streams_of
+from ficc.execution.host.storage.staging import Stager
+from ficc.execution.host.storage.streams import streams_of
 from ficc_provider_podman import driver as podman_driver
 from ficc_provider_podman.account import kill_leftovers
 from ficc_testkit import plans, podman

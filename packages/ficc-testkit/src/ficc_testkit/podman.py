@@ -78,8 +78,6 @@ full under the world's directory)."""
 RETRY_LATER = frozenset({"inputs_preparing", "input_busy"})
 """input_write codes that mean: try again on a later polling cycle."""
 RUNTIME_DEVICES = ("/dev/null", "/dev/random", "/dev/urandom")
-
-
 UNIFIED = Path("/sys/fs/cgroup/cgroup.controllers").exists()
 """A pure cgroup v2 host (one unified tree at /sys/fs/cgroup), as every systemd host
 users deploy on; else the v1 hierarchies of a hybrid host."""

@@ -112,6 +112,7 @@ def _setup(args: argparse.Namespace) -> Kit:
 
 
 _PLAN_FILE_MAX: Final = 16 * planlib.PLAN_MAX_BYTES
+"""A plan file may be spaced out; its canonical form is bounded by the plan's rules."""
 
 
 def _plan(name: str) -> planlib.Plan:

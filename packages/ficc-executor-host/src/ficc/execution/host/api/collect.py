@@ -51,8 +51,6 @@ __all__ = ["collect", "identity_digest", "read_object"]
 
 _LOGS = {"stdout", "stderr"}
 _OUTPUT_PREFIX = "output:"
-
-
 _BUFFERS = ReadBuffers(COLLECT_MAX_BYTES, keep=2)
 """The daemon's read buffers: 2 MiB resident at most, enough for back-to-back reads."""
 

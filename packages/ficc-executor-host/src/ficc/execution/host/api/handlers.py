@@ -49,12 +49,12 @@ from ficc.execution.host.api.inputs import input_status, input_write
 from ficc.execution.host.api.port import Handler, RunnerPort
 from ficc.execution.host.api.reports import metrics, set_offer, snapshot
 from ficc.execution.host.api.rows import (
-    _Read,
-    _records_of,
-    _reply,
-    _with_staged,
-    _with_usage,
+    RowsRead,
     attempt_rows,
+    attempts_reply,
+    records_of,
+    with_staged,
+    with_usage,
 )
 from ficc.execution.host.config.ceiling import ceiling_limits
 from ficc.execution.host.context.group_commit import GroupCommit
@@ -64,7 +64,8 @@ from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger import store as ledgerlib
 from ficc.execution.host.linux import taskscan
 from ficc.execution.host.storage.layout import Layout, service_name
-from ficc.execution.host.storage.staging import Stager, streams_of
+from ficc.execution.host.storage.staging import Stager
+from ficc.execution.host.storage.streams import streams_of
 from ficc.execution.protocol import (
     CollectRequest,
     Fence,
@@ -86,10 +87,6 @@ from ficc.execution.wire import (
 )
 
 _log = logging.getLogger(__name__)
-
-"""The `input_chunk_bytes` this executor announces and enforces (8 MiB)."""
-
-"""An `input_write` row as `receive_request` may return it."""
 
 
 async def handle(
@@ -212,7 +209,7 @@ async def prepare(
             new.append(result.record.attempt_id)
     if new:
         runner.admitted(new)
-    return _reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
+    return attempts_reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
 
 
 async def reject_absent(
@@ -220,7 +217,7 @@ async def reject_absent(
 ) -> AnyReply:
     """Commit never-runnable rejections for plans this host never admitted."""
     results = await ctx.workers.db(ctx.ledger.reject_absent, _bindings(request), request.plans)
-    return _reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
+    return attempts_reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
 
 
 async def reconcile_absent(
@@ -246,7 +243,7 @@ async def reconcile_absent(
             + "; clean up (release attempts, stop stray processes), then retry",
         )
     results = await ctx.workers.db(ctx.ledger.reconcile_absent, bindings, request.plans, True)
-    return _reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
+    return attempts_reply(request, await attempt_rows(ctx, [_admission_row(r) for r in results]))
 
 
 def _all_attempt_ids(ledger: ledgerlib.Ledger) -> set[str]:
@@ -308,14 +305,14 @@ async def renew(
     results = read.results
     if reaped:
         results = await _reaped_first(ctx, runner, results, reaped)
-    return _reply(request, await attempt_rows(ctx, results, read.staged))
+    return attempts_reply(request, await attempt_rows(ctx, results, read.staged))
 
 
 RENEW_GROUP_MOST = 16
 """Renew requests that share one transaction at most (64 rows each)."""
 
 
-def _renewals(ctx: HostContext) -> GroupCommit[_RenewRows, _Read]:
+def _renewals(ctx: HostContext) -> GroupCommit[_RenewRows, RowsRead]:
     """The group commit of renew requests: those that arrive while one commits go
     together in the next transaction (one fsync for all)."""
     group = ctx.groups.get("renew")
@@ -324,11 +321,11 @@ def _renewals(ctx: HostContext) -> GroupCommit[_RenewRows, _Read]:
     return group
 
 
-async def _renew(ctx: HostContext, batches: list[_RenewRows]) -> list[_Read]:
-    def commit() -> list[_Read]:
+async def _renew(ctx: HostContext, batches: list[_RenewRows]) -> list[RowsRead]:
+    def commit() -> list[RowsRead]:
         maximum = ctx.config.maximum_lease_seconds
         applied = ctx.ledger.renew_batches(batches, ctx.clock, maximum)
-        return [_with_staged(ctx.ledger, _records_of(results)) for results in applied]
+        return [with_staged(ctx.ledger, records_of(results)) for results in applied]
 
     return await ctx.workers.db(commit)
 
@@ -387,7 +384,7 @@ async def start(
     failed = [f.attempt_id for f, r in pairs if r is refusals.get(f.attempt_id)]
     if failed:
         runner.settled(failed)
-    return _reply(request, await attempt_rows(ctx, _records_of(results)))
+    return attempts_reply(request, await attempt_rows(ctx, records_of(results)))
 
 
 def _input_checks(ctx: HostContext, fences: Sequence[Fence]) -> list[tuple[str, Stager]]:
@@ -440,17 +437,17 @@ async def observe(
     """The records as the monitor keeps them: from the ledger's record cache on the
     event loop when it holds every row, else read on the ledger thread."""
 
-    def read_rows() -> _Read:
-        return _with_staged(ctx.ledger, ctx.ledger.fenced(request.attempts))
+    def read_rows() -> RowsRead:
+        return with_staged(ctx.ledger, ctx.ledger.fenced(request.attempts))
 
     cached = ctx.ledger.cached(request.attempts)
-    read = _Read(*cached) if cached is not None else await ctx.workers.db(read_rows)
+    read = RowsRead(*cached) if cached is not None else await ctx.workers.db(read_rows)
     rows = await attempt_rows(ctx, read.results, read.staged)
     if request.wants_usage:
-        rows = await _with_usage(ctx, runner, read.results, rows)
+        rows = await with_usage(ctx, runner, read.results, rows)
     if request.wants_detail:
         rows = _with_detail(runner, rows)
-    return _reply(request, rows)
+    return attempts_reply(request, rows)
 
 
 def _with_detail(runner: RunnerPort, rows: list[AttemptResult]) -> list[AttemptResult]:
@@ -474,7 +471,7 @@ async def stop(
     changed = _changed(results)
     if changed:
         runner.stop_requested(changed)
-    return _reply(request, await attempt_rows(ctx, _records_of(results)))
+    return attempts_reply(request, await attempt_rows(ctx, records_of(results)))
 
 
 async def release(
@@ -512,7 +509,7 @@ async def release(
         applied = await ctx.workers.db(ctx.ledger.apply_batch, rows)
         for (index, _), result in zip(to_apply, applied, strict=True):
             results[index] = result if isinstance(result, HostError) else result.record
-    return _reply(request, await attempt_rows(ctx, results))
+    return attempts_reply(request, await attempt_rows(ctx, results))
 
 
 # --- streamed inputs -----------------------------------------------------------------

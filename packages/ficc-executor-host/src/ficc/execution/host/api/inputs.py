@@ -36,9 +36,9 @@ from ficc.execution.wire import (
 )
 
 INPUT_CHUNK_BYTES = INPUT_CHUNK_MAX_BYTES
-
-
+"""The `input_chunk_bytes` this executor announces and enforces (8 MiB)."""
 AnyInputWrite = ReceivedInputWrite | InputWrite
+"""An `input_write` row as `receive_request` may return it."""
 
 
 class _StagingFacts(NamedTuple):

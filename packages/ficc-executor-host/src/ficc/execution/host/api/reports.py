@@ -14,8 +14,8 @@ import msgspec
 from ficc.execution.host.api.inputs import INPUT_CHUNK_BYTES
 from ficc.execution.host.api.port import RunnerPort
 from ficc.execution.host.api.rows import (
-    _logs_of,
     attempt_status,
+    logs_of,
     usages,
 )
 from ficc.execution.host.config.ceiling import ceiling_limits
@@ -101,7 +101,7 @@ async def snapshot(
     offer, capacity, records, cursor, staged = await ctx.workers.db(
         _snapshot_state, ctx, request.after
     )
-    logs = await _logs_of(ctx, records)
+    logs = await logs_of(ctx, records)
     used = await usages(ctx, runner, records) if request.wants_usage else {}
     bindings = ctx.ledger.bindings()
     return SnapshotReply(

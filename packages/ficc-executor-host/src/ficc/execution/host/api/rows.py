@@ -71,8 +71,6 @@ def attempt_status(
 
 
 _Status = TypeVar("_Status", bound=AttemptStatus)
-
-
 _SHOWS_OUTCOME: Final = lifecycle.SETTLED | {"released"}
 
 
@@ -107,20 +105,20 @@ def _status_as(
     )
 
 
-class _Read(NamedTuple):
+class RowsRead(NamedTuple):
     """A batch's records (or row refusals) with their staged bytes, read together."""
 
     results: list[ledgerlib.AttemptRecord | HostError]
     staged: dict[str, int]
 
 
-def _with_staged(
+def with_staged(
     ledger: ledgerlib.Ledger, results: list[ledgerlib.AttemptRecord | HostError]
-) -> _Read:
+) -> RowsRead:
     """Add the staged bytes in the same ledger-thread call that produced `results`, so
     a hot request queues once on the ledger thread instead of twice."""
     ids = [r.attempt_id for r in results if isinstance(r, ledgerlib.AttemptRecord)]
-    return _Read(results, ledger.staged_bytes(ids))
+    return RowsRead(results, ledger.staged_bytes(ids))
 
 
 async def attempt_rows(
@@ -134,7 +132,7 @@ async def attempt_rows(
     ids = [r.attempt_id for r in records]
     if staged is None:
         staged = await ctx.workers.db(ctx.ledger.staged_bytes, ids) if ids else {}
-    logs = await _logs_of(ctx, records)
+    logs = await logs_of(ctx, records)
     rows: list[AttemptResult] = []
     for result in results:
         if isinstance(result, HostError):
@@ -145,7 +143,7 @@ async def attempt_rows(
     return rows
 
 
-async def _logs_of(
+async def logs_of(
     ctx: HostContext, records: Sequence[ledgerlib.AttemptRecord]
 ) -> dict[str, tuple[int, int]]:
     """Log sizes of the records that can have logs, read on an I/O thread (none: no
@@ -170,7 +168,7 @@ async def usages(
     }
 
 
-async def _with_usage(
+async def with_usage(
     ctx: HostContext,
     runner: RunnerPort,
     results: Sequence[ledgerlib.AttemptRecord | HostError],
@@ -187,11 +185,11 @@ async def _with_usage(
     ]
 
 
-def _reply(request: ReceivedRequest, rows: list[AttemptResult]) -> AttemptsReply:
+def attempts_reply(request: ReceivedRequest, rows: list[AttemptResult]) -> AttemptsReply:
     return AttemptsReply(version=1, id=request.id, results=rows)
 
 
-def _records_of(
+def records_of(
     results: Sequence[ledgerlib.Admitted | ledgerlib.Applied | HostError],
 ) -> list[ledgerlib.AttemptRecord | HostError]:
     return [r if isinstance(r, HostError) else r.record for r in results]

@@ -13,16 +13,16 @@ from ficc.execution.host.cli.exits import (
     EXIT_LEDGER_HELD,
     EXIT_OK,
     EXIT_REFUSED,
-    _error_json,
+    error_json,
 )
-from ficc.execution.host.cli.serve import _DAEMON_MODULE, checked_config
+from ficc.execution.host.cli.serve import DAEMON_MODULE, checked_config
 from ficc.execution.host.core.errors import HostError
 
 
-def _check_config(args: argparse.Namespace) -> int:
+def check_config_command(args: argparse.Namespace) -> int:
     try:
         config = checked_config(args.config)
-        daemon = importlib.import_module(_DAEMON_MODULE)
+        daemon = importlib.import_module(DAEMON_MODULE)
         ledger: str = daemon.check_ledger(config)
     except HostError as error:
         return _report_check(args, error, None, [])
@@ -38,7 +38,7 @@ def _report_check(
 ) -> int:
     """Print the outcome (text or JSON) and choose the exit status."""
     unavailable = [(pid, error) for pid, error in providers if error is not None]
-    held = ledger == importlib.import_module(_DAEMON_MODULE).LEDGER_HELD
+    held = ledger == importlib.import_module(DAEMON_MODULE).LEDGER_HELD
     if refusal is not None:
         status, result = EXIT_REFUSED, "refused"
     elif held:
@@ -51,11 +51,11 @@ def _report_check(
         document = {
             "config": args.config,
             "result": result,
-            "error": None if refusal is None else _error_json(refusal),
+            "error": None if refusal is None else error_json(refusal),
             "ledger": ledger,
             "providers": [
                 {"id": pid, "available": error is None,
-                 "error": None if error is None else _error_json(error)}
+                 "error": None if error is None else error_json(error)}
                 for pid, error in providers
             ],
         }  # fmt: skip

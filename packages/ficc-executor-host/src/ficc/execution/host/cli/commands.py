@@ -27,22 +27,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from ficc.execution.host.cli import provision, smoke
-from ficc.execution.host.cli.check_config import _check_config
+from ficc.execution.host.cli.check_config import check_config_command
 from ficc.execution.host.cli.exits import (
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_USAGE,
-    _json_refusal,
+    json_refusal,
 )
-from ficc.execution.host.cli.serve import _line, _serve
-from ficc.execution.host.cli.status import _ATTEMPT_HEADERS, _metrics, _status
+from ficc.execution.host.cli.serve import log_line, serve_command
+from ficc.execution.host.cli.status import ATTEMPT_HEADERS, print_metrics, status_command
 from ficc.execution.host.cli.versions import PROG, version_line
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon import logs
 from ficc.execution.host.daemon.server import stderr_log
 from ficc.execution.host.providers.digest import GROUP, compute_digest
 
-"""check-config: the configuration is in order, but a running daemon holds the ledger."""
 _PROTOCOL_MAIN = "ficc.execution.__main__"
 
 
@@ -65,17 +64,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         result: int = args.run(args)
     except HostError as error:
         if args.command == "serve":  # the daemon's stderr is a JSON-lines log
-            stderr_log(_line("error", "refused", code=error.code, message=error.message))
+            stderr_log(log_line("error", "refused", code=error.code, message=error.message))
         else:
             print(f"{error.code}: {error.message}", file=sys.stderr)
-            _json_refusal(args, error.code, error.message)
+            json_refusal(args, error.code, error.message)
         return EXIT_REFUSED
     except Exception as error:
         if args.command != "serve":
             raise
         # a bug, not a refusal; still one JSON line, so the journal stays parseable
         failure = "".join(traceback.format_exception(error))
-        stderr_log(_line("error", "failed", error=repr(error), traceback=failure))
+        stderr_log(log_line("error", "failed", error=repr(error), traceback=failure))
         return EXIT_REFUSED
     return result
 
@@ -154,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         default="info",
         help="write log lines at this level and above (default: info)",
     )
-    run.set_defaults(run=_serve)
+    run.set_defaults(run=serve_command)
 
     check = _command(
         commands,
@@ -176,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
         help="exit 0 rather than 4 when only a provider is unavailable (the unit uses "
         "this: the daemon must run to recover and release attempts even then)",
     )
-    check.set_defaults(run=_check_config)
+    check.set_defaults(run=check_config_command)
 
     status = _command(
         commands,
@@ -186,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _daemon_address(status)
     status.add_argument("--json", action="store_true", help="print every page as JSON")
-    status.set_defaults(run=_status)
+    status.set_defaults(run=status_command)
 
     metrics_command = _command(
         commands,
@@ -196,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
         "the Prometheus text exposition format.",
     )
     _daemon_address(metrics_command)
-    metrics_command.set_defaults(run=_metrics)
+    metrics_command.set_defaults(run=print_metrics)
 
     digest = _command(
         commands,
@@ -277,23 +276,13 @@ def _provider_digest(args: argparse.Namespace) -> int:
 # --- serve ---------------------------------------------------------------------------------
 
 
-"""How long a thread that holds the GIL may keep it from one that waits (Python's
-default is 5 ms). The event loop, the ledger thread and the I/O threads hand the GIL
-to each other many times a request (every SQLite step and file read gives it up), and
-at 5 ms each hand-off could cost a request milliseconds: 64-row observes from 8
-clients answered in 12-18 ms at the default, 8-12 ms at 1 ms (P8)."""
-
-
 # --- check-config --------------------------------------------------------------------------
-
-
-"""The code of a `--json` refusal when the daemon could not be reached at all."""
 
 
 # --- status --------------------------------------------------------------------------------
 
 
-_ATTEMPT_HEADERS += ["LEASE", "SLOT", "CPU", "PEAK MEM", "OOM"]
+ATTEMPT_HEADERS += ["LEASE", "SLOT", "CPU", "PEAK MEM", "OOM"]
 
 
 if __name__ == "__main__":

@@ -675,6 +675,3 @@ def _with_runtime(plan: planlib.Plan, runtime: planlib.Runtime) -> planlib.Plan:
 
 
 # --- the command --------------------------------------------------------------------
-
-
-"""A plan file may be spaced out; its canonical form is bounded by the plan's rules."""

@@ -17,12 +17,12 @@ import msgspec
 
 from ficc.execution.client import Client, ClientError, ConnectFailed
 from ficc.execution.host.cli.exits import (
-    _MAX_PAGES,
     EXIT_OK,
     EXIT_REFUSED,
     EXIT_TRANSPORT,
+    MAX_PAGES,
     TRANSPORT,
-    _json_refusal,
+    json_refusal,
 )
 from ficc.execution.host.config.load import load_config
 from ficc.execution.host.core.codes import HostCode
@@ -65,7 +65,7 @@ def transport_failure(exc: ClientError, path: str) -> str:
     return line
 
 
-def _status(args: argparse.Namespace) -> int:
+def status_command(args: argparse.Namespace) -> int:
     path = _socket_of(args)
     client = Client(path, connect_timeout=args.timeout, read_timeout=args.timeout)
     try:
@@ -75,11 +75,11 @@ def _status(args: argparse.Namespace) -> int:
             daemon_version = asyncio.run(fetch_version(client))
     except ClientError as exc:
         print(transport_failure(exc, path), file=sys.stderr)
-        _json_refusal(args, TRANSPORT, transport_failure(exc, path))
+        json_refusal(args, TRANSPORT, transport_failure(exc, path))
         return EXIT_TRANSPORT
     if isinstance(pages, ErrorReply):
         print(f"{pages.error.code}: {pages.error.message}", file=sys.stderr)
-        _json_refusal(args, pages.error.code, pages.error.message)
+        json_refusal(args, pages.error.code, pages.error.message)
         return EXIT_REFUSED
     if args.json:
         document = {
@@ -110,7 +110,7 @@ async def fetch_version(client: Client) -> str | None:
     return None
 
 
-def _metrics(args: argparse.Namespace) -> int:
+def print_metrics(args: argparse.Namespace) -> int:
     path = _socket_of(args)
     client = Client(path, connect_timeout=args.timeout, read_timeout=args.timeout)
     try:
@@ -130,7 +130,7 @@ async def fetch_snapshots(client: Client) -> list[SnapshotReply] | ErrorReply:
     until it is null (or the first refusal)."""
     pages: list[SnapshotReply] = []
     after: str | None = None
-    for _ in range(_MAX_PAGES):
+    for _ in range(MAX_PAGES):
         reply = await client.request(
             SnapshotRequest(version=1, id=secrets.token_hex(16), after=after, usage=True)
         )
@@ -145,7 +145,7 @@ async def fetch_snapshots(client: Client) -> list[SnapshotReply] | ErrorReply:
                 HostCode.STATUS_CURSOR, f"the snapshot cursor did not advance past {after}"
             )
         after = reply.next
-    raise HostError(HostCode.STATUS_CURSOR, f"more than {_MAX_PAGES} snapshot pages; giving up")
+    raise HostError(HostCode.STATUS_CURSOR, f"more than {MAX_PAGES} snapshot pages; giving up")
 
 
 def format_status(
@@ -200,11 +200,11 @@ def format_status(
         f"attempts       {len(attempts)}",
     ]
     if attempts:
-        out.append(_table(_ATTEMPT_HEADERS, [_attempt_row(a, now_ms) for a in attempts]))
+        out.append(_table(ATTEMPT_HEADERS, [_attempt_row(a, now_ms) for a in attempts]))
     return "\n".join(out) + "\n"
 
 
-_ATTEMPT_HEADERS = ["ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT"]
+ATTEMPT_HEADERS = ["ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT"]
 
 
 def _attempt_row(a: AttemptStatus, now_ms: int) -> list[str]:

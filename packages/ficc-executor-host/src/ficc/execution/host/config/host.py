@@ -13,8 +13,6 @@ from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.storage import slotfs
 
 STATE_DIR_MODE = 0o700
-
-
 SOCKET_DIR_MODE = 0o711
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect
 
-from ficc.execution.host.config.model import _ABSOLUTE_PATH, Config
+from ficc.execution.host.config.model import ABSOLUTE_PATH, Config
 from ficc.execution.host.config.rules import check_rules
 from ficc.execution.host.config.trusted import read_trusted_file, refuse
 from ficc.execution.host.core.codes import HostCode
@@ -81,11 +81,7 @@ def _refuse_constant(name: str) -> object:
 
 
 _SCHEMA_LOCATION = re.compile(r"^(?P<problem>.*?)(?: - at `\$(?P<key>[^`]*)`)?$", re.DOTALL)
-
-
 _PATTERN_PROBLEM = re.compile(r"^Expected `str` matching regex '(?P<regex>.*)'$", re.DOTALL)
-
-
 _ENUM_PROBLEM = re.compile(r"^Invalid enum value (?P<value>.*)$", re.DOTALL)
 
 
@@ -99,7 +95,7 @@ _PATTERN_NAMES = {
     _pattern_of(Identity): "an identity (32 lowercase hexadecimal digits)",
     _pattern_of(Digest): "a digest (sha256: and 64 lowercase hexadecimal digits)",
     _pattern_of(Name): "a name (a lowercase letter, then up to 79 of a-z, 0-9, '_', '.', '-')",
-    _ABSOLUTE_PATH: "an absolute path (starting with /, no control characters)",
+    ABSOLUTE_PATH: "an absolute path (starting with /, no control characters)",
     UUID_PATTERN: (
         "a filesystem UUID (xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx, lowercase hexadecimal,"
         " as `blkid` or `ficc-executor provision-slot` prints it)"

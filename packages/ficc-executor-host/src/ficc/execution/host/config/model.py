@@ -28,8 +28,8 @@ from ficc.execution.wire import Control
 
 MAX_LEASE_SECONDS = 86_400
 
-_ABSOLUTE_PATH = r"\A/[^\x00-\x1f\x7f]*\Z"
-AbsolutePath = Annotated[str, msgspec.Meta(pattern=_ABSOLUTE_PATH, max_length=4095)]
+ABSOLUTE_PATH = r"\A/[^\x00-\x1f\x7f]*\Z"
+AbsolutePath = Annotated[str, msgspec.Meta(pattern=ABSOLUTE_PATH, max_length=4095)]
 AccountId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
 LedgerBytes = Annotated[int, msgspec.Meta(ge=ledger_space.MIN_LEDGER_MAX_BYTES, le=2**50)]
 FreeBytes = Annotated[int, msgspec.Meta(ge=0, le=2**62)]

@@ -122,8 +122,6 @@ def _check_allowance(key: str, allowance: Allowance) -> None:
 
 
 _COUNTS = ("cpu_millis", "memory_bytes", "swap_bytes", "processes", "slots")
-
-
 _SETS = ("devices", "projects", "runtimes")
 
 

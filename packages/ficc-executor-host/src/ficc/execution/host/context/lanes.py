@@ -26,8 +26,6 @@ from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
-
-
 __all__ = ["Answer", "Lane", "Spares", "ToLoop"]
 
 

@@ -32,9 +32,9 @@ leases alive but starts nothing; stopped renews nothing, so expiry stops the wor
 
 RESOURCES: Final = ("cpu_millis", "memory_bytes", "swap_bytes", "processes")
 STORAGE: Final = ("storage_bytes", "storage_inodes")
+"""The resource and storage amounts of a reservation, by their column and limit names."""
 UUID_PATTERN: Final = r"\A[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\Z"
 """How a slot filesystem's UUID is written (lower-case hex, dashed)."""
-"""The resource and storage amounts of a reservation, by their column and limit names."""
 
 
 class StreamState(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

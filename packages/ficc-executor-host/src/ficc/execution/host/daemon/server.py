@@ -69,9 +69,9 @@ SENDERS: dict[SocketKind, Sender] = {
 """The sender a socket's kind stands for: authority comes from the socket only."""
 
 _OFF_LOOP_BYTES = 256 * 1024
+"""Frames larger than this are decoded in a worker thread (base64 + SHA-256 of chunks)."""
 _PROGRESS_SLACK_S = 0.01
 """How long past the progress deadline a receive may still end before the cut."""
-"""Frames larger than this are decoded in a worker thread (base64 + SHA-256 of chunks)."""
 
 _IDLE_REPLY_BUFFERS = 2
 

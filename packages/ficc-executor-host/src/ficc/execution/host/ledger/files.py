@@ -23,11 +23,7 @@ from ficc.execution.host.linux import filesystems, fsutil
 _log = logging.getLogger("ficc.execution.host.ledger")
 
 LEDGER_FILE: Final = "ledger.sqlite3"
-
-
 SIDECARS: Final = tuple(LEDGER_FILE + suffix for suffix in ("-wal", "-shm", "-journal"))
-
-
 ADMISSION_VERSION: Final = 1
 
 

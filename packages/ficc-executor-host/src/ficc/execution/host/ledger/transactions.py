@@ -42,11 +42,7 @@ from ficc.execution.host.linux import fsutil
 from ficc.execution.protocol import Fence, OfferLimits
 
 PAGE_MAX: Final = 64
-
-
 BATCH_MAX: Final = planlib.MAX_ROWS
-
-
 _log = logging.getLogger("ficc.execution.host.ledger")
 
 
@@ -63,8 +59,6 @@ class _Full(HostError):
 
 
 _SQLITE_FULL: Final = 13
-
-
 _SQLITE_IOERR_SHMSIZE: Final = 10 | 19 << 8
 
 
@@ -78,8 +72,6 @@ def _out_of_space(error: BaseException) -> bool:
 
 
 _P = ParamSpec("_P")
-
-
 _T = TypeVar("_T")
 _L = TypeVar("_L", bound="Transactions")
 
@@ -198,7 +190,7 @@ def fenced_in(records: dict[str, AttemptRecord], fence: Fence) -> AttemptRecord 
     return record
 
 
-def _accepts(status: lifecycle.Status, event: lifecycle.AnyEvent) -> bool:
+def accepts(status: lifecycle.Status, event: lifecycle.AnyEvent) -> bool:
     """Whether the lifecycle would accept `event` and change the status."""
     try:
         return lifecycle.apply(status, event).changed

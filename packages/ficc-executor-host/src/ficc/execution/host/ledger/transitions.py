@@ -27,7 +27,7 @@ from ficc.execution.host.core.records import (
 from ficc.execution.host.ledger import schema as ledger_schema
 from ficc.execution.host.ledger.queries import Queries
 from ficc.execution.host.ledger.transactions import (
-    _accepts,
+    accepts,
     check_batch,
     fenced_in,
     marks,
@@ -148,7 +148,7 @@ class Transitions(Queries):
                     offer_fits=admission.fits(plan, offer, ceiling, started),
                 )
                 refusal = (refusals or {}).get(fence.attempt_id)
-                if refusal is not None and _accepts(record.status, event):
+                if refusal is not None and accepts(record.status, event):
                     results.append(self._refuse_start(fence, refusal, ordinal, records))
                     continue
                 result = self._apply_one(fence, event, ordinal, records)

@@ -12,17 +12,11 @@ from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import seccomp
 
 MAX_PROC_FILE_BYTES = 1 << 20
-
-
+"""Bound for any single /proc file (mountinfo of a busy host stays far below)."""
 MAX_FDS = 4096
-
-
+"""More descriptors than this is not a barrier waiting for release: refuse."""
 MAX_MOUNTS = 4096
-
-
 MAX_PATH_COMPONENTS = 256
-
-
 NAMESPACE_KINDS = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup")
 
 

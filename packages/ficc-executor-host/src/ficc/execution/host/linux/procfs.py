@@ -49,11 +49,6 @@ from ficc.execution.host.linux.procparse import (
     parse_stat,
 )
 
-"""Bound for any single /proc file (mountinfo of a busy host stays far below)."""
-
-"""More descriptors than this is not a barrier waiting for release: refuse."""
-
-
 # ---------------------------------------------------------------- pure parsers
 
 

@@ -56,8 +56,9 @@ from typing import Literal
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.linux import fsutil, procfs, taskscan
+from ficc.execution.host.linux import fsutil, procfs
 from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
+from ficc.execution.host.service.account_processes import has_live_tasks, kill_account
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import (
     CgroupUsage,
@@ -435,7 +436,7 @@ class CgroupfsService:
 
     def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
         """Zombies are not counted: they hold no resources and cannot run code."""
-        return not self.occupied(handle) and not _uid_has_live_tasks(uid)
+        return not self.occupied(handle) and not has_live_tasks(uid)
 
     def supervisor_cgroup(self, handle: ServiceHandle) -> str:
         return self.planned_supervisor_cgroup(handle.name)
@@ -444,7 +445,7 @@ class CgroupfsService:
         return f"/{self._base}/{check_name(name)}/{PAYLOAD}"
 
     def account_idle(self, uid: int) -> bool:
-        return not _uid_has_live_tasks(uid)
+        return not has_live_tasks(uid)
 
     def kill_account(self, uid: int, timeout: float | None = None) -> bool:
         return kill_account(uid, self._stop_timeout if timeout is None else timeout)
@@ -612,38 +613,10 @@ class CgroupfsService:
 # --- helpers -----------------------------------------------------------------------
 
 
-def _device_key(device: DeviceAccess) -> tuple[str, int, int, str]:
-    return (
-        device.kind,
-        -1 if device.major is None else device.major,
-        -1 if device.minor is None else device.minor,
-        device.access,
-    )
-
-
 def _verify(spec: ServiceSpec, controls: Controls, swap: bool) -> None:
     """Refuse unless every control the kernel reports is exactly what was planned."""
-    limits = spec.limits
-    planned_devices = cgroups.expected_devices(spec.devices)
-    expected: dict[str, object] = {
-        "memory_bytes": cgroups.page_floor(limits.memory_bytes),
-        "swap_bytes": cgroups.page_floor(limits.swap_bytes) if swap else None,
-        "processes": limits.processes,
-        "cpu_millis": limits.cpu_millis,
-        "devices": sorted(planned_devices, key=_device_key),
-    }
-    actual: dict[str, object] = {
-        "memory_bytes": controls.memory_bytes,
-        "swap_bytes": controls.swap_bytes,
-        "processes": controls.processes,
-        "cpu_millis": controls.cpu_millis,
-        "devices": None if controls.devices is None else sorted(controls.devices, key=_device_key),
-    }
-    wrong = [
-        f"{key}: wrote {expected[key]!r}, read {actual[key]!r}"
-        for key in expected
-        if expected[key] != actual[key]
-    ]
+    planned = cgroups.planned_controls(spec, swap)
+    wrong = cgroups.mismatches(planned, cgroups.kernel_controls(controls))
     if wrong:
         raise HostError(
             HostCode.SERVICE_LIMITS,
@@ -689,53 +662,4 @@ def _readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
-KILL_LOOK_PAUSE = 0.05
 """Between looks for what a SIGKILL of a slot account's processes left alive."""
-
-
-def kill_account(uid: int, timeout: float) -> bool:
-    """SIGKILL every live process that runs as `uid` (any of its UIDs), wait until
-    none is left (`service_stop_unconfirmed` after `timeout`), and say whether the
-    account is idle then (what `account_idle` would say, without a second walk).
-
-    Each is killed through a pidfd after its credentials were read again through
-    that pidfd's process, so a PID reused meanwhile is never hit. A process whose
-    status cannot be parsed is not killed (it may be anyone's); it keeps the account
-    from being idle, as `account_idle` says.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        found = taskscan.SHARED.live_tasks({uid})
-        pids = [pid for who, pid in found if who == uid]
-        if not pids:
-            return not found
-        if time.monotonic() >= deadline:
-            raise HostError(
-                HostCode.SERVICE_STOP_UNCONFIRMED,
-                f"processes {pids[:16]} of slot account {uid} survived SIGKILL for {timeout}s;"
-                " investigate them (uninterruptible sleep on a dead mount?)",
-            )
-        for pid in pids:
-            _kill_if_account(pid, uid)
-        # Each look walks every task on the host: look again after a pause, not at once.
-        time.sleep(min(KILL_LOOK_PAUSE, max(0.0, deadline - time.monotonic())))
-
-
-def _kill_if_account(pid: int, uid: int) -> None:
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        if taskscan.live_uid_of(pid, {uid}) == uid:  # still the account's, now pinned
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    finally:
-        os.close(pidfd)
-
-
-def _uid_has_live_tasks(uid: int) -> bool:
-    """Any live task on the host with `uid` among its credentials (or one whose
-    status cannot be read: fail closed)."""
-    return bool(taskscan.SHARED.live_tasks({uid}))

@@ -12,13 +12,20 @@ import contextlib
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.service.interface import DeviceAccess, DeviceRule, ServiceLimits
+from ficc.execution.host.service.interface import (
+    Controls,
+    DeviceAccess,
+    DeviceRule,
+    ServiceLimits,
+    ServiceSpec,
+    device_key,
+)
 
 #: v1 controllers the cgroupfs backend needs; without all of them it refuses to run.
 V1_REQUIRED = frozenset({"memory", "pids", "cpu", "devices", "freezer"})
@@ -383,3 +390,37 @@ def remove_tree(top: str) -> None:
     for node in walk_nodes(top):
         with contextlib.suppress(FileNotFoundError):
             os.rmdir(node)
+
+
+def planned_controls(spec: ServiceSpec, swap: bool) -> dict[str, object]:
+    """The controls the kernel should report for `spec` (`swap`: swap is limited)."""
+    limits = spec.limits
+    return {
+        "memory_bytes": page_floor(limits.memory_bytes),
+        "swap_bytes": page_floor(limits.swap_bytes) if swap else None,
+        "processes": limits.processes,
+        "cpu_millis": limits.cpu_millis,
+        "devices": sorted(device_key(d) for d in expected_devices(spec.devices)),
+    }
+
+
+def kernel_controls(controls: Controls) -> dict[str, object]:
+    """The controls the kernel reports, in the shape of `planned_controls`."""
+    return {
+        "memory_bytes": controls.memory_bytes,
+        "swap_bytes": controls.swap_bytes,
+        "processes": controls.processes,
+        "cpu_millis": controls.cpu_millis,
+        "devices": None
+        if controls.devices is None
+        else sorted(device_key(d) for d in controls.devices),
+    }
+
+
+def mismatches(planned: Mapping[str, object], actual: Mapping[str, object]) -> list[str]:
+    """Every planned control that reads back otherwise, as `key: planned X, read Y`."""
+    return [
+        f"{key}: planned {value!r}, read {actual.get(key)!r}"
+        for key, value in planned.items()
+        if actual.get(key) != value
+    ]

@@ -309,3 +309,13 @@ class SystemService(Protocol):
         once the reaper has been executed, False while a unit of that name is still
         there. Only for a backend whose `reaper_unit` is not None."""
         ...
+
+
+def device_key(device: DeviceAccess) -> tuple[str, int, int, str]:
+    """A device rule as a sortable key (a wildcard number as -1)."""
+    return (
+        device.kind,
+        -1 if device.major is None else device.major,
+        -1 if device.minor is None else device.minor,
+        device.access,
+    )

@@ -10,45 +10,8 @@ wherever systemd is, and creating a unit is rare (once per attempt), so a proces
 spawn costs nothing that matters. Everything systemd reports is read back with
 `systemctl show`, and every limit is also read from the cgroup files themselves.
 
-The unit's properties (see `run_properties`): the plan's `CPUQuota`, `MemoryMax`,
-`MemorySwapMax` (cgroup v2; on v1 the host writes `memory.memsw.limit_in_bytes`
-itself, which systemd does not manage), `TasksMax`, `LimitCORE=0`,
-`LimitNOFILE=N:N`, `KillMode=control-group` with `KillSignal=SIGKILL`,
-`DevicePolicy=strict` with
-`DeviceAllow` for exactly the prepared devices (`closed` would also allow /dev/null,
-/dev/zero, /dev/full, /dev/random and /dev/urandom, so it is not "exactly"), the
-slot account as `User=`/`Group=`, `Delegate=yes` (the provider's runtime creates
-the payload's cgroup below the unit, as with `--cgroup-parent`), `RemainAfterExit`
-(the exit status stays readable and leftover processes stay in the tree until the
-daemon stops the service, as in the cgroupfs backend) and `BindsTo=`+`After=` the
-daemon's own unit: stopping or restarting the daemon stops every attempt, and
-nothing restarts them (no `PartOf=`, which would replay the work on a restart).
-
-The start gate holds as in the cgroupfs backend: the unit's program is a tiny shim
-that runs as the slot account and connects to a Unix socket the host listens on,
-in a root-owned directory. The host identifies the shim by SO_PEERCRED, checks it is
-the unit's main process, with the slot account's credentials and rlimits, inside
-the unit's cgroup in every hierarchy (then moves it into the `supervisor` leaf, so
-the unit's node itself holds no process and cgroup v2 can delegate controllers to
-`payload`), checks every control, and only then sends the argv, the environment
-and the three stdio descriptors (SCM_RIGHTS) the host opened itself: /dev/null and
-the two output files (systemd itself opens no device for the unit: its closed policy
-may forbid even /dev/null). The shim execs; its end of the socket is close-on-exec,
-so EOF tells the host the exec worked and `E<errno>` that it failed. If the host
-dies first, the shim reads an incomplete order and exits 125 without running
-anything. The argv and environment never appear in unit properties or in the
-shim's /proc cmdline.
-
-The lease reaper (service/reaper.py) is a transient unit of its own,
-`ficc-lease-reaper-<installation>.service` (`reaper_unit`), created the same way
-(`start_reaper`) in the same slice, beside the attempts and outside the daemon's unit:
-no `BindsTo=`, `PartOf=` or ordering ties it to the daemon's unit, so stopping,
-killing or freezing the daemon leaves it enforcing, and a daemon stop never waits for
-it. `Restart=on-failure` has systemd start it again if it dies; it exits 0 by itself
-(not restarted) once nothing is left to guard, and `CollectMode=inactive-or-failed`
-lets systemd forget the unit then, also after a failure, so the daemon can always
-start it again by its name (see `reaper_properties`). The installation ID in its
-name keeps two daemons of one host apart, as in the attempts' unit names.
+The unit's properties and the lease reaper's unit are in `units`; the start gate's
+socket is in `gate_socket`.
 
 Stop: `systemctl kill --signal=SIGKILL`, then the tree is confirmed empty from the
 cgroup files (falling back to the cgroupfs backend's cgroup.kill and freezer path),
@@ -80,10 +43,8 @@ import os
 import secrets
 import shutil
 import socket
-import stat
 import subprocess
 import time
-from collections.abc import Mapping
 
 import msgspec
 
@@ -91,7 +52,7 @@ from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import procfs
-from ficc.execution.host.service import accounting, cgroups, shim, systemd_devices
+from ficc.execution.host.service import accounting, cgroups, gate_socket, shim, systemd_devices
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.cgroups import Layout
 from ficc.execution.host.service.interface import (
@@ -110,11 +71,11 @@ from ficc.execution.host.service.launch import (
     wait_until,
 )
 from ficc.execution.host.service.units import (
-    _UNIT_SUFFIX,
     PAYLOAD,
     SLICE,
     SUPERVISOR,
     SYSTEMD_RUN,
+    UNIT_SUFFIX,
     check_unit,
     exit_status_of,
     own_unit,
@@ -136,8 +97,6 @@ _OUTPUT_LIMIT = 1 << 20
 
 _SHIM = shim.SOCKET_SOURCE
 """The gate program the unit runs (shim.py)."""
-"""All the reaper needs: SIGKILL to the slot accounts' processes, and to read and
-write cgroup files that a service's delegated subtree gives to its slot account."""
 
 
 # --- pure helpers ------------------------------------------------------------------
@@ -234,7 +193,7 @@ class SystemdService:
         try:
             outputs.append(open_output(spec.stdout))
             outputs.append(open_output(spec.stderr))
-            listener = self._listen(gate_dir, spec)
+            listener = gate_socket.listen(self._runtime_dir, gate_dir, spec, self._start_timeout)
             started = self._run(unit, properties, os.path.join(gate_dir, "gate"))
             handle = self._gate(spec, unit, listener, outputs)
         except BaseException as error:
@@ -258,41 +217,6 @@ class SystemdService:
             shutil.rmtree(gate_dir, ignore_errors=True)
         return handle
 
-    def _listen(self, gate_dir: str, spec: ServiceSpec) -> socket.socket:
-        """The gate socket: only root can create it (root-owned 0711 directories), only
-        the slot account (and root) can connect to it. Modes are set explicitly: the
-        daemon's own umask (UMask=0077 in its unit) would make them 0700."""
-        for directory in (os.path.dirname(self._runtime_dir), self._runtime_dir):
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(directory, 0o711)
-                os.chmod(directory, 0o711)  # noqa: S103  (traverse only: the shim reaches its socket)
-            info = os.lstat(directory)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o066:
-                raise HostError(
-                    HostCode.SERVICE_CREATE,
-                    f"{directory} must be a root-owned directory that only root can list "
-                    "or write (0711); fix or remove it",
-                )
-        os.mkdir(gate_dir, 0o711)
-        os.chmod(gate_dir, 0o711)  # noqa: S103  (traverse only, as above)
-        empty = os.open(
-            os.path.join(gate_dir, "empty"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
-        )
-        os.fchmod(empty, 0o644)
-        os.close(empty)
-        path = os.path.join(gate_dir, "gate")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind(path)
-            os.chown(path, spec.uid, spec.gid, follow_symlinks=False)
-            os.chmod(path, 0o600, follow_symlinks=False)
-            listener.listen(1)
-            listener.settimeout(self._start_timeout)
-        except BaseException:
-            listener.close()
-            raise
-        return listener
-
     def _run(self, unit: str, properties: list[str], gate: str) -> bool:
         """Create and start the unit; True once it is ours (even if its start failed,
         so the caller cleans it up), an exception naming the cause otherwise.
@@ -309,7 +233,7 @@ class SystemdService:
         reason = result.stderr.strip()[:2000]
         if "already" in reason:
             raise HostError(HostCode.SERVICE_EXISTS, f"unit {unit} already exists: {reason}")
-        self._abandon(unit.removesuffix(_UNIT_SUFFIX))
+        self._abandon(unit.removesuffix(UNIT_SUFFIX))
         raise HostError(HostCode.SERVICE_START, f"systemd could not start unit {unit}: {reason}")
 
     def _gate(
@@ -326,7 +250,7 @@ class SystemdService:
             ) from error
         with link:
             link.settimeout(self._start_timeout)
-            pid, uid, gid = _peer(link)
+            pid, uid, gid = gate_socket.peer(link)
             if link.recv(1) != b"R":
                 raise HostError(HostCode.SERVICE_START, f"the start shim of {unit} did not report")
             show = self._show(unit, "MainPID", "ControlGroup")
@@ -345,9 +269,9 @@ class SystemdService:
             swap = self._enforce_swap(spec, nodes)
             self._verify(spec, handle, swap)
             self._enter_supervisor(pid, spec.name, nodes)
-            _send_order(link, shim.encode_order(spec.argv, spec.environment), outputs)
+            gate_socket.send_order(link, shim.encode_order(spec.argv, spec.environment), outputs)
             link.shutdown(socket.SHUT_WR)
-            report = _recv_report(link)
+            report = gate_socket.recv_report(link)
             if report:
                 number = int(report[1:]) if report[1:].isdigit() else 0
                 raise HostError(
@@ -444,9 +368,11 @@ class SystemdService:
 
     def _verify(self, spec: ServiceSpec, handle: ServiceHandle, swap: bool) -> None:
         """Refuse unless systemd's view and the kernel's both match the plan."""
-        wrong = _compare(self._planned_systemd(spec), self._systemd_view(handle.name))
+        wrong = cgroups.mismatches(self._planned_systemd(spec), self._systemd_view(handle.name))
         controls = self._controls(handle, strict=True)
-        wrong += _compare(_planned_kernel(spec, swap), _kernel_view(controls))
+        wrong += cgroups.mismatches(
+            cgroups.planned_controls(spec, swap), cgroups.kernel_controls(controls)
+        )
         if wrong:
             raise HostError(
                 HostCode.SERVICE_LIMITS,
@@ -743,58 +669,3 @@ def _unit_devices(node: str, *, strict: bool) -> list[DeviceAccess] | None:
         if strict:
             raise
         return None
-
-
-def _peer(link: socket.socket) -> tuple[int, int, int]:
-    raw = link.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    pid, uid, gid = (int.from_bytes(raw[i : i + 4], "little") for i in (0, 4, 8))
-    return pid, uid, gid
-
-
-def _send_order(link: socket.socket, data: bytes, stdio: list[int]) -> None:
-    first = socket.send_fds(link, [data[:65536]], stdio)
-    link.sendall(data[first:])
-
-
-def _recv_report(link: socket.socket) -> bytes:
-    """EOF (b"") once the shim exec'd; `E<errno>` if exec failed."""
-    try:
-        return link.recv(64)
-    except TimeoutError as error:
-        raise HostError(HostCode.SERVICE_START, "the program was not executed in time") from error
-
-
-def _planned_kernel(spec: ServiceSpec, swap: bool) -> dict[str, object]:
-    limits = spec.limits
-    return {
-        "memory_bytes": cgroups.page_floor(limits.memory_bytes),
-        "swap_bytes": cgroups.page_floor(limits.swap_bytes) if swap else None,
-        "processes": limits.processes,
-        "cpu_millis": limits.cpu_millis,
-        "devices": sorted(_device_key(d) for d in cgroups.expected_devices(spec.devices)),
-    }
-
-
-def _kernel_view(controls: Controls) -> dict[str, object]:
-    return {
-        "memory_bytes": controls.memory_bytes,
-        "swap_bytes": controls.swap_bytes,
-        "processes": controls.processes,
-        "cpu_millis": controls.cpu_millis,
-        "devices": None
-        if controls.devices is None
-        else sorted(_device_key(d) for d in controls.devices),
-    }
-
-
-def _device_key(device: DeviceAccess) -> tuple[str, int, int, str]:
-    major = -1 if device.major is None else device.major
-    return (device.kind, major, -1 if device.minor is None else device.minor, device.access)
-
-
-def _compare(planned: Mapping[str, object], actual: Mapping[str, object]) -> list[str]:
-    return [
-        f"{key}: planned {value!r}, read {actual.get(key)!r}"
-        for key, value in planned.items()
-        if actual.get(key) != value
-    ]

@@ -1,5 +1,31 @@
 """What systemd is told and what it answers, as pure text: unit names, the properties of a
-job's transient unit and of the lease reaper's, and the parsers of `systemctl show`."""
+job's transient unit and of the lease reaper's, and the parsers of `systemctl show`.
+
+The unit's properties (see `run_properties`): the plan's `CPUQuota`, `MemoryMax`,
+`MemorySwapMax` (cgroup v2; on v1 the host writes `memory.memsw.limit_in_bytes`
+itself, which systemd does not manage), `TasksMax`, `LimitCORE=0`,
+`LimitNOFILE=N:N`, `KillMode=control-group` with `KillSignal=SIGKILL`,
+`DevicePolicy=strict` with
+`DeviceAllow` for exactly the prepared devices (`closed` would also allow /dev/null,
+/dev/zero, /dev/full, /dev/random and /dev/urandom, so it is not "exactly"), the
+slot account as `User=`/`Group=`, `Delegate=yes` (the provider's runtime creates
+the payload's cgroup below the unit, as with `--cgroup-parent`), `RemainAfterExit`
+(the exit status stays readable and leftover processes stay in the tree until the
+daemon stops the service, as in the cgroupfs backend) and `BindsTo=`+`After=` the
+daemon's own unit: stopping or restarting the daemon stops every attempt, and
+nothing restarts them (no `PartOf=`, which would replay the work on a restart).
+
+The lease reaper (service/reaper.py) is a transient unit of its own,
+`ficc-lease-reaper-<installation>.service` (`reaper_unit`), created the same way
+(`start_reaper`) in the same slice, beside the attempts and outside the daemon's unit:
+no `BindsTo=`, `PartOf=` or ordering ties it to the daemon's unit, so stopping,
+killing or freezing the daemon leaves it enforcing, and a daemon stop never waits for
+it. `Restart=on-failure` has systemd start it again if it dies; it exits 0 by itself
+(not restarted) once nothing is left to guard, and `CollectMode=inactive-or-failed`
+lets systemd forget the unit then, also after a failure, so the daemon can always
+start it again by its name (see `reaper_properties`). The installation ID in its
+name keeps two daemons of one host apart, as in the attempts' unit names.
+"""
 
 from __future__ import annotations
 
@@ -17,29 +43,19 @@ from ficc.execution.host.service.interface import (
 )
 
 SLICE = "ficc.slice"
-
-
 SUPERVISOR = "supervisor"
-
-
 PAYLOAD = "payload"
-
-
 SYSTEMD_RUN = "/usr/bin/systemd-run"
-
-
-_UNIT_SUFFIX = ".service"
-
-
+UNIT_SUFFIX = ".service"
 REAPER_PREFIX = "ficc-lease-reaper-"
-
-
 REAPER_CAPABILITIES = "CAP_KILL CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH"
+"""All the reaper needs: SIGKILL to the slot accounts' processes, and to read and
+write cgroup files that a service's delegated subtree gives to its slot account."""
 
 
 def unit_name(name: str) -> str:
     """The transient unit of service `name` (already `ficc-work-<inst>-<attempt>`)."""
-    return check_name(name) + _UNIT_SUFFIX
+    return check_name(name) + UNIT_SUFFIX
 
 
 def unit_cgroup(slice_name: str, name: str) -> str:
@@ -233,14 +249,12 @@ def own_unit(proc_cgroup: str) -> str | None:
     paths = cgroups.parse_proc_cgroup(proc_cgroup)
     path = paths.get(frozenset({"name=systemd"}), paths.get(frozenset(), ""))
     for part in reversed(path.split("/")):
-        if part.endswith(_UNIT_SUFFIX):
+        if part.endswith(UNIT_SUFFIX):
             return part
     return None
 
 
 _SPAN = re.compile(r"^(\d+)(?:\.(\d{1,6}))?(us|ms|s)$")
-
-
 _SPAN_UNITS = {"us": 1, "ms": 1000, "s": 1_000_000}
 
 

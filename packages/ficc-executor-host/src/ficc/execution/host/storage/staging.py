@@ -52,11 +52,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -75,56 +74,28 @@ from ficc.execution.host.linux.fsutil import (
     require_owner,
     storage_refusal,
 )
+from ficc.execution.host.storage.streams import (
+    IDENTITY,
+    ROOT_UID,
+    ChunkPieces,
+    Commit,
+    check_identity,
+    failed_stream,
+    identity_refusal,
+    plan_write,
+)
 from ficc.execution.provider import InputCapability
 
 __all__ = [
     "STAGING_DIRECTORY",
-    "ChunkPieces",
-    "DeclaredInput",
     "Stager",
     "StreamState",
-    "check_capacity",
-    "identity_refusal",
-    "plan_write",
-    "streams_of",
 ]
 
 STAGING_DIRECTORY = "ficc-staging"
-_ROOT = 0
 _INCOMPLETE_MODE = 0o600
 _COMPLETE_MODE = 0o440
 _REHASH_BLOCK = 1 << 20
-_IDENTITY = re.compile(r"\A[0-9a-f]{32}\Z")
-
-Commit = Callable[["StreamState"], None]
-
-
-class DeclaredInput(Protocol):
-    """The fields of a plan's `InputObject` that staging needs."""
-
-    @property
-    def id(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def bytes(self) -> int: ...
-    @property
-    def digest(self) -> str: ...
-    @property
-    def delivery(self) -> str: ...
-
-
-class ChunkPieces(Protocol):
-    """A chunk offered in pieces (an `input_write` row offers it so): never whole.
-
-    Its pieces were checked against the row's digest where the row was received (the
-    request decoder measures every chunk before the request exists), so staging
-    trusts them: it hashes them only into the object's running SHA-256.
-    """
-
-    @property
-    def chunk_size(self) -> int: ...
-    def chunk_pieces(self) -> Iterable[bytes]: ...
 
 
 class _Whole:
@@ -141,113 +112,6 @@ class _Whole:
 
     def chunk_pieces(self) -> Iterable[bytes]:
         return (self._data,)
-
-
-def streams_of(inputs: Iterable[DeclaredInput]) -> list[StreamState]:
-    """The fresh states of a plan's streamed inputs (local inputs are not staged)."""
-    return [
-        StreamState(id=i.id, name=i.name, bytes=i.bytes, digest=i.digest)
-        for i in inputs
-        if i.delivery == "stream"
-    ]
-
-
-def check_capacity(inputs: Iterable[DeclaredInput], slot_storage_bytes: int) -> None:
-    """Refuse at admission a plan whose streams cannot fit the slot's reserved storage.
-
-    The slot's storage also holds runtime images, temporary files, logs and outputs,
-    so this is a necessary bound, not a sufficient one; a full filesystem at write
-    time is refused separately (`slot_full`).
-    """
-    total = sum(i.bytes for i in inputs if i.delivery == "stream")
-    if total > slot_storage_bytes:
-        raise HostError(
-            ErrorCode.SLOT_CAPACITY,
-            f"the streamed inputs declare {total} bytes but the slot reserves only "
-            f"{slot_storage_bytes}; use a slot class with more storage or smaller inputs",
-        )
-
-
-def plan_write(
-    state: StreamState, offset: int, chunk_len: int, *, chunk_digest_ok: bool, in_flight: bool
-) -> HostError | None:
-    """Decide whether a chunk may be written; return the refusal, or None to proceed."""
-    obj = state.id
-    if in_flight:
-        return HostError(
-            ErrorCode.INPUT_BUSY,
-            "another input write for this attempt is in flight; retry on a later polling cycle",
-        )
-    if state.failed is not None:
-        return HostError(
-            ErrorCode.INPUT_FAILED,
-            f"input {obj} failed earlier ({state.failed}); the attempt cannot start: release it",
-        )
-    if state.complete:
-        return HostError(ErrorCode.INPUT_COMPLETE, f"input {obj} is complete and read-only")
-    if offset != state.offset:
-        return HostError(
-            ErrorCode.INPUT_OFFSET_CHANGED,
-            f"input {obj} continues at durable offset {state.offset}, not {offset}; "
-            "read input_status and continue from the offset it returns",
-        )
-    if chunk_len == 0 and state.bytes != 0:
-        return HostError(
-            ErrorCode.INPUT_SIZE_MISMATCH,
-            f"an empty chunk is valid only for an empty object; input {obj} declares "
-            f"{state.bytes} bytes",
-        )
-    if offset + chunk_len > state.bytes:
-        return HostError(
-            ErrorCode.INPUT_SIZE_MISMATCH,
-            f"a chunk of {chunk_len} bytes at offset {offset} overruns the {state.bytes} "
-            f"bytes declared for input {obj}",
-        )
-    if not chunk_digest_ok:
-        return HostError(
-            ErrorCode.INPUT_DIGEST_MISMATCH,
-            f"the chunk at offset {offset} of input {obj} does not match its SHA-256; "
-            "resend the chunk",
-        )
-    return None
-
-
-def identity_refusal(
-    capability: InputCapability, seen: os.stat_result | None, slot_gid: int
-) -> HostError | None:
-    """Whether a staged file, as `seen` now (None: gone), is still the completed one.
-
-    The `input_changed` refusal, naming the input, or None. Compares device, inode,
-    mode, bytes and mtime (not ctime, nor the link count: the provider's hard link
-    changes both), plus root ownership and the slot group. Pure: the caller stats the
-    file (never following a link), so the rule is tested without a filesystem.
-    """
-    same = (
-        seen is not None
-        and identity_of(seen) == capability.identity
-        and (seen.st_uid, seen.st_gid) == (_ROOT, slot_gid)
-    )
-    if same:
-        return None
-    return HostError(
-        ErrorCode.INPUT_CHANGED,
-        f"the staged input {capability.name!r} (object {capability.id}) changed after it"
-        " was staged (its device, inode, mode, size, mtime or owner is no longer the one"
-        " recorded when it completed); the attempt failed and its payload never ran:"
-        " release the attempt and retry the job as a new attempt",
-    )
-
-
-def _failed(state: StreamState, code: str) -> StreamState:
-    return msgspec.structs.replace(state, failed=code, complete=False)
-
-
-def _check_identity(value: str, what: str) -> None:
-    if not _IDENTITY.match(value):
-        raise HostError(
-            ErrorCode.UNSAFE_PATH,
-            f"{what} {value!r} is not 32 lowercase hex characters; fix the plan",
-        )
 
 
 class _Attempt:
@@ -284,9 +148,9 @@ class Stager:
         After a daemon restart, pass the states the ledger recorded. Registering a
         known attempt again keeps its current state (a repeated prepare keeps the partial).
         """
-        _check_identity(attempt_id, "attempt ID")
+        check_identity(attempt_id, "attempt ID")
         for state in states:
-            _check_identity(state.id, "input object ID")
+            check_identity(state.id, "input object ID")
         with self._lock:
             if attempt_id not in self._attempts:
                 self._attempts[attempt_id] = _Attempt(states)
@@ -333,7 +197,7 @@ class Stager:
         a FIFO, a directory, a foreign name) refuses removal untouched, so an operator
         can look. Removing an attempt that has no directory succeeds.
         """
-        _check_identity(attempt_id, "attempt ID")
+        check_identity(attempt_id, "attempt ID")
         with self._lock:
             attempt = self._attempts.get(attempt_id)
             if attempt is not None and not attempt.busy.acquire(blocking=False):
@@ -409,7 +273,7 @@ class Stager:
         """Refuse start (`input_changed`) unless the staged file is still the recorded one
         (`identity_refusal` decides)."""
         object_id = capability.id
-        _check_identity(object_id, "input object ID")
+        check_identity(object_id, "input object ID")
         if capability.path != self._object_path(attempt_id, object_id):
             raise HostError(ErrorCode.INPUT_CHANGED, f"capability {object_id} has a foreign path")
         seen = self._lstat_staged(attempt_id, object_id)
@@ -475,7 +339,7 @@ class Stager:
             try:
                 new = self._write_synced(attempt, attempt.dir_fd, state, chunk)
             except HostError as error:
-                self._record(attempt, _failed(state, error.code), commit)
+                self._record(attempt, failed_stream(state, error.code), commit)
                 raise
             if new is None:
                 refusal = plan_write(state, offset, size, chunk_digest_ok=False, in_flight=False)
@@ -520,7 +384,7 @@ class Stager:
         None when the pieces miss their `chunk_size`: the file is cut back to the
         durable offset and the stream's hasher has not seen them (a copy took them).
         """
-        fd = open_regular_at(dir_fd, state.id, os.O_RDWR, owner_uid=_ROOT)
+        fd = open_regular_at(dir_fd, state.id, os.O_RDWR, owner_uid=ROOT_UID)
         try:
             running = self._hasher(attempt, fd, state)
             hasher = running.copy()
@@ -555,7 +419,7 @@ class Stager:
     def _seal(self, fd: int, object_id: str) -> FileIdentity:
         """Make a completed file read-only, group-readable by the slot, and durable."""
         try:
-            os.fchown(fd, _ROOT, self._slot_gid)
+            os.fchown(fd, ROOT_UID, self._slot_gid)
             os.fchmod(fd, _COMPLETE_MODE)
             os.fsync(fd)
         except OSError as error:
@@ -594,7 +458,7 @@ class Stager:
                 return state
             self._check_or_create_partial(dir_fd, state)
         except HostError as error:
-            return _failed(state, error.code)
+            return failed_stream(state, error.code)
         return state
 
     def _check_complete_file(self, dir_fd: int, state: StreamState) -> None:
@@ -602,12 +466,12 @@ class Stager:
             st = os.stat(state.id, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
-        if st is None or identity_of(st) != state.identity or st.st_uid != _ROOT:
+        if st is None or identity_of(st) != state.identity or st.st_uid != ROOT_UID:
             raise HostError(ErrorCode.INPUT_CHANGED, f"completed input {state.id} changed on disk")
 
     def _check_or_create_partial(self, dir_fd: int, state: StreamState) -> None:
         try:
-            fd = open_regular_at(dir_fd, state.id, owner_uid=_ROOT)
+            fd = open_regular_at(dir_fd, state.id, owner_uid=ROOT_UID)
         except HostError as error:
             if error.code != ErrorCode.NOT_FOUND or state.offset != 0:
                 raise
@@ -636,7 +500,7 @@ class Stager:
         fd = open_dir_below(parent_fd, name)
         try:
             st = os.fstat(fd)
-            require_owner(st, _ROOT, f"staging directory {name!r}")
+            require_owner(st, ROOT_UID, f"staging directory {name!r}")
             if st.st_mode & 0o077:
                 raise HostError(
                     ErrorCode.UNSAFE_PATH,
@@ -661,7 +525,7 @@ class Stager:
 
     def _lstat_staged(self, attempt_id: str, object_id: str) -> os.stat_result | None:
         """Stat a staged file without following links anywhere; None if it is gone."""
-        _check_identity(attempt_id, "attempt ID")
+        check_identity(attempt_id, "attempt ID")
         fd = open_dir(self._slot_path)
         try:
             for name in (STAGING_DIRECTORY, attempt_id):
@@ -745,7 +609,7 @@ def _expected_entries(dir_fd: int) -> list[str]:
     names = []
     with os.scandir(dir_fd) as entries:
         for entry in entries:
-            if not (_IDENTITY.match(entry.name) and entry.is_file(follow_symlinks=False)):
+            if not (IDENTITY.match(entry.name) and entry.is_file(follow_symlinks=False)):
                 raise HostError(
                     ErrorCode.UNEXPECTED_ENTRY,
                     f"staging directory contains {entry.name!r}, which staging never "
