@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import ficc_protocol_examples as ex
+from ficc.execution._rows import _canonical_b64decode
 from ficc.execution.errors import ErrorCode, ProtocolError
 from ficc.execution.frames import REQUEST_MAX, FrameDecoder, encode_frame
 from ficc.execution.plan import EMPTY_DIGEST
@@ -19,7 +20,6 @@ from ficc.execution.protocol import (
     SENDERS,
     InputWriteRequest,
     Sender,
-    _canonical_b64decode,
     decode_request,
     encode_request,
     may_send,

@@ -18,14 +18,13 @@ from typing import Annotated, cast
 
 import msgspec
 
+from ficc.execution._rows import _BATCH, INPUT_CHUNK_MAX_BYTES, _canonical_b64decode, _ChunkRow
 from ficc.execution._rules import deferred_checks
 from ficc.execution.errors import ProtocolError
 from ficc.execution.frames import _encode_frame_into as encode_frame_into
 from ficc.execution.frames import _EncodesInto as EncodesInto
 from ficc.execution.plan import Count, Digest, Identity, Plan, Positive, _canonical, _digests
 from ficc.execution.protocol import (
-    _BATCH,
-    INPUT_CHUNK_MAX_BYTES,
     AnyRequest,
     CollectRequest,
     InputStatusRequest,
@@ -40,9 +39,7 @@ from ficc.execution.protocol import (
     SnapshotRequest,
     StartRequest,
     StopRequest,
-    _canonical_b64decode,
     _check_writes,
-    _ChunkRow,
     _Writes,
     decode_request,
 )
