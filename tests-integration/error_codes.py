@@ -53,7 +53,7 @@ def _detail(code: str, why: str) -> Entry:
 
 
 ENTRIES: tuple[Entry, ...] = (
-    # --- whole request: framing, decoding, authority (server.py, ficc-protocol) -------
+    # --- whole request: framing, decoding, authority (daemon/server.py, ficc-protocol) -------
     _socket("bad_frame", "whole", "a frame whose payload is not JSON"),
     _socket("frame_too_large", "whole", "a header declaring 12 MiB + 1"),
     _socket("invalid_request", "whole", "a snapshot whose `after` is a number"),
@@ -90,7 +90,7 @@ ENTRIES: tuple[Entry, ...] = (
         "lease_too_long",
         "never",
         "-",
-        "this executor caps a long expiry at maximum_lease_seconds (leases.py) instead of"
+        "this executor caps a long expiry at maximum_lease_seconds (core/leases.py) instead of"
         " refusing it",
         unit=f"{HOST_TESTS}/test_leases.py::test_renew_caps_the_deadline_at_the_maximum_lease",
     ),

@@ -71,8 +71,9 @@ from ficc.execution.wire import (
     decode_reply,
 )
 from ficc_testkit.accounts import Accounts
+from ficc_testkit.daemons import DaemonProcess
 from ficc_testkit.digests import digest_of
-from ficc_testkit.driver import DaemonProcess, StreamedInput, fence, fence_fields, renewal, send
+from ficc_testkit.driver import StreamedInput, fence, fence_fields, renewal, send
 from ficc_testkit.host import PROVIDER_CALLS, Daemon, Layout, ensure_accounts
 from ficc_testkit.plans import new_id
 from ficc_testkit.slots import private_directory

@@ -63,10 +63,9 @@ from ficc.execution.protocol import (
 )
 from ficc.execution.wire import AttemptRow, ErrorRow, ReadsReply
 from ficc_testkit.accounts import Accounts
+from ficc_testkit.daemons import DaemonFailed, DaemonProcess
 from ficc_testkit.digests import digest_of, fake
 from ficc_testkit.driver import (
-    DaemonFailed,
-    DaemonProcess,
     StreamedInput,
     attempt,
     error_code,

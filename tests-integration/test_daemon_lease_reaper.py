@@ -26,7 +26,8 @@ import pytest
 from ficc.execution.plan import Payload, Plan
 from ficc.execution.protocol import RenewRequest
 from ficc.execution.wire import ErrorReply
-from ficc_testkit.driver import DaemonProcess, attempt, renewal, rows
+from ficc_testkit.daemons import DaemonProcess
+from ficc_testkit.driver import attempt, renewal, rows
 from ficc_testkit.host import Daemon
 from ficc_testkit.plans import new_id
 from ficc_testkit.waits import now_ms, wait_for

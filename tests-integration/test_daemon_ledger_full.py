@@ -39,7 +39,8 @@ from ficc.execution.plan import Plan, plan_digest
 from ficc.execution.protocol import CollectRequest, Read
 from ficc.execution.wire import TERMINAL, AttemptRow, ReadRow, ReadsReply
 from ficc_testkit.accounts import Accounts
-from ficc_testkit.driver import DaemonFailed, DaemonProcess, attempt, error_code, row_code, rows
+from ficc_testkit.daemons import DaemonFailed, DaemonProcess
+from ficc_testkit.driver import attempt, error_code, row_code, rows
 from ficc_testkit.host import Daemon, Layout
 from ficc_testkit.plans import new_id
 from ficc_testkit.slots import private_directory

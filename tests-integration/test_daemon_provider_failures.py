@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from ficc.execution.plan import Plan
-from ficc_testkit.driver import DaemonProcess, attempt, rows
+from ficc_testkit.daemons import DaemonProcess
+from ficc_testkit.driver import attempt, rows
 from ficc_testkit.host import Daemon
 from ficc_testkit.plans import with_environment
 from ficc_testkit.waits import wait_for

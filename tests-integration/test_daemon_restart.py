@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ficc.execution.protocol import SnapshotRequest
-from ficc_testkit.driver import DaemonFailed, DaemonProcess, attempt, error_code, rows
+from ficc_testkit.daemons import DaemonFailed, DaemonProcess
+from ficc_testkit.driver import attempt, error_code, rows
 from ficc_testkit.host import Daemon
 
 

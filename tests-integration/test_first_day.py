@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from ficc_testkit.driver import DaemonProcess
+from ficc_testkit.daemons import DaemonProcess
 from ficc_testkit.podman import Sources, build_image
 from ficc_testkit.slots import private_directory, remove_tree
 from ficc_testkit.waits import wait_for

@@ -51,7 +51,8 @@ from ficc.execution.protocol import (
 from ficc.execution.wire import AttemptsReply, decode_reply
 from ficc_testkit import configs
 from ficc_testkit.accounts import Account, Accounts, run_as
-from ficc_testkit.driver import DaemonProcess, Driver, attempt, fence, rows
+from ficc_testkit.daemons import DaemonProcess
+from ficc_testkit.driver import Driver, attempt, fence, rows
 from ficc_testkit.host import IMAGE, PROJECT
 from ficc_testkit.plans import new_id
 from ficc_testkit.slots import (

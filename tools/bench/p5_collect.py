@@ -28,7 +28,7 @@ Where a 1 MiB request's time went (daemon timestamps, quiet machine, 2026-11-29)
 the daemon's CPU), open + pread 0.19 ms, ledger lookup 0.07 ms, three thread wake-ups
 about 0.14 ms, accept + frame + decode 0.09 ms, the log line 0.04 ms. py-spy on the
 daemon (2026-12-04) had msgspec's base64 at 65 % of its busy samples. The reply's data
-is now written by pybase64 in 64 KiB pieces (0.08 ms a MiB; `host/replies.py`); the
+is now written by pybase64 in 64 KiB pieces (0.08 ms a MiB; `host/core/replies.py`); the
 baseline's `base64.b64encode` is about 1.2 ms a MiB.
 """
 

@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 from demo.layout import RunLayout
-from ficc_testkit import driver
+from ficc_testkit import daemons
 
 
 class DaemonFailed(Exception):
     """The daemon exited early, never became ready, or did not stop cleanly."""
 
 
-def _reason(failure: driver.DaemonFailed) -> str:
+def _reason(failure: daemons.DaemonFailed) -> str:
     """The kit's failure without the log it appends (the demo shows its own tail)."""
     return str(failure).split("\n", 1)[0].rstrip(":")
 
@@ -32,7 +32,7 @@ class DaemonProcess:
 
     def __init__(self, layout: RunLayout, provider_site: Path) -> None:
         self.layout = layout
-        self.child = driver.DaemonProcess(
+        self.child = daemons.DaemonProcess(
             layout.config_file,
             provider_site,
             run_dir=layout.root,
@@ -51,7 +51,7 @@ class DaemonProcess:
         self.layout.daemon_pid.write_text(f"{pid}\n")
         try:
             self.child.wait_ready()
-        except driver.DaemonFailed as failure:
+        except daemons.DaemonFailed as failure:
             raise DaemonFailed(_reason(failure)) from None
         return time.monotonic() - started
 
@@ -61,7 +61,7 @@ class DaemonProcess:
             return None
         try:
             status = self.child.stop()
-        except driver.DaemonFailed as failure:
+        except daemons.DaemonFailed as failure:
             raise DaemonFailed(_reason(failure)) from None
         self.layout.daemon_pid.unlink(missing_ok=True)
         return status

@@ -35,7 +35,8 @@ from typing import Any
 import pytest
 
 from ficc.execution.plan import encode_plan
-from ficc_testkit.driver import DaemonProcess, attempt, rows
+from ficc_testkit.daemons import DaemonProcess
+from ficc_testkit.driver import attempt, rows
 from ficc_testkit.host import Daemon, Layout, ensure_accounts
 from ficc_testkit.slots import private_directory
 from ficc_testkit.wheels import InstalledProvider, build_wheel, install_provider

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -150,3 +152,19 @@ def test_each_layer_is_its_folder_and_the_top_level_holds_only_public_paths(
         assert layer in entries, f"the {layer} row does not list its folder `{layer}/`"
     top = {p.stem for p in SOURCE.glob("*.py")} - {"__init__"}
     assert top == PUBLIC_TOP_LEVEL
+
+
+def test_importing_the_configuration_model_loads_no_kernel_adapter() -> None:
+    """`Config` is read by tools, the demo and the test kit; it must not drag in the
+    /proc readers, seccomp's ctypes or SQLite."""
+    probe = (
+        "import sys, ficc.execution.host.config.model\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('ficc.execution.host.')"
+        " or m in ('ctypes', 'sqlite3'))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-I", "-c", probe], check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert "ficc.execution.host.config.model" in loaded
+    assert not {"ctypes", "sqlite3", "ficc.execution.host.linux.procfs"} & set(loaded)
+    assert not [m for m in loaded if m.startswith(("ficc.execution.host.storage",))]

@@ -4,7 +4,7 @@ Everything is real: a system slot account created with useradd, the host's attem
 layout (ficc.execution.host.storage.layout), its stager for streamed inputs, its cgroupfs
 system service running the prepared argv as the slot account, its payload gate and
 release marker, and rootless Podman with the registry-free test image
-(tools/testimage/build.py). The steps follow the host runner (preparing.py, starting.py) in order:
+(tools/testimage/build.py). The steps follow the host runner (runner/preparing.py, runner/starting.py) in order:
 prepare -> service -> start -> observe to `payload` -> gate -> marker -> finished.
 """
 

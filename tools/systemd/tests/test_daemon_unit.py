@@ -59,7 +59,8 @@ from ficc.execution.host.service.systemd import SystemdService  # noqa: E402
 from ficc.execution.plan import Payload, Plan  # noqa: E402
 from ficc_testkit import tamper  # noqa: E402
 from ficc_testkit.accounts import Accounts  # noqa: E402
-from ficc_testkit.driver import SYSTEMCTL, UNIT, UnitDaemon, attempt, rows, show_unit  # noqa: E402
+from ficc_testkit.daemons import SYSTEMCTL, UnitDaemon, show_unit  # noqa: E402
+from ficc_testkit.driver import UNIT, attempt, rows  # noqa: E402
 from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
 from ficc_testkit.podman import WORLD_PARENT  # noqa: E402
 from ficc_testkit.slots import private_directory  # noqa: E402
@@ -91,7 +92,7 @@ class Installed:
 
 
 def _systemd_backend_wired() -> bool:
-    """Whether this daemon build can run with supervisor=systemd (daemon.py wiring)."""
+    """Whether this daemon build can run with supervisor=systemd (daemon/root.py wiring)."""
     try:
         daemon.service_backend("systemd")
     except HostError as error:

@@ -17,8 +17,9 @@ from ficc.execution.host.config.model import Config, Provider
 from ficc.execution.plan import Plan
 from ficc_testkit import configs
 from ficc_testkit.accounts import Accounts
+from ficc_testkit.daemons import DaemonProcess
 from ficc_testkit.digests import fake
-from ficc_testkit.driver import DaemonProcess, Driver, StreamedInput
+from ficc_testkit.driver import Driver, StreamedInput
 from ficc_testkit.slots import SlotFilesystem, slot_filesystems
 from ficc_testkit.units import GIB, MIB
 from ficc_testkit.wheels import InstalledProvider

@@ -36,18 +36,8 @@ from ficc.execution.plan import InputObject, Plan
 from ficc.execution.wire import AttemptRow, ErrorRow, InputRow
 from ficc_testkit import configs
 from ficc_testkit.accounts import Account, account_command, create_account, kill_processes_of
-from ficc_testkit.driver import (
-    COLLECT_CHUNK,
-    TERMINAL,
-    Collected,
-    DaemonProcess,
-    Driver,
-    UnitDaemon,
-    attempt,
-    rows,
-    send,
-    show_unit,
-)
+from ficc_testkit.daemons import DaemonProcess, UnitDaemon, show_unit
+from ficc_testkit.driver import COLLECT_CHUNK, TERMINAL, Collected, Driver, attempt, rows, send
 from ficc_testkit.slots import (
     SlotFilesystem,
     private_directory,

@@ -19,7 +19,7 @@ runs where is the concurrency design:
   against the bound, so a provider that hangs cannot starve the calls after it.
 
 The handlers (requests) and the runner (asynchronous work after a reply) both take a
-`HostContext`; `daemon.py` builds it.
+`HostContext`; `daemon/root.py` builds it.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def open_dir(
 
     The walk starts at `/` and opens each component relative to the previous one, so
     no component is ever resolved by path again after it has been checked. A caller
-    with stricter rules (config.py: root-owned all the way down) keeps the walk and
+    with stricter rules (config/trusted.py: root-owned all the way down) keeps the walk and
     brings its own: `open_child(parent_fd, name, walked)` opens one component (by
     default with O_NOFOLLOW, refused as described above), and `check(fd, walked)` may
     refuse each directory opened, `/` included. The caller owns the returned fd.

@@ -1,9 +1,10 @@
 """Evidence about a live process, read from /proc/PID.
 
-The payload gate (gate.py) must judge the process that is really running, not what a
-provider says about it. This module holds the `Evidence` record, pure parsers over
-bytes (unit-tested on recorded samples) and the careful reads of each /proc file;
-gate_reader.py reads them all into one `Evidence`.
+The payload gate (gate/checks.py) must judge the process that is really running, not
+what a provider says about it. The `Evidence` record is in `evidence`, the pure parsers
+over bytes (unit-tested on recorded samples) in `procparse`; this module holds the
+careful reads of each /proc file, and gate/reader.py reads them all into one
+`Evidence`.
 
 The reader is careful because the process belongs to someone else's job:
 - /proc/PID is opened once as a directory fd and every file is read relative to it with

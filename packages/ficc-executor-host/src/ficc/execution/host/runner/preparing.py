@@ -2,7 +2,7 @@
 
 `Preparer` takes each attempt through, in this order: the slot checked, the attempt
 layout created, its streamed inputs staged; once every input is complete, provider
-`probe` and `prepare` (with `check()`); the result is validated (expectation.py) and
+`probe` and `prepare` (with `check()`); the result is validated (gate/expectation.py) and
 persisted with `PrepareOk` before anything uses it. The runner (pipeline.py) owns the
 preparer: it hands it admitted attempts, completed inputs and, after a restart, the
 attempts to stage or prepare again.

@@ -263,7 +263,7 @@ class SystemService(Protocol):
         runtime, e.g. Podman's `--cgroup-parent`, so the payload stays in the tree."""
         ...
 
-    # Added for the runner (pipeline.py): the provider's prepare context carries the
+    # Added for the runner (runner/pipeline.py): the provider's prepare context carries the
     # cgroup before the service exists, and cleanup of an attempt that never had a
     # service still has to confirm that the slot account runs nothing.
 
