@@ -174,3 +174,20 @@ def test_the_64_bit_count_is_defined_once() -> None:
     ]
     assert again == []
     assert spelt.search(home.read_text())
+
+
+@pytest.mark.parametrize("name", DISTRIBUTIONS)
+def test_every_source_file_of_a_distribution_is_in_its_wheel(name: str) -> None:
+    """A module added beside the listed ones (the protocol lists its files one by one,
+    since the host and the SDK share its namespace folder) ships in the wheel too."""
+    package = ROOT / "packages" / name
+    with (package / "pyproject.toml").open("rb") as file:
+        build = tomllib.load(file)["tool"]["hatch"]["build"]["targets"]["wheel"]
+    included = [package / entry for entry in build["only-include"]]
+    sources = [p for p in (package / "src").rglob("*") if p.suffix in (".py", ".typed")]
+    missing = [
+        str(p.relative_to(package))
+        for p in sources
+        if "__pycache__" not in p.parts and not any(p == i or i in p.parents for i in included)
+    ]
+    assert missing == []
