@@ -44,7 +44,6 @@ from ficc.execution.host.ledger.store import (
     Admitted,
     Applied,
     HostFacts,
-    Ledger,
     PrepareRow,
     SlotSpec,
 )
@@ -52,8 +51,7 @@ from ficc.execution.host.service import reaper
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc_testkit import plans
 from ficc_testkit.plans import new_id
-
-pytestmark = pytest.mark.root("the ledger lives in a root-owned state directory")
+from ledger_support import create_ledger
 
 SOAK = os.environ.get("FICC_SOAK") == "1"
 SCHEDULES = 5_000 if SOAK else 250
@@ -139,7 +137,7 @@ class World:
         everything = OfferLimits(
             Resources(**dict.fromkeys(Resources.__struct_fields__, BIG)), None, None
         )
-        self.ledger = Ledger.create(str(state), INSTALLATION, everything, everything)
+        self.ledger = create_ledger(state, INSTALLATION, everything, everything)
         self.clock = ManualClock()
         self.obj = planlib.InputObject(
             id=new_id(), name="data.bin", bytes=len(DATA), digest=SHA, delivery="stream"

@@ -48,8 +48,7 @@ from ficc.execution.host.linux import filesystems
 from ficc.execution.protocol import Fence, OfferLimits, Resources
 from ficc_testkit import plans
 from ficc_testkit.plans import new_id
-
-pytestmark = pytest.mark.root("the ledger lives in a root-owned state directory")
+from ledger_support import OWNER, create_ledger, open_ledger
 
 INSTALLATION = "1" * 32
 BOOT = "8d7c2e55-0000-4000-8000-000000000001"
@@ -124,7 +123,7 @@ def state_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def ledger(state_dir: Path) -> Iterator[Ledger]:
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     yield led
     led.close()
 
@@ -179,14 +178,14 @@ def test_created_file_is_private_wal_and_full_sync(ledger: Ledger, state_dir: Pa
     st = os.lstat(state_dir / LEDGER_FILE)
     assert stat.S_ISREG(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600
-    assert (st.st_uid, st.st_nlink) == (0, 1)
+    assert (st.st_uid, st.st_nlink) == (OWNER, 1)
     assert raw(ledger).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert ledger._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert ledger._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     admitted(ledger, make_plan())
     for suffix in ("-wal", "-shm"):
         st = os.lstat(state_dir / (LEDGER_FILE + suffix))
-        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, 0)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, OWNER)
 
 
 def test_identity_is_durable_and_new_per_database(ledger: Ledger, tmp_path: Path) -> None:
@@ -195,11 +194,11 @@ def test_identity_is_durable_and_new_per_database(ledger: Ledger, tmp_path: Path
     assert bindings.admission_version == 1
     msgspec.convert(bindings.ledger_id, planlib.Identity)
     ledger.close()
-    reopened = Ledger.open(str(ledger.path.rsplit("/", 1)[0]), INSTALLATION)
+    reopened = open_ledger(str(ledger.path.rsplit("/", 1)[0]), INSTALLATION)
     assert reopened.bindings() == bindings
     other_dir = tmp_path / "other"
     other_dir.mkdir(mode=0o700)
-    other = Ledger.create(str(other_dir), INSTALLATION, limits(), CEILING)
+    other = create_ledger(str(other_dir), INSTALLATION, limits(), CEILING)
     assert other.bindings().ledger_id != bindings.ledger_id
     assert other.bindings().installation_id == INSTALLATION
 
@@ -207,7 +206,7 @@ def test_identity_is_durable_and_new_per_database(ledger: Ledger, tmp_path: Path
 def test_other_installation_is_refused(ledger: Ledger, state_dir: Path) -> None:
     ledger.close()
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), "9" * 32)
+        open_ledger(str(state_dir), "9" * 32)
     assert error.value.code == "ledger_installation_mismatch"
 
 
@@ -215,28 +214,28 @@ def test_create_refuses_an_existing_file(ledger: Ledger, state_dir: Path) -> Non
     ledger.close()
     before = (state_dir / LEDGER_FILE).read_bytes()
     with pytest.raises(HostError) as error:
-        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+        create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     assert error.value.code == "ledger_exists"
     assert (state_dir / LEDGER_FILE).read_bytes() == before
 
 
 def test_one_process_at_a_time(ledger: Ledger, state_dir: Path) -> None:
     for call in (
-        lambda: Ledger.open(str(state_dir), INSTALLATION),
-        lambda: Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING),
+        lambda: open_ledger(str(state_dir), INSTALLATION),
+        lambda: create_ledger(str(state_dir), INSTALLATION, limits(), CEILING),
     ):
         with pytest.raises(HostError) as error:
             call()
         assert error.value.code == "ledger_busy"
     ledger.close()
-    Ledger.open(str(state_dir), INSTALLATION).close()
+    open_ledger(str(state_dir), INSTALLATION).close()
 
 
 def test_another_process_closing_the_file_keeps_our_wal(ledger: Ledger, state_dir: Path) -> None:
     """Regression: our own fd of the file must not drop SQLite's locks, or the last other
     connection to close checkpoints and deletes the WAL we are still writing."""
     ledger.close()
-    led = Ledger.open(str(state_dir), INSTALLATION)
+    led = open_ledger(str(state_dir), INSTALLATION)
     admitted(led, make_plan())
     reader = "import sqlite3, sys; print(sqlite3.connect(sys.argv[1]).execute(sys.argv[2])"
     reader += ".fetchone()[0])"
@@ -253,12 +252,12 @@ def test_create_and_open_refuse_a_symlink(state_dir: Path, tmp_path: Path) -> No
     target = tmp_path / "elsewhere.db"
     (state_dir / LEDGER_FILE).symlink_to(target)
     with pytest.raises(HostError) as error:
-        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+        create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     assert error.value.code == "ledger_exists"
     assert not target.exists()
     target.write_bytes(b"")
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_unsafe"
 
 
@@ -267,12 +266,12 @@ def test_open_refuses_a_hard_link_or_loose_mode(ledger: Ledger, state_dir: Path)
     path = state_dir / LEDGER_FILE
     os.chmod(path, 0o644)
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_unsafe"
     os.chmod(path, 0o600)
     os.link(path, state_dir / "alias")
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_unsafe"
     assert error.value.message.endswith("remove the other links")  # one fix, the right one
     assert "create" not in error.value.message
@@ -299,18 +298,18 @@ def test_a_state_dir_on_a_network_filesystem_is_refused(
 ) -> None:
     """No network filesystem can be mounted here: the magic the kernel would report
     for one stands in; the refusal path (create and open) is the real one."""
-    Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING).close()
+    create_ledger(str(state_dir), INSTALLATION, limits(), CEILING).close()
     monkeypatch.setattr(filesystems, "filesystem_magic", lambda fd: magic)
     for call in (
-        lambda: Ledger.open(str(state_dir), INSTALLATION),
-        lambda: Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING),
+        lambda: open_ledger(str(state_dir), INSTALLATION),
+        lambda: create_ledger(str(state_dir), INSTALLATION, limits(), CEILING),
     ):
         with pytest.raises(HostError) as refused:
             call()
         assert refused.value.code == "unsupported_filesystem"
         assert name in refused.value.message
     monkeypatch.undo()
-    Ledger.open(str(state_dir), INSTALLATION).close()  # the local directory still opens
+    open_ledger(str(state_dir), INSTALLATION).close()  # the local directory still opens
 
 
 SCHEMA_TWO_COLUMNS = (
@@ -357,7 +356,7 @@ def migrated_from(led: Ledger, state_dir: Path, downgrade: Callable[[Path], None
     before = led.page(None)[0]
     led.close()
     downgrade(state_dir)
-    migrated = Ledger.open(str(state_dir), INSTALLATION)
+    migrated = open_ledger(str(state_dir), INSTALLATION)
     assert migrated.page(None)[0] == before
     return migrated
 
@@ -374,13 +373,13 @@ def as_schema_one(state_dir: Path) -> None:
 
 
 def test_a_ledger_made_before_the_added_columns_is_upgraded(state_dir: Path) -> None:
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     job = new_id()
     first = make_plan(job_id=job)
     admitted(led, first)
     led.close()
     as_schema_one(state_dir)
-    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    reopened = open_ledger(str(state_dir), INSTALLATION)
     record = reopened.get(first.attempt_id)
     assert record is not None
     assert record.lease is not None
@@ -495,7 +494,7 @@ def test_usage_is_tallied_per_slot_and_outcome(ledger: Ledger) -> None:
 
 
 def test_a_ledger_of_schema_two_gains_usage_unrecorded_for_every_record(state_dir: Path) -> None:
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     old, running = make_plan(), make_plan()
     admitted(led, old)
     to_unknown_released(led, old)
@@ -513,29 +512,48 @@ def test_a_ledger_of_schema_two_gains_usage_unrecorded_for_every_record(state_di
         reopened.close()
 
 
+def test_by_default_the_state_dir_and_the_ledger_must_be_roots(state_dir: Path) -> None:
+    """The daemon never names an owner: its ledger is root's. Other tests of the
+    ledger's logic run as whoever runs them (`ledger_support`); this one holds the
+    default, as root (the directory handed to someone else) or not."""
+    if os.geteuid() == 0:
+        os.chown(state_dir, 65534, 65534)
+    with pytest.raises(HostError) as error:
+        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    assert error.value.code == "ledger_unsafe"
+    assert "must be owned by root" in error.value.message
+    assert "chown root" in error.value.message
+    assert not (state_dir / LEDGER_FILE).exists()
+    if OWNER != 0:  # without root: a ledger file that is not root's is refused as well
+        create_ledger(str(state_dir), INSTALLATION, limits(), CEILING).close()
+        with pytest.raises(HostError) as error:
+            Ledger.open(str(state_dir), INSTALLATION)
+        assert error.value.code == "ledger_unsafe"
+
+
 def test_state_dir_must_be_private(state_dir: Path, tmp_path: Path) -> None:
     os.chmod(state_dir, 0o755)
     with pytest.raises(HostError) as error:
-        Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+        create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     assert error.value.code == "ledger_unsafe"
     assert not (state_dir / LEDGER_FILE).exists()
     os.chmod(state_dir, 0o700)
     link = tmp_path / "link"
     link.symlink_to(state_dir)
     with pytest.raises(HostError) as error:
-        Ledger.create(str(link), INSTALLATION, limits(), CEILING)
+        create_ledger(str(link), INSTALLATION, limits(), CEILING)
     assert error.value.code == "unsafe_path"
 
 
 def test_open_missing_and_half_created(state_dir: Path) -> None:
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_missing"
     assert "restore it from backup" in error.value.message
     fd = os.open(state_dir / LEDGER_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.close(fd)  # a crash between creating the file and committing its schema
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert error.value.code in {"ledger_corrupt", "ledger_schema"}
 
 
@@ -550,7 +568,7 @@ def test_a_database_without_the_ledger_tables_is_refused_as_no_ledger(state_dir:
     db.execute("PRAGMA user_version = 1")  # a written header, still no table
     db.close()
     with pytest.raises(HostError) as error:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert error.value.code == "ledger_schema"
     assert "no ledger identity" in error.value.message
 
@@ -632,7 +650,7 @@ def test_slot_exhaustion_commits_a_durable_rejection(ledger: Ledger, state_dir: 
     assert [type(r) for r in results[:2]] == [Admitted, Admitted]
     refused(results[2], "slot_capacity")
     ledger.close()
-    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    reopened = open_ledger(str(state_dir), INSTALLATION)
     record = reopened.get(plans[2].attempt_id)
     assert record is not None
     assert record.status == lc.admission_rejected()
@@ -665,9 +683,9 @@ def test_a_new_ledger_has_the_configured_control_from_its_first_transaction(
 ) -> None:
     """The configured control is part of the ledger's creation, not a second change that
     could fail (a full disk) and leave a new ledger with an offer more open than set."""
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING, control)  # type: ignore[arg-type]
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING, control)  # type: ignore[arg-type]
     led.close()
-    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    reopened = open_ledger(str(state_dir), INSTALLATION)
     try:
         offer = reopened.offer()
         assert (offer.revision, offer.control) == (1, control)
@@ -677,7 +695,7 @@ def test_a_new_ledger_has_the_configured_control_from_its_first_transaction(
 
 
 def test_resources_beyond_the_offer_are_rejected(state_dir: Path) -> None:
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(cpu_millis=2500), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(cpu_millis=2500), CEILING)
     results = admit(led, make_plan(), make_plan(), make_plan())
     assert [type(r) for r in results[:2]] == [Admitted, Admitted]
     refused(results[2], "admission_rejected")
@@ -686,7 +704,7 @@ def test_resources_beyond_the_offer_are_rejected(state_dir: Path) -> None:
 
 
 def test_attempt_count_beyond_the_offer_is_rejected(state_dir: Path) -> None:
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(attempts=1), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(attempts=1), CEILING)
     results = admit(led, make_plan(), make_plan())
     refused(results[1], "admission_rejected")
     led.close()
@@ -714,7 +732,7 @@ def test_stale_offer_revision_and_expired_first_lease(ledger: Ledger) -> None:
 
 def test_devices_projects_and_runtimes(state_dir: Path) -> None:
     offered = OfferLimits(limits().resources, projects=["2" * 32], runtimes=["podman"])
-    led = Ledger.create(str(state_dir), INSTALLATION, offered, CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, offered, CEILING)
     first, second, unknown = admit(
         led,
         make_plan(devices=("gpu0",)),
@@ -823,7 +841,7 @@ def test_each_unknown_is_acknowledged_once(ledger: Ledger, state_dir: Path) -> N
     assert isinstance(admit_acknowledging(ledger, second, first.attempt_id), Admitted)
     to_released(ledger, second)
     ledger.close()
-    reopened = Ledger.open(str(state_dir), INSTALLATION)  # the acknowledgement is durable
+    reopened = open_ledger(str(state_dir), INSTALLATION)  # the acknowledgement is durable
     again = make_plan(job_id=job, generation=3)
     refused(admit_acknowledging(reopened, again, first.attempt_id), "unknown_not_acknowledged")
     release_rejected(reopened, again)
@@ -1337,7 +1355,7 @@ _CHILD = textwrap.dedent(
     from test_ledger import INSTALLATION, facts, lease, make_plan
 
     state_dir, round_no, ack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    led = Ledger.open(state_dir, INSTALLATION)
+    led = Ledger.open(state_dir, INSTALLATION, owner=os.geteuid())
     os.write(ack, b"open\\n")
     f = facts(slots=4096)
     for batch in range(10**6):
@@ -1400,7 +1418,7 @@ def test_sigkill_never_loses_an_acknowledged_batch_or_splits_one(ledger: Ledger)
                 child.wait()
         assert child.returncode == -signal.SIGKILL
         acknowledged |= {(round_no, b) for b in acks}
-        reopened = Ledger.open(state_dir, INSTALLATION)
+        reopened = open_ledger(state_dir, INSTALLATION)
         try:
             assert reopened.bindings().ledger_id == ledger_id
             batches: dict[tuple[int, int], int] = {}
@@ -1469,7 +1487,7 @@ def test_reservations_never_overcommit(operations: list[tuple[str, object]]) -> 
     work = tempfile.mkdtemp(prefix="ficc-ledger-")
     try:
         os.mkdir(f"{work}/state", 0o700)
-        led = Ledger.create(f"{work}/state", INSTALLATION, limits(cpu_millis=_CPU_OFFER), CEILING)
+        led = create_ledger(f"{work}/state", INSTALLATION, limits(cpu_millis=_CPU_OFFER), CEILING)
         f = HostFacts(slots=_SLOTS, devices=frozenset({"gpu0", "gpu1"}), ceiling=CEILING, now=NOW)
         live: list[planlib.Plan] = []
         for kind, arg in operations:
@@ -1594,7 +1612,7 @@ def test_the_record_cache_always_holds_what_the_database_holds(
     work = tempfile.mkdtemp(prefix="ficc-ledger-")
     try:
         os.mkdir(f"{work}/state", 0o700)
-        led = Ledger.create(f"{work}/state", INSTALLATION, limits(), CEILING)
+        led = create_ledger(f"{work}/state", INSTALLATION, limits(), CEILING)
         plans: list[planlib.Plan] = []
         for operation in operations:
             _step(led, plans, operation)
@@ -1761,7 +1779,7 @@ def _twins(tmp_path: Path, plans: list[planlib.Plan]) -> tuple[Ledger, Ledger]:
     for name in ("batch", "rows"):
         state = tmp_path / name
         state.mkdir(mode=0o700)
-        led = Ledger.create(str(state), INSTALLATION, limits(), CEILING)
+        led = create_ledger(str(state), INSTALLATION, limits(), CEILING)
         admit(led, *plans, f=facts(slots=len(plans)))
         twins.append(led)
     return twins[0], twins[1]
@@ -2011,7 +2029,7 @@ def test_a_ledger_of_schema_three_keeps_its_leases_and_renews_into_the_new_table
         assert isinstance(renewed, Applied)
     finally:
         migrated.close()
-    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    reopened = open_ledger(str(state_dir), INSTALLATION)
     try:
         assert reopened.get(plans[1].attempt_id) == renewed.record
     finally:
@@ -2024,7 +2042,7 @@ def test_another_installations_old_ledger_is_refused_before_it_is_migrated(
     ledger.close()
     as_schema_one(state_dir)
     with pytest.raises(HostError) as refused:
-        Ledger.open(str(state_dir), "f" * 32)
+        open_ledger(str(state_dir), "f" * 32)
     assert refused.value.code == "ledger_installation_mismatch"
     db = sqlite3.connect(state_dir / LEDGER_FILE)
     try:
@@ -2042,7 +2060,7 @@ def test_a_ledger_written_by_a_newer_release_is_refused_as_such(
     db.commit()
     db.close()
     with pytest.raises(HostError) as refused:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert refused.value.code == "ledger_schema"
     assert "newer release" in refused.value.message
 
@@ -2057,7 +2075,7 @@ def test_a_ledger_of_another_admission_version_is_refused_and_kept(
     db.commit()
     db.close()
     with pytest.raises(HostError) as refused:
-        Ledger.open(str(state_dir), INSTALLATION)
+        open_ledger(str(state_dir), INSTALLATION)
     assert refused.value.code == "ledger_schema"
     assert "admission version 99" in refused.value.message
     assert "Do not delete it" in refused.value.message

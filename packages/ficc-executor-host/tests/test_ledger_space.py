@@ -24,6 +24,7 @@ from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger import space
 from ficc.execution.host.ledger.space import Space, SpaceBounds
 from ficc.execution.host.ledger.store import Admitted, Applied, Ledger, PrepareRow
+from ledger_support import create_ledger, open_ledger
 from test_ledger import (
     CEILING,
     INSTALLATION,
@@ -39,11 +40,9 @@ from test_ledger import (
     to_ready,
 )
 
-pytestmark = pytest.mark.root(
-    "the ledger lives in a root-owned state directory; a full disk is a mounted tmpfs"
-)
-
 MIB = space.MIB
+
+FULL_DISK = pytest.mark.root("a full disk is a small tmpfs, and only root mounts one")
 
 
 # --- the arithmetic (pure) ------------------------------------------------------------
@@ -104,7 +103,7 @@ def test_request_bytes_errs_high(tmp_path: Path) -> None:
     """The estimate is at least what recording a full batch really adds to the database."""
     state_dir = tmp_path / "state"
     state_dir.mkdir(mode=0o700)
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     try:
         plans = [make_plan(name="j" * 80) for _ in range(planlib.MAX_ROWS)]
         before = _ledger_bytes(led)
@@ -156,7 +155,7 @@ def _fill_to_refusal(led: Ledger) -> int:
 
 
 def test_the_ledger_bound_refuses_admission_and_keeps_everything_else(state_dir: Path) -> None:
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     try:
         led.bound_space(SpaceBounds(ledger_max_bytes=2 * MIB, min_free_bytes=0))
         running, stopped, repeated = make_plan(), make_plan(), make_plan()
@@ -191,7 +190,7 @@ def test_the_ledger_bound_refuses_admission_and_keeps_everything_else(state_dir:
         assert _count(led) == records
     finally:
         led.close()
-    reopened = Ledger.open(str(state_dir), INSTALLATION)
+    reopened = open_ledger(str(state_dir), INSTALLATION)
     try:
         assert _quick_check(reopened) == "ok"
         assert _count(reopened) == records
@@ -204,7 +203,7 @@ def test_the_hard_limit_fails_a_write_whole_and_the_ledger_goes_on(
 ) -> None:
     """A write past max_page_count is rolled back (SQLITE_FULL), answered `ledger_full`,
     and leaves no transaction open: the next write goes through."""
-    led = Ledger.create(str(state_dir), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(state_dir), INSTALLATION, limits(), CEILING)
     try:
         led.bound_space(SpaceBounds(ledger_max_bytes=MIB, min_free_bytes=0))
         plan = make_plan()
@@ -262,8 +261,9 @@ def _fill(path: Path) -> None:
         os.close(fd)
 
 
+@FULL_DISK
 def test_a_disk_filled_from_outside_spends_the_reserve(small_fs: Path) -> None:
-    led = Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(small_fs), INSTALLATION, limits(), CEILING)
     try:
         bounds = SpaceBounds(ledger_max_bytes=64 * MIB, min_free_bytes=2 * MIB,
                              reserve_bytes=4 * MIB)  # fmt: skip
@@ -308,7 +308,7 @@ def test_a_disk_filled_from_outside_spends_the_reserve(small_fs: Path) -> None:
         admitted(led, make_plan())
     finally:
         led.close()
-    reopened = Ledger.open(str(small_fs), INSTALLATION)
+    reopened = open_ledger(str(small_fs), INSTALLATION)
     try:
         assert _quick_check(reopened) == "ok"
         record = reopened.get(plans[1].attempt_id)
@@ -318,6 +318,7 @@ def test_a_disk_filled_from_outside_spends_the_reserve(small_fs: Path) -> None:
         reopened.close()
 
 
+@FULL_DISK
 def test_opening_on_a_full_disk_spends_the_reserve_and_keeps_admission_closed(
     small_fs: Path,
 ) -> None:
@@ -326,7 +327,7 @@ def test_opening_on_a_full_disk_spends_the_reserve_and_keeps_admission_closed(
     bounds = SpaceBounds(ledger_max_bytes=64 * MIB, min_free_bytes=2 * MIB,
                          reserve_bytes=4 * MIB)  # fmt: skip
     reserve = small_fs / space.RESERVE_FILE
-    led = Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(small_fs), INSTALLATION, limits(), CEILING)
     try:
         led.bound_space(bounds)
         plan = make_plan()
@@ -337,11 +338,11 @@ def test_opening_on_a_full_disk_spends_the_reserve_and_keeps_admission_closed(
     _fill(small_fs / "filler")
     # a check that must change nothing refuses, and leaves the reserve alone
     with pytest.raises(HostError) as refused:
-        Ledger.open(str(small_fs), INSTALLATION, spend_reserve=False)
+        open_ledger(str(small_fs), INSTALLATION, spend_reserve=False)
     assert refused.value.code == "ledger_full"
     assert f"mounted at {small_fs}" in refused.value.message
     assert reserve.exists()
-    led = Ledger.open(str(small_fs), INSTALLATION)
+    led = open_ledger(str(small_fs), INSTALLATION)
     try:
         assert not reserve.exists()
         led.bound_space(bounds)
@@ -357,30 +358,33 @@ def test_opening_on_a_full_disk_spends_the_reserve_and_keeps_admission_closed(
         led.close()
 
 
+@FULL_DISK
 def test_a_reserve_too_small_to_open_the_ledger_is_ledger_full(small_fs: Path) -> None:
-    Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING).close()
+    create_ledger(str(small_fs), INSTALLATION, limits(), CEILING).close()
     _fill(small_fs / "filler")
     (small_fs / space.RESERVE_FILE).touch()  # frees nothing when deleted
     with pytest.raises(HostError) as refused:
-        Ledger.open(str(small_fs), INSTALLATION)
+        open_ledger(str(small_fs), INSTALLATION)
     assert refused.value.code == "ledger_full"
     assert f"even after deleting {space.RESERVE_FILE}" in refused.value.message
     (small_fs / "filler").unlink()
-    Ledger.open(str(small_fs), INSTALLATION).close()
+    open_ledger(str(small_fs), INSTALLATION).close()
 
 
+@FULL_DISK
 def test_creating_on_a_full_disk_leaves_no_ledger(small_fs: Path) -> None:
     _fill(small_fs / "filler")
     with pytest.raises(HostError) as refused:
-        Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+        create_ledger(str(small_fs), INSTALLATION, limits(), CEILING)
     assert refused.value.code == "ledger_full"
     assert "cannot be created" in refused.value.message
     assert [p.name for p in small_fs.iterdir()] == ["filler"]
     (small_fs / "filler").unlink()
-    led = Ledger.create(str(small_fs), INSTALLATION, limits(), CEILING)
+    led = create_ledger(str(small_fs), INSTALLATION, limits(), CEILING)
     led.close()
 
 
+@FULL_DISK
 def test_creating_with_no_inode_left_is_ledger_full(tmp_path: Path) -> None:
     """Out of inodes, not bytes: the ledger file itself cannot be made."""
     path = tmp_path / "few-inodes"
@@ -396,12 +400,12 @@ def test_creating_with_no_inode_left_is_ledger_full(tmp_path: Path) -> None:
                 (path / f"f{n}").touch()
         assert full.value.errno == errno.ENOSPC
         with pytest.raises(HostError) as refused:
-            Ledger.create(str(path), INSTALLATION, limits(), CEILING)
+            create_ledger(str(path), INSTALLATION, limits(), CEILING)
         assert refused.value.code == "ledger_full"
         (path / "f0").unlink()
         (path / "f1").unlink()
         (path / "f2").unlink()
-        Ledger.create(str(path), INSTALLATION, limits(), CEILING).close()
+        create_ledger(str(path), INSTALLATION, limits(), CEILING).close()
     finally:
         subprocess.run(["umount", str(path)], check=True)
 

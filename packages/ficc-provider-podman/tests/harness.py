@@ -4,8 +4,9 @@ Everything is real: a system slot account created with useradd, the host's attem
 layout (ficc.execution.host.storage.layout), its stager for streamed inputs, its cgroupfs
 system service running the prepared argv as the slot account, its payload gate and
 release marker, and rootless Podman with the registry-free test image
-(tools/testimage/build.py). The steps follow the host runner (runner/preparing.py, runner/starting.py) in order:
-prepare -> service -> start -> observe to `payload` -> gate -> marker -> finished.
+(tools/testimage/build.py). The steps follow the host runner (runner/preparing.py,
+runner/starting.py) in order: prepare -> service -> start -> observe to `payload` ->
+gate -> marker -> finished.
 """
 
 from __future__ import annotations

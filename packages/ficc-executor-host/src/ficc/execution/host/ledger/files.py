@@ -31,27 +31,37 @@ def _unsafe(message: str) -> HostError:
     return HostError(HostCode.LEDGER_UNSAFE, message)
 
 
-def _check_state_dir(dir_fd: int, where: str) -> os.stat_result:
+ROOT_UID: Final = 0
+"""Who owns the ledger: root, always, for the daemon. Only a test of the ledger's own
+logic, run without root, names its own UID instead (`Ledger.create(..., owner=...)`)."""
+
+
+def _owner_name(owner: int) -> str:
+    return "root" if owner == ROOT_UID else f"uid {owner}"
+
+
+def _check_state_dir(dir_fd: int, where: str, owner: int) -> os.stat_result:
     st = os.fstat(dir_fd)
-    if st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077:
+    if st.st_uid != owner or stat.S_IMODE(st.st_mode) & 0o077:
         raise _unsafe(
-            f"state directory {where} must be owned by root with no group or other access"
-            f" (it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); chown root and chmod 700"
+            f"state directory {where} must be owned by {_owner_name(owner)} with no group or"
+            f" other access (it is uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o});"
+            f" chown {'root' if owner == ROOT_UID else owner} and chmod 700"
         )
     return st
 
 
-def _check_file(st: os.stat_result, name: str) -> None:
+def _check_file(st: os.stat_result, name: str, owner: int) -> None:
     if (
         not stat.S_ISREG(st.st_mode)
-        or st.st_uid != 0
+        or st.st_uid != owner
         or st.st_nlink != 1
         or stat.S_IMODE(st.st_mode) != 0o600
     ):
         raise _unsafe(
-            f"{name} must be a regular root-owned file with one link and mode 600; it is"
-            f" {stat.filemode(st.st_mode)} uid {st.st_uid} with {st.st_nlink} links:"
-            " investigate before touching it"
+            f"{name} must be a regular file owned by {_owner_name(owner)} with one link and"
+            f" mode 600; it is {stat.filemode(st.st_mode)} uid {st.st_uid} with"
+            f" {st.st_nlink} links: investigate before touching it"
         )
 
 
@@ -142,7 +152,7 @@ def unreadable_schema(path: str, row: tuple[Any, ...] | None) -> str:
     )
 
 
-def lock_state_dir(state_dir: str) -> int:
+def lock_state_dir(state_dir: str, owner: int) -> int:
     """Open and check the state directory, and take its exclusive lock.
 
     The lock (flock on the directory, independent of SQLite's own POSIX locks) makes a
@@ -151,7 +161,7 @@ def lock_state_dir(state_dir: str) -> int:
     """
     dir_fd = fsutil.open_dir(state_dir)
     try:
-        _check_state_dir(dir_fd, state_dir)
+        _check_state_dir(dir_fd, state_dir, owner)
         filesystems.check_local(dir_fd, f"state directory {state_dir}")
         fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as error:
@@ -177,13 +187,13 @@ def checked_and_closed(fd: int) -> os.stat_result:
         os.close(fd)
 
 
-def connect(state_dir: str, dir_fd: int, checked: os.stat_result) -> sqlite3.Connection:
+def connect(state_dir: str, dir_fd: int, checked: os.stat_result, owner: int) -> sqlite3.Connection:
     """Open the checked file with SQLite, then prove SQLite opened that same file."""
-    _check_file(checked, LEDGER_FILE)
+    _check_file(checked, LEDGER_FILE, owner)
     for suffix in ("-wal", "-shm"):
         with contextlib.suppress(FileNotFoundError):
-            _check_file(os.stat(LEDGER_FILE + suffix, dir_fd=dir_fd, follow_symlinks=False),
-                        LEDGER_FILE + suffix)  # fmt: skip
+            sidecar = os.stat(LEDGER_FILE + suffix, dir_fd=dir_fd, follow_symlinks=False)
+            _check_file(sidecar, LEDGER_FILE + suffix, owner)
     path = f"{state_dir}/{LEDGER_FILE}"
     db = sqlite3.connect(
         f"file:{urllib.parse.quote(path)}?mode=rw",

@@ -64,6 +64,7 @@ from ficc.execution.host.ledger.admit import Admissions
 from ficc.execution.host.ledger.files import (
     ADMISSION_VERSION,
     LEDGER_FILE,
+    ROOT_UID,
     SIDECARS,
     check_owner_then_migrate,
     checked_and_closed,
@@ -119,6 +120,8 @@ class Ledger(Admissions, InputWrites):
         initial_offer: OfferLimits,
         ceiling: OfferLimits,
         control: Control = "active",
+        *,
+        owner: int = ROOT_UID,
     ) -> Ledger:
         """Create a new ledger file, exclusively; refuse if anything is at its name.
 
@@ -136,14 +139,14 @@ class Ledger(Admissions, InputWrites):
             ) from error
         if (why := admission.within(initial_offer, ceiling)) is not None:
             raise HostError(ErrorCode.OFFER_EXCEEDS_CEILING, f"initial offer: {why}")
-        dir_fd = lock_state_dir(state_dir)
+        dir_fd = lock_state_dir(state_dir, owner)
         try:
             return spending_reserve_to_start(
                 dir_fd,
                 state_dir,
                 "created",
                 lambda: cls._create_locked(
-                    dir_fd, state_dir, installation_id, initial_offer, control
+                    dir_fd, state_dir, installation_id, initial_offer, control, owner=owner
                 ),
             )
         except BaseException:
@@ -158,6 +161,8 @@ class Ledger(Admissions, InputWrites):
         installation_id: str,
         initial_offer: OfferLimits,
         control: Control,
+        *,
+        owner: int,
     ) -> Ledger:
         """`create` under the state directory's lock. A failure after the file was made
         removes what it made, so no half-made ledger is ever taken for a lost one."""
@@ -175,7 +180,7 @@ class Ledger(Admissions, InputWrites):
         try:
             checked = checked_and_closed(fd)
             fsutil.fsync_dir(dir_fd)
-            db = connect(state_dir, dir_fd, checked)
+            db = connect(state_dir, dir_fd, checked, owner)
             try:
                 db.execute("PRAGMA journal_mode=WAL")
                 db.executescript(
@@ -204,7 +209,14 @@ class Ledger(Admissions, InputWrites):
             raise
 
     @classmethod
-    def open(cls, state_dir: str, installation_id: str, *, spend_reserve: bool = True) -> Ledger:
+    def open(
+        cls,
+        state_dir: str,
+        installation_id: str,
+        *,
+        spend_reserve: bool = True,
+        owner: int = ROOT_UID,
+    ) -> Ledger:
         """Open the existing ledger of this installation; refuse any other one.
 
         Opening writes: SQLite makes its write-ahead log and shared-memory index again
@@ -212,13 +224,13 @@ class Ledger(Admissions, InputWrites):
         as for any other write, unless `spend_reserve` is False (a check that must change
         nothing): then a full filesystem is refused with `ledger_full`.
         """
-        dir_fd = lock_state_dir(state_dir)
+        dir_fd = lock_state_dir(state_dir, owner)
         try:
             return spending_reserve_to_start(
                 dir_fd,
                 state_dir,
                 "opened",
-                lambda: cls._open_locked(dir_fd, state_dir, installation_id),
+                lambda: cls._open_locked(dir_fd, state_dir, installation_id, owner),
                 spend=spend_reserve,
             )
         except BaseException:
@@ -226,10 +238,10 @@ class Ledger(Admissions, InputWrites):
             raise
 
     @classmethod
-    def _open_locked(cls, dir_fd: int, state_dir: str, installation_id: str) -> Ledger:
+    def _open_locked(cls, dir_fd: int, state_dir: str, installation_id: str, owner: int) -> Ledger:
         """`open` under the state directory's lock."""
         try:
-            fd = fsutil.open_regular_at(dir_fd, LEDGER_FILE, os.O_RDONLY, owner_uid=0)
+            fd = fsutil.open_regular_at(dir_fd, LEDGER_FILE, os.O_RDONLY, owner_uid=owner)
         except HostError as error:
             if error.code != ErrorCode.NOT_FOUND:  # its message already says what to fix
                 raise HostError(
@@ -240,7 +252,7 @@ class Ledger(Admissions, InputWrites):
                 f"{state_dir}/{LEDGER_FILE}: {error.message}; restore it from backup"
                 " (serve creates a ledger only in a state_dir that never held one)",
             ) from error
-        db = connect(state_dir, dir_fd, checked_and_closed(fd))
+        db = connect(state_dir, dir_fd, checked_and_closed(fd), owner)
         return cls._checked(db, dir_fd, state_dir, installation_id)
 
     @classmethod
