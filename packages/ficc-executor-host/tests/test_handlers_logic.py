@@ -1,0 +1,237 @@
+"""The request handlers' own decisions, without root: the real ledger (owned by this
+process), a system service kept in memory and a runner that records what it is handed.
+
+No daemon, no socket, no provider call: the handlers are called as the server calls
+them. What needs the kernel (sockets per role, real services, the runner's work) is
+test_handlers.py's and test_pipeline.py's, with root; these tests keep the logic in the
+fast lane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from ficc.execution import protocol, wire
+from ficc.execution.host.api import handlers
+from ficc.execution.host.config.ceiling import initial_limits
+from ficc.execution.host.config.model import Config, Slot
+from ficc.execution.host.context.parts import HostContext, ProviderRuntime, SlotRuntime, Workers
+from ficc.execution.host.linux.clock import BootClock
+from ficc.execution.host.providers.loader import LoadedProvider
+from ficc.execution.host.storage.layout import service_name
+from ficc.execution.host.storage.staging import Stager
+from ficc.execution.plan import Plan
+from ficc.execution.protocol import Sender
+from ficc_testkit import configs, plans
+from ficc_testkit.accounts import Account
+from ficc_testkit.driver import now_ms, renewal
+from ficc_testkit.fakes import FakeService, FakeUnit, RecordingRunner
+from ficc_testkit.plans import DIGEST, new_id
+from ledger_support import create_ledger
+
+SLOT_UID = 64_000
+_NOT_READ: Any = None
+"""The verified distribution of the loaded provider: the handlers never read it."""
+
+
+def _config(base: Path) -> Config:
+    resources = configs.allowance(
+        cpu_millis=4000, memory_bytes=8 << 30, processes=512, slots=2,
+        projects=["3" * 32], runtimes=["test"],
+    )  # fmt: skip
+    slots = [
+        Slot(
+            id=f"s{i}",
+            slot_class="cpu",
+            generation=1,
+            path=str(base / f"slot{i}"),
+            uid=SLOT_UID + i,
+            gid=SLOT_UID + i,
+            storage_bytes=1 << 30,
+            storage_inodes=10_000,
+            filesystem_uuid=f"0000000{i}-0000-4000-8000-000000000000",
+        )
+        for i in range(2)
+    ]
+    return configs.host_config(
+        base, transport=Account("transport", 65_000, 65_000), slots=slots,
+        resources=resources, providers=[configs.provider("test", DIGEST)],
+        deployment_id="1" * 32, node_id="2" * 32,
+    )  # fmt: skip
+
+
+class Host:
+    """A `HostContext` of the real ledger and the fakes, and a way to send it requests."""
+
+    def __init__(self, base: Path) -> None:
+        self.config = config = _config(base)
+        state = base / "state"
+        state.mkdir(mode=0o700)
+        for slot in config.slots:
+            Path(slot.path).mkdir(mode=0o755)
+        ledger = create_ledger(
+            state, config.installation_id, initial_limits(config), initial_limits(config)
+        )
+        loaded = LoadedProvider("test", _NOT_READ, types.ModuleType("test"), None)
+        self.service = FakeService()
+        self.runner = RecordingRunner()
+        self.ctx = HostContext(
+            config=config,
+            ledger=ledger,
+            clock=BootClock(),
+            slots={
+                s.id: SlotRuntime(
+                    s.id,
+                    s.slot_class,
+                    s.path,
+                    s.uid,
+                    s.gid,
+                    s.storage_bytes,
+                    s.storage_inodes,
+                    s.filesystem_uuid,
+                    Stager(s.path, s.gid),
+                )
+                for s in config.slots
+            },
+            providers={"test": ProviderRuntime("test", DIGEST, loaded, None)},
+            service=self.service,
+            workers=Workers(),
+        )
+
+    def send(self, request: protocol.Request, sender: Sender = Sender.TRANSPORT) -> Any:
+        async def one() -> Any:
+            return await handlers.handle(self.ctx, self.runner, sender, request)
+
+        return asyncio.run(one())
+
+    def bindings(self) -> dict[str, Any]:
+        b = self.ctx.ledger.bindings()
+        return {"installation_id": b.installation_id, "ledger_id": b.ledger_id,
+                "admission_version": b.admission_version}  # fmt: skip
+
+    def prepare(self, *plans_: Plan, **bindings: Any) -> list[Any]:
+        expires = now_ms() + 300_000
+        attempts = [protocol.PrepareAttempt(plan=p, lease=renewal(p, 1, expires)) for p in plans_]
+        request = protocol.PrepareRequest(
+            version=1, id=new_id(), **(self.bindings() | bindings), attempts=attempts
+        )
+        return list(self.send(request).results)
+
+    def close(self) -> None:
+        self.ctx.workers.shutdown()
+        self.ctx.ledger.close()
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    made = Host(tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def plan(**fields: Any) -> Plan:
+    return plans.make_plan(deployment_id="1" * 32, node_id="2" * 32, **fields)
+
+
+def test_prepare_admits_and_hands_the_admitted_attempts_to_the_runner(host: Host) -> None:
+    first, second = plan(), plan()
+    rows = host.prepare(first, second)
+    assert [type(r) for r in rows] == [wire.AttemptRow, wire.AttemptRow]
+    assert [r.attempt_id for r in rows] == [first.attempt_id, second.attempt_id]
+    assert {r.slot for r in rows} == {"s0", "s1"}
+    assert host.runner.handed == [("admitted", (first.attempt_id, second.attempt_id))]
+
+
+def test_a_repeated_prepare_is_answered_from_the_ledger_and_hands_nothing_new(host: Host) -> None:
+    job = plan()
+    (row,) = host.prepare(job)
+    (again,) = host.prepare(job)
+    assert again == row
+    assert host.runner.handed == [("admitted", (job.attempt_id,))]
+
+
+def test_a_plan_pinning_another_provider_package_is_rejected_in_its_row(host: Host) -> None:
+    good, foreign = plan(), plan(package_digest="sha256:" + "b" * 64)
+    rows = host.prepare(good, foreign)
+    assert isinstance(rows[0], wire.AttemptRow)
+    assert isinstance(rows[1], wire.ErrorRow), rows[1]
+    assert rows[1].error.code == "admission_rejected"
+    assert rows[1].error.message.startswith("provider_unavailable: the plan pins provider package")
+    assert host.runner.handed == [("admitted", (good.attempt_id,))]
+
+
+def test_stale_bindings_refuse_the_whole_prepare(host: Host) -> None:
+    job = plan()
+    request = protocol.PrepareRequest(
+        version=1, id=new_id(), **(host.bindings() | {"ledger_id": "f" * 32}),
+        attempts=[protocol.PrepareAttempt(plan=job, lease=renewal(job, 1, now_ms() + 1000))],
+    )  # fmt: skip
+    reply = host.send(request)
+    assert isinstance(reply, wire.ErrorReply)
+    assert reply.error.code == "bindings_changed"
+    assert host.runner.handed == []
+
+
+def test_renew_extends_the_lease_and_tells_the_runner(host: Host) -> None:
+    job = plan()
+    host.prepare(job)
+    expires = now_ms() + 600_000
+    request = protocol.RenewRequest(version=1, id=new_id(), leases=[renewal(job, 2, expires)])
+    (row,) = host.send(request).results
+    assert isinstance(row, wire.AttemptRow), row
+    assert (row.lease_sequence, row.lease_expires_at_ms) == (2, expires)
+    assert host.runner.handed[-1] == ("leases_renewed", (job.attempt_id,))
+
+
+def test_a_renewal_after_the_reaper_stopped_the_attempt_is_lease_expired(host: Host) -> None:
+    job = plan()
+    host.prepare(job)
+    host.runner.reaped.add(job.attempt_id)
+    request = protocol.RenewRequest(
+        version=1, id=new_id(), leases=[renewal(job, 2, now_ms() + 600_000)]
+    )
+    (row,) = host.send(request).results
+    assert isinstance(row, wire.ErrorRow)
+    assert row.error.code == "lease_expired"
+    assert host.runner.handed[-1] == ("stop_requested", (job.attempt_id,))
+    assert host.ctx.ledger.get(job.attempt_id).status.state == "expired"
+
+
+def test_snapshot_shows_the_admitted_attempt_and_the_offer(host: Host) -> None:
+    job = plan()
+    host.prepare(job)
+    reply = host.send(protocol.SnapshotRequest(version=1, id=new_id()))
+    assert [a.attempt_id for a in reply.attempts] == [job.attempt_id]
+    assert reply.offer.revision == 1
+    assert reply.installation_id == host.config.installation_id
+
+
+def test_reconcile_absent_is_refused_while_a_service_of_the_host_is_left(host: Host) -> None:
+    ghost = new_id()
+    name = service_name(host.config.installation_id, ghost)
+    host.service.units[name] = FakeUnit(types.SimpleNamespace(name=name))  # type: ignore[arg-type]
+    request = protocol.ReconcileAbsentRequest(
+        version=1,
+        id=new_id(),
+        **host.bindings(),
+        plans=[plan(attempt_id=ghost)],
+        acknowledge_unknown=True,
+    )
+    refused = host.send(request, Sender.ADMINISTRATOR)
+    assert isinstance(refused, wire.ErrorReply)
+    assert refused.error.code == "reconcile_refused"
+    assert f"service {name} still exists" in refused.error.message
+    del host.service.units[name]
+    request = msgspec.structs.replace(request, id=new_id())
+    (row,) = host.send(request, Sender.ADMINISTRATOR).results
+    assert (row.attempt_id, row.state, row.outcome) == (ghost, "unknown", "unknown")
+    assert row.reason == "legacy_absence_acknowledged"
