@@ -67,7 +67,7 @@ ENTRIES: tuple[Entry, ...] = (
         "unit",
         "whole",
         "only an exception in a handler (a daemon bug) or an oversized reply produces it",
-        unit=f"{HOST_TESTS}/test_server.py::test_a_handler_exception_is_internal_and_the"
+        unit=f"{HOST_TESTS}/daemon/test_server.py::test_a_handler_exception_is_internal_and_the"
         "_server_keeps_serving",
     ),
     _socket("offer_revision", "whole", "set_offer with a stale expected_revision"),
@@ -92,7 +92,7 @@ ENTRIES: tuple[Entry, ...] = (
         "-",
         "this executor caps a long expiry at maximum_lease_seconds (core/leases.py) instead of"
         " refusing it",
-        unit=f"{HOST_TESTS}/test_leases.py::test_renew_caps_the_deadline_at_the_maximum_lease",
+        unit=f"{HOST_TESTS}/core/test_leases.py::test_renew_caps_the_deadline_at_the_maximum_lease",
     ),
     # --- admission and offer ---------------------------------------------------------
     _socket("admission_rejected", "row", "a plan whose project is not in the offer"),
@@ -134,7 +134,7 @@ ENTRIES: tuple[Entry, ...] = (
         "row",
         "a release whose provider call hangs past the 300 s provider timeout; too slow"
         " for this suite",
-        unit=f"{HOST_TESTS}/test_pipeline.py::test_a_hung_provider_call_leaves_its_rows_timed_out",
+        unit=f"{HOST_TESTS}/runner/test_pipeline.py::test_a_hung_provider_call_leaves_its_rows_timed_out",
     ),
     Entry(
         "slot_unknown",
@@ -175,7 +175,7 @@ ENTRIES: tuple[Entry, ...] = (
         "-",
         "the handler checks the ledger first and answers input_unknown; staging's own"
         " check is defence in depth",
-        unit=f"{HOST_TESTS}/test_staging.py::test_unknown_attempts_and_undeclared_objects"
+        unit=f"{HOST_TESTS}/storage/test_staging.py::test_unknown_attempts_and_undeclared_objects"
         "_are_refused",
     ),
     _socket(
@@ -190,7 +190,7 @@ ENTRIES: tuple[Entry, ...] = (
         "never",
         "-",
         "raised by Stager.capabilities, which the runner calls only once every stream is complete",
-        unit=f"{HOST_TESTS}/test_staging.py::test_several_streams_are_independent_and_all"
+        unit=f"{HOST_TESTS}/storage/test_staging.py::test_several_streams_are_independent_and_all"
         "_must_complete",
     ),
     _socket("slot_full", "row", "an 8 MiB chunk into a slot on a 12 MiB tmpfs"),
@@ -200,7 +200,7 @@ ENTRIES: tuple[Entry, ...] = (
         "never",
         "-",
         "handlers._not_staged_yet answers inputs_preparing instead (the client retries)",
-        unit=f"{HOST_TESTS}/test_staging.py::test_unknown_attempts_and_undeclared_objects"
+        unit=f"{HOST_TESTS}/storage/test_staging.py::test_unknown_attempts_and_undeclared_objects"
         "_are_refused",
     ),
     # --- the staged file, refused by fsutil.open_regular_at during input_write --------

@@ -1067,7 +1067,7 @@ def documented_codes() -> set[str]:
 
 def host_code_literals() -> set[str]:
     """Every code the host package names: `ErrorCode.X` and `HostCode.X` (a code is never
-    a string literal there: packages/ficc-executor-host/tests/test_codes.py)."""
+    a string literal there: packages/ficc-executor-host/tests/core/test_codes.py)."""
     found: set[str] = set()
     enums = {"ErrorCode": ErrorCode, "HostCode": HostCode}
     for path in HOST_SRC.rglob("*.py"):

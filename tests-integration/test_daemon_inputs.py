@@ -2,7 +2,7 @@
 
 `input_busy` (two writes of one attempt in flight at once) is produced over the socket
 in test_daemon_error_codes.py and deterministically in staging's own tests
-(packages/ficc-executor-host/tests/test_staging.py).
+(packages/ficc-executor-host/tests/storage/test_staging.py).
 """
 
 from __future__ import annotations

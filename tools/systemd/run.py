@@ -47,8 +47,8 @@ INSIDE = "/opt/ficc"
 # ficc-testkit: the markers, driver and host the tests use; never released.
 PACKAGES = ["ficc-protocol", "ficc-provider-sdk", "ficc-executor-host", "ficc-testkit"]
 TEST_FILES = [
-    "packages/ficc-executor-host/tests/test_service_behaviour.py",
-    "packages/ficc-executor-host/tests/test_service_systemd.py",
+    "packages/ficc-executor-host/tests/service/test_service_behaviour.py",
+    "packages/ficc-executor-host/tests/service/test_service_systemd.py",
     "tools/systemd/tests/test_daemon_unit.py",
 ]
 # Copied next to the tests: (source in the repository, directory inside the container).

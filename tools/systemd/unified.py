@@ -40,7 +40,7 @@ import rootfs  # sibling scripts, not a package
 import run
 
 ROOT = run.ROOT
-TESTS = ["packages/ficc-executor-host/tests/test_systemd_devices_unified.py"]
+TESTS = ["packages/ficc-executor-host/tests/service/test_systemd_devices_unified.py"]
 VECTORS = ROOT / "packages/ficc-executor-host/tests/vectors/systemd_devices.json"
 LABEL = "ficc-systemd-unified-test"
 INSIDE = run.INSIDE
@@ -156,9 +156,11 @@ def _inside(name: str, *argv: str) -> str:
 
 def install_tests(name: str) -> None:
     target = f"{INSIDE}/unified"
-    _inside(name, "mkdir", "-p", f"{target}/vectors")
-    for test in TESTS:
-        subprocess.run([*run.PODMAN, "cp", str(ROOT / test), f"{name}:{target}/"], check=True)
+    _inside(name, "mkdir", "-p", f"{target}/vectors", f"{target}/service")
+    for test in TESTS:  # in service/, as in the repository: it reads ../vectors
+        subprocess.run(
+            [*run.PODMAN, "cp", str(ROOT / test), f"{name}:{target}/service/"], check=True
+        )
     subprocess.run([*run.PODMAN, "cp", str(VECTORS), f"{name}:{target}/vectors/"], check=True)
 
 

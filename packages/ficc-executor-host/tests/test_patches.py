@@ -91,7 +91,7 @@ def misplaced_patches(source: str) -> list[str]:
 def test_every_patched_name_is_patched_where_it_is_defined() -> None:
     found = {
         path.name: problems
-        for path in sorted(TESTS.glob("*.py"))
+        for path in sorted(TESTS.rglob("*.py"))
         if (problems := misplaced_patches(path.read_text()))
     }
     assert found == {}

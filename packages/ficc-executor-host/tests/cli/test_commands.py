@@ -394,7 +394,7 @@ def test_status_reports_a_missing_socket_as_a_transport_failure(
 
 # --- the systemd unit ------------------------------------------------------------------------
 
-UNIT = Path(__file__).resolve().parents[1] / "packaging" / "ficc-executor-host.service"
+UNIT = Path(__file__).resolve().parents[2] / "packaging" / "ficc-executor-host.service"
 
 
 def unit_settings() -> dict[str, list[str]]:

@@ -1351,7 +1351,7 @@ _CHILD = textwrap.dedent(
     """
     import os, sys
     from ficc.execution.host.ledger.store import Ledger, PrepareRow
-    sys.path.insert(0, os.environ["FICC_TEST_DIR"])
+    sys.path[:0] = [os.environ["FICC_TEST_DIR"], os.environ["FICC_TEST_DIR"] + "/ledger"]
     from test_ledger import INSTALLATION, facts, lease, make_plan
 
     state_dir, round_no, ack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -1395,7 +1395,7 @@ def test_sigkill_never_loses_an_acknowledged_batch_or_splits_one(ledger: Ledger)
     state_dir = ledger.path.rsplit("/", 1)[0]
     ledger_id = ledger.bindings().ledger_id
     ledger.close()
-    env = os.environ | {"FICC_TEST_DIR": str(Path(__file__).parent)}
+    env = os.environ | {"FICC_TEST_DIR": str(Path(__file__).parents[1])}
     rng = random.Random(os.environ.get("FICC_SEED", "ledger"))
     acknowledged: set[tuple[int, int]] = set()
     for round_no in range(_crash_rounds()):

@@ -44,7 +44,7 @@ from ficc.execution.host.providers import loader as loader_module
 from ficc_testkit import wheels
 from ficc_testkit.contexts import sample_context, with_check
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
 MODULE = "ficc_test_provider"
 PACKAGE = f"{MODULE}/__init__.py"

@@ -296,7 +296,7 @@ def test_a_recorded_lease_with_a_malformed_boot_id_is_refused_on_decode() -> Non
 
 # --- what the docs promise -----------------------------------------------------------
 
-_REPO = Path(__file__).resolve().parents[3]
+_REPO = Path(__file__).resolve().parents[4]
 
 
 def _promise(path: Path) -> str:

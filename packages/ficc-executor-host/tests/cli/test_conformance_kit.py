@@ -11,7 +11,7 @@ import pytest
 from ficc.execution.host import conformance
 from ficc.execution.host.cli.conformance import RULES, Outcome
 
-DOC = pathlib.Path(__file__).parents[3] / "docs" / "providers.md"
+DOC = pathlib.Path(__file__).parents[4] / "docs" / "providers.md"
 
 
 def test_the_documented_rules_are_the_kits() -> None:

@@ -50,7 +50,7 @@ from ficc.execution.host.service.units import (
 pytestmark = pytest.mark.root("loading device programs needs root")
 
 REQUIRED = os.environ.get("FICC_SYSTEMD_UNIFIED_REQUIRED") == "1"
-VECTORS = json.loads((Path(__file__).parent / "vectors" / "systemd_devices.json").read_text())
+VECTORS = json.loads((Path(__file__).parents[1] / "vectors" / "systemd_devices.json").read_text())
 CASES = {case["name"]: case for case in VECTORS["cases"]}
 NULL = DeviceRule("/dev/null", 1, 3)
 ZERO = DeviceRule("/dev/zero", 1, 5)

@@ -17,14 +17,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from ficc.execution import plan as planlib
-from ficc.execution.host.core import lifecycle as lc
-from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.ledger import space
-from ficc.execution.host.ledger.space import Space, SpaceBounds
-from ficc.execution.host.ledger.store import Admitted, Applied, Ledger, PrepareRow
-from ledger_support import create_ledger, open_ledger
 from test_ledger import (
     CEILING,
     INSTALLATION,
@@ -39,6 +31,14 @@ from test_ledger import (
     raw,
     to_ready,
 )
+
+from ficc.execution import plan as planlib
+from ficc.execution.host.core import lifecycle as lc
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.ledger import space
+from ficc.execution.host.ledger.space import Space, SpaceBounds
+from ficc.execution.host.ledger.store import Admitted, Applied, Ledger, PrepareRow
+from ledger_support import create_ledger, open_ledger
 
 MIB = space.MIB
 

@@ -30,7 +30,7 @@ from ficc.execution.host.service.interface import DeviceAccess, DeviceRule
 from service_support import NULL, OPENER, py
 
 slot = service_support.slot
-VECTORS = json.loads((Path(__file__).parent / "vectors" / "systemd_devices.json").read_text())
+VECTORS = json.loads((Path(__file__).parents[1] / "vectors" / "systemd_devices.json").read_text())
 CASES = {case["name"]: case for case in VECTORS["cases"]}
 ZERO = DeviceRule("/dev/zero", 1, 5)
 

@@ -31,7 +31,7 @@ from ficc.execution.host.config.trusted import open_trusted_directory
 from ficc.execution.host.core.errors import HostError
 
 NOBODY = 65534
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[4] / "docs" / "configuration.md"
 
 
 needs_root = pytest.mark.root("the checks are about files owned by root")

@@ -29,7 +29,7 @@ from ficc.execution.host.storage import slotfs
 from ficc_testkit import wheels
 from ficc_testkit.accounts import account_command
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 PROVIDER_SOURCE = ROOT / "tests-integration" / "providers" / "ficc-test-provider"
 COMMAND = Path(sys.executable).parent / "ficc-executor"
 TRANSPORT_UID, OWNER_UID = 1, 2  # `daemon` and `bin`: present on every Debian host
