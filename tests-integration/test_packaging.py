@@ -191,3 +191,24 @@ def test_every_source_file_of_a_distribution_is_in_its_wheel(name: str) -> None:
         if "__pycache__" not in p.parts and not any(p == i or i in p.parents for i in included)
     ]
     assert missing == []
+
+
+MODULE_MOST_LINES = 700
+CLASS_MOST_LINES = 550
+
+
+def test_no_module_or_class_grows_past_what_a_newcomer_reads_in_one_sitting() -> None:
+    """Every module of every distribution's `src` stays within 700 lines and every class
+    within 550: a file that grows past it is split along a seam, not allowed to grow."""
+    too_long = []
+    for path in sorted((ROOT / "packages").glob("*/src/**/*.py")):
+        text = path.read_text()
+        name = path.relative_to(ROOT)
+        if text.count("\n") > MODULE_MOST_LINES:
+            too_long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > CLASS_MOST_LINES:
+                    too_long.append(f"{name}: class {node.name} {lines} lines")
+    assert too_long == []
