@@ -36,7 +36,7 @@ from ficc.execution.host.config.model import Config
 from ficc.execution.host.context.parts import HostContext, ProviderRuntime
 from ficc.execution.host.core import lifecycle as lc
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.core.records import AttemptRecord, ResourceUsage
+from ficc.execution.host.core.records import ResourceUsage
 from ficc.execution.host.core.replies import encode_reply
 from ficc.execution.host.daemon.root import LEDGER_MARKER, Daemon, check_ledger, service_backend
 from ficc.execution.host.ledger.store import LEDGER_FILE
@@ -83,6 +83,7 @@ from ficc.execution.wire import (
     decode_reply,
 )
 from ficc_testkit import plans, tamper
+from ficc_testkit.fakes import RecordingRunner
 from ficc_testkit.plans import new_id
 from lease_support import SteppedClock
 
@@ -109,49 +110,12 @@ def sha(data: bytes) -> str:
 # --- the host under test -------------------------------------------------------------
 
 
-class FakeRunner:
-    """Records what the handlers hand over; `release` may be told to fail."""
+class FakeRunner(RecordingRunner):
+    """The kit's recording runner, also as the daemon's server drives it."""
 
     def __init__(self, ctx: HostContext) -> None:
+        super().__init__()
         self.ctx = ctx
-        self.calls: list[tuple[str, tuple[str, ...]]] = []
-        self.release_error: HostError | None = None
-        self.reaped: frozenset[str] = frozenset()
-        """Attempts whose service the reaper had stopped before their renewal moved it."""
-        self.live: dict[str, ResourceUsage] = {}
-        self.kept_details: dict[str, str] = {}
-        """What `details` answers for an attempt (the runtime's words of a failed start)."""
-        """What `usage_now` reads for an attempt (absent: the service is not readable)."""
-
-    def admitted(self, attempt_ids: Sequence[str]) -> None:
-        self.calls.append(("admitted", tuple(attempt_ids)))
-
-    def inputs_complete(self, attempt_id: str) -> None:
-        self.calls.append(("inputs_complete", (attempt_id,)))
-
-    def start_requested(self, attempt_ids: Sequence[str]) -> None:
-        self.calls.append(("start_requested", tuple(attempt_ids)))
-
-    def stop_requested(self, attempt_ids: Sequence[str]) -> None:
-        self.calls.append(("stop_requested", tuple(attempt_ids)))
-
-    def settled(self, attempt_ids: Sequence[str]) -> None:
-        self.calls.append(("settled", tuple(attempt_ids)))
-
-    async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
-        self.calls.append(("release", tuple(attempt_ids)))
-        return [self.release_error] * len(attempt_ids)
-
-    async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
-        self.calls.append(("leases_renewed", tuple(r.attempt_id for r in records)))
-        return self.reaped & {r.attempt_id for r in records}
-
-    def details(self, attempt_ids: Sequence[str]) -> dict[str, str]:
-        return {a: self.kept_details[a] for a in attempt_ids if a in self.kept_details}
-
-    async def usage_now(self, records: Sequence[AttemptRecord]) -> dict[str, ResourceUsage]:
-        self.calls.append(("usage_now", tuple(r.attempt_id for r in records)))
-        return {r.attempt_id: self.live[r.attempt_id] for r in records if r.attempt_id in self.live}
 
     async def recover(self) -> None:
         self.calls.append(("recover", ()))
@@ -578,7 +542,7 @@ def test_a_renewal_the_reaper_came_before_is_refused_and_expires_the_attempt(hos
     for plan in (reaped, other):
         host.ready(plan)
     host.send(fences_request(StartRequest, reaped, other))
-    host.runner.reaped = frozenset({reaped.attempt_id})
+    host.runner.reaped = {reaped.attempt_id}
     leases = [first_lease(p, 120_000, sequence=2) for p in (reaped, other)]
     reply = host.send(RenewRequest(version=1, id=new_id(), leases=leases))
     assert row_code(reply, 0) == "lease_expired"

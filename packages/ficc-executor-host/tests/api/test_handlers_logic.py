@@ -148,7 +148,7 @@ def test_prepare_admits_and_hands_the_admitted_attempts_to_the_runner(host: Host
     assert [type(r) for r in rows] == [wire.AttemptRow, wire.AttemptRow]
     assert [r.attempt_id for r in rows] == [first.attempt_id, second.attempt_id]
     assert {r.slot for r in rows} == {"s0", "s1"}
-    assert host.runner.handed == [("admitted", (first.attempt_id, second.attempt_id))]
+    assert host.runner.calls == [("admitted", (first.attempt_id, second.attempt_id))]
 
 
 def test_a_repeated_prepare_is_answered_from_the_ledger_and_hands_nothing_new(host: Host) -> None:
@@ -156,7 +156,7 @@ def test_a_repeated_prepare_is_answered_from_the_ledger_and_hands_nothing_new(ho
     (row,) = host.prepare(job)
     (again,) = host.prepare(job)
     assert again == row
-    assert host.runner.handed == [("admitted", (job.attempt_id,))]
+    assert host.runner.calls == [("admitted", (job.attempt_id,))]
 
 
 def test_a_plan_pinning_another_provider_package_is_rejected_in_its_row(host: Host) -> None:
@@ -166,7 +166,7 @@ def test_a_plan_pinning_another_provider_package_is_rejected_in_its_row(host: Ho
     assert isinstance(rows[1], wire.ErrorRow), rows[1]
     assert rows[1].error.code == "admission_rejected"
     assert rows[1].error.message.startswith("provider_unavailable: the plan pins provider package")
-    assert host.runner.handed == [("admitted", (good.attempt_id,))]
+    assert host.runner.calls == [("admitted", (good.attempt_id,))]
 
 
 def test_stale_bindings_refuse_the_whole_prepare(host: Host) -> None:
@@ -178,7 +178,7 @@ def test_stale_bindings_refuse_the_whole_prepare(host: Host) -> None:
     reply = host.send(request)
     assert isinstance(reply, wire.ErrorReply)
     assert reply.error.code == "bindings_changed"
-    assert host.runner.handed == []
+    assert host.runner.calls == []
 
 
 def test_renew_extends_the_lease_and_tells_the_runner(host: Host) -> None:
@@ -189,7 +189,7 @@ def test_renew_extends_the_lease_and_tells_the_runner(host: Host) -> None:
     (row,) = host.send(request).results
     assert isinstance(row, wire.AttemptRow), row
     assert (row.lease_sequence, row.lease_expires_at_ms) == (2, expires)
-    assert host.runner.handed[-1] == ("leases_renewed", (job.attempt_id,))
+    assert host.runner.calls[-1] == ("leases_renewed", (job.attempt_id,))
 
 
 def test_a_renewal_after_the_reaper_stopped_the_attempt_is_lease_expired(host: Host) -> None:
@@ -202,7 +202,7 @@ def test_a_renewal_after_the_reaper_stopped_the_attempt_is_lease_expired(host: H
     (row,) = host.send(request).results
     assert isinstance(row, wire.ErrorRow)
     assert row.error.code == "lease_expired"
-    assert host.runner.handed[-1] == ("stop_requested", (job.attempt_id,))
+    assert host.runner.calls[-1] == ("stop_requested", (job.attempt_id,))
     assert host.ctx.ledger.get(job.attempt_id).status.state == "expired"
 
 

@@ -141,42 +141,49 @@ def _is_a_system_service(service: FakeService) -> SystemService:
 
 @dataclasses.dataclass
 class RecordingRunner:
-    """A `RunnerPort` that records what the handlers hand the runner, and answers as a
-    runner with no work in flight would."""
+    """A `RunnerPort` that records what the handlers hand the runner (`calls`, in
+    order), and answers as a test sets it up."""
 
-    handed: list[tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=list)
+    calls: list[tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=list)
+    release_error: HostError | None = None
+    """What `release_batch` answers for every attempt (None: released)."""
     reaped: set[str] = dataclasses.field(default_factory=set)
     """Attempts the lease reaper already stopped (`leases_renewed` reports them)."""
+    live: dict[str, ResourceUsage] = dataclasses.field(default_factory=dict)
+    """What `usage_now` reads for an attempt (absent: its service is not readable)."""
+    kept_details: dict[str, str] = dataclasses.field(default_factory=dict)
+    """What `details` answers for an attempt (the runtime's words of a failed start)."""
 
     def admitted(self, attempt_ids: Sequence[str]) -> None:
-        self.handed.append(("admitted", tuple(attempt_ids)))
+        self.calls.append(("admitted", tuple(attempt_ids)))
 
     def inputs_complete(self, attempt_id: str) -> None:
-        self.handed.append(("inputs_complete", (attempt_id,)))
+        self.calls.append(("inputs_complete", (attempt_id,)))
 
     def start_requested(self, attempt_ids: Sequence[str]) -> None:
-        self.handed.append(("start_requested", tuple(attempt_ids)))
+        self.calls.append(("start_requested", tuple(attempt_ids)))
 
     def stop_requested(self, attempt_ids: Sequence[str]) -> None:
-        self.handed.append(("stop_requested", tuple(attempt_ids)))
+        self.calls.append(("stop_requested", tuple(attempt_ids)))
 
     def settled(self, attempt_ids: Sequence[str]) -> None:
-        self.handed.append(("settled", tuple(attempt_ids)))
+        self.calls.append(("settled", tuple(attempt_ids)))
 
     async def release_batch(self, attempt_ids: Sequence[str]) -> list[HostError | None]:
-        self.handed.append(("release_batch", tuple(attempt_ids)))
-        return [None for _ in attempt_ids]
+        self.calls.append(("release", tuple(attempt_ids)))
+        return [self.release_error] * len(attempt_ids)
 
     async def leases_renewed(self, records: Sequence[AttemptRecord]) -> frozenset[str]:
         ids = tuple(r.attempt_id for r in records)
-        self.handed.append(("leases_renewed", ids))
+        self.calls.append(("leases_renewed", ids))
         return frozenset(ids) & self.reaped
 
     async def usage_now(self, records: Sequence[AttemptRecord]) -> dict[str, ResourceUsage]:
-        return {}
+        self.calls.append(("usage_now", tuple(r.attempt_id for r in records)))
+        return {r.attempt_id: self.live[r.attempt_id] for r in records if r.attempt_id in self.live}
 
     def details(self, attempt_ids: Sequence[str]) -> dict[str, str]:
-        return {}
+        return {a: self.kept_details[a] for a in attempt_ids if a in self.kept_details}
 
 
 def _is_a_runner_port(runner: RecordingRunner) -> RunnerPort:
