@@ -60,10 +60,11 @@ from ficc.execution.plan import Payload, Plan  # noqa: E402
 from ficc_testkit import tamper  # noqa: E402
 from ficc_testkit.accounts import Accounts  # noqa: E402
 from ficc_testkit.daemons import SYSTEMCTL, UnitDaemon, show_unit  # noqa: E402
-from ficc_testkit.driver import UNIT, attempt, rows  # noqa: E402
+from ficc_testkit.driver import attempt, rows  # noqa: E402
 from ficc_testkit.host import Daemon, Layout, ensure_accounts  # noqa: E402
 from ficc_testkit.podman import WORLD_PARENT  # noqa: E402
 from ficc_testkit.slots import private_directory  # noqa: E402
+from ficc_testkit.unit import UNIT  # noqa: E402
 from ficc_testkit.waits import now_ms, wait_for  # noqa: E402
 from ficc_testkit.wheels import InstalledProvider, install_provider  # noqa: E402
 
