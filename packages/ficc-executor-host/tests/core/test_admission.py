@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ledger import CEILING, NOW, facts, lease, limits, make_plan, new_id
 
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core import admission
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.core.lifecycle import admitted
 from ficc.execution.host.ledger.store import AttemptRecord, Offer
+from ficc_testkit.plans import new_id
+from ledger_support import CEILING, NOW, facts, lease, limits, make_plan
 
 OFFER = Offer(revision=1, control="active", limits=limits())
 

@@ -17,20 +17,6 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_ledger import (
-    CEILING,
-    INSTALLATION,
-    NOW,
-    Renew,
-    admitted,
-    facts,
-    fence,
-    lease,
-    limits,
-    make_plan,
-    raw,
-    to_ready,
-)
 
 from ficc.execution import plan as planlib
 from ficc.execution.host.core import lifecycle as lc
@@ -38,7 +24,22 @@ from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger import space
 from ficc.execution.host.ledger.space import Space, SpaceBounds
 from ficc.execution.host.ledger.store import Admitted, Applied, Ledger, PrepareRow
-from ledger_support import create_ledger, open_ledger
+from ledger_support import (
+    CEILING,
+    INSTALLATION,
+    NOW,
+    Renew,
+    admitted,
+    create_ledger,
+    facts,
+    fence,
+    lease,
+    limits,
+    make_plan,
+    open_ledger,
+    raw,
+    to_ready,
+)
 
 MIB = space.MIB
 
