@@ -669,3 +669,19 @@ def test_an_unexpected_failure_of_serve_is_a_json_line_too(
         "RuntimeError('a bug')",
     )
     assert "RuntimeError: a bug" in line["traceback"]
+
+
+def test_the_status_table_has_every_column_when_only_status_is_imported() -> None:
+    """The header list is whole where it is defined, not completed by another module."""
+    probe = "from ficc.execution.host.cli import status; print('|'.join(status.ATTEMPT_HEADERS))"
+    headers = (
+        subprocess.run(
+            [sys.executable, "-I", "-c", probe], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .split("|")
+    )
+    assert headers == [
+        "ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT",
+        "LEASE", "SLOT", "CPU", "PEAK MEM", "OOM",
+    ]  # fmt: skip

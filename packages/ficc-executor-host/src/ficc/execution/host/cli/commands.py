@@ -35,7 +35,7 @@ from ficc.execution.host.cli.exits import (
     json_refusal,
 )
 from ficc.execution.host.cli.serve import log_line, serve_command
-from ficc.execution.host.cli.status import ATTEMPT_HEADERS, print_metrics, status_command
+from ficc.execution.host.cli.status import print_metrics, status_command
 from ficc.execution.host.cli.versions import PROG, version_line
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon import logs
@@ -280,9 +280,6 @@ def _provider_digest(args: argparse.Namespace) -> int:
 
 
 # --- status --------------------------------------------------------------------------------
-
-
-ATTEMPT_HEADERS += ["LEASE", "SLOT", "CPU", "PEAK MEM", "OOM"]
 
 
 if __name__ == "__main__":

@@ -205,6 +205,7 @@ def format_status(
 
 
 ATTEMPT_HEADERS = ["ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT"]
+ATTEMPT_HEADERS += ["LEASE", "SLOT", "CPU", "PEAK MEM", "OOM"]
 
 
 def _attempt_row(a: AttemptStatus, now_ms: int) -> list[str]:
