@@ -2,7 +2,9 @@
 
 Sessions:
   unit                                 the fast lane: every package's tests that need no root and
-                                       no Podman (pure logic and codecs); first in CI
+                                       no Podman (pure logic and codecs); first in CI, where it
+                                       runs a second time as an account without privileges
+  unit_unprivileged                    the fast lane as `nobody`, from a copy of the checkout
   hoststate, protocol, executor_host,
   provider_podman                      one distribution's own tests
   integration                          tests that cross distributions (tests-integration/)
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import pwd
 import re
 import shutil
 import subprocess
@@ -372,9 +375,9 @@ def soak(session: nox.Session) -> None:
     )
 
 
-def _install_built_wheels(session: nox.Session) -> None:
+def _install_built_wheels(session: nox.Session) -> list[str]:
     """The test tools, then every distribution from its built wheel (not the source
-    tree): the package tests then test what a release ships."""
+    tree): the package tests then test what a release ships. Returns the wheels."""
     session.install(*TEST_TOOLS, *BUILD_TOOLS, str(TESTKIT))
     dist = pathlib.Path(session.create_tmp()).resolve() / "wheels"
     shutil.rmtree(dist, ignore_errors=True)
@@ -383,6 +386,63 @@ def _install_built_wheels(session: nox.Session) -> None:
             session.run("hatchling", "build", "-t", "wheel", "-d", str(dist))
     wheels = [str(_wheel_of(dist, name)) for name in _present()]
     session.install("--find-links", str(dist), *wheels)
+    return wheels
+
+
+UNPRIVILEGED_ACCOUNT = "nobody"
+SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's python3 (tools/dev installs it)
+
+
+def _unit_tests_unprivileged(session: nox.Session, wheels: list[str]) -> None:
+    """The fast lane again, as an account without privileges, when CI runs as root.
+
+    A fast-lane test that needs root without saying so (a file it expects root to own,
+    a chown) passes as root and fails on a contributor's machine; here it fails CI.
+    The account cannot read this session's environment or checkout when they live
+    under a private home (pyenv under /root), so the tests run from a copy of the
+    checkout's files in a world-readable temporary directory, in a virtual
+    environment of the system's Python holding the same wheels.
+    """
+    if os.geteuid() != 0:
+        session.log("the fast lane above already ran without root")
+        return
+    account = pwd.getpwnam(UNPRIVILEGED_ACCOUNT)
+    listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    with tempfile.TemporaryDirectory(prefix="ficc-unprivileged-") as tmp:
+        base = pathlib.Path(tmp)
+        tree, venv = base / "tree", base / "venv"
+        for name in filter(None, listed.split("\0")):
+            if (ROOT / name).is_file():
+                (tree / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, tree / name)
+        session.run(SYSTEM_PYTHON, "-m", "venv", str(venv), external=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        testkit = tree / TESTKIT.relative_to(ROOT)
+        session.run(*pip, *TEST_TOOLS, str(testkit), *wheels, external=True)
+        for path in [base, *base.rglob("*")]:
+            if not path.is_symlink():  # readable, and executable where the owner's is
+                mode = path.stat().st_mode
+                path.chmod(mode | (0o555 if path.is_dir() or mode & 0o100 else 0o444))
+        home = base / "home"  # the account's only writable place (hypothesis keeps its examples)
+        home.mkdir()
+        os.chown(home, account.pw_uid, account.pw_gid)
+        as_account = [
+            "setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}",
+            "--clear-groups", "env", f"HOME={home}", f"PATH={venv / 'bin'}:/usr/bin:/bin",
+            str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        ]  # fmt: skip
+        with session.chdir(home):
+            for name in _present():
+                target = tree / "packages" / name / "tests"
+                session.run(*as_account, str(target), "-m", f"not ({OUTSIDE_THE_FAST_LANE})",
+                            external=True)  # fmt: skip
+            session.run(*as_account, str(testkit / "tests"), external=True)
+
+
+@nox.session(name="unit_unprivileged")
+def unit_unprivileged(session: nox.Session) -> None:
+    """The fast lane as an account without privileges (run as root; see CI)."""
+    _unit_tests_unprivileged(session, _install_built_wheels(session))
 
 
 @nox.session
@@ -391,13 +451,14 @@ def ci(session: nox.Session) -> None:
     typecheck, every package's fast lane against the installed wheels, then the tests
     that need root or Podman, integration, systemd, the VM lane (a production host:
     its `--ci` suites, reboot and power cut), upgrade, build."""
-    _install_built_wheels(session)
+    wheels = _install_built_wheels(session)
     session.install(*LINT_TOOLS, *TYPE_TOOLS)
     os.environ.setdefault("FICC_CI", "1")
     # first: a lint or type error, or a broken codec, fails the run in a minute or two
     _lint(session)
     _typecheck(session)
     _unit_tests(session)
+    _unit_tests_unprivileged(session, wheels)
     for name in _present():
         if name not in FAST_LANE_ONLY:
             _pytest(session, PACKAGES / name / "tests", "-m", OUTSIDE_THE_FAST_LANE)

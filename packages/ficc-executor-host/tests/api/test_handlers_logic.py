@@ -2,144 +2,33 @@
 process), a system service kept in memory and a runner that records what it is handed.
 
 No daemon, no socket, no provider call: the handlers are called as the server calls
-them. What needs the kernel (sockets per role, real services, the runner's work) is
-test_handlers.py's and test_pipeline.py's, with root; these tests keep the logic in the
-fast lane.
+them, on the host of fakes (fake_host.py). What needs the kernel (sockets per role,
+real services, the runner's work) is test_handlers.py's and test_pipeline.py's, with
+root; these tests keep the logic in the fast lane.
 """
 
 from __future__ import annotations
 
-import asyncio
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 
+from fake_host import Host, plan
 from ficc.execution import protocol, wire
-from ficc.execution.host.api import handlers
-from ficc.execution.host.config.ceiling import initial_limits
-from ficc.execution.host.config.model import Config, Slot
-from ficc.execution.host.context.parts import HostContext, ProviderRuntime, SlotRuntime, Workers
-from ficc.execution.host.linux.clock import BootClock
-from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.storage.layout import service_name
-from ficc.execution.host.storage.staging import Stager
-from ficc.execution.plan import Plan
 from ficc.execution.protocol import Sender
-from ficc_testkit import configs, plans
-from ficc_testkit.accounts import Account
 from ficc_testkit.driver import now_ms, renewal
-from ficc_testkit.fakes import FakeService, FakeUnit, RecordingRunner
-from ficc_testkit.plans import DIGEST, new_id
-from ledger_support import create_ledger
-
-SLOT_UID = 64_000
-_NOT_READ: Any = None
-"""The verified distribution of the loaded provider: the handlers never read it."""
-
-
-def _config(base: Path) -> Config:
-    resources = configs.allowance(
-        cpu_millis=4000, memory_bytes=8 << 30, processes=512, slots=2,
-        projects=["3" * 32], runtimes=["test"],
-    )  # fmt: skip
-    slots = [
-        Slot(
-            id=f"s{i}",
-            slot_class="cpu",
-            generation=1,
-            path=str(base / f"slot{i}"),
-            uid=SLOT_UID + i,
-            gid=SLOT_UID + i,
-            storage_bytes=1 << 30,
-            storage_inodes=10_000,
-            filesystem_uuid=f"0000000{i}-0000-4000-8000-000000000000",
-        )
-        for i in range(2)
-    ]
-    return configs.host_config(
-        base, transport=Account("transport", 65_000, 65_000), slots=slots,
-        resources=resources, providers=[configs.provider("test", DIGEST)],
-        deployment_id="1" * 32, node_id="2" * 32,
-    )  # fmt: skip
-
-
-class Host:
-    """A `HostContext` of the real ledger and the fakes, and a way to send it requests."""
-
-    def __init__(self, base: Path) -> None:
-        self.config = config = _config(base)
-        state = base / "state"
-        state.mkdir(mode=0o700)
-        for slot in config.slots:
-            Path(slot.path).mkdir(mode=0o755)
-        ledger = create_ledger(
-            state, config.installation_id, initial_limits(config), initial_limits(config)
-        )
-        loaded = LoadedProvider("test", _NOT_READ, types.ModuleType("test"), None)
-        self.service = FakeService()
-        self.runner = RecordingRunner()
-        self.ctx = HostContext(
-            config=config,
-            ledger=ledger,
-            clock=BootClock(),
-            slots={
-                s.id: SlotRuntime(
-                    s.id,
-                    s.slot_class,
-                    s.path,
-                    s.uid,
-                    s.gid,
-                    s.storage_bytes,
-                    s.storage_inodes,
-                    s.filesystem_uuid,
-                    Stager(s.path, s.gid),
-                )
-                for s in config.slots
-            },
-            providers={"test": ProviderRuntime("test", DIGEST, loaded, None)},
-            service=self.service,
-            workers=Workers(),
-        )
-
-    def send(self, request: protocol.Request, sender: Sender = Sender.TRANSPORT) -> Any:
-        async def one() -> Any:
-            return await handlers.handle(self.ctx, self.runner, sender, request)
-
-        return asyncio.run(one())
-
-    def bindings(self) -> dict[str, Any]:
-        b = self.ctx.ledger.bindings()
-        return {"installation_id": b.installation_id, "ledger_id": b.ledger_id,
-                "admission_version": b.admission_version}  # fmt: skip
-
-    def prepare(self, *plans_: Plan, **bindings: Any) -> list[Any]:
-        expires = now_ms() + 300_000
-        attempts = [protocol.PrepareAttempt(plan=p, lease=renewal(p, 1, expires)) for p in plans_]
-        request = protocol.PrepareRequest(
-            version=1, id=new_id(), **(self.bindings() | bindings), attempts=attempts
-        )
-        return list(self.send(request).results)
-
-    def close(self) -> None:
-        self.ctx.workers.shutdown()
-        self.ctx.ledger.close()
+from ficc_testkit.fakes import FakeUnit
+from ficc_testkit.plans import new_id
 
 
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[Host]:
-    made = Host(tmp_path)
-    try:
+    with Host(tmp_path) as made:
         yield made
-    finally:
-        made.close()
-
-
-def plan(**fields: Any) -> Plan:
-    return plans.make_plan(deployment_id="1" * 32, node_id="2" * 32, **fields)
 
 
 def test_prepare_admits_and_hands_the_admitted_attempts_to_the_runner(host: Host) -> None:

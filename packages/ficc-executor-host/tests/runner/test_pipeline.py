@@ -39,6 +39,7 @@ import pytest
 from ficc.execution import plan as planlib
 from ficc.execution.host.api import handlers
 from ficc.execution.host.cli import provision
+from ficc.execution.host.config.host import open_image_parent
 from ficc.execution.host.config.model import Config
 from ficc.execution.host.context.parts import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.core import lifecycle
@@ -60,15 +61,15 @@ from ficc.execution.host.linux.clock import BootClock
 from ficc.execution.host.providers import compute_digest, load_provider
 from ficc.execution.host.providers import loader as loader_module
 from ficc.execution.host.providers.loader import LoadedProvider
-from ficc.execution.host.runner import attempts, batching, starting
+from ficc.execution.host.runner import batching, starting
 from ficc.execution.host.runner.deadlines import Deadlines
 from ficc.execution.host.runner.pipeline import RELEASE_MARKER, Runner, Settings
 from ficc.execution.host.runner.starting import AFTER_EXIT_LOOKS
 from ficc.execution.host.service import reaper
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import ServiceHandle
-from ficc.execution.host.storage import slotfs
 from ficc.execution.host.storage.layout import Layout, service_name
+from ficc.execution.host.storage.slot_files import ReservedSlot
 from ficc.execution.host.storage.staging import Stager
 from ficc.execution.host.storage.streams import streams_of
 from ficc.execution.protocol import Fence, OfferLimits, Renewal, RenewRequest, Resources, Sender
@@ -76,6 +77,7 @@ from ficc.execution.wire import AttemptRow, ErrorRow
 from ficc_testkit import plans, wheels
 from ficc_testkit.accounts import temporary_account
 from lease_support import SteppedClock
+from runner_support import running, until
 
 pytestmark = pytest.mark.root(
     "the runner tests need root (cgroups, a slot account, root-owned installs)"
@@ -241,6 +243,7 @@ class World:
             SLOT_INODES,
             self.filesystem_uuid,
             stager,
+            ReservedSlot(self.config.slots[0], open_image_parent),
         )
         digest = self.installed.loaded.verified.digest
         return HostContext(
@@ -354,27 +357,6 @@ def world(provider: Installed, slot_account: tuple[int, int]) -> Iterator[World]
 
 
 # --- helpers ---------------------------------------------------------------------------
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Poll a real condition with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def running(runner: Runner) -> Any:
-    """The runner with its monitor loop, closed afterwards."""
-    monitor = asyncio.get_running_loop().create_task(runner.run())
-    try:
-        yield runner
-    finally:
-        monitor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await monitor
-        await runner.close()
 
 
 def state_of(world: World, attempt_id: str) -> Callable[[], bool]:
@@ -1020,19 +1002,19 @@ def test_an_unverifiable_storage_binding_is_never_handed_to_observe_stop_or_rele
     _released_by_hand(world, fence)
     attempt_id = fence.attempt_id
     calls = {m: world.installed.calls(m, attempt_id) for m in ("observe", "stop", "release")}
-    verified = attempts._verified_storage
+    files = world.ctx.slots["slot0"].files
 
-    def unverifiable(attempt: Any) -> Any:
+    def unverifiable(attempt_id: str, limits: Any) -> Any:
         raise HostError("storage_unverified", "not on the slot's reserved filesystem")
 
-    monkeypatch.setattr(attempts, "_verified_storage", unverifiable)
+    monkeypatch.setattr(files, "storage_binding", unverifiable)
 
     async def scenario() -> list[HostError | None]:
         async with running(Runner(world.ctx, settings=FAST)) as runner:
             await until(settled_and_clean(world, attempt_id), "settled and cleaned")
             refused = await runner.release_batch([attempt_id])
             assert world.installed.calls("release", attempt_id) == calls["release"]
-            monkeypatch.setattr(attempts, "_verified_storage", verified)
+            monkeypatch.undo()
             return [*refused, *await runner.release_batch([attempt_id])]
 
     refused, released = asyncio.run(scenario())
@@ -1309,10 +1291,10 @@ def test_a_stop_whose_look_for_an_exit_fails_still_stops(
 ) -> None:
     fence = _reaped_while_no_runner_watched(world, {})
 
-    def unreadable(path: str) -> None:
-        raise OSError(f"cannot read the usage of {path}")
+    def unreadable() -> None:
+        raise OSError("cannot read the usage of the slot")
 
-    monkeypatch.setattr(slotfs, "usage", unreadable)
+    monkeypatch.setattr(world.ctx.slots["slot0"].files, "usage", unreadable)
     status = _settle(world, fence.attempt_id)
     assert (status.state, status.reason) == ("expired", "lease_expired")
 

@@ -1,11 +1,14 @@
-"""Stand-ins for the two parts of the daemon that need root, for tests of the logic
-around them: a system service kept in memory and a runner that records what the
-request handlers hand it.
+"""Stand-ins for the parts of the daemon that need root or a real provider, for tests
+of the logic around them: a system service kept in memory (`FakeService`), a slot's
+attempt files on a plain directory (`FakeSlotFiles`), a provider driver that answers
+as a test scripts it (`ScriptedDriver`), and a runner that records what the request
+handlers hand it (`RecordingRunner`).
 
 A fake proves nothing about the kernel: the real backends are tested against real
-cgroups and real systemd units (root), and these fakes only let the handlers' and the
-runner's own decisions run in the fast lane. Like httpcore's mock backend, `FakeService`
-implements the whole interface (`SystemService`), so a test sees a type error, not a
+cgroups and real systemd units, the real slot files against a real reserved filesystem
+(root), and these fakes only let the handlers' and the runner's own decisions run in
+the fast lane. Like httpcore's mock backend, each implements its whole interface
+(`SystemService`, `SlotFiles`, `RunnerPort`), so a test sees a type error, not a
 missing method, when the interface grows.
 """
 
@@ -14,8 +17,16 @@ missing method, when the interface grows.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+from ficc.execution import plan as planlib
+from ficc.execution import provider as sdk
+from ficc.execution.errors import ErrorCode
 from ficc.execution.host.api.port import RunnerPort
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger.store import AttemptRecord, ResourceUsage
@@ -26,6 +37,20 @@ from ficc.execution.host.service.interface import (
     ServiceSpec,
     SystemService,
 )
+from ficc.execution.host.storage import slotfs
+from ficc.execution.host.storage.layout import (
+    ATTEMPTS_DIRECTORY,
+    LOGS,
+    PARTS,
+    STDERR,
+    STDOUT,
+    STORAGE,
+    AttemptPaths,
+    Layout,
+    Part,
+)
+from ficc.execution.host.storage.slot_files import SlotFiles
+from ficc.execution.host.storage.staging import STAGING_DIRECTORY
 
 
 @dataclasses.dataclass
@@ -47,6 +72,8 @@ class FakeService:
         self.units: dict[str, FakeUnit] = {}
         self.busy_accounts: set[int] = set()
         """UIDs that still have a process somewhere (not idle until killed)."""
+        self.unkillable: set[int] = set()
+        """UIDs whose processes survive `kill_account` (it then answers not idle)."""
         self.calls: list[tuple[str, str]] = []
         """(method, service name or uid) in call order."""
 
@@ -119,6 +146,8 @@ class FakeService:
 
     def kill_account(self, uid: int, timeout: float | None = None) -> bool:
         self.calls.append(("kill_account", str(uid)))
+        if uid in self.unkillable:
+            return False
         self.busy_accounts.discard(uid)
         return True
 
@@ -188,3 +217,179 @@ class RecordingRunner:
 
 def _is_a_runner_port(runner: RecordingRunner) -> RunnerPort:
     return runner  # mypy holds the recorder to the whole port here
+
+
+class FakeSlotFiles:
+    """The attempt directories of one slot on a plain directory: no ownership changes
+    and no check of the filesystem, so a test needs no root. A test makes a method
+    refuse (`refusals`, by method name) or the slot full (`full`)."""
+
+    def __init__(self, slot: Path) -> None:
+        self.slot = slot
+        self.refusals: dict[str, HostError] = {}
+        self.full = False
+        self.calls: list[tuple[str, str]] = []
+        """(method, attempt ID or "") in call order, for the methods that change or
+        check something."""
+        self._paths = Layout(_SlotAt(str(slot)))
+
+    def _called(self, method: str, attempt_id: str = "") -> None:
+        self.calls.append((method, attempt_id))
+        refusal = self.refusals.get(method)
+        if refusal is not None:
+            raise refusal
+
+    def _dir(self, attempt_id: str) -> Path:
+        return Path(self._paths.attempt_dir(attempt_id))
+
+    def paths(self, attempt_id: str) -> AttemptPaths:
+        return self._paths.paths(attempt_id)
+
+    def verify(self) -> None:
+        self._called("verify")
+
+    def create(self, attempt_id: str) -> AttemptPaths:
+        self._called("create", attempt_id)
+        for part in PARTS:
+            (self._dir(attempt_id) / part.name).mkdir(parents=True, exist_ok=True)
+        for name in (STDOUT, STDERR):
+            (self._dir(attempt_id) / LOGS.name / name).touch()
+        return self.paths(attempt_id)
+
+    def storage_binding(self, attempt_id: str, limits: planlib.Limits) -> sdk.StorageBinding:
+        self._called("storage_binding", attempt_id)
+        try:
+            found = os.stat(self.paths(attempt_id).storage, follow_symlinks=False)
+        except FileNotFoundError:
+            raise HostError(ErrorCode.NOT_FOUND, f"no storage of attempt {attempt_id}") from None
+        return sdk.StorageBinding(
+            path=self.paths(attempt_id).storage,
+            device=found.st_dev,
+            inode=found.st_ino,
+            bytes=limits.storage_bytes,
+            inodes=limits.storage_inodes,
+        )
+
+    def open_part(self, attempt_id: str, part: Part) -> int:
+        return os.open(self._dir(attempt_id) / part.name, os.O_RDONLY | os.O_DIRECTORY)
+
+    def in_use(self) -> tuple[int, int]:
+        return 0, 0
+
+    def usage(self) -> slotfs.Usage:
+        self._called("usage")
+        free = 0 if self.full else 1 << 30
+        return slotfs.Usage(free_bytes=free, free_inodes=free)
+
+    def storage_freed(self, attempt_id: str) -> bool:
+        return not (self._dir(attempt_id) / STORAGE.name).exists()
+
+    def free_payload_data(self, attempt_id: str) -> None:
+        self._called("free_payload_data", attempt_id)
+        for part in (STORAGE, LOGS):
+            shutil.rmtree(self._dir(attempt_id) / part.name, ignore_errors=True)
+
+    def remove(self, attempt_id: str) -> None:
+        self._called("remove", attempt_id)
+        shutil.rmtree(self._dir(attempt_id), ignore_errors=True)
+
+    def leftovers(self) -> list[str]:
+        return sorted(
+            f"{top}/{entry.name}"
+            for top in (ATTEMPTS_DIRECTORY, STAGING_DIRECTORY)
+            if (self.slot / top).is_dir()
+            for entry in (self.slot / top).iterdir()
+        )
+
+    def exists(self, attempt_id: str) -> bool:
+        """Whether the attempt's directory is there (for a test's assertions)."""
+        return self._dir(attempt_id).exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SlotAt:
+    path: str
+    uid: int = os.getuid()
+    gid: int = os.getgid()
+
+
+def _is_slot_files(files: FakeSlotFiles) -> SlotFiles:
+    return files  # mypy holds the fake to the whole port here
+
+
+Script = Callable[[Any], dict[str, Any]]
+"""A scripted row: the row's context in, the provider's reply (a dict) out; it may
+raise `sdk.Refused` (a refusal of this row) or block (a provider that hangs)."""
+
+
+class ScriptedDriver:
+    """A provider driver in this process, answering each row as the test scripts it.
+
+    Unscripted rows succeed as a well-behaved provider's would: probe is ok, prepare
+    returns a barrier (the host's own `/bin/sh`, which the gate's checks of a prepare
+    result accept), start is started, observe reports `waiting` (no payload process
+    exists to report), stop, collect and release succeed. `script[(method,
+    attempt_id)]` replaces a row's answer; `calls` records every row, (method, attempt
+    ID), in call order."""
+
+    def __init__(self) -> None:
+        self.script: dict[tuple[str, str], Script] = {}
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def count(self, method: str, attempt_id: str) -> int:
+        """How many rows of `method` the attempt got."""
+        with self._lock:
+            return self.calls.count((method, attempt_id))
+
+    def _rows(self, method: str, contexts: list[Any], default: Script) -> list[dict[str, Any]]:
+        replies = []
+        for context in contexts:
+            with self._lock:
+                self.calls.append((method, context.attempt_id))
+            row = self.script.get((method, context.attempt_id), default)
+            try:
+                replies.append(row(context))
+            except sdk.Refused as refused:
+                replies.append(sdk.refusal(refused.code, refused.message))
+        return replies
+
+    def probe(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        return self._rows("probe", contexts, lambda _: sdk.reply(sdk.ProbeReply(ok=True)))
+
+    def prepare(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        return self._rows("prepare", contexts, _prepared)
+
+    def start(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        return self._rows("start", contexts, lambda _: sdk.reply(sdk.StartReply(started=True)))
+
+    def observe(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        waiting = sdk.Observation(phase="waiting")
+        return self._rows("observe", contexts, lambda _: sdk.reply(waiting))
+
+    def stop(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        return self._rows("stop", contexts, lambda _: sdk.reply(sdk.StopReply(stopped=True)))
+
+    def collect(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        return self._rows("collect", contexts, lambda _: sdk.reply(sdk.CollectReply(ok=True)))
+
+    def release(self, contexts: list[Any]) -> list[dict[str, Any]]:
+        released = sdk.ReleaseReply(released=True)
+        return self._rows("release", contexts, lambda _: sdk.reply(released))
+
+
+def _prepared(context: Any) -> dict[str, Any]:
+    shell = os.path.realpath("/bin/sh")
+    found = os.stat(shell)
+    identity = sdk.Identity(device=found.st_dev, inode=found.st_ino)
+    return sdk.reply(
+        sdk.PrepareResult(
+            argv=[shell, "-c", "exit 0"],
+            barrier=sdk.BarrierSpec(path=shell, identity=identity),
+            devices=[],
+            mounts=[],
+            generated_targets=[],
+            positive_devices=[],
+            negative_devices=[],
+        )
+    )

@@ -42,7 +42,8 @@ from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.core.replies import Base64Data
 from ficc.execution.host.ledger import store as ledgerlib
 from ficc.execution.host.linux import fsutil
-from ficc.execution.host.storage.layout import LOGS, STORAGE, Layout
+from ficc.execution.host.storage.layout import LOGS, STORAGE
+from ficc.execution.host.storage.slot_files import SlotFiles
 from ficc.execution.plan import Plan, decode_plan
 from ficc.execution.protocol import COLLECT_MAX_BYTES, CollectRequest, Read
 from ficc.execution.wire import ReadResult, ReadRow, ReadsReply, error_row
@@ -145,7 +146,7 @@ def _row(ctx: HostContext, read: Read, item: _Found) -> ReadResult:
                 f"attempt {record.attempt_id} ran on slot {record.slot_id}, which is no longer"
                 f" in the configuration; {read.object} cannot be read",
             )
-        row = read_object(Layout(slot) if slot is not None else None, record, plan, read)
+        row = read_object(slot.files if slot is not None else None, record, plan, read)
     except HostError as error:
         return error_row(error.code, error.message)
     # pybase64 writes it into the reply (`replies`); typed bytes, as every reader sees it
@@ -153,14 +154,14 @@ def _row(ctx: HostContext, read: Read, item: _Found) -> ReadResult:
 
 
 def read_object(
-    layout: Layout | None, record: ledgerlib.AttemptRecord, plan: Plan, read: Read
+    files: SlotFiles | None, record: ledgerlib.AttemptRecord, plan: Plan, read: Read
 ) -> ReadRow:
     """One bounded read; raises HostError with the row's code."""
     settled = record.status.state in lifecycle.SETTLED or record.status.state == "released"
     final = settled and record.status.cleanup_confirmed
-    if layout is None:  # a record that never held a slot: nothing was ever written
+    if files is None:  # a record that never held a slot: nothing was ever written
         return _no_resource_read(record, read)
-    fd = _open_object(layout, record, plan, read.object)
+    fd = _open_object(files, record, plan, read.object)
     try:
         st = os.fstat(fd)
         if read.offset > st.st_size:
@@ -223,12 +224,12 @@ def _pread(fd: int, length: int, offset: int) -> memoryview:
     return view[:filled]
 
 
-def _open_object(layout: Layout, record: ledgerlib.AttemptRecord, plan: Plan, name: str) -> int:
+def _open_object(files: SlotFiles, record: ledgerlib.AttemptRecord, plan: Plan, name: str) -> int:
     """The object's fd, opened without following links; refusals name the object."""
     attempt_id = record.attempt_id
     try:
         if name in _LOGS:
-            logs_fd = layout.open_part(attempt_id, LOGS)
+            logs_fd = files.open_part(attempt_id, LOGS)
             try:
                 return fsutil.open_regular_at(logs_fd, name, owner_uid=0)
             finally:
@@ -241,7 +242,7 @@ def _open_object(layout: Layout, record: ledgerlib.AttemptRecord, plan: Plan, na
                 f"{output!r} is not a declared output of this plan; only declared outputs,"
                 " stdout and stderr can be read",
             )
-        return _open_below(layout.open_part(attempt_id, STORAGE), path)
+        return _open_below(files.open_part(attempt_id, STORAGE), path)
     except HostError as error:
         if error.code == ErrorCode.OBJECT_UNKNOWN:
             raise

@@ -63,7 +63,7 @@ from ficc.execution.host.core import leases, lifecycle
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger import store as ledgerlib
 from ficc.execution.host.linux import taskscan
-from ficc.execution.host.storage.layout import Layout, service_name
+from ficc.execution.host.storage.layout import service_name
 from ficc.execution.host.storage.staging import Stager
 from ficc.execution.host.storage.streams import streams_of
 from ficc.execution.protocol import (
@@ -269,7 +269,7 @@ def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
     slot_uids = {s.uid: s.id for s in ctx.slots.values()}
     for slot in ctx.slots.values():
         try:
-            left = Layout(slot).leftovers()
+            left = slot.files.leftovers()
         except HostError as error:
             problems.append(f"slot {slot.id}: {error.code}: {error.message}")
             continue

@@ -20,7 +20,6 @@ from ficc.execution.host.core import lifecycle
 from ficc.execution.host.core import usage as usagelib
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger import store as ledgerlib
-from ficc.execution.host.storage.layout import Layout
 from ficc.execution.wire import (
     AttemptResult,
     AttemptRow,
@@ -46,7 +45,7 @@ def _log_bytes(ctx: HostContext, record: ledgerlib.AttemptRecord) -> tuple[int, 
     slot = ctx.slots.get(record.slot_id or "")
     if slot is None:
         return 0, 0
-    paths = Layout(slot).paths(record.attempt_id)
+    paths = slot.files.paths(record.attempt_id)
     sizes = []
     for path in (paths.stdout, paths.stderr):
         try:

@@ -38,6 +38,7 @@ from ficc.execution.host.ledger.store import Ledger
 from ficc.execution.host.linux.clock import BootClock
 from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.interface import SystemService
+from ficc.execution.host.storage.slot_files import SlotFiles
 from ficc.execution.host.storage.staging import Stager
 
 _log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ PROVIDER_CALL_TIMEOUT_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class SlotRuntime:
-    """A configured slot and the stager on its reserved filesystem."""
+    """A configured slot, its attempt files and the stager on its reserved filesystem."""
 
     id: str
     slot_class: str
@@ -62,6 +63,8 @@ class SlotRuntime:
     storage_inodes: int
     filesystem_uuid: str
     stager: Stager
+    files: SlotFiles
+    """The attempt directories on the slot (the daemon's is `ReservedSlot`)."""
 
 
 @dataclasses.dataclass(frozen=True)

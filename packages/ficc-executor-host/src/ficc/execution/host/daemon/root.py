@@ -31,7 +31,7 @@ from ficc.execution._executor import ReceivedRequest
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.api import handlers, inputs, port, reports
 from ficc.execution.host.config import ceiling
-from ficc.execution.host.config.host import check_host
+from ficc.execution.host.config.host import check_host, open_image_parent
 from ficc.execution.host.config.model import Config, Provider
 from ficc.execution.host.context.parts import HostContext, ProviderRuntime, SlotRuntime, Workers
 from ficc.execution.host.core import metrics
@@ -45,6 +45,7 @@ from ficc.execution.host.providers.loader import load_provider
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.interface import SystemService
 from ficc.execution.host.service.systemd import SystemdService
+from ficc.execution.host.storage.slot_files import ReservedSlot
 from ficc.execution.host.storage.staging import Stager
 from ficc.execution.protocol import Sender
 from ficc.execution.wire import AnyReply
@@ -130,6 +131,7 @@ class Daemon:
                     storage_inodes=s.storage_inodes,
                     filesystem_uuid=s.filesystem_uuid,
                     stager=Stager(s.path, s.gid),
+                    files=ReservedSlot(s, open_image_parent),
                 )
                 for s in config.slots
             }

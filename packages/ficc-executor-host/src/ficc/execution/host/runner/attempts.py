@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar, cast
 
@@ -35,8 +34,8 @@ from ficc.execution.host.providers.driver import RowResult
 from ficc.execution.host.runner.batching import PROVIDER_TIMEOUT, Batcher
 from ficc.execution.host.runner.monitor import TICK_SECONDS, Monitor
 from ficc.execution.host.service.interface import CgroupUsage, ServiceHandle, SystemService
-from ficc.execution.host.storage import layout, slotfs
 from ficc.execution.host.storage.layout import AttemptPaths, provider_context, service_name
+from ficc.execution.host.storage.slot_files import SlotFiles
 from ficc.execution.provider import Observation
 
 __all__ = [
@@ -118,7 +117,6 @@ class _Attempt:
     record: AttemptRecord
     plan: planlib.Plan
     slot: SlotRuntime
-    layout: layout.Layout
     paths: AttemptPaths
     service: str
 
@@ -129,6 +127,11 @@ class _Attempt:
     @property
     def provider(self) -> str:
         return self.plan.job.runtime.provider
+
+    @property
+    def files(self) -> SlotFiles:
+        """The attempt directories of its slot."""
+        return self.slot.files
 
 
 class HostWork:
@@ -278,7 +281,7 @@ class AttemptWork(HostWork):
         service), the slot's bytes and inodes in use, and the wall time since release."""
         wall = self._walls.wall_ms(attempt.id, self._ctx.clock.now().boottime_ns)
         used: ResourceUsage = await self._io(
-            _read_usage, self._ctx.service, handle, attempt.slot.path, wall
+            _read_usage, self._ctx.service, handle, attempt.slot, wall
         )
         return used
 
@@ -303,9 +306,8 @@ class AttemptWork(HostWork):
                 ErrorCode.SLOT_UNKNOWN, f"attempt {record.attempt_id} holds no configured slot"
             )
         slot = self._ctx.slots[record.slot_id]
-        place = layout.Layout(slot)
         name = service_name(self._ctx.config.installation_id, record.attempt_id)
-        return _Attempt(record, plan, slot, place, place.paths(record.attempt_id), name)
+        return _Attempt(record, plan, slot, slot.files.paths(record.attempt_id), name)
 
     def _context(
         self,
@@ -346,7 +348,9 @@ class AttemptWork(HostWork):
                 prepared = msgspec.json.decode(data, type=sdk.PrepareResult)
                 self._decoded.keep_prepared(attempt.id, prepared, len(data))
         try:
-            storage = await self._io(_verified_storage, attempt)
+            storage = await self._io(
+                attempt.files.storage_binding, attempt.id, attempt.plan.job.limits
+            )
         except OSError as error:
             raise HostError(
                 HostCode.STORAGE_UNVERIFIED,
@@ -367,31 +371,8 @@ class AttemptWork(HostWork):
 # --- blocking helpers (run in worker threads) ---------------------------------------
 
 
-def _verified_storage(attempt: _Attempt) -> sdk.StorageBinding:
-    """The storage binding: the slot-owned storage directory on the slot's filesystem."""
-    fd = attempt.layout.open_part(attempt.id, layout.STORAGE)
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    slot = os.stat(attempt.slot.path, follow_symlinks=False)
-    if st.st_dev != slot.st_dev:
-        raise HostError(
-            HostCode.STORAGE_UNVERIFIED,
-            f"{attempt.paths.storage} is not on the slot's reserved filesystem; check the slot",
-        )
-    limits = attempt.plan.job.limits
-    return sdk.StorageBinding(
-        path=attempt.paths.storage,
-        device=st.st_dev,
-        inode=st.st_ino,
-        bytes=limits.storage_bytes,
-        inodes=limits.storage_inodes,
-    )
-
-
 def _read_usage(
-    service: SystemService, handle: ServiceHandle | None, slot: str, wall_ms: int | None
+    service: SystemService, handle: ServiceHandle | None, slot: SlotRuntime, wall_ms: int | None
 ) -> ResourceUsage:
     """The blocking part of `AttemptWork._usage`. What cannot be read is None (logged:
     a counter that fails to read is worth an operator's look, never a guess)."""
@@ -403,9 +384,9 @@ def _read_usage(
             _log.warning("service %s: usage not readable: %s", handle.name, error)
     storage: tuple[int | None, int | None] = (None, None)
     try:
-        storage = slotfs.in_use(slot)
+        storage = slot.files.in_use()
     except OSError as error:
-        _log.warning("slot %s: usage not readable: %s", slot, error)
+        _log.warning("slot %s: usage not readable: %s", slot.path, error)
     return ResourceUsage(
         **msgspec.structs.asdict(counters),
         storage_bytes=storage[0],

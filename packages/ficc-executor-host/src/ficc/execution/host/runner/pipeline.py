@@ -62,14 +62,15 @@ What the runner needs of a service backend beyond starting and stopping a servic
 service exists), `planned_cgroups(name)` (what the lease reaper kills at the deadline,
 handed to it before the service exists) and `kill_account(uid)` (cleanup: what is
 left of the slot account, inside the service or outside it, killed and the account
-found idle).
+found idle). What it needs of a slot's disk is the `SlotFiles` port (storage/
+slot_files.py, kept in `SlotRuntime.files`), through which it creates, checks and
+removes the attempt directories.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
@@ -102,7 +103,6 @@ from ficc.execution.host.runner.monitor import Monitor
 from ficc.execution.host.runner.preparing import Preparer
 from ficc.execution.host.runner.starting import Starter
 from ficc.execution.host.service.interface import ServiceHandle
-from ficc.execution.host.storage import layout, slotfs
 from ficc.execution.host.storage.layout import RELEASE_MARKER
 
 __all__ = ["RELEASE_MARKER", "Runner", "Settings"]
@@ -215,7 +215,7 @@ class Runner(AttemptWork):
         attempt = await self._attempt(record)
         context = await self._release_context(attempt)
         # What the payload wrote goes first, so a full slot leaves room for the provider.
-        await self._io(attempt.layout.free_payload_data, attempt.id)
+        await self._io(attempt.files.free_payload_data, attempt.id)
         if first and not self._batcher.in_flight.running(attempt.id):
             # Cleanup was confirmed, so anything of the slot account running now was
             # orphaned by a daemon that died during a provider command (its release).
@@ -225,7 +225,7 @@ class Runner(AttemptWork):
             raise _row_error(result, "release")
         _decoded(result, "release", sdk.ReleaseReply)
         await self._io(attempt.slot.stager.remove_attempt, attempt.id)
-        await self._io(attempt.layout.remove, attempt.id)
+        await self._io(attempt.files.remove, attempt.id)
         handle = self._handles.pop(attempt.id, None) or await self._io(
             self._ctx.service.adopt, attempt.service
         )
@@ -246,7 +246,9 @@ class Runner(AttemptWork):
         try:
             return await self._later_context(attempt)
         except HostError as error:
-            if error.code == ErrorCode.NOT_FOUND and await self._io(_storage_freed, attempt):
+            if error.code == ErrorCode.NOT_FOUND and await self._io(
+                attempt.files.storage_freed, attempt.id
+            ):
                 return await self._freed_context(attempt)
             if error.code != HostCode.STORAGE_UNVERIFIED:
                 raise
@@ -467,7 +469,7 @@ class Runner(AttemptWork):
         """A full slot fails the job: looked at on every observation while the payload
         runs and before its exit is recorded (a payload that fills its slot and then
         deletes what it wrote before the next look is not seen)."""
-        use = await self._io(slotfs.usage, attempt.slot.path)
+        use = await self._io(attempt.files.usage)
         if use.bytes_exhausted or use.inodes_exhausted:
             event = lifecycle.StorageExhausted(log_cut_short=use.bytes_exhausted)
             await self._apply(attempt.record, event)
@@ -599,21 +601,3 @@ def _main_runs(handle: ServiceHandle) -> bool:
     except HostError:
         return False
     return True
-
-
-def _storage_freed(attempt: _Attempt) -> bool:
-    """Whether the attempt's storage directory is gone from its (checked) attempt
-    directory, or the attempt directory itself is gone: freed by an earlier release."""
-    try:
-        attempt_fd = attempt.layout.open_attempt(attempt.id)
-    except HostError as error:
-        if error.code == ErrorCode.NOT_FOUND:
-            return True
-        raise
-    try:
-        os.stat(layout.STORAGE.name, dir_fd=attempt_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return True
-    finally:
-        os.close(attempt_fd)
-    return False

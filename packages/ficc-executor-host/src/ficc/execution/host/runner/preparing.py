@@ -29,7 +29,6 @@ import msgspec
 
 from ficc.execution import provider as sdk
 from ficc.execution.errors import ErrorCode
-from ficc.execution.host.config.host import open_image_parent
 from ficc.execution.host.core import lifecycle
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.gate.expectation import check_prepare_result, decode_prepare_result
@@ -42,10 +41,8 @@ from ficc.execution.host.runner.attempts import (
     _decoded,
     _gather_logged,
     _row_error,
-    _verified_storage,
 )
 from ficc.execution.host.runner.batching import Ticket
-from ficc.execution.host.storage import slotfs
 from ficc.execution.host.storage.staging import StreamState
 
 __all__ = ["Preparer"]
@@ -128,8 +125,8 @@ class Preparer(AttemptWork):
 
     async def _stage(self, attempt: _Attempt) -> bool:
         """Layout and staging; True once every streamed input is complete."""
-        await self._io(slotfs.verify, attempt.slot, open_image_parent)
-        await self._io(attempt.layout.create, attempt.id)
+        await self._io(attempt.files.verify)
+        await self._io(attempt.files.create, attempt.id)
         if not attempt.plan.streamed_inputs:
             return True
         stager = attempt.slot.stager
@@ -158,7 +155,9 @@ class Preparer(AttemptWork):
             return
         refusals: list[HostError] = []
         try:
-            storage = await self._io(_verified_storage, attempt)
+            storage = await self._io(
+                attempt.files.storage_binding, attempt.id, attempt.plan.job.limits
+            )
             inputs = await self._inputs(attempt)
             context = self._context(attempt, storage, inputs)
             probe = await probe_ticket.call(attempt.provider, "probe", context)

@@ -19,7 +19,8 @@ import os
 
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import fsutil
-from ficc.execution.host.storage.layout import LOGS, STDERR, Layout
+from ficc.execution.host.storage.layout import LOGS, STDERR
+from ficc.execution.host.storage.slot_files import SlotFiles
 
 TAIL_BYTES = 2048
 """At most this much of the end of the log is read and logged."""
@@ -35,11 +36,11 @@ def sanitized(data: bytes, *, cut: bool) -> str:
     return shown.strip()
 
 
-def stderr_tail(layout: Layout, attempt_id: str) -> str:
+def stderr_tail(files: SlotFiles, attempt_id: str) -> str:
     """The sanitized last TAIL_BYTES of the attempt's stderr log; empty when there is
     none or it cannot be read (this is a diagnostic: it never fails the caller)."""
     try:
-        logs_fd = layout.open_part(attempt_id, LOGS)
+        logs_fd = files.open_part(attempt_id, LOGS)
         try:
             fd = fsutil.open_regular_at(logs_fd, STDERR, owner_uid=0)
         finally:

@@ -232,7 +232,7 @@ class Starter(AttemptWork):
     async def _log_runtime_error(self, attempt: _Attempt, error: HostError) -> None:
         """The runtime's own words for a start that failed before the release (the log
         holds nothing of the payload then), at error priority: release deletes them."""
-        said = await self._io(runtime_errors.stderr_tail, attempt.layout, attempt.id)
+        said = await self._io(runtime_errors.stderr_tail, attempt.files, attempt.id)
         if not said:
             return
         self._details[attempt.id] = said[-DETAIL_MAX:]
@@ -447,7 +447,7 @@ class Starter(AttemptWork):
             user_namespace=self._settings.user_namespace,
             cgroup_namespace=self._settings.cgroup_namespace,
         )
-        evidence = attempt.layout.open_part(attempt.id, layout.EVIDENCE)
+        evidence = attempt.files.open_part(attempt.id, layout.EVIDENCE)
         try:
             verdict = gate.inspect_and_check(pid, expectation, evidence)
         finally:
@@ -534,7 +534,7 @@ def _released(attempt: _Attempt) -> bool:
 
 
 def _write_marker(attempt: _Attempt) -> None:
-    control = attempt.layout.open_part(attempt.id, layout.CONTROL)
+    control = attempt.files.open_part(attempt.id, layout.CONTROL)
     try:
         gate.write_release_marker(control, RELEASE_MARKER, group=attempt.slot.gid)
     finally:

@@ -1,0 +1,500 @@
+"""The runner's own decisions, without root: a real `Runner` on the host of fakes.
+
+Requests go through the real handlers, and the runner does its work on the real
+ledger (owned by this process), with a system service kept in memory, the slot's
+attempt files on plain directories and a provider driver that answers as each test
+scripts it (fake_host.py). What this cannot show (a real layout owned by the slot
+account, real cgroups, a real barrier and gate) is test_pipeline.py's, with root.
+The start pipeline runs here up to the payload's PID: what follows (the barrier's
+pidfd, the gate's look at the live process, the release) needs a real payload and is
+proved only there.
+
+Waiting is on a real condition with a deadline (`until`), never a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fake_host import Host, plan
+from ficc.execution import protocol, wire
+from ficc.execution import provider as sdk
+from ficc.execution.host.core import lifecycle
+from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.ledger.store import AttemptRecord
+from ficc.execution.host.runner.pipeline import Runner, Settings
+from ficc.execution.host.storage.layout import service_name
+from ficc.execution.plan import Plan
+from ficc_testkit.driver import fence
+from ficc_testkit.fakes import FakeUnit
+from ficc_testkit.plans import new_id
+from runner_support import running, until
+
+FAST = Settings(tick=0.02, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.01)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    with Host(tmp_path) as made:
+        yield made
+
+
+def record(host: Host, attempt_id: str) -> AttemptRecord:
+    found = host.ctx.ledger.get(attempt_id)
+    assert found is not None
+    return found
+
+
+def settled_and_clean(host: Host, attempt_id: str) -> Callable[[], bool]:
+    def check() -> bool:
+        status = record(host, attempt_id).status
+        return status.state in lifecycle.SETTLED and status.cleanup_confirmed
+
+    return check
+
+
+def ready(host: Host, attempt_id: str) -> Callable[[], bool]:
+    return lambda: record(host, attempt_id).status.ready
+
+
+async def admitted(host: Host, runner: Runner, job: Plan, *, lease_ms: int = 300_000) -> None:
+    """`job` admitted through the handlers, which hand it to `runner`."""
+    host.runner = runner
+    (row,) = (await host.ask(host.prepare_request(job, lease_ms=lease_ms))).results
+    assert isinstance(row, wire.AttemptRow), row
+
+
+async def ask_rows(host: Host, kind: type[Any], *jobs: Plan) -> list[Any]:
+    """The rows of a stop or release of `jobs`' attempts."""
+    request = kind(version=1, id=new_id(), attempts=[fence(j) for j in jobs])
+    return list((await host.ask(request)).results)
+
+
+def failed_with(host: Host, job: Plan, reason: str) -> None:
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("failed", reason)
+
+
+def script(host: Host, method: str, job: Plan, answer: Callable[[Any], dict[str, Any]]) -> None:
+    host.driver.script[(method, job.attempt_id)] = answer
+
+
+def refuse(code: str) -> Callable[[Any], dict[str, Any]]:
+    def row(_: Any) -> dict[str, Any]:
+        raise sdk.Refused(code, f"scripted {code}")
+
+    return row
+
+
+def prepared_until_settled(host: Host, job: Plan) -> None:
+    """Admit `job`, let the runner prepare it, and wait until it settled and was cleaned."""
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+
+
+# --- prepare -------------------------------------------------------------------------
+
+
+def test_an_admitted_attempt_is_probed_prepared_and_ready_with_its_result_persisted(
+    host: Host,
+) -> None:
+    job = plan()
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(ready(host, job.attempt_id), "ready")
+
+    asyncio.run(scenario())
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.ready, status.preparing) == ("prepared", True, False)
+    assert [m for m, a in host.driver.calls if a == job.attempt_id] == ["probe", "prepare"]
+    files = host.files[record(host, job.attempt_id).slot_id or ""]
+    assert [m for m, _ in files.calls[:2]] == ["verify", "create"]
+    assert files.exists(job.attempt_id)
+    assert host.ctx.ledger.prepare_result(job.attempt_id) is not None
+
+
+def test_a_probe_that_says_no_fails_the_attempt_without_a_prepare(host: Host) -> None:
+    job = plan()
+    script(host, "probe", job, lambda _: sdk.reply(sdk.ProbeReply(ok=False)))
+    prepared_until_settled(host, job)
+    failed_with(host, job, "probe_failed")
+    assert host.driver.count("prepare", job.attempt_id) == 0
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("input_changed", "input_changed"),
+        ("provider_unavailable", "provider_unavailable"),
+        ("image_unknown", "provider_failed"),
+    ],
+)
+def test_a_prepare_refusal_keeps_only_the_codes_a_controller_reads_as_the_hosts(
+    host: Host, code: str, reason: str
+) -> None:
+    job = plan()
+    script(host, "prepare", job, refuse(code))
+    prepared_until_settled(host, job)
+    failed_with(host, job, reason)
+
+
+def test_a_driver_method_that_raises_fails_its_rows_as_provider_failed(host: Host) -> None:
+    job = plan()
+
+    def broken(_: Any) -> dict[str, Any]:
+        raise RuntimeError("the provider's own bug")
+
+    script(host, "prepare", job, broken)
+    prepared_until_settled(host, job)
+    failed_with(host, job, "provider_failed")
+
+
+def test_a_prepare_result_the_files_contradict_is_provider_malformed(host: Host) -> None:
+    job = plan()
+    shell = sdk.BarrierSpec(path="/bin/sh", identity=sdk.Identity(device=1, inode=1))
+    result = sdk.PrepareResult(
+        argv=["relative/program"], barrier=shell, devices=[], mounts=[],
+        generated_targets=[], positive_devices=[], negative_devices=[],
+    )  # fmt: skip
+    script(host, "prepare", job, lambda _: sdk.reply(result))
+    prepared_until_settled(host, job)
+    failed_with(host, job, "provider_malformed")
+    assert host.ctx.ledger.prepare_result(job.attempt_id) is None
+
+
+@pytest.mark.parametrize(
+    ("method", "code"),
+    [("verify", "slot_filesystem"), ("create", "slot_full"), ("storage_binding", "layout_unsafe")],
+)
+def test_a_slot_that_refuses_its_files_fails_the_attempt_before_any_provider_call(
+    host: Host, method: str, code: str
+) -> None:
+    job = plan()
+    for files in host.files.values():
+        files.refusals[method] = HostError(code, f"scripted {code}")
+    prepared_until_settled(host, job)
+    failed_with(host, job, code)
+    assert host.driver.count("probe", job.attempt_id) == 0
+
+
+def test_a_prepare_past_its_timeout_fails_and_cleanup_waits_until_the_call_returns(
+    host: Host,
+) -> None:
+    """A timed-out call's thread runs on: the attempt fails `provider_timeout` at once,
+    but its cleanup is confirmed only once the call has returned, never while the
+    provider may still act on the attempt."""
+    job = plan()
+    returned = threading.Event()
+
+    def hangs(context: Any) -> dict[str, Any]:
+        returned.wait(60)
+        return sdk.reply(sdk.ProbeReply(ok=True))
+
+    script(host, "probe", job, hangs)
+    ticks = 0
+
+    def tick() -> None:
+        nonlocal ticks
+        ticks += 1
+
+    quick = Settings(tick=0.02, provider_timeout=0.2, observe_interval=0.01)
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=quick, on_tick=tick)) as runner:
+            await admitted(host, runner, job)
+            await until(lambda: record(host, job.attempt_id).status.reason is not None, "failed")
+            seen = ticks
+            await until(lambda: ticks >= seen + 10, "ten more monitor ticks")
+            assert not record(host, job.attempt_id).status.cleanup_confirmed
+            returned.set()
+            await until(settled_and_clean(host, job.attempt_id), "cleaned after the return")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        returned.set()
+    failed_with(host, job, "provider_timeout")
+    assert host.driver.count("prepare", job.attempt_id) == 0
+
+
+# --- start, up to the payload's PID ---------------------------------------------------
+
+
+def started_until_settled(host: Host, job: Plan, settings: Settings = FAST) -> None:
+    """Admit, prepare and start `job` through the handlers; wait until it settled and
+    was cleaned."""
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=settings)) as runner:
+            await admitted(host, runner, job)
+            await until(ready(host, job.attempt_id), "ready")
+            (row,) = await ask_rows(host, protocol.StartRequest, job)
+            assert isinstance(row, wire.AttemptRow), row
+            await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+
+
+def the_service(host: Host, job: Plan) -> FakeUnit | None:
+    return host.service.units.get(service_name(host.config.installation_id, job.attempt_id))
+
+
+def test_a_refused_start_stops_its_service_before_it_records_the_failure(host: Host) -> None:
+    job = plan()
+    script(host, "start", job, refuse("runtime_failed"))
+    started_until_settled(host, job)
+    failed_with(host, job, "provider_failed")
+    assert host.driver.count("stop", job.attempt_id) == 1  # the stop before the failure
+    unit = the_service(host, job)
+    assert unit is None or unit.stopped
+    name = service_name(host.config.installation_id, job.attempt_id)
+    assert ("create", name) in host.service.calls
+
+
+def test_a_payload_pid_that_never_comes_fails_the_start_at_its_timeout(host: Host) -> None:
+    job = plan(argv=("/bin/true",))
+    waiting = sdk.Observation(phase="waiting")
+    script(host, "observe", job, lambda _: sdk.reply(waiting))
+    impatient = Settings(tick=0.02, provider_timeout=30.0, start_timeout=0.3)
+    started_until_settled(host, job, impatient)
+    failed_with(host, job, "start_timeout")
+    assert host.driver.count("stop", job.attempt_id) == 1
+    unit = the_service(host, job)
+    assert unit is None or unit.stopped
+
+
+def test_a_barrier_that_finished_before_its_pid_never_ran_the_payload(host: Host) -> None:
+    job = plan()
+    finished = sdk.Observation(phase="finished", exit_code=1)
+    script(host, "observe", job, lambda _: sdk.reply(finished))
+    started_until_settled(host, job)
+    failed_with(host, job, "barrier_exited")
+
+
+def test_a_provider_start_past_its_timeout_leaves_the_outcome_unknown_never_replayed(
+    host: Host,
+) -> None:
+    """The payload may run: the outcome is lost (`provider_timeout`), the service is
+    stopped, and start is never called again."""
+    job = plan()
+    returned = threading.Event()
+
+    def hangs(context: Any) -> dict[str, Any]:
+        returned.wait(60)
+        return sdk.reply(sdk.StartReply(started=True))
+
+    script(host, "start", job, hangs)
+    quick = Settings(tick=0.02, provider_timeout=0.2, start_timeout=30.0)
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=quick)) as runner:
+            await admitted(host, runner, job)
+            await until(ready(host, job.attempt_id), "ready")
+            await ask_rows(host, protocol.StartRequest, job)
+            await until(lambda: record(host, job.attempt_id).status.state == "unknown", "lost")
+            returned.set()
+            await until(settled_and_clean(host, job.attempt_id), "cleaned after the return")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        returned.set()
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "provider_timeout")
+    assert host.driver.count("start", job.attempt_id) == 1
+    unit = the_service(host, job)
+    assert unit is None or unit.stopped
+
+
+# --- stop, expiry, cleanup -------------------------------------------------------------
+
+
+def test_a_stopped_ready_attempt_is_cancelled_and_cleaned_without_a_start(host: Host) -> None:
+    job = plan()
+
+    async def scenario() -> list[Any]:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(ready(host, job.attempt_id), "ready")
+            rows = await ask_rows(host, protocol.StopRequest, job)
+            await until(settled_and_clean(host, job.attempt_id), "cancelled and cleaned")
+            return rows
+
+    (row,) = asyncio.run(scenario())
+    assert isinstance(row, wire.AttemptRow), row
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("cancelled", "stopped")
+    assert host.driver.count("start", job.attempt_id) == 0
+
+
+def test_a_lease_that_runs_out_before_the_start_ends_the_attempt_expired(host: Host) -> None:
+    job = plan()
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job, lease_ms=1_000)
+            await until(settled_and_clean(host, job.attempt_id), "expired and cleaned")
+
+    asyncio.run(scenario())
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("expired", "lease_expired")
+    assert host.driver.count("start", job.attempt_id) == 0
+
+
+def test_cleanup_is_not_confirmed_while_the_slot_account_survives_its_kill(host: Host) -> None:
+    job = plan()
+    script(host, "probe", job, lambda _: sdk.reply(sdk.ProbeReply(ok=False)))
+    host.service.unkillable.update(s.uid for s in host.config.slots)
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(lambda: record(host, job.attempt_id).status.quarantined, "quarantined")
+            assert not record(host, job.attempt_id).status.cleanup_confirmed
+            host.service.unkillable.clear()
+            await until(settled_and_clean(host, job.attempt_id), "cleaned once it is idle")
+
+    asyncio.run(scenario())
+    failed_with(host, job, "probe_failed")
+
+
+# --- release ---------------------------------------------------------------------------
+
+
+def test_release_frees_the_payloads_data_asks_the_provider_and_removes_the_layout(
+    host: Host,
+) -> None:
+    job = plan()
+    script(host, "probe", job, lambda _: sdk.reply(sdk.ProbeReply(ok=False)))
+
+    async def scenario() -> list[Any]:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
+            return await ask_rows(host, protocol.ReleaseRequest, job)
+
+    (row,) = asyncio.run(scenario())
+    assert isinstance(row, wire.AttemptRow), row
+    assert record(host, job.attempt_id).status.state == "released"
+    files = host.files[record(host, job.attempt_id).slot_id or ""]
+    released = [m for m, a in files.calls if a == job.attempt_id][-2:]
+    assert released == ["free_payload_data", "remove"]
+    assert host.driver.count("release", job.attempt_id) == 1
+    assert not files.exists(job.attempt_id)
+
+
+def test_a_layout_that_cannot_be_removed_keeps_the_reservation_until_a_release_succeeds(
+    host: Host,
+) -> None:
+    """The second release finds the payload's storage already freed by the first: the
+    provider is asked again with the path alone, and the layout is removed."""
+    job = plan()
+    script(host, "probe", job, lambda _: sdk.reply(sdk.ProbeReply(ok=False)))
+    stuck = HostError("layout_cleanup_failed", "scripted: the slot's disk fails")
+    for files in host.files.values():
+        files.refusals["remove"] = stuck
+
+    async def scenario() -> tuple[Any, Any]:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
+            (refused,) = await ask_rows(host, protocol.ReleaseRequest, job)
+            assert record(host, job.attempt_id).status.state == "failed"
+            for files in host.files.values():
+                files.refusals.clear()
+            (released,) = await ask_rows(host, protocol.ReleaseRequest, job)
+            return refused, released
+
+    refused, released = asyncio.run(scenario())
+    assert isinstance(refused, wire.ErrorRow), refused
+    assert refused.error.code == "layout_cleanup_failed"
+    assert isinstance(released, wire.AttemptRow), released
+    assert record(host, job.attempt_id).status.state == "released"
+    assert host.driver.count("release", job.attempt_id) == 2
+    assert not host.files[record(host, job.attempt_id).slot_id or ""].exists(job.attempt_id)
+
+
+# --- restart ---------------------------------------------------------------------------
+
+
+def test_a_restart_never_replays_a_running_attempt_it_stops_and_cleans_it_as_unknown(
+    host: Host,
+) -> None:
+    """The ledger says `running` and the service is still there: the new runner adopts
+    it by name, stops it, and records the outcome as unknown. No provider call starts
+    anything again."""
+    job = plan()
+
+    async def prepare() -> None:
+        async with running(Runner(host.ctx, settings=FAST)) as runner:
+            await admitted(host, runner, job)
+            await until(ready(host, job.attempt_id), "ready")
+
+    asyncio.run(prepare())
+    host.ctx.ledger.start_batch([record(host, job.attempt_id).fence], host.ctx.clock.now())
+    host.ctx.ledger.apply(record(host, job.attempt_id).fence, lifecycle.Started())
+    name = service_name(host.config.installation_id, job.attempt_id)
+    unit = FakeUnit(spec=None, members={4242})  # type: ignore[arg-type]
+    host.service.units[name] = unit
+    calls_before = list(host.driver.calls)
+
+    async def restart() -> None:
+        runner = Runner(host.ctx, settings=FAST)
+        await runner.recover()
+        async with running(runner):
+            await until(settled_and_clean(host, job.attempt_id), "unknown and cleaned")
+
+    asyncio.run(restart())
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "executor_restarted")
+    assert unit.stopped
+    new_calls = host.driver.calls[len(calls_before) :]
+    assert not [m for m, _ in new_calls if m in ("probe", "prepare", "start")], new_calls
+
+
+def test_a_restart_prepares_an_admitted_attempt_whose_preparation_never_began(
+    host: Host,
+) -> None:
+    job = plan()
+    (row,) = host.prepare(job)  # the recording runner: nothing is prepared
+    assert isinstance(row, wire.AttemptRow), row
+
+    async def restart() -> None:
+        runner = Runner(host.ctx, settings=FAST)
+        await runner.recover()
+        async with running(runner):
+            await until(ready(host, job.attempt_id), "ready")
+
+    asyncio.run(restart())
+    assert [m for m, _ in host.driver.calls] == ["probe", "prepare"]
+
+
+def test_a_restart_fails_a_preparation_that_was_in_flight_without_calling_again(
+    host: Host,
+) -> None:
+    job = plan()
+    host.prepare(job)
+    host.ctx.ledger.apply(record(host, job.attempt_id).fence, lifecycle.PrepareBegun())
+
+    async def restart() -> None:
+        runner = Runner(host.ctx, settings=FAST)
+        await runner.recover()
+        async with running(runner):
+            await until(settled_and_clean(host, job.attempt_id), "failed and cleaned")
+
+    asyncio.run(restart())
+    assert record(host, job.attempt_id).status.state == "failed"
+    assert host.driver.calls == []
