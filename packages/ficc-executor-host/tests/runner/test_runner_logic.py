@@ -92,15 +92,32 @@ def refuse(code: str) -> Callable[[Any], dict[str, Any]]:
     return row
 
 
-def prepared_until_settled(host: Host, job: Plan) -> None:
-    """Admit `job`, let the runner prepare it, and wait until it settled and was cleaned."""
+def admitted_until(host: Host, job: Plan, condition: Callable[[], bool], what: str) -> None:
+    """Admit `job` to a running runner and wait until `condition`."""
 
     async def scenario() -> None:
         async with running(Runner(host.ctx, settings=FAST)) as runner:
             await admitted(host, runner, job)
-            await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
+            await until(condition, what)
 
     asyncio.run(scenario())
+
+
+def prepared_until_settled(host: Host, job: Plan) -> None:
+    """Admit `job`, let the runner prepare it, and wait until it settled and was cleaned."""
+    admitted_until(host, job, settled_and_clean(host, job.attempt_id), "settled and cleaned")
+
+
+def restarted_until(host: Host, condition: Callable[[], bool], what: str) -> None:
+    """A new runner recovers from the ledger, as at the daemon's start; then wait."""
+
+    async def restart() -> None:
+        runner = Runner(host.ctx, settings=FAST)
+        await runner.recover()
+        async with running(runner):
+            await until(condition, what)
+
+    asyncio.run(restart())
 
 
 # --- prepare -------------------------------------------------------------------------
@@ -110,13 +127,7 @@ def test_an_admitted_attempt_is_probed_prepared_and_ready_with_its_result_persis
     host: Host,
 ) -> None:
     job = plan()
-
-    async def scenario() -> None:
-        async with running(Runner(host.ctx, settings=FAST)) as runner:
-            await admitted(host, runner, job)
-            await until(ready(host, job.attempt_id), "ready")
-
-    asyncio.run(scenario())
+    admitted_until(host, job, ready(host, job.attempt_id), "ready")
     status = record(host, job.attempt_id).status
     assert (status.state, status.ready, status.preparing) == ("prepared", True, False)
     assert [m for m, a in host.driver.calls if a == job.attempt_id] == ["probe", "prepare"]
@@ -438,12 +449,7 @@ def test_a_restart_never_replays_a_running_attempt_it_stops_and_cleans_it_as_unk
     anything again."""
     job = plan()
 
-    async def prepare() -> None:
-        async with running(Runner(host.ctx, settings=FAST)) as runner:
-            await admitted(host, runner, job)
-            await until(ready(host, job.attempt_id), "ready")
-
-    asyncio.run(prepare())
+    admitted_until(host, job, ready(host, job.attempt_id), "ready")
     host.ctx.ledger.start_batch([record(host, job.attempt_id).fence], host.ctx.clock.now())
     host.ctx.ledger.apply(record(host, job.attempt_id).fence, lifecycle.Started())
     name = service_name(host.config.installation_id, job.attempt_id)
@@ -451,13 +457,7 @@ def test_a_restart_never_replays_a_running_attempt_it_stops_and_cleans_it_as_unk
     host.service.units[name] = unit
     calls_before = list(host.driver.calls)
 
-    async def restart() -> None:
-        runner = Runner(host.ctx, settings=FAST)
-        await runner.recover()
-        async with running(runner):
-            await until(settled_and_clean(host, job.attempt_id), "unknown and cleaned")
-
-    asyncio.run(restart())
+    restarted_until(host, settled_and_clean(host, job.attempt_id), "unknown and cleaned")
     status = record(host, job.attempt_id).status
     assert (status.state, status.reason) == ("unknown", "executor_restarted")
     assert unit.stopped
@@ -472,13 +472,7 @@ def test_a_restart_prepares_an_admitted_attempt_whose_preparation_never_began(
     (row,) = host.prepare(job)  # the recording runner: nothing is prepared
     assert isinstance(row, wire.AttemptRow), row
 
-    async def restart() -> None:
-        runner = Runner(host.ctx, settings=FAST)
-        await runner.recover()
-        async with running(runner):
-            await until(ready(host, job.attempt_id), "ready")
-
-    asyncio.run(restart())
+    restarted_until(host, ready(host, job.attempt_id), "ready")
     assert [m for m, _ in host.driver.calls] == ["probe", "prepare"]
 
 
@@ -489,12 +483,6 @@ def test_a_restart_fails_a_preparation_that_was_in_flight_without_calling_again(
     host.prepare(job)
     host.ctx.ledger.apply(record(host, job.attempt_id).fence, lifecycle.PrepareBegun())
 
-    async def restart() -> None:
-        runner = Runner(host.ctx, settings=FAST)
-        await runner.recover()
-        async with running(runner):
-            await until(settled_and_clean(host, job.attempt_id), "failed and cleaned")
-
-    asyncio.run(restart())
+    restarted_until(host, settled_and_clean(host, job.attempt_id), "failed and cleaned")
     assert record(host, job.attempt_id).status.state == "failed"
     assert host.driver.calls == []
