@@ -37,6 +37,8 @@ from ficc_testkit.plans import new_id
 from runner_support import running, until
 
 FAST = Settings(tick=0.02, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.01)
+QUICK = Settings(tick=0.02, provider_timeout=0.2, start_timeout=30.0, observe_interval=0.01)
+"""A provider call times out after 0.2 s (its thread runs on until `held` lets it go)."""
 
 
 @pytest.fixture
@@ -101,6 +103,16 @@ def admitted_until(host: Host, job: Plan, condition: Callable[[], bool], what: s
             await until(condition, what)
 
     asyncio.run(scenario())
+
+
+def held(returned: threading.Event, reply: Any) -> Callable[[Any], dict[str, Any]]:
+    """A row that answers `reply` only once `returned` is set: a call past its timeout."""
+
+    def row(_: Any) -> dict[str, Any]:
+        returned.wait(60)
+        return sdk.reply(reply)
+
+    return row
 
 
 def prepared_until_settled(host: Host, job: Plan) -> None:
@@ -209,22 +221,15 @@ def test_a_prepare_past_its_timeout_fails_and_cleanup_waits_until_the_call_retur
     provider may still act on the attempt."""
     job = plan()
     returned = threading.Event()
-
-    def hangs(context: Any) -> dict[str, Any]:
-        returned.wait(60)
-        return sdk.reply(sdk.ProbeReply(ok=True))
-
-    script(host, "probe", job, hangs)
+    script(host, "probe", job, held(returned, sdk.ProbeReply(ok=True)))
     ticks = 0
 
     def tick() -> None:
         nonlocal ticks
         ticks += 1
 
-    quick = Settings(tick=0.02, provider_timeout=0.2, observe_interval=0.01)
-
     async def scenario() -> None:
-        async with running(Runner(host.ctx, settings=quick, on_tick=tick)) as runner:
+        async with running(Runner(host.ctx, settings=QUICK, on_tick=tick)) as runner:
             await admitted(host, runner, job)
             await until(lambda: record(host, job.attempt_id).status.reason is not None, "failed")
             seen = ticks
@@ -302,16 +307,10 @@ def test_a_provider_start_past_its_timeout_leaves_the_outcome_unknown_never_repl
     stopped, and start is never called again."""
     job = plan()
     returned = threading.Event()
-
-    def hangs(context: Any) -> dict[str, Any]:
-        returned.wait(60)
-        return sdk.reply(sdk.StartReply(started=True))
-
-    script(host, "start", job, hangs)
-    quick = Settings(tick=0.02, provider_timeout=0.2, start_timeout=30.0)
+    script(host, "start", job, held(returned, sdk.StartReply(started=True)))
 
     async def scenario() -> None:
-        async with running(Runner(host.ctx, settings=quick)) as runner:
+        async with running(Runner(host.ctx, settings=QUICK)) as runner:
             await admitted(host, runner, job)
             await until(ready(host, job.attempt_id), "ready")
             await ask_rows(host, protocol.StartRequest, job)
