@@ -3,11 +3,11 @@
 Requests go through the real handlers, and the runner does its work on the real
 ledger (owned by this process), with a system service kept in memory, the slot's
 attempt files on plain directories and a provider driver that answers as each test
-scripts it (fake_host.py). What this cannot show (a real layout owned by the slot
-account, real cgroups, a real barrier and gate) is test_pipeline.py's, with root.
-The start pipeline runs here up to the payload's PID: what follows (the barrier's
-pidfd, the gate's look at the live process, the release) needs a real payload and is
-proved only there.
+scripts it (fake_host.py). A released payload is a real process of this test's; the
+two steps of its start that need root (the gate's look at the live barrier, the
+root-owned release marker) are replaced by the `payload` fixture. What this cannot
+show (a real layout owned by the slot account, real cgroups, the gate on a real
+barrier) is test_pipeline.py's and test_gate.py's, with root.
 
 Waiting is on a real condition with a deadline (`until`), never a sleep.
 """
@@ -15,6 +15,8 @@ Waiting is on a real condition with a deadline (`until`), never a sleep.
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,8 +29,11 @@ from ficc.execution import protocol, wire
 from ficc.execution import provider as sdk
 from ficc.execution.host.core import lifecycle
 from ficc.execution.host.core.errors import HostError
+from ficc.execution.host.gate import checks as gate
 from ficc.execution.host.ledger.store import AttemptRecord
+from ficc.execution.host.runner import starting
 from ficc.execution.host.runner.pipeline import Runner, Settings
+from ficc.execution.host.service.interface import CgroupUsage
 from ficc.execution.host.storage.layout import service_name
 from ficc.execution.plan import Plan
 from ficc_testkit.driver import fence
@@ -325,6 +330,213 @@ def test_a_provider_start_past_its_timeout_leaves_the_outcome_unknown_never_repl
     status = record(host, job.attempt_id).status
     assert (status.state, status.reason) == ("unknown", "provider_timeout")
     assert host.driver.count("start", job.attempt_id) == 1
+    unit = the_service(host, job)
+    assert unit is None or unit.stopped
+
+
+# --- a released payload: what the runner makes of what it observes -------------------
+
+
+class Payload:
+    """A real process standing in for the gated barrier, and what the scripted provider
+    reports of it: the payload running with its PID until `exit_code` is set, then
+    finished with that code. The process lives until `end` (its stdin closes)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self.exit_code: int | None = None
+
+    def observation(self, _: Any) -> dict[str, Any]:
+        if self.exit_code is None:
+            return sdk.reply(sdk.Observation(phase="payload", pid=self.process.pid))
+        return sdk.reply(sdk.Observation(phase="finished", exit_code=self.exit_code))
+
+    def end(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+@pytest.fixture
+def payload(host: Host, monkeypatch: pytest.MonkeyPatch) -> Iterator[Payload]:
+    """A payload the runner releases without root. The two steps of a start that need
+    it are replaced: the gate's look at the live barrier (its account, cgroup,
+    namespaces and confinement, which test_gate.py proves) passes, and the release
+    marker is a plain file (root-owned in the daemon, as test_pipeline.py proves).
+    Everything else (the provider's start, the wait for the PID, the release in one
+    ledger transaction, `Started`, observation) is the runner's own code."""
+
+    def passes(self: Any, *_: Any) -> gate.Verdict:
+        return gate.Verdict(ok=True, failures=())
+
+    def plain_marker(dir_fd: int, name: str, *, group: int) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640, dir_fd=dir_fd)
+        os.close(fd)
+
+    monkeypatch.setattr(starting.Starter, "_run_gate", passes)
+    monkeypatch.setattr(gate, "write_release_marker", plain_marker)
+    made = Payload()
+    try:
+        yield made
+    finally:
+        made.end()
+
+
+def the_service_runs(host: Host, job: Plan, payload: Payload) -> Callable[[Any], dict[str, Any]]:
+    """The provider's start: the payload is in the attempt's service from now on."""
+
+    def row(_: Any) -> dict[str, Any]:
+        unit = the_service(host, job)
+        assert unit is not None, "start before the service was made"
+        unit.members.add(payload.process.pid)
+        return sdk.reply(sdk.StartReply(started=True))
+
+    return row
+
+
+def running_until_settled(
+    host: Host,
+    job: Plan,
+    payload: Payload,
+    then: Callable[[Runner], Any],
+    settings: Settings = FAST,
+) -> None:
+    """Admit, prepare, start and release `job`; once it runs, `then(runner)` (which
+    may be a coroutine function); wait until the attempt settled and was cleaned."""
+    script(host, "start", job, the_service_runs(host, job, payload))
+    script(host, "observe", job, payload.observation)
+
+    async def scenario() -> None:
+        async with running(Runner(host.ctx, settings=settings)) as runner:
+            await admitted(host, runner, job)
+            await until(ready(host, job.attempt_id), "ready")
+            await ask_rows(host, protocol.StartRequest, job)
+            await until(lambda: record(host, job.attempt_id).status.state == "running", "running")
+            done = then(runner)
+            if asyncio.iscoroutine(done):
+                await done
+            await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
+
+    asyncio.run(scenario())
+
+
+def test_a_payload_that_exits_is_recorded_with_its_exit_code_and_what_it_used(
+    host: Host, payload: Payload
+) -> None:
+    job = plan()
+
+    def exits(_: Runner) -> None:
+        unit = the_service(host, job)
+        assert unit is not None
+        unit.usage = CgroupUsage(cpu_user_us=7, memory_peak_bytes=4096, oom_kills=0)
+        payload.exit_code = 3
+
+    running_until_settled(host, job, payload, exits)
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.exit_code) == ("failed", 3)
+    used = host.ctx.ledger.usage_of([job.attempt_id])[job.attempt_id].usage
+    assert (used.cpu_user_us, used.memory_peak_bytes, used.oom_kills) == (7, 4096, 0)
+    assert host.driver.count("start", job.attempt_id) == 1
+
+
+def test_an_exit_the_services_main_process_contradicts_is_an_unknown_outcome(
+    host: Host, payload: Payload
+) -> None:
+    job = plan()
+
+    def contradicted(_: Runner) -> None:
+        unit = the_service(host, job)
+        assert unit is not None
+        unit.exit_status = 1
+        payload.exit_code = 0
+
+    running_until_settled(host, job, payload, contradicted)
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "outcome_conflict")
+
+
+def test_a_service_that_emptied_with_no_exit_reported_is_an_unreadable_outcome(
+    host: Host, payload: Payload
+) -> None:
+    job = plan()
+
+    def emptied(_: Runner) -> None:
+        unit = the_service(host, job)
+        assert unit is not None
+        unit.members.clear()
+
+    running_until_settled(host, job, payload, emptied)
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "outcome_unreadable")
+
+
+def test_a_nonzero_exit_after_an_oom_kill_is_memory_exhausted(host: Host, payload: Payload) -> None:
+    job = plan()
+
+    def killed(_: Runner) -> None:
+        unit = the_service(host, job)
+        assert unit is not None
+        unit.usage = CgroupUsage(oom_kills=1)
+        payload.exit_code = 137
+
+    running_until_settled(host, job, payload, killed)
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason, status.exit_code) == ("failed", "memory_exhausted", 137)
+
+
+def test_an_observe_past_its_timeout_while_the_payload_runs_is_an_unknown_outcome(
+    host: Host, payload: Payload
+) -> None:
+    job = plan()
+    returned = threading.Event()
+
+    async def hangs(_: Runner) -> None:
+        script(host, "observe", job, held(returned, sdk.Observation(phase="waiting")))
+        await until(lambda: record(host, job.attempt_id).status.state == "unknown", "lost")
+        returned.set()  # cleanup waits for the call's return
+
+    try:
+        running_until_settled(host, job, payload, hangs, QUICK)
+    finally:
+        returned.set()
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("unknown", "provider_timeout")
+
+
+def test_a_full_slot_fails_a_payload_that_then_exits_zero(host: Host, payload: Payload) -> None:
+    job = plan()
+
+    def fills(_: Runner) -> None:
+        for files in host.files.values():
+            files.full = True
+
+    def exits_once_noted(_: Runner) -> Any:
+        async def later() -> None:
+            fills(_)
+            await until(lambda: record(host, job.attempt_id).status.storage_exhausted, "noted")
+            payload.exit_code = 0
+
+        return later()
+
+    running_until_settled(host, job, payload, exits_once_noted)
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.exit_code) == ("failed", 0)
+    assert status.reason == "storage_exhausted"
+
+
+def test_a_stopped_payload_is_cancelled_through_the_provider_and_its_service(
+    host: Host, payload: Payload
+) -> None:
+    job = plan()
+
+    async def stop(_: Runner) -> None:
+        (row,) = await ask_rows(host, protocol.StopRequest, job)
+        assert isinstance(row, wire.AttemptRow), row
+
+    running_until_settled(host, job, payload, stop)
+    status = record(host, job.attempt_id).status
+    assert (status.state, status.reason) == ("cancelled", "stopped")
+    assert host.driver.count("stop", job.attempt_id) >= 1
     unit = the_service(host, job)
     assert unit is None or unit.stopped
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ from ficc.execution.host.service.interface import (
     ServiceSpec,
     SystemService,
 )
+from ficc.execution.host.service.reaper import CGROUP_ROOT
 from ficc.execution.host.storage import slotfs
 from ficc.execution.host.storage.layout import (
     ATTEMPTS_DIRECTORY,
@@ -55,12 +57,14 @@ from ficc.execution.host.storage.staging import STAGING_DIRECTORY
 
 @dataclasses.dataclass
 class FakeUnit:
-    """One service as the fake keeps it; a test sets `members` and `exit_status`."""
+    """One service as the fake keeps it; a test sets `members`, `exit_status` and
+    `usage` (what its cgroups' counters read)."""
 
     spec: ServiceSpec
     members: set[int] = dataclasses.field(default_factory=set)
     exit_status: int | None = None
     stopped: bool = False
+    usage: CgroupUsage = dataclasses.field(default_factory=CgroupUsage)
 
 
 class FakeService:
@@ -78,7 +82,13 @@ class FakeService:
         """(method, service name or uid) in call order."""
 
     def _handle(self, name: str) -> ServiceHandle:
-        return ServiceHandle(name, self.backend, 2, {"unified": f"/fake/{name}"}, None, None)
+        return ServiceHandle(name, self.backend, 2, {"unified": self._cgroup(name)}, None, None)
+
+    @staticmethod
+    def _cgroup(name: str) -> str:
+        """Where the service's cgroup would be: under the cgroup root, as the lease
+        reaper requires of a deadline's cgroups, but never made (nothing is there)."""
+        return posixpath.join(CGROUP_ROOT, "ficc-fake-services", name)
 
     def _unit(self, handle: ServiceHandle) -> FakeUnit:
         unit = self.units.get(handle.name)
@@ -113,8 +123,7 @@ class FakeService:
         return bool(self._unit(handle).members)
 
     def usage(self, handle: ServiceHandle) -> CgroupUsage:
-        self._unit(handle)
-        return CgroupUsage()
+        return self._unit(handle).usage
 
     def exit_status(self, handle: ServiceHandle) -> int | None:
         return self._unit(handle).exit_status
@@ -139,7 +148,7 @@ class FakeService:
         return f"{handle.cgroups['unified']}/supervisor"
 
     def planned_supervisor_cgroup(self, name: str) -> str:
-        return f"/fake/{name}/supervisor"
+        return f"{self._cgroup(name)}/supervisor"
 
     def account_idle(self, uid: int) -> bool:
         return uid not in self.busy_accounts
@@ -152,7 +161,7 @@ class FakeService:
         return True
 
     def planned_cgroups(self, name: str) -> list[str]:
-        return [f"/fake/{name}"]
+        return [self._cgroup(name)]
 
     def place_reaper(self, pid: int) -> list[str]:
         return []
