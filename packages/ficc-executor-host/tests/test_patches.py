@@ -18,7 +18,7 @@ import types
 TESTS = pathlib.Path(__file__).parent
 HOST = "ficc.execution.host"
 USED_WHERE_IMPORTED = {
-    ("ficc.execution.host.runner.starting", "_observation"): (
+    ("ficc.execution.host.runner.starting", "observation_of"): (
         "the start pipeline calls its own import; the test changes only what starts read"
     ),
 }

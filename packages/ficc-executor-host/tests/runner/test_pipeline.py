@@ -1218,7 +1218,7 @@ def test_a_device_open_result_contradicting_the_prepared_devices_never_releases(
     say the prepared positive device was refused (or the negative one opened): the
     start fails `gate_device` and the payload is never released."""
     fence = world.admit(world.plan(devices=("null",)))
-    observation = starting._observation
+    observation = starting.observation_of
 
     def contradicting(result: Any) -> Any:
         seen = observation(result)
@@ -1231,7 +1231,7 @@ def test_a_device_open_result_contradicting_the_prepared_devices_never_releases(
         assert any(d.path == contradicted for d in devices), devices
         return msgspec.structs.replace(seen, devices=devices)
 
-    monkeypatch.setattr(starting, "_observation", contradicting)
+    monkeypatch.setattr(starting, "observation_of", contradicting)
     _start_with_passing_gate(world, fence, lambda: None)
     status = world.record(fence.attempt_id).status
     assert (status.state, status.reason) == ("failed", "gate_device")

@@ -1,6 +1,6 @@
 """One attempt as the runner sees it, and the steps every part of the runner shares.
 
-`_Attempt` gathers what the runner needs of an attempt: its record, plan, slot,
+`Attempt` gathers what the runner needs of an attempt: its record, plan, slot,
 layout and service name. `AttemptWork` is the ground the runner's parts stand on (the
 coordinator `pipeline.Runner`, the prepare pipeline `preparing.Preparer` and the
 start pipeline `starting.Starter`), built from the parts they share (`Shared`):
@@ -40,12 +40,17 @@ from ficc.execution.provider import Observation
 
 __all__ = [
     "INTERNAL_ERROR",
+    "Attempt",
     "AttemptWork",
     "Decoded",
     "HostWork",
     "Settings",
     "Shared",
     "WallTimes",
+    "decoded_reply",
+    "gather_logged",
+    "observation_of",
+    "row_error",
 ]
 
 _log = logging.getLogger(__name__)
@@ -79,13 +84,13 @@ class Settings:
 # --- provider replies ---------------------------------------------------------------
 
 
-def _observation(result: RowResult) -> Observation:
+def observation_of(result: RowResult) -> Observation:
     if result.reply is None:
         raise HostError(result.code or ErrorCode.PROVIDER_FAILED, result.message or "")
-    return _decoded(result, "observe", Observation)
+    return decoded_reply(result, "observe", Observation)
 
 
-def _decoded(result: RowResult, method: str, kind: type[_R]) -> _R:
+def decoded_reply(result: RowResult, method: str, kind: type[_R]) -> _R:
     """A row's reply as its SDK Struct, or `provider_malformed`."""
     try:
         return sdk.decode_reply(method, result.reply, kind)
@@ -102,7 +107,7 @@ completed, found by the provider's check of its own link). Any other becomes
 `provider_failed` (`probe_failed` for probe), with the provider's message in the log."""
 
 
-def _row_error(result: RowResult, method: str) -> HostError:
+def row_error(result: RowResult, method: str) -> HostError:
     code = result.code or ErrorCode.PROVIDER_FAILED
     if code not in PASSED_THROUGH:
         code = HostCode.PROBE_FAILED if method == "probe" else ErrorCode.PROVIDER_FAILED
@@ -113,7 +118,7 @@ def _row_error(result: RowResult, method: str) -> HostError:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Attempt:
+class Attempt:
     record: AttemptRecord
     plan: planlib.Plan
     slot: SlotRuntime
@@ -276,7 +281,7 @@ class AttemptWork(HostWork):
         _log.error("attempt %s: %s: %s", record.attempt_id, event.name, error)
         await self._apply(record, event)
 
-    async def _usage(self, attempt: _Attempt, handle: ServiceHandle | None) -> ResourceUsage:
+    async def _usage(self, attempt: Attempt, handle: ServiceHandle | None) -> ResourceUsage:
         """What the attempt used up to now: its service's counters (none without a
         service), the slot's bytes and inodes in use, and the wall time since release."""
         wall = self._walls.wall_ms(attempt.id, self._ctx.clock.now().boottime_ns)
@@ -289,13 +294,13 @@ class AttemptWork(HostWork):
         lease = record.lease
         return lease is not None and leases.is_current(lease, self._ctx.clock.now())
 
-    async def _service(self, attempt: _Attempt) -> ServiceHandle | None:
+    async def _service(self, attempt: Attempt) -> ServiceHandle | None:
         """The attempt's service: the handle this daemon created, or adopted by name."""
         return self._handles.get(attempt.id) or await self._io(
             self._ctx.service.adopt, attempt.service
         )
 
-    async def _attempt(self, record: AttemptRecord) -> _Attempt:
+    async def _attempt(self, record: AttemptRecord) -> Attempt:
         plan = self._decoded.plan(record.attempt_id)
         if plan is None:
             data = await self._db(self._ctx.ledger.plan_bytes, record.attempt_id)
@@ -307,11 +312,11 @@ class AttemptWork(HostWork):
             )
         slot = self._ctx.slots[record.slot_id]
         name = service_name(self._ctx.config.installation_id, record.attempt_id)
-        return _Attempt(record, plan, slot, slot.files.paths(record.attempt_id), name)
+        return Attempt(record, plan, slot, slot.files.paths(record.attempt_id), name)
 
     def _context(
         self,
-        attempt: _Attempt,
+        attempt: Attempt,
         storage: sdk.StorageBinding,
         inputs: Sequence[sdk.InputCapability] = (),
         prepared: sdk.PrepareResult | None = None,
@@ -332,7 +337,7 @@ class AttemptWork(HostWork):
 
     async def _later_context(
         self,
-        attempt: _Attempt,
+        attempt: Attempt,
         *,
         inputs: Sequence[sdk.InputCapability] = (),
     ) -> sdk.Context:
@@ -359,7 +364,7 @@ class AttemptWork(HostWork):
             ) from error
         return self._context(attempt, storage, inputs, prepared)
 
-    async def _inputs(self, attempt: _Attempt) -> list[sdk.InputCapability]:
+    async def _inputs(self, attempt: Attempt) -> list[sdk.InputCapability]:
         if not attempt.plan.streamed_inputs:
             return []
         caps: list[sdk.InputCapability] = await self._io(
@@ -395,7 +400,7 @@ def _read_usage(
     )
 
 
-async def _gather_logged(jobs: Any) -> None:
+async def gather_logged(jobs: Any) -> None:
     for result in await asyncio.gather(*jobs, return_exceptions=True):
         if isinstance(result, Exception):
             _log.error("runner job failed: %r", result)

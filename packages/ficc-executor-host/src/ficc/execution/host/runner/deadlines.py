@@ -32,7 +32,7 @@ from ficc.execution.host.context.parts import HostContext
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger.store import AttemptRecord
-from ficc.execution.host.runner.attempts import HostWork, _Attempt
+from ficc.execution.host.runner.attempts import Attempt, HostWork
 from ficc.execution.host.service import reaper
 
 __all__ = ["Deadlines"]
@@ -83,7 +83,7 @@ class Deadlines(HostWork):
         if placed:
             _log.info("the lease reaper (pid %d) runs in %s", pid, ", ".join(placed))
 
-    async def set(self, attempt: _Attempt) -> None:
+    async def set(self, attempt: Attempt) -> None:
         """Hand the lease deadline to the reaper before the service exists, so the
         service is stopped at the deadline even if this daemon dies or hangs."""
         async with self._lock:
@@ -156,7 +156,7 @@ class Deadlines(HostWork):
         except OSError as error:
             _log.error("the lease reaper could not be started: %s", error)
 
-    async def reaped(self, attempt: _Attempt) -> bool:
+    async def reaped(self, attempt: Attempt) -> bool:
         """Whether the reaper stopped this attempt's service at its lease deadline."""
         directory = self._keeper().directory
         try:
@@ -223,7 +223,7 @@ class Deadlines(HostWork):
         found = (self._ctx.ledger.get(a) for a in attempt_ids)
         return [r for r in found if r is not None]
 
-    async def drop(self, attempt: _Attempt) -> None:
+    async def drop(self, attempt: Attempt) -> None:
         self._deadlines.pop(attempt.id, None)
         try:
             await self._io(self._keeper().drop, attempt.service)

@@ -88,14 +88,14 @@ from ficc.execution.host.core.records import ResourceUsage, lease_is_current
 from ficc.execution.host.ledger.store import AttemptRecord
 from ficc.execution.host.linux import procfs
 from ficc.execution.host.runner.attempts import (
+    Attempt,
     AttemptWork,
     Settings,
     Shared,
-    _Attempt,
-    _decoded,
-    _gather_logged,
-    _observation,
-    _row_error,
+    decoded_reply,
+    gather_logged,
+    observation_of,
+    row_error,
 )
 from ficc.execution.host.runner.batching import PROVIDER_TIMEOUT, Batcher, Ticket
 from ficc.execution.host.runner.deadlines import Deadlines
@@ -222,8 +222,8 @@ class Runner(AttemptWork):
             await self._io(self._ctx.service.kill_account, attempt.slot.uid)
         result = await ticket.call(attempt.provider, "release", context)
         if not result.ok:
-            raise _row_error(result, "release")
-        _decoded(result, "release", sdk.ReleaseReply)
+            raise row_error(result, "release")
+        decoded_reply(result, "release", sdk.ReleaseReply)
         await self._io(attempt.slot.stager.remove_attempt, attempt.id)
         await self._io(attempt.files.remove, attempt.id)
         handle = self._handles.pop(attempt.id, None) or await self._io(
@@ -237,7 +237,7 @@ class Runner(AttemptWork):
         self._details.pop(attempt.id, None)
         self._decoded.forget(attempt.id)
 
-    async def _release_context(self, attempt: _Attempt) -> sdk.Context:
+    async def _release_context(self, attempt: Attempt) -> sdk.Context:
         """The release's context. A storage directory an earlier release of this
         attempt already freed (`free_payload_data`) is named by its path alone: nothing
         is left there to verify or to act on. A binding that exists and cannot be
@@ -258,7 +258,7 @@ class Runner(AttemptWork):
                 " attempt directory, then release again",
             ) from error
 
-    async def _freed_context(self, attempt: _Attempt) -> sdk.Context:
+    async def _freed_context(self, attempt: Attempt) -> sdk.Context:
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
         prepared = None if data is None else msgspec.json.decode(data, type=sdk.PrepareResult)
         storage = sdk.StorageBinding(path=attempt.paths.storage)
@@ -273,12 +273,12 @@ class Runner(AttemptWork):
         unclean = [
             r for r in records if r.status.state in lifecycle.SETTLED and r.slot_id is not None
         ]
-        await _gather_logged(self.cleanup(r) for r in unclean if not r.status.cleanup_confirmed)
+        await gather_logged(self.cleanup(r) for r in unclean if not r.status.cleanup_confirmed)
         prepared = [r for r in records if r.status.state == "prepared"]
         # A ready attempt's inputs are complete, but this new Stager does not know them:
         # re-register and re-verify them before the server listens, so a start finds
         # them staged (and a file changed while the daemon was down fails the attempt).
-        await _gather_logged(self._preparer.restage(r) for r in prepared if r.status.ready)
+        await gather_logged(self._preparer.restage(r) for r in prepared if r.status.ready)
         staged = [r.attempt_id for r in prepared if not r.status.ready and not r.status.preparing]
         if staged:
             self._spawn(self._preparer.prepare(staged))
@@ -366,7 +366,7 @@ class Runner(AttemptWork):
         if handle is None or not await self._io(self._ctx.service.occupied, handle):
             await self._apply(record, lifecycle.Stopped(), await self._usage(attempt, handle))
 
-    async def _ended_by_itself(self, attempt: _Attempt) -> bool:
+    async def _ended_by_itself(self, attempt: Attempt) -> bool:
         """A running payload whose service emptied before this daemon killed anything,
         or whose gated process ended moments ago (its runtime may still tear down), may
         have ended on its own before the stop or the deadline: its exit, if reported, is
@@ -389,7 +389,7 @@ class Runner(AttemptWork):
 
     async def observe(self, records: Sequence[AttemptRecord]) -> None:
         cohort = self._batcher.cohort(len(records))
-        await _gather_logged(self._observe_one(r, cohort.ticket()) for r in records)
+        await gather_logged(self._observe_one(r, cohort.ticket()) for r in records)
 
     async def _observe_one(self, record: AttemptRecord, ticket: Ticket) -> None:
         with ticket:
@@ -419,7 +419,7 @@ class Runner(AttemptWork):
             return
         await self._note_storage(attempt)
         try:
-            seen = _observation(result)
+            seen = observation_of(result)
         except HostError:
             seen = None
         if seen is not None and seen.phase == "finished" and seen.exit_code is not None:
@@ -445,7 +445,7 @@ class Runner(AttemptWork):
             await self._lost(attempt, "outcome_unreadable", alive=alive, usage=used)
 
     async def _lost(
-        self, attempt: _Attempt, reason: str, *, alive: bool, usage: ResourceUsage | None
+        self, attempt: Attempt, reason: str, *, alive: bool, usage: ResourceUsage | None
     ) -> None:
         """An outcome that cannot be read is `unknown`, unless the lease reaper left its
         evidence of a kill at the deadline on a service found empty: that attempt was
@@ -465,7 +465,7 @@ class Runner(AttemptWork):
         fresh = await self._db(self._ctx.ledger.get, attempt_id)
         return fresh is not None and lease_is_current(fresh.lease, when)
 
-    async def _note_storage(self, attempt: _Attempt) -> None:
+    async def _note_storage(self, attempt: Attempt) -> None:
         """A full slot fails the job: looked at on every observation while the payload
         runs and before its exit is recorded (a payload that fills its slot and then
         deletes what it wrote before the next look is not seen)."""
@@ -533,7 +533,7 @@ class Runner(AttemptWork):
         self._winding_down.pop(record.attempt_id, None)
         return False
 
-    async def _record_usage(self, attempt: _Attempt, handle: ServiceHandle | None) -> None:
+    async def _record_usage(self, attempt: Attempt, handle: ServiceHandle | None) -> None:
         """What a settled attempt used, recorded before its cleanup touches the service
         if its settling did not record it (a restart, a failed or cancelled start: the
         service's cgroups are still there). One that never had a service used nothing

@@ -35,12 +35,12 @@ from ficc.execution.host.gate.expectation import check_prepare_result, decode_pr
 from ficc.execution.host.ledger.store import OFFER_ALLOWS, AttemptRecord
 from ficc.execution.host.runner.attempts import (
     INTERNAL_ERROR,
+    Attempt,
     AttemptWork,
     Shared,
-    _Attempt,
-    _decoded,
-    _gather_logged,
-    _row_error,
+    decoded_reply,
+    gather_logged,
+    row_error,
 )
 from ficc.execution.host.runner.batching import Ticket
 from ficc.execution.host.storage.staging import StreamState
@@ -84,7 +84,7 @@ class Preparer(AttemptWork):
         self._preparing.update(fresh)
         probes, prepares = self._batcher.cohort(len(fresh)), self._batcher.cohort(len(fresh))
         try:
-            await _gather_logged(
+            await gather_logged(
                 self._prepare_one(a, probes.ticket(), prepares.ticket()) for a in fresh
             )
         finally:
@@ -123,7 +123,7 @@ class Preparer(AttemptWork):
         except HostError as error:
             await self._refused(record, lifecycle.PrepareFailed(reason=error.code), error)
 
-    async def _stage(self, attempt: _Attempt) -> bool:
+    async def _stage(self, attempt: Attempt) -> bool:
         """Layout and staging; True once every streamed input is complete."""
         await self._io(attempt.files.verify)
         await self._io(attempt.files.create, attempt.id)
@@ -149,7 +149,7 @@ class Preparer(AttemptWork):
         return all(s.complete and s.failed is None for s in states)
 
     async def _provider_prepare(
-        self, attempt: _Attempt, probe_ticket: Ticket, prepare_ticket: Ticket
+        self, attempt: Attempt, probe_ticket: Ticket, prepare_ticket: Ticket
     ) -> None:
         if not await self._apply(attempt.record, lifecycle.PrepareBegun()):
             return
@@ -161,13 +161,13 @@ class Preparer(AttemptWork):
             inputs = await self._inputs(attempt)
             context = self._context(attempt, storage, inputs)
             probe = await probe_ticket.call(attempt.provider, "probe", context)
-            if not probe.ok or not _decoded(probe, "probe", sdk.ProbeReply).ok:
-                raise _row_error(probe, "probe")
+            if not probe.ok or not decoded_reply(probe, "probe", sdk.ProbeReply).ok:
+                raise row_error(probe, "probe")
             check = self._checker(attempt.id, refusals)
             prepare_context = sdk.PrepareContext(**msgspec.structs.asdict(context), check=check)
             prepared = await prepare_ticket.call(attempt.provider, "prepare", prepare_context)
             if not prepared.ok:
-                raise refusals[0] if refusals else _row_error(prepared, "prepare")
+                raise refusals[0] if refusals else row_error(prepared, "prepare")
             result = decode_prepare_result(prepared.reply)
             await self._io(check_prepare_result, result, attempt.plan)
         except HostError as error:

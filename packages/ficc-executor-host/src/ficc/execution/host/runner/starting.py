@@ -72,12 +72,12 @@ from ficc.execution.host.linux import evidence as evidencelib
 from ficc.execution.host.runner import runtime_errors
 from ficc.execution.host.runner.attempts import (
     INTERNAL_ERROR,
+    Attempt,
     AttemptWork,
     Shared,
-    _Attempt,
-    _decoded,
-    _observation,
-    _row_error,
+    decoded_reply,
+    observation_of,
+    row_error,
 )
 from ficc.execution.host.runner.batching import PROVIDER_TIMEOUT, Ticket
 from ficc.execution.host.runner.deadlines import Deadlines
@@ -229,7 +229,7 @@ class Starter(AttemptWork):
             await self.stop_service(attempt)
             await self._apply(record, lifecycle.StartFailed(reason=INTERNAL_ERROR))
 
-    async def _log_runtime_error(self, attempt: _Attempt, error: HostError) -> None:
+    async def _log_runtime_error(self, attempt: Attempt, error: HostError) -> None:
         """The runtime's own words for a start that failed before the release (the log
         holds nothing of the payload then), at error priority: release deletes them."""
         said = await self._io(runtime_errors.stderr_tail, attempt.files, attempt.id)
@@ -251,7 +251,7 @@ class Starter(AttemptWork):
             },
         )
 
-    async def _start_pipeline(self, attempt: _Attempt, ticket: Ticket) -> None:
+    async def _start_pipeline(self, attempt: Attempt, ticket: Ticket) -> None:
         try:
             result = await self._prepared(attempt)
             inputs = await self._inputs(attempt)
@@ -266,8 +266,8 @@ class Starter(AttemptWork):
         if started.code == PROVIDER_TIMEOUT:
             raise _Uncertain(PROVIDER_TIMEOUT)
         if not started.ok:
-            raise _row_error(started, "start")
-        _decoded(started, "start", sdk.StartReply)
+            raise row_error(started, "start")
+        decoded_reply(started, "start", sdk.StartReply)
         pid, devices = await self._await_payload(attempt, context, handle)
         barrier = _barrier_pidfd(pid)  # before the gate, which then vouches for it
         try:
@@ -345,13 +345,13 @@ class Starter(AttemptWork):
             asyncio.get_running_loop().remove_reader(fd)
             os.close(fd)
 
-    async def _prepared(self, attempt: _Attempt) -> PrepareResult:
+    async def _prepared(self, attempt: Attempt) -> PrepareResult:
         data = await self._db(self._ctx.ledger.prepare_result, attempt.id)
         if data is None:
             raise HostError(HostCode.PREPARE_RESULT_MISSING, "no persisted prepare result")
         return decode_prepare_result(msgspec.json.decode(data))
 
-    async def _create_service(self, attempt: _Attempt, result: PrepareResult) -> ServiceHandle:
+    async def _create_service(self, attempt: Attempt, result: PrepareResult) -> ServiceHandle:
         spec = service_spec(
             attempt.service,
             result,
@@ -378,7 +378,7 @@ class Starter(AttemptWork):
         return record is not None and self.lease_current(record)
 
     async def _await_payload(
-        self, attempt: _Attempt, context: sdk.Context, handle: ServiceHandle
+        self, attempt: Attempt, context: sdk.Context, handle: ServiceHandle
     ) -> tuple[int, list[DeviceOpen] | None]:
         """Observe until the barrier's host PID is reported (or the deadline).
 
@@ -396,7 +396,7 @@ class Starter(AttemptWork):
             self._observe_cost = self._batcher.cpu_seconds.get((attempt.provider, "observe"), 0.0)
             if result.code == PROVIDER_TIMEOUT:
                 raise _Uncertain(PROVIDER_TIMEOUT)
-            seen = _observation(result)
+            seen = observation_of(result)
             if seen.devices is not None:
                 devices = seen.devices
             if seen.phase in ("ready", "payload") and seen.pid is not None:
@@ -428,7 +428,7 @@ class Starter(AttemptWork):
         await asyncio.shield(beat)
 
     def _run_gate(
-        self, attempt: _Attempt, result: PrepareResult, handle: ServiceHandle, pid: int
+        self, attempt: Attempt, result: PrepareResult, handle: ServiceHandle, pid: int
     ) -> gate.Verdict:
         """Blocking: build the Expectation and judge the live barrier (evidence first)."""
         logs = tuple(
@@ -471,7 +471,7 @@ class Starter(AttemptWork):
         )
         return msgspec.structs.replace(verdict, ok=False, failures=(failure, *verdict.failures))
 
-    async def _release_payload(self, attempt: _Attempt, barrier: int) -> None:
+    async def _release_payload(self, attempt: Attempt, barrier: int) -> None:
         """The last checks and the marker in one ledger transaction, then `Started`.
         `barrier` is a pidfd of the gated barrier: one that already ended is never
         released (its exit would be taken for the payload's)."""
@@ -503,11 +503,11 @@ class Starter(AttemptWork):
         # Raises: a released payload whose start is not on record is an unknown outcome.
         await self._db(self._ctx.ledger.apply, record.fence, lifecycle.Started())
 
-    def _check_abort(self, attempt: _Attempt) -> None:
+    def _check_abort(self, attempt: Attempt) -> None:
         if attempt.id in self._abort:
             raise _Aborted()
 
-    async def stop_service(self, attempt: _Attempt) -> None:
+    async def stop_service(self, attempt: Attempt) -> None:
         """Kill the service tree (provider stop first, best effort, and only with a
         verified storage binding); never raises."""
         try:
@@ -528,12 +528,12 @@ class Starter(AttemptWork):
 # --- blocking helpers (run in worker threads) ---------------------------------------
 
 
-def _released(attempt: _Attempt) -> bool:
+def _released(attempt: Attempt) -> bool:
     """Whether the release marker is there (the payload may have run)."""
     return os.path.lexists(f"{attempt.paths.control}/{RELEASE_MARKER}")
 
 
-def _write_marker(attempt: _Attempt) -> None:
+def _write_marker(attempt: Attempt) -> None:
     control = attempt.files.open_part(attempt.id, layout.CONTROL)
     try:
         gate.write_release_marker(control, RELEASE_MARKER, group=attempt.slot.gid)
