@@ -398,11 +398,12 @@ def running_until_settled(
     host: Host,
     job: Plan,
     payload: Payload,
-    then: Callable[[Runner], Any],
+    then: Callable[[FakeUnit], Any],
     settings: Settings = FAST,
 ) -> None:
-    """Admit, prepare, start and release `job`; once it runs, `then(runner)` (which
-    may be a coroutine function); wait until the attempt settled and was cleaned."""
+    """Admit, prepare, start and release `job`; once it runs, `then(its service)`
+    (which may be a coroutine function); wait until the attempt settled and was
+    cleaned."""
     script(host, "start", job, the_service_runs(host, job, payload))
     script(host, "observe", job, payload.observation)
 
@@ -412,7 +413,9 @@ def running_until_settled(
             await until(ready(host, job.attempt_id), "ready")
             await ask_rows(host, protocol.StartRequest, job)
             await until(lambda: record(host, job.attempt_id).status.state == "running", "running")
-            done = then(runner)
+            unit = the_service(host, job)
+            assert unit is not None
+            done = then(unit)
             if asyncio.iscoroutine(done):
                 await done
             await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
@@ -425,9 +428,7 @@ def test_a_payload_that_exits_is_recorded_with_its_exit_code_and_what_it_used(
 ) -> None:
     job = plan()
 
-    def exits(_: Runner) -> None:
-        unit = the_service(host, job)
-        assert unit is not None
+    def exits(unit: FakeUnit) -> None:
         unit.usage = CgroupUsage(cpu_user_us=7, memory_peak_bytes=4096, oom_kills=0)
         payload.exit_code = 3
 
@@ -444,9 +445,7 @@ def test_an_exit_the_services_main_process_contradicts_is_an_unknown_outcome(
 ) -> None:
     job = plan()
 
-    def contradicted(_: Runner) -> None:
-        unit = the_service(host, job)
-        assert unit is not None
+    def contradicted(unit: FakeUnit) -> None:
         unit.exit_status = 1
         payload.exit_code = 0
 
@@ -460,9 +459,7 @@ def test_a_service_that_emptied_with_no_exit_reported_is_an_unreadable_outcome(
 ) -> None:
     job = plan()
 
-    def emptied(_: Runner) -> None:
-        unit = the_service(host, job)
-        assert unit is not None
+    def emptied(unit: FakeUnit) -> None:
         unit.members.clear()
 
     running_until_settled(host, job, payload, emptied)
@@ -473,9 +470,7 @@ def test_a_service_that_emptied_with_no_exit_reported_is_an_unreadable_outcome(
 def test_a_nonzero_exit_after_an_oom_kill_is_memory_exhausted(host: Host, payload: Payload) -> None:
     job = plan()
 
-    def killed(_: Runner) -> None:
-        unit = the_service(host, job)
-        assert unit is not None
+    def killed(unit: FakeUnit) -> None:
         unit.usage = CgroupUsage(oom_kills=1)
         payload.exit_code = 137
 
@@ -490,7 +485,7 @@ def test_an_observe_past_its_timeout_while_the_payload_runs_is_an_unknown_outcom
     job = plan()
     returned = threading.Event()
 
-    async def hangs(_: Runner) -> None:
+    async def hangs(_: FakeUnit) -> None:
         script(host, "observe", job, held(returned, sdk.Observation(phase="waiting")))
         await until(lambda: record(host, job.attempt_id).status.state == "unknown", "lost")
         returned.set()  # cleanup waits for the call's return
@@ -506,11 +501,11 @@ def test_an_observe_past_its_timeout_while_the_payload_runs_is_an_unknown_outcom
 def test_a_full_slot_fails_a_payload_that_then_exits_zero(host: Host, payload: Payload) -> None:
     job = plan()
 
-    def fills(_: Runner) -> None:
+    def fills(_: FakeUnit) -> None:
         for files in host.files.values():
             files.full = True
 
-    def exits_once_noted(_: Runner) -> Any:
+    def exits_once_noted(_: FakeUnit) -> Any:
         async def later() -> None:
             fills(_)
             await until(lambda: record(host, job.attempt_id).status.storage_exhausted, "noted")
@@ -529,7 +524,7 @@ def test_a_stopped_payload_is_cancelled_through_the_provider_and_its_service(
 ) -> None:
     job = plan()
 
-    async def stop(_: Runner) -> None:
+    async def stop(_: FakeUnit) -> None:
         (row,) = await ask_rows(host, protocol.StopRequest, job)
         assert isinstance(row, wire.AttemptRow), row
 
