@@ -89,8 +89,8 @@ def world() -> Iterator[World]:
     """Create everything (user, directories, image, service backend); remove it all."""
     name = f"ficc-pp-{secrets.token_hex(3)}"
     base = Path(f"/tmp/{name}")
-    base.mkdir(mode=0o755)
-    os.chmod(base, 0o755)
+    base.mkdir()
+    base.chmod(0o755)
     account_command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name)
     service_base = f"ficc-pp-svc-{secrets.token_hex(3)}"
     service = CgroupfsService(service_base, stop_timeout=15.0)
@@ -98,7 +98,8 @@ def world() -> Iterator[World]:
     gid = int(subprocess.run(["id", "-g", name], capture_output=True, check=True).stdout)
     try:
         slot_path = base / "slot"
-        slot_path.mkdir(mode=0o755)
+        slot_path.mkdir()
+        slot_path.chmod(0o755)  # as provisioning makes it, whatever the umask
         image = build_image(base / "image")
         local = base / "local-input.txt"
         local_data = b"administrator-local input\n"
