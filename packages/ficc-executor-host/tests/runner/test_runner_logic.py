@@ -42,8 +42,9 @@ from ficc_testkit.plans import new_id
 from runner_support import running, until
 
 FAST = Settings(tick=0.02, provider_timeout=30.0, start_timeout=30.0, observe_interval=0.01)
-QUICK = Settings(tick=0.02, provider_timeout=0.2, start_timeout=30.0, observe_interval=0.01)
-"""A provider call times out after 0.2 s (its thread runs on until `held` lets it go)."""
+QUICK = Settings(tick=0.02, provider_timeout=1.0, start_timeout=30.0, observe_interval=0.01)
+"""A provider call times out after 1 s (its thread runs on until `held` lets it go);
+the scripted provider's other calls return at once."""
 
 
 @pytest.fixture
@@ -273,16 +274,27 @@ def the_service(host: Host, job: Plan) -> FakeUnit | None:
     return host.service.units.get(service_name(host.config.installation_id, job.attempt_id))
 
 
+def service_stopped(host: Host, job: Plan) -> bool:
+    """Whether the attempt's service was made and then stopped."""
+    name = service_name(host.config.installation_id, job.attempt_id)
+    calls = host.service.calls
+    return ("create", name) in calls and ("stop", name) in calls
+
+
 def test_a_refused_start_stops_its_service_before_it_records_the_failure(host: Host) -> None:
     job = plan()
     script(host, "start", job, refuse("runtime_failed"))
+    states_at_stop: list[str] = []
+
+    def stop(_: Any) -> dict[str, Any]:
+        states_at_stop.append(record(host, job.attempt_id).status.state)
+        return sdk.reply(sdk.StopReply(stopped=True))
+
+    script(host, "stop", job, stop)
     started_until_settled(host, job)
     failed_with(host, job, "provider_failed")
-    assert host.driver.count("stop", job.attempt_id) == 1  # the stop before the failure
-    unit = the_service(host, job)
-    assert unit is None or unit.stopped
-    name = service_name(host.config.installation_id, job.attempt_id)
-    assert ("create", name) in host.service.calls
+    assert states_at_stop == ["starting"]  # stopped while the record still said starting
+    assert service_stopped(host, job)
 
 
 def test_a_payload_pid_that_never_comes_fails_the_start_at_its_timeout(host: Host) -> None:
@@ -293,8 +305,7 @@ def test_a_payload_pid_that_never_comes_fails_the_start_at_its_timeout(host: Hos
     started_until_settled(host, job, impatient)
     failed_with(host, job, "start_timeout")
     assert host.driver.count("stop", job.attempt_id) == 1
-    unit = the_service(host, job)
-    assert unit is None or unit.stopped
+    assert service_stopped(host, job)
 
 
 def test_a_barrier_that_finished_before_its_pid_never_ran_the_payload(host: Host) -> None:
@@ -330,8 +341,7 @@ def test_a_provider_start_past_its_timeout_leaves_the_outcome_unknown_never_repl
     status = record(host, job.attempt_id).status
     assert (status.state, status.reason) == ("unknown", "provider_timeout")
     assert host.driver.count("start", job.attempt_id) == 1
-    unit = the_service(host, job)
-    assert unit is None or unit.stopped
+    assert service_stopped(host, job)
 
 
 # --- a released payload: what the runner makes of what it observes -------------------
@@ -430,6 +440,8 @@ def test_a_payload_that_exits_is_recorded_with_its_exit_code_and_what_it_used(
 
     def exits(unit: FakeUnit) -> None:
         unit.usage = CgroupUsage(cpu_user_us=7, memory_peak_bytes=4096, oom_kills=0)
+        for files in host.files.values():
+            files.used = (1 << 20, 12)
         payload.exit_code = 3
 
     running_until_settled(host, job, payload, exits)
@@ -437,6 +449,7 @@ def test_a_payload_that_exits_is_recorded_with_its_exit_code_and_what_it_used(
     assert (status.state, status.exit_code) == ("failed", 3)
     used = host.ctx.ledger.usage_of([job.attempt_id])[job.attempt_id].usage
     assert (used.cpu_user_us, used.memory_peak_bytes, used.oom_kills) == (7, 4096, 0)
+    assert (used.storage_bytes, used.storage_inodes) == (1 << 20, 12)
     assert host.driver.count("start", job.attempt_id) == 1
 
 
@@ -532,8 +545,7 @@ def test_a_stopped_payload_is_cancelled_through_the_provider_and_its_service(
     status = record(host, job.attempt_id).status
     assert (status.state, status.reason) == ("cancelled", "stopped")
     assert host.driver.count("stop", job.attempt_id) >= 1
-    unit = the_service(host, job)
-    assert unit is None or unit.stopped
+    assert service_stopped(host, job)
 
 
 # --- stop, expiry, cleanup -------------------------------------------------------------
@@ -623,6 +635,13 @@ def test_a_layout_that_cannot_be_removed_keeps_the_reservation_until_a_release_s
     stuck = HostError("layout_cleanup_failed", "scripted: the slot's disk fails")
     for files in host.files.values():
         files.refusals["remove"] = stuck
+    bindings: list[sdk.StorageBinding] = []
+
+    def release(context: Any) -> dict[str, Any]:
+        bindings.append(context.storage)
+        return sdk.reply(sdk.ReleaseReply(released=True))
+
+    script(host, "release", job, release)
 
     async def scenario() -> tuple[Any, Any]:
         async with running(Runner(host.ctx, settings=FAST)) as runner:
@@ -640,7 +659,9 @@ def test_a_layout_that_cannot_be_removed_keeps_the_reservation_until_a_release_s
     assert refused.error.code == "layout_cleanup_failed"
     assert isinstance(released, wire.AttemptRow), released
     assert record(host, job.attempt_id).status.state == "released"
-    assert host.driver.count("release", job.attempt_id) == 2
+    first, second = bindings
+    assert first.device is not None  # verified on the slot's filesystem
+    assert (second.path, second.device, second.inode) == (first.path, None, None)
     assert not host.files[record(host, job.attempt_id).slot_id or ""].exists(job.attempt_id)
 
 

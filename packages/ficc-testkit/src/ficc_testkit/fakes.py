@@ -135,7 +135,7 @@ class FakeService:
         unit.stopped = True
 
     def is_idle(self, handle: ServiceHandle, uid: int) -> bool:
-        return not self._unit(handle).members and uid not in self.busy_accounts
+        return not self._unit(handle).members and self.account_idle(uid)
 
     def remove(self, handle: ServiceHandle) -> None:
         self.calls.append(("remove", handle.name))
@@ -151,7 +151,7 @@ class FakeService:
         return f"{self._cgroup(name)}/supervisor"
 
     def account_idle(self, uid: int) -> bool:
-        return uid not in self.busy_accounts
+        return uid not in self.busy_accounts and uid not in self.unkillable
 
     def kill_account(self, uid: int, timeout: float | None = None) -> bool:
         self.calls.append(("kill_account", str(uid)))
@@ -231,12 +231,15 @@ def _is_a_runner_port(runner: RecordingRunner) -> RunnerPort:
 class FakeSlotFiles:
     """The attempt directories of one slot on a plain directory: no ownership changes
     and no check of the filesystem, so a test needs no root. A test makes a method
-    refuse (`refusals`, by method name) or the slot full (`full`)."""
+    refuse (`refusals`, by method name), the slot full (`full`) or sets what is in use
+    on it (`used`). A missing part is `not_found`, as in the real layout."""
 
     def __init__(self, slot: Path) -> None:
         self.slot = slot
         self.refusals: dict[str, HostError] = {}
         self.full = False
+        self.used = (0, 0)
+        """What `in_use` reads: (bytes, inodes) in use on the slot's filesystem."""
         self.calls: list[tuple[str, str]] = []
         """(method, attempt ID or "") in call order, for the methods that change or
         check something."""
@@ -267,10 +270,11 @@ class FakeSlotFiles:
 
     def storage_binding(self, attempt_id: str, limits: planlib.Limits) -> sdk.StorageBinding:
         self._called("storage_binding", attempt_id)
+        fd = self.open_part(attempt_id, STORAGE)
         try:
-            found = os.stat(self.paths(attempt_id).storage, follow_symlinks=False)
-        except FileNotFoundError:
-            raise HostError(ErrorCode.NOT_FOUND, f"no storage of attempt {attempt_id}") from None
+            found = os.fstat(fd)
+        finally:
+            os.close(fd)
         return sdk.StorageBinding(
             path=self.paths(attempt_id).storage,
             device=found.st_dev,
@@ -280,10 +284,15 @@ class FakeSlotFiles:
         )
 
     def open_part(self, attempt_id: str, part: Part) -> int:
-        return os.open(self._dir(attempt_id) / part.name, os.O_RDONLY | os.O_DIRECTORY)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(self._dir(attempt_id) / part.name, flags)
+        except FileNotFoundError:
+            where = f"{part.name} of attempt {attempt_id}"
+            raise HostError(ErrorCode.NOT_FOUND, f"no {where}") from None
 
     def in_use(self) -> tuple[int, int]:
-        return 0, 0
+        return self.used
 
     def usage(self) -> slotfs.Usage:
         self._called("usage")

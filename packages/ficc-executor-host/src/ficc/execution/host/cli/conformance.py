@@ -57,8 +57,9 @@ from ficc.execution.host.gate.expectation import (
 )
 from ficc.execution.host.providers.driver import RowResult, call
 from ficc.execution.host.service.interface import ServiceHandle, ServiceSpec, SystemService
-from ficc.execution.host.storage import layout, slotfs
+from ficc.execution.host.storage import layout
 from ficc.execution.host.storage.layout import AttemptPaths, service_name
+from ficc.execution.host.storage.slot_files import ReservedSlot
 
 __all__ = ["CHECK_REFUSAL", "RULES", "USAGE", "Kit", "Outcome", "RuleFailed"]
 
@@ -171,7 +172,7 @@ class Kit:
         self.quick_argv = list(quick_argv)
         self.long_argv = list(long_argv)
         self.timeout = timeout
-        self.place = layout.Layout(slot)
+        self.place = ReservedSlot(slot, open_image_parent)
         self.outcomes: list[Outcome] = []
         self._open: list[_Attempt] = []
         self._hung: set[str] = set()
@@ -537,7 +538,7 @@ class Kit:
 
     def _open_attempt(self, plan: planlib.Plan) -> _Attempt:
         """The attempt's layout, created as before a prepare."""
-        slotfs.verify(self.slot, open_image_parent)
+        self.place.verify()
         paths = self.place.create(plan.attempt_id)
         attempt = _Attempt(plan, paths, service_name(self.config.installation_id, plan.attempt_id))
         self._open.append(attempt)
@@ -552,22 +553,8 @@ class Kit:
         return self._context(self._open_attempt(plan))
 
     def _storage(self, attempt: _Attempt) -> sdk.StorageBinding:
-        """The storage binding as the daemon verifies it: the slot-owned storage
-        directory, opened through the layout, on the slot's filesystem."""
-        fd = self.place.open_part(attempt.plan.attempt_id, layout.STORAGE)
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if st.st_dev != os.stat(self.slot.path, follow_symlinks=False).st_dev:
-            raise HostError(
-                HostCode.STORAGE_UNVERIFIED,
-                f"{attempt.paths.storage} is not on the slot's filesystem",
-            )
-        limits = attempt.plan.job.limits
-        return sdk.StorageBinding(
-            attempt.paths.storage, st.st_dev, st.st_ino, limits.storage_bytes, limits.storage_inodes
-        )
+        """The storage binding as the daemon verifies it."""
+        return self.place.storage_binding(attempt.plan.attempt_id, attempt.plan.job.limits)
 
     def _context(self, attempt: _Attempt, *, verified: bool = True) -> sdk.Context:
         slot, paths, plan = self.slot, attempt.paths, attempt.plan

@@ -1,11 +1,12 @@
 """An attempt's files on its slot, as the daemon uses them: the port to the slot's disk.
 
-The runner and the request handlers reach a slot's files only through `SlotFiles`,
-kept in the slot's runtime (`SlotRuntime.files`), as they reach services only through
-`SystemService`. `ReservedSlot` is the one the daemon builds: the attempt layout
-(layout.py) on the slot's reserved filesystem, which it checks (slotfs.py) before an
-attempt's storage is used. Everything it creates belongs to root or the slot account,
-so it needs root.
+The runner and the request handlers create, check, open and remove a slot's attempt
+directories through `SlotFiles`, kept in the slot's runtime (`SlotRuntime.files`), as
+they reach services through `SystemService`. (They still read the log files' sizes and
+identities, and the release marker's presence, by their paths.) `ReservedSlot` is the
+one the daemon and the conformance kit build: the attempt layout (layout.py) on the
+slot's reserved filesystem, which it checks (slotfs.py) before an attempt's storage is
+used. Everything it creates belongs to root or the slot account, so it needs root.
 
 The test kit's `FakeSlotFiles` implements the same port on a plain directory, without
 ownership changes or filesystem checks, so the runner's own decisions (what a failed
@@ -37,7 +38,8 @@ class SlotFiles(Protocol):
         ...
 
     def verify(self) -> None:
-        """Refuse (`slot_filesystem`) unless the slot is still its reserved filesystem."""
+        """Refuse (`slot_filesystem`, `slot_identity`) unless the slot is still its
+        reserved filesystem."""
         ...
 
     def create(self, attempt_id: str) -> AttemptPaths:
