@@ -78,6 +78,14 @@ async def admitted(host: Host, runner: Runner, job: Plan, *, lease_ms: int = 300
     assert isinstance(row, wire.AttemptRow), row
 
 
+async def started(host: Host, runner: Runner, job: Plan) -> None:
+    """`job` admitted, prepared until ready, and its start accepted by the handlers."""
+    await admitted(host, runner, job)
+    await until(ready(host, job.attempt_id), "ready")
+    (row,) = await ask_rows(host, protocol.StartRequest, job)
+    assert isinstance(row, wire.AttemptRow), row
+
+
 async def ask_rows(host: Host, kind: type[Any], *jobs: Plan) -> list[Any]:
     """The rows of a stop or release of `jobs`' attempts."""
     request = kind(version=1, id=new_id(), attempts=[fence(j) for j in jobs])
@@ -109,6 +117,17 @@ def admitted_until(host: Host, job: Plan, condition: Callable[[], bool], what: s
             await until(condition, what)
 
     asyncio.run(scenario())
+
+
+@pytest.fixture
+def returned(host: Host) -> Iterator[threading.Event]:
+    """What lets a `held` call return; set at the latest before the host closes (it
+    depends on `host`), so no provider thread outlives a failed test."""
+    event = threading.Event()
+    try:
+        yield event
+    finally:
+        event.set()
 
 
 def held(returned: threading.Event, reply: Any) -> Callable[[Any], dict[str, Any]]:
@@ -220,13 +239,12 @@ def test_a_slot_that_refuses_its_files_fails_the_attempt_before_any_provider_cal
 
 
 def test_a_prepare_past_its_timeout_fails_and_cleanup_waits_until_the_call_returns(
-    host: Host,
+    host: Host, returned: threading.Event
 ) -> None:
     """A timed-out call's thread runs on: the attempt fails `provider_timeout` at once,
     but its cleanup is confirmed only once the call has returned, never while the
     provider may still act on the attempt."""
     job = plan()
-    returned = threading.Event()
     script(host, "probe", job, held(returned, sdk.ProbeReply(ok=True)))
     ticks = 0
 
@@ -244,10 +262,7 @@ def test_a_prepare_past_its_timeout_fails_and_cleanup_waits_until_the_call_retur
             returned.set()
             await until(settled_and_clean(host, job.attempt_id), "cleaned after the return")
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        returned.set()
+    asyncio.run(scenario())
     failed_with(host, job, "provider_timeout")
     assert host.driver.count("prepare", job.attempt_id) == 0
 
@@ -261,10 +276,7 @@ def started_until_settled(host: Host, job: Plan, settings: Settings = FAST) -> N
 
     async def scenario() -> None:
         async with running(Runner(host.ctx, settings=settings)) as runner:
-            await admitted(host, runner, job)
-            await until(ready(host, job.attempt_id), "ready")
-            (row,) = await ask_rows(host, protocol.StartRequest, job)
-            assert isinstance(row, wire.AttemptRow), row
+            await started(host, runner, job)
             await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
 
     asyncio.run(scenario())
@@ -317,27 +329,21 @@ def test_a_barrier_that_finished_before_its_pid_never_ran_the_payload(host: Host
 
 
 def test_a_provider_start_past_its_timeout_leaves_the_outcome_unknown_never_replayed(
-    host: Host,
+    host: Host, returned: threading.Event
 ) -> None:
     """The payload may run: the outcome is lost (`provider_timeout`), the service is
     stopped, and start is never called again."""
     job = plan()
-    returned = threading.Event()
     script(host, "start", job, held(returned, sdk.StartReply(started=True)))
 
     async def scenario() -> None:
         async with running(Runner(host.ctx, settings=QUICK)) as runner:
-            await admitted(host, runner, job)
-            await until(ready(host, job.attempt_id), "ready")
-            await ask_rows(host, protocol.StartRequest, job)
+            await started(host, runner, job)
             await until(lambda: record(host, job.attempt_id).status.state == "unknown", "lost")
             returned.set()
             await until(settled_and_clean(host, job.attempt_id), "cleaned after the return")
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        returned.set()
+    asyncio.run(scenario())
     status = record(host, job.attempt_id).status
     assert (status.state, status.reason) == ("unknown", "provider_timeout")
     assert host.driver.count("start", job.attempt_id) == 1
@@ -419,9 +425,7 @@ def running_until_settled(
 
     async def scenario() -> None:
         async with running(Runner(host.ctx, settings=settings)) as runner:
-            await admitted(host, runner, job)
-            await until(ready(host, job.attempt_id), "ready")
-            await ask_rows(host, protocol.StartRequest, job)
+            await started(host, runner, job)
             await until(lambda: record(host, job.attempt_id).status.state == "running", "running")
             unit = the_service(host, job)
             assert unit is not None
@@ -493,20 +497,16 @@ def test_a_nonzero_exit_after_an_oom_kill_is_memory_exhausted(host: Host, payloa
 
 
 def test_an_observe_past_its_timeout_while_the_payload_runs_is_an_unknown_outcome(
-    host: Host, payload: Payload
+    host: Host, payload: Payload, returned: threading.Event
 ) -> None:
     job = plan()
-    returned = threading.Event()
 
     async def hangs(_: FakeUnit) -> None:
         script(host, "observe", job, held(returned, sdk.Observation(phase="waiting")))
         await until(lambda: record(host, job.attempt_id).status.state == "unknown", "lost")
         returned.set()  # cleanup waits for the call's return
 
-    try:
-        running_until_settled(host, job, payload, hangs, QUICK)
-    finally:
-        returned.set()
+    running_until_settled(host, job, payload, hangs, QUICK)
     status = record(host, job.attempt_id).status
     assert (status.state, status.reason) == ("unknown", "provider_timeout")
 
