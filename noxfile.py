@@ -24,6 +24,8 @@ Sessions:
   bench                                the benchmarks (tools/bench), as ratios
   soak                                 the long reliability loops (R1, R3 at soak size)
   demo                                 one real job end to end (tools/demo.py)
+  gpu_check                            tools/gpu/check against the built wheels (`-- --dry-run`
+                                       where there is no GPU)
   ci                                   everything CI needs: all of the above but bench, soak,
                                        vm_soak, demo
 
@@ -493,6 +495,14 @@ def demo(session: nox.Session) -> None:
     _install_all(session)
     session.install(*BUILD_TOOLS)
     session.run("python", str(script), *session.posargs)
+
+
+@nox.session(name="gpu_check")
+def gpu_check(session: nox.Session) -> None:
+    """Whether a job sees exactly the GPU it was lent (tools/gpu/check, its options after
+    `--`), with the daemon and the provider from the built wheels."""
+    _install_built_wheels(session)
+    session.run("python", str(ROOT / "tools" / "gpu" / "check"), *session.posargs)
 
 
 # --- releases ----------------------------------------------------------------------------------

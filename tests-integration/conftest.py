@@ -21,8 +21,10 @@ import pytest
 
 from ficc_testkit.accounts import Accounts
 from ficc_testkit.host import Daemon, Layout, ensure_accounts
+from ficc_testkit.podman import PodmanWorld
 from ficc_testkit.slots import private_directory
 from ficc_testkit.wheels import InstalledProvider, build_wheel, install_provider
+from podman_support import BACKENDS, each_test, podman_world
 
 PROVIDER_SOURCE = Path(__file__).resolve().parent / "providers" / "ficc-test-provider"
 
@@ -116,3 +118,18 @@ def _kill_leftovers(accounts: Accounts) -> None:
                 os.kill(process.pid, signal.SIGKILL)
         except (psutil.Error, ProcessLookupError, TypeError, AttributeError):
             continue
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def world(request: pytest.FixtureRequest) -> Iterator[PodmanWorld]:
+    """One Podman world (daemon, accounts, slots, image, provider) per module and
+    system-service backend (podman_support.BACKENDS); a module that needs another
+    world defines its own `world`."""
+    with podman_world(request.param) as built:
+        yield built
+
+
+@pytest.fixture
+def e2e(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
+    """The shared world, cleaned after each test (podman_support.each_test)."""
+    yield from each_test(request, world)

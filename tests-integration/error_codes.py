@@ -116,6 +116,7 @@ ENTRIES: tuple[Entry, ...] = (
     _detail("node_mismatch", "a plan addressed to another node of the deployment"),
     _detail("slot_capacity", "a plan of a slot class no slot has"),
     _detail("provider_unavailable", "a plan pinning another provider package digest"),
+    _detail("limits_below_minimum", "a plan below the memory the test provider states it needs"),
     _detail("offer_revision", "a plan made for another offer revision"),
     _detail("offer_closed", "prepare while the offer is paused"),
     _detail("lease_expired", "prepare with a first lease already past"),
@@ -271,15 +272,27 @@ HOST_ONLY: dict[str, str] = {
             "status_cursor",
             "slot_account",
             "provision_failed",
-            "smoke_no_daemon",
-            "smoke_no_free_slot",
-            "smoke_no_image",
-            "smoke_offer_closed",
-            "smoke_provider_unavailable",
-            "smoke_slot_class",
+            "run_attempt_exists",
+            "run_input_mismatch",
+            "run_input_not_given",
+            "run_input_undeclared",
+            "run_input_unreadable",
+            "run_no_capacity",
+            "run_no_daemon",
+            "run_no_free_slot",
+            "run_no_image",
+            "run_offer_closed",
+            "run_output_dir",
+            "run_plan_incomplete",
+            "run_plan_invalid",
+            "run_plan_mismatch",
+            "run_provider_unavailable",
+            "run_resume",
+            "run_slot_class",
+            "run_usage",
         ),
-        "startup or command refusal: the daemon (or `status`, `provision-slot`,"
-        " `smoke-test`) stops before serving",
+        "startup or command refusal: the daemon (or `status`, `provision-slot`, `run`,"
+        " `smoke-test`) stops before serving (`run`: before it reserves anything)",
     ),
     **dict.fromkeys(
         (
@@ -330,6 +343,10 @@ HOST_ONLY: dict[str, str] = {
     **dict.fromkeys(
         ("conformance_usage", "plan_unsupported", "provider_unknown", "slot_busy"),
         "the provider conformance kit's command refuses to run (exit 2); no daemon involved",
+    ),
+    "service_payload": (
+        "logged only (a warning): the gated payload could not be moved into its own payload"
+        " cgroup; the start goes on and its payload figures are absent"
     ),
     **dict.fromkeys(
         ("file_exists", "file_too_large", "not_directory"),

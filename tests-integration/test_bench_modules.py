@@ -43,8 +43,8 @@ def test_the_stack_summary_sets_waits_aside_and_groups_the_checks(
 
     root = "thread (1): ficc-io_0;Thread.run (threading.py:982);Lane._work (host/lanes.py:170)"
     lines = [
-        f"{root};_run_one (host/lanes.py:104);scan_tasks (host/taskscan.py:80) 7",
-        f"{root};_run_one (host/lanes.py:104);live_processes_by_uid (a.py:390) 2",
+        f"{root};_run_one (host/lanes.py:104);scan_tasks (provider/tasks.py:80) 7",
+        f"{root};_run_one (host/lanes.py:104);live_processes_of (a.py:390);scan_tasks (t.py:1) 2",
         f"{root};_run_one (host/lanes.py:104);processes_by_uid (a.py:353) 3",
         f"{root};_run_one (host/lanes.py:104);fsync_dir (host/fsutil.py:246) 5",
         "thread (1): ficc-io_0;Thread.run (threading.py:982);Lane._work (host/lanes.py:169) 40",
@@ -52,8 +52,7 @@ def test_the_stack_summary_sets_waits_aside_and_groups_the_checks(
         "not a sample",
     ]
     counted = stacks.shares(lines)
-    assert counted["the host's walk of every thread for a slot account"] == 7
-    assert counted["the provider's idle checks (walks of /proc)"] == 2
+    assert counted["the walks of every thread for a slot account (host and provider)"] == 9
     assert counted["the provider's observe (walks of /proc)"] == 3
     assert counted[stacks.REST] == 5
     assert sum(counted.values()) == 17  # the 70 waiting samples are not counted

@@ -153,6 +153,41 @@ def test_a_provider_that_refuses_nothing_fails_the_probe_rules(kit: Run) -> None
     assert "probe accepted it" in outcomes["probe.refuses_unknown_image"]["message"]
 
 
+def test_a_stated_minimum_runs_and_a_plan_below_it_cannot_run_the_kit(
+    layout: Layout, provider: InstalledProvider
+) -> None:
+    """`limits.minimum_runs` runs the quick payload at exactly the stated limits (the
+    shell barrier and `/bin/true` need two processes); a `--plan` below them is refused
+    before anything runs, as the daemon would refuse it."""
+    stated = {"memory_bytes": 16 * MIB, "processes": 2}
+    configured = {"runtime": "service", **TEST_OFFER, "minimum_limits": stated}
+    plan = kit_plan(layout, provider)
+    status, outcomes, stderr = run_kit(layout, "test", provider.site, plan, configured)
+    failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
+    assert (status, failed) == (0, {}), stderr
+    below = {"runtime": "service", **TEST_OFFER, "minimum_limits": {"processes": 33}}
+    status, outcomes, stderr = run_kit(layout, "test", provider.site, plan, below)
+    assert (status, outcomes) == (2, {}), stderr
+    assert stderr.startswith(
+        "conformance: cannot run: conformance_usage: --plan: processes 32 is below the 33"
+        " the test runtime needs"
+    ), stderr
+
+
+def test_a_minimum_the_runtime_cannot_run_at_fails_its_rule(
+    layout: Layout, provider: InstalledProvider
+) -> None:
+    """One process is too few for the shell barrier to start the payload: the stated
+    minimum is a lie, and the rule says so under its own name."""
+    configured = {"runtime": "service", **TEST_OFFER, "minimum_limits": {"processes": 1}}
+    status, outcomes, stderr = run_kit(
+        layout, "test", provider.site, kit_plan(layout, provider), configured
+    )
+    assert status == 1, stderr
+    failed = {rule: o["message"] for rule, o in outcomes.items() if not o["passed"]}
+    assert set(failed) == {"limits.minimum_runs"}, failed
+
+
 @NEEDS_PODMAN
 def test_the_podman_provider_passes_every_rule() -> None:
     with podman_layout() as made:

@@ -19,6 +19,7 @@ import pytest
 from ficc.execution.protocol import (
     ACTIONS,
     ZERO_ID,
+    CheckSlotsRequest,
     CollectRequest,
     InputStatusRequest,
     InputWrite,
@@ -47,7 +48,7 @@ from ficc_testkit.host import Daemon
 from ficc_testkit.plans import new_id
 
 FORBIDDEN = {
-    "transport": {"reconcile_absent", "set_offer", "metrics"},
+    "transport": {"reconcile_absent", "set_offer", "metrics", "check_slots"},
     "owner": ACTIONS - {"snapshot", "set_offer"},
     "admin": set(),
 }
@@ -126,6 +127,7 @@ def one_request(daemon: Daemon, action: str) -> Request:
             version=1, id=rid, expected_revision=999_999, control="active"
         ),
         "metrics": lambda: MetricsRequest(version=1, id=rid),
+        "check_slots": lambda: CheckSlotsRequest(version=1, id=rid),
     }
     assert set(builders) == ACTIONS
     return builders[action]()

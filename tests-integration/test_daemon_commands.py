@@ -7,10 +7,12 @@ dependency), so what node_exporter or Prometheus would read is what is checked.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ficc.execution.protocol import MetricsRequest
+from ficc.execution.wire import TERMINAL
 from ficc_testkit.accounts import Accounts
 from ficc_testkit.driver import attempt, rows
 from ficc_testkit.host import Daemon, Layout
@@ -99,7 +102,7 @@ def test_status_json_has_every_page_and_the_daemon_version(daemon: Daemon) -> No
     assert ids == sorted(p.attempt_id for p in plans)
     assert shown["pages"][0]["installation_id"] == daemon.layout.installation_id
     text = ficc_executor("status", "--config", str(daemon.layout.config_path))
-    assert text.stdout.splitlines()[0] == f"daemon         {VERSION}"
+    assert text.stdout.splitlines()[0].startswith(f"daemon         {VERSION}   started ")
 
 
 def test_provider_digest_json_is_the_pin(daemon: Daemon) -> None:
@@ -184,8 +187,131 @@ def test_a_provider_whose_configure_fails_is_unavailable_everywhere(broken_daemo
         "check-config", "--config", str(daemon.layout.config_path),
         "--provider-path", str(daemon.provider.site),
     )  # fmt: skip
-    assert checked.returncode == 5  # the running daemon holds the ledger: reported first
+    assert checked.returncode == 4  # the unavailable provider outranks the held ledger
     assert "ledger: held by a running daemon" in checked.stdout
     assert "provider test: unavailable: provider_configure_failed" in checked.stderr
     logged = [e for e in daemon.process.events() if "unavailable" in str(e.get("message"))]
     assert [e["level"] for e in logged] == ["error"]
+
+
+def check_config(daemon: Daemon, *extra: str) -> subprocess.CompletedProcess[str]:
+    """`check-config` of the daemon's configuration file, as an administrator runs it."""
+    return ficc_executor(
+        "check-config", "--config", str(daemon.layout.config_path),
+        "--provider-path", str(daemon.provider.site), *extra,
+    )  # fmt: skip
+
+
+def test_a_stale_pin_beside_a_running_daemon_is_not_reported_in_order(daemon: Daemon) -> None:
+    """While the daemon runs, check-config cannot open the ledger (exit 5, `ledger_busy`)
+    and says the rest is in order. A pin that no longer matches the installed provider
+    (as after an upgrade of its files) must not hide behind that: it exits 4 on stdout
+    and in `--json` alike, and no line calls the configuration in order."""
+    fine = check_config(daemon)
+    assert fine.returncode == 5, fine.stdout + fine.stderr
+    assert fine.stdout.splitlines()[-1].endswith(
+        ": in order, but a running daemon holds the ledger (ledger_busy)"
+    )
+    assert json.loads(check_config(daemon, "--json").stdout)["result"] == "ledger_busy"
+
+    stale = dict(daemon.layout.document)
+    stale["providers"] = [{**stale["providers"][0], "package_digest": "sha256:" + "0" * 64}]
+    daemon.layout.rewrite(stale)
+    shown = check_config(daemon)
+    assert shown.returncode == 4, shown.stdout + shown.stderr
+    assert "in order" not in shown.stdout
+    assert shown.stdout.splitlines()[-1] == (
+        f"{daemon.layout.config_path}: a provider is unavailable, and a running daemon holds"
+        " the ledger (ledger_busy)"
+    )
+    assert "provider test: unavailable: provider_digest_mismatch" in shown.stderr
+    document = json.loads(check_config(daemon, "--json").stdout)
+    assert document["result"] == "provider_unavailable"
+    assert document["ledger"].startswith("held by a running daemon")
+    assert document["providers"][0]["error"]["code"] == "provider_digest_mismatch"
+    allowed = check_config(daemon, "--allow-unavailable-providers")
+    assert allowed.returncode == 5  # the unit's form: only the held ledger stops it now
+    assert "in order" not in allowed.stdout
+    assert daemon.snapshot().capacity.providers[0].available  # the daemon is untouched
+
+
+def test_a_real_gate_refusal_is_counted_by_ficc_gate_refusals(daemon: Daemon) -> None:
+    """The test provider runs its payload unconfined, so the payload gate refuses it
+    (test_daemon_lifecycle.py); the refusal is recorded under the code of the check
+    that refused, and `ficc_gate_refusals` counts it, before and after the release."""
+    plan = daemon.plan()
+    rows(daemon.prepare([plan]))
+    daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    daemon.start_attempt(plan)
+    ended = daemon.wait_state(plan, lambda r: r.state in TERMINAL, "a terminal state")
+    assert ended.reason is not None
+    assert ended.reason.startswith("gate_"), ended
+    config = str(daemon.layout.config_path)
+    found = samples(ficc_executor("metrics", "--config", config).stdout)
+    assert found[("ficc_attempt_reasons", (("reason", ended.reason),))] == 1
+    assert found[("ficc_gate_refusals", ())] == 1
+    daemon.wait_state(plan, lambda r: r.cleanup_confirmed, "confirmed cleanup")
+    assert attempt(daemon.release(plan)).state == "released"
+    found = samples(ficc_executor("metrics", "--config", config).stdout)
+    assert found[("ficc_gate_refusals", ())] == 1  # a released record keeps its reason
+
+
+def attempt_lines(text: str) -> dict[str, list[str]]:
+    """The attempt rows of a `status` table, by attempt ID, in the order shown."""
+    return {
+        line.split()[0]: line.split()
+        for line in text.splitlines()
+        if re.match(r"[0-9a-f]{32} ", line)
+    }
+
+
+def test_status_shows_live_attempts_by_time_and_the_history_on_request(daemon: Daemon) -> None:
+    """A released attempt (history), a failed one not yet released and a prepared one
+    (live): `status` lists the two not released, by the time of their last change in
+    UTC; `--all` adds the released one, `--since` chooses by that time; `--json` keeps
+    the protocol's pages and honours the same choice."""
+    started_ms = int(time.time() * 1000)
+    old, failed, live = daemon.plan(), daemon.plan(), daemon.plan()
+    rows(daemon.reject_absent([old]))
+    assert attempt(daemon.release(old)).state == "released"
+    rows(daemon.reject_absent([failed]))
+    rows(daemon.prepare([live]))
+
+    def status(*options: str) -> subprocess.CompletedProcess[str]:
+        return ficc_executor("status", "--config", str(daemon.layout.config_path), *options)
+
+    everything = json.loads(status("--all", "--json").stdout)
+    times = {
+        a["attempt_id"]: a["changed_at_ms"] for p in everything["pages"] for a in p["attempts"]
+    }
+    assert started_ms <= times[old.attempt_id] <= times[failed.attempt_id] <= times[live.attempt_id]
+    assert times[live.attempt_id] <= time.time() * 1000
+
+    def by_time(since_ms: int = 0) -> list[str]:
+        kept = [(t, i) for i, t in times.items() if t >= since_ms]
+        return [i for _, i in sorted(kept)]
+
+    shown = status()
+    assert shown.returncode == 0, shown.stderr
+    table = attempt_lines(shown.stdout)
+    assert list(table) == [i for i in by_time() if i != old.attempt_id]
+    assert "attempts       2   live (not released); 1 more with --all" in shown.stdout
+    for attempt_id, row in table.items():
+        changed = datetime.datetime.fromtimestamp(times[attempt_id] / 1000, datetime.UTC)
+        assert row[1] == changed.strftime("%Y-%m-%dT%H:%M:%SZ")  # UTC, to the second
+
+    history = attempt_lines(status("--all").stdout)
+    assert list(history) == by_time()
+    assert history[old.attempt_id][2:5] == ["1", "released", "-"]  # no READY once released
+    since_ms = times[failed.attempt_id]
+    since = datetime.datetime.fromtimestamp(since_ms / 1000, datetime.UTC).isoformat()
+    assert list(attempt_lines(status("--since", since).stdout)) == by_time(since_ms)
+    assert failed.attempt_id in by_time(since_ms)
+    assert list(attempt_lines(status("--since", "1h").stdout)) == by_time()
+
+    live_only = json.loads(status("--json").stdout)
+    listed = {a["attempt_id"] for p in live_only["pages"] for a in p["attempts"]}
+    assert listed == {failed.attempt_id, live.attempt_id}
+    refused = status("--since", "yesterday")
+    assert refused.returncode == 2
+    assert "neither a duration" in refused.stderr

@@ -77,7 +77,7 @@ from ficc_testkit.driver import (
     rows,
     send,
 )
-from ficc_testkit.host import PROVIDER_CALLS, Daemon, Layout
+from ficc_testkit.host import MINIMUM_LIMITS, PROVIDER_CALLS, Daemon, Layout
 from ficc_testkit.plans import new_id
 from ficc_testkit.slots import private_directory
 from ficc_testkit.units import MIB
@@ -474,6 +474,29 @@ def test_admission_detail_provider_unavailable(d: Daemon) -> None:
     runtime = msgspec.structs.replace(plan.job.runtime, package_digest=fake("1"))
     plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, runtime=runtime))
     assert admission_detail(d, plan) == "provider_unavailable"
+
+
+def test_admission_detail_limits_below_minimum(d: Daemon) -> None:
+    """Refused with the figure to ask for, before any provider call and with nothing
+    reserved: the provider stated its minimum when it was configured."""
+    free = d.snapshot().capacity
+    plan = plan_of(d, memory_bytes=MINIMUM_LIMITS["memory_bytes"] - 1)
+    (row,) = rows(d.prepare([plan], sender=d.as_admin))
+    code, message = error_of(row)
+    assert code == "admission_rejected", (code, message)
+    needed = MINIMUM_LIMITS["memory_bytes"]
+    assert message.startswith(
+        f"limits_below_minimum: memory_bytes {needed - 1} is below the {needed} the test"
+        f" runtime needs; ask for at least {needed} (4 MiB)"
+    ), message
+    rejected = attempt(d.observe(plan))
+    assert (rejected.state, rejected.reason, rejected.slot) == (
+        "failed",
+        "admission_rejected",
+        None,
+    )
+    assert d.snapshot().capacity == free
+    assert d.layout.provider_calls("probe", plan.attempt_id) == 0
 
 
 def test_admission_detail_offer_revision(d: Daemon) -> None:

@@ -14,15 +14,18 @@ tools/systemd/tests/test_daemon_unit.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import psutil
 import pytest
 
+from ficc.execution.host.service import cgroups
 from ficc.execution.plan import Payload, Plan
 from ficc.execution.protocol import RenewRequest
 from ficc.execution.wire import ErrorReply
@@ -127,6 +130,59 @@ def test_a_dead_or_hung_daemon_still_stops_the_payload_at_its_deadline(
     assert attempt(daemon.release(plan)).state == "released"
     assert not slot_processes(daemon)
     assert daemon.layout.provider_calls("start", plan.attempt_id) == 1
+
+
+def _procs(node: Path) -> list[int]:
+    return [int(pid) for pid in (node / "cgroup.procs").read_text().split()]
+
+
+@contextlib.contextmanager
+def unit_cgroup(pid: int) -> Iterator[list[Path]]:
+    """`pid` moved into a cgroup of its own in each hierarchy where systemd keeps a
+    unit's processes and finds them when it stops the unit: the unified tree, and on a
+    hybrid host also its own v1 hierarchy (`name=systemd`). Whatever is left in it is
+    killed and the cgroup removed at the end."""
+    mounts = cgroups.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    tracked = [Path(h.mount) for h in mounts if h.version == 2 or "name=systemd" in h.controllers]
+    name = f"ficc-t-unit-{os.getpid()}-{new_id()[:8]}"
+    made: list[Path] = []
+    try:
+        for mount in tracked:
+            node = mount / name
+            node.mkdir()
+            made.append(node)
+            (node / "cgroup.procs").write_text(str(pid))
+        yield made
+    finally:
+        for node in made:
+            for left in _procs(node):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(left, signal.SIGKILL)
+            wait_for(lambda node=node: not _procs(node), f"{node} to empty")
+            node.rmdir()
+
+
+def test_a_stop_of_the_daemons_unit_leaves_the_lease_reaper_enforcing(daemon: Daemon) -> None:
+    """With supervisor=cgroupfs under the shipped unit, `systemctl stop` sends SIGTERM to
+    the daemon, then SIGKILLs whatever is left in the unit's cgroup (`KillMode=mixed`).
+    The lease reaper is not there: the daemon moved it into `<base>/lease-reaper` in
+    every hierarchy, systemd's own included, so it goes on enforcing the deadline the
+    daemon left. Emulated: the daemon in a unit-like cgroup of its own, stopped that way."""
+    assert daemon.process.process is not None
+    with unit_cgroup(daemon.process.process.pid) as unit:
+        plan, deadline = start_held(daemon)
+        assert daemon.process.stop() == 0  # SIGTERM to the main process
+        for node in unit:  # then SIGKILL to every process left in the unit's cgroup
+            for pid in _procs(node):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        assert now_ms() < deadline - LEASE_MS // 2, "the start took too long for this test"
+        assert slot_processes(daemon), "the service died with the unit, not at its deadline"
+        remaining = (deadline + GRACE_MS - now_ms()) / 1000
+        wait_for(lambda: not slot_processes(daemon), "the reaper's stop", timeout=remaining)
+    daemon.process = DaemonProcess.of(daemon.layout, daemon.provider)
+    daemon.start()
+    _settles_once_and_releases(daemon, plan)
 
 
 def _settles_once_and_releases(daemon: Daemon, plan: Plan) -> None:

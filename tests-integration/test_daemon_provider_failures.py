@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from ficc.execution.plan import Plan
+from ficc.execution.wire import Usage
 from ficc_testkit.daemons import DaemonProcess
 from ficc_testkit.driver import attempt, rows
 from ficc_testkit.host import Daemon
@@ -204,3 +205,33 @@ def test_a_runtime_that_fails_before_the_release_is_heard_in_the_daemons_log(
     )  # fmt: skip
     assert line["runtime_stderr"] == runtime_said
     assert "OCI runtime error" in line["message"]
+
+
+def test_a_runtime_killed_for_memory_before_the_release_is_memory_exhausted(
+    daemon: Daemon,
+) -> None:
+    """The barrier (standing in for a runtime given too little memory for itself) grows
+    until the kernel's out-of-memory killer kills it, before the release: the attempt
+    ends `memory_exhausted`, not `barrier_exited`, and its detail, its log event and its
+    usage say why, so nobody has to connect a bare `Killed` with an OOM count."""
+    plan = with_environment(daemon.plan(memory_bytes=64 << 20), FICC_TEST_PROVIDER_HOLD="oom")
+    rows(daemon.prepare([plan]))
+    ready = daemon.wait_state(plan, lambda r: r.ready or r.state != "prepared", "readiness")
+    assert (ready.state, ready.ready) == ("prepared", True), ready
+    attempt(daemon.start_attempt(plan))
+    done = settled_clean(daemon, plan)
+    assert (done.state, done.reason, done.exit_code) == ("failed", "memory_exhausted", None), done
+    detail = attempt(daemon.observe(plan, detail=True)).detail
+    assert isinstance(detail, str), detail
+    assert detail.startswith("the kernel's out-of-memory killer killed 1 process(es)"), detail
+    assert "(barrier_exited: the barrier exited before release" in detail, detail
+    assert f"memory_bytes {64 << 20} is too small for the provider's runtime itself" in detail
+    assert "the runtime printed: ficc-test-barrier: starting the runtime" in detail, detail
+    used = attempt(daemon.observe(plan, usage=True)).usage
+    assert isinstance(used, Usage), used
+    assert (used.final, used.oom_kills) == (True, 1), used
+    daemon.release(plan)
+    said = [line for line in daemon.process.events() if line.get("event") == "runtime_error"]
+    assert [(line["attempt_id"], line["code"]) for line in said] == [
+        (plan.attempt_id, "memory_exhausted")
+    ], said

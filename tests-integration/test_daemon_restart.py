@@ -52,3 +52,17 @@ def test_a_second_daemon_on_the_same_sockets_is_refused(daemon: Daemon) -> None:
     assert second.process.returncode == 1
     assert daemon.process.alive
     daemon.snapshot()
+
+
+def test_the_initial_offer_counts_only_when_the_ledger_is_created(daemon: Daemon) -> None:
+    """docs/configuration.md, "When `initial_offer` counts": the first start writes the
+    offer into the ledger; a changed `initial_offer` and a restart change nothing (only
+    `set_offer` does), so a `paused` example stays as the ledger has it."""
+    before = daemon.snapshot().offer
+    assert before.control == "active"
+    document = daemon.layout.document
+    document["initial_offer"] = {**document["initial_offer"], "control": "paused",
+                                 "cpu_millis": 1000}  # fmt: skip
+    daemon.layout.rewrite(document)
+    daemon.restart()
+    assert daemon.snapshot().offer == before  # the same control, limits and revision

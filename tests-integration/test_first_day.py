@@ -117,7 +117,8 @@ def test_the_first_day_by_the_docs_ends_with_a_passed_smoke_test_and_leaves_noth
         built = build_image(Sources(ROOT), base / "build")
         archive = images / "busybox.oci.tar"
         sh("install", "-o", "root", "-g", "root", "-m", "0644", built["archive"], archive)
-        entry = json.loads(sh(venv / "bin" / "ficc-podman-image", archive).stdout)
+        printed = sh(venv / "bin" / "ficc-podman-image", archive, "--format", "json")
+        entry = json.loads(printed.stdout)
         assert entry["image_id"] == built["image_id"]
 
         # The pin.

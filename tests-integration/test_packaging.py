@@ -138,6 +138,22 @@ def test_the_console_commands_are_declared() -> None:
     }
 
 
+def test_the_guides_install_lines_install_every_console_command() -> None:
+    """docs/operations.md, "Installing": the `pip install` lines name the wheel of every
+    released distribution, so every command its table lists (`ficc-hoststate` too) is
+    there after the install."""
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    section = guide.split("### Installing", 1)[1].split("\n### ", 1)[0]
+    named = set(re.findall(r"\b(ficc_[a-z_]+)-\*\.whl", section))
+    installed = {
+        wheel
+        for line in section.replace("\\\n", " ").splitlines()  # continued lines joined
+        if "pip install" in line
+        for wheel in re.findall(r"\b(ficc_[a-z_]+)-\*\.whl", line)
+    }
+    assert installed == named == {name.replace("-", "_") for name in DISTRIBUTIONS}
+
+
 def test_the_podman_wheel_is_tagged_for_any_python_on_this_platform(tmp_path: Path) -> None:
     """It holds a static executable but no CPython extension: py3-none-<platform>."""
     subprocess.run(

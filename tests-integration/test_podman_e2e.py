@@ -31,7 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -45,24 +45,12 @@ from ficc_testkit.driver import row_code
 from ficc_testkit.podman import DEVICE, WAIT_TIMEOUT, PodmanWorld, barrier_of
 from ficc_testkit.units import MIB
 from ficc_testkit.waits import now_ms, wait_for
-from podman_support import BACKENDS, NEEDS_PODMAN, each_test, podman_world
+from podman_support import NEEDS_PODMAN
 
 pytestmark = NEEDS_PODMAN
 REPOSITORY = Path(__file__).resolve().parent.parent
 FICC_EXECUTOR = Path(sys.executable).parent / "ficc-executor"
 """The console command of the environment the tests run in."""
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def world(request: pytest.FixtureRequest) -> Iterator[PodmanWorld]:
-    with podman_world(request.param) as built:
-        yield built
-
-
-@pytest.fixture
-def e2e(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
-    """The shared world, cleaned after each test (podman_support.each_test)."""
-    yield from each_test(request, world)
 
 
 def _streamed(data: bytes, name: str) -> InputObject:
@@ -468,8 +456,13 @@ def test_the_smoke_test_reports_a_failed_job_and_still_releases_it(e2e: PodmanWo
 
 def test_the_documented_first_job_plan_runs_with_the_podman_provider(e2e: PodmanWorld) -> None:
     """docs/examples/podman-first-job.json, with its `<...>` fields filled in from the
-    host as the docs say, is a plan the reference provider runs."""
+    host and its input file as the docs say, is a plan the reference provider runs, sent
+    step by step as a controller would (`ficc-executor run` fills and sends it too:
+    test_run_command.py)."""
     template = json.loads((REPOSITORY / "docs" / "examples" / "podman-first-job.json").read_text())
+    greeting = b"greetings from the input\n"
+    (item,) = template["job"]["inputs"]
+    item.update(id=os.urandom(16).hex(), bytes=len(greeting), digest=digest_of(greeting))
     snapshot = e2e.driver.snapshot()
     config = e2e.layout.config
     template.update(
@@ -485,11 +478,13 @@ def test_the_documented_first_job_plan_runs_with_the_podman_provider(e2e: Podman
     plan = decode_plan(json.dumps(template).encode())
     e2e.plans.append(plan)
     e2e.prepare(plan)
+    e2e.stream(plan, plan.job.inputs[0], greeting)
     e2e.wait_ready(plan)
     e2e.start(plan)
     done = e2e.wait_settled(plan)
     assert (done.state, done.exit_code) == ("succeeded", 0), done
     assert e2e.collect(plan, "stdout").data.startswith(b"hello from the first job\n")
+    assert e2e.collect(plan, "output:greeting").data == greeting.upper()
     assert e2e.release(plan).state == "released"
 
 

@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -28,11 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ficc.execution.plan import Plan
 from ficc.execution.protocol import MetricsRequest
-from ficc.execution.wire import AttemptRow, MetricsReply, Usage
+from ficc.execution.wire import AttemptRow, MetricsReply, PayloadUsage, Usage
 from ficc_testkit.plans import new_id
 from ficc_testkit.podman import SLOT_CLASS, PodmanWorld
 from ficc_testkit.units import MIB
-from podman_support import BACKENDS, NEEDS_PODMAN, children_cpu_us, each_test, podman_world
+from podman_support import NEEDS_PODMAN, children_cpu_us
 
 pytestmark = NEEDS_PODMAN
 
@@ -52,20 +51,19 @@ PODMAN_CPU_US = int(os.environ.get("FICC_TEST_PODMAN_CPU_US", "1000000"))
 (measured on this 2-core host at about a quarter of a second; under the VM lane's
 software emulation, where Podman itself runs about 20x slower, at 5 to 7 s, so the
 lane sets this higher)."""
+PAYLOAD_SLACK_US = int(os.environ.get("FICC_TEST_PAYLOAD_SLACK_US", "100000"))
+"""What the payload's own node may count beyond its processes' `times`: the barrier's
+last polls after it was moved there and the shell itself (measured here at about
+0.04 s; the VM lane's software emulation sets this higher)."""
 SLOT_SLACK_BYTES = 2 * MIB
 """What a run adds to its slot beyond its payload's files (logs, the provider's files)."""
 SLOT_SLACK_INODES = 64
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def world(request: pytest.FixtureRequest) -> Iterator[PodmanWorld]:
-    with podman_world(request.param) as built:
-        yield built
-
-
 @pytest.fixture
-def usage(request: pytest.FixtureRequest, world: PodmanWorld) -> Iterator[PodmanWorld]:
-    yield from each_test(request, world)
+def usage(e2e: PodmanWorld) -> PodmanWorld:
+    """The shared world, cleaned after each test (conftest's `e2e`)."""
+    return e2e
 
 
 def _table(world: PodmanWorld, figure: str, payload: str, read: object, expected: str) -> None:
@@ -125,6 +123,45 @@ def test_a_cpu_spinner_costs_its_cpu_second_and_is_read_live(usage: PodmanWorld)
     assert used.wall_ms >= SPIN_SECONDS * 1000, used
     _table(usage, "wall_ms", "spinner, 1 s wall", used.wall_ms, ">= 1000")
     assert used.oom_kills == 0
+
+
+def test_the_payloads_own_share_is_told_apart_from_its_runtimes(usage: PodmanWorld) -> None:
+    """`payload_usage: true`: the spinner's own CPU (its container's cgroup, which the
+    host made below the service) is close to what it spun by `times`, and below the
+    service's total, which counts Podman's start and teardown too; its peak memory is
+    below the service's. Live while it runs and recorded at the end, as `usage` is; a
+    request that asks only for `usage` never sees the payload's part."""
+    script = f"timeout {SPIN_SECONDS} sh -c 'while :; do :; done'; times"
+    plan = usage.plan(script)
+    usage.run_to_running(plan)
+    live = usage.usage(plan, payload=True).usage
+    assert isinstance(live, Usage), live
+    assert isinstance(live.payload, PayloadUsage), live
+    if not live.final:  # still running: read live from the payload's own cgroup
+        assert isinstance(live.payload.cpu_user_us, int), live
+    usage.wait_settled(plan)
+    used = usage.usage(plan, payload=True).usage
+    assert isinstance(used, Usage), used
+    assert used.final
+    own = used.payload
+    assert isinstance(own, PayloadUsage), used
+    spun_us = children_cpu_us(usage.collect(plan, "stdout").data)
+    assert isinstance(own.cpu_user_us, int), own
+    assert isinstance(own.cpu_system_us, int), own
+    own_us = own.cpu_user_us + own.cpu_system_us
+    total_us = _cpu_us(used)
+    _table(usage, "payload cpu_user_us+cpu_system_us", "spinner, 1 s wall", own_us,
+           f"{spun_us} (the spinner's own, by `times`) .. +{PAYLOAD_SLACK_US}")  # fmt: skip
+    _table(usage, "service minus payload cpu", "spinner, 1 s wall", total_us - own_us,
+           "> 0 (Podman, conmon, runc)")  # fmt: skip
+    assert spun_us <= own_us <= spun_us + PAYLOAD_SLACK_US, (spun_us, used)
+    assert own_us < total_us, used
+    assert isinstance(own.memory_peak_bytes, int), own
+    assert isinstance(used.memory_peak_bytes, int), used
+    _table(usage, "payload memory_peak_bytes", "spinner, 1 s wall", own.memory_peak_bytes,
+           f"< the service's {used.memory_peak_bytes}")  # fmt: skip
+    assert 0 < own.memory_peak_bytes < used.memory_peak_bytes, used
+    assert usage.usage(plan).usage == msgspec.structs.replace(used, payload=msgspec.UNSET)
 
 
 def test_a_memory_hog_peaks_at_least_at_what_it_holds(usage: PodmanWorld) -> None:
@@ -236,13 +273,13 @@ def test_the_figures_survive_a_daemon_restart_and_the_release(usage: PodmanWorld
     assert after.usage == recorded
     assert usage.observe(plan).usage is msgspec.UNSET  # not asked: no usage
     config = str(usage.layout.config_path)
-    status = subprocess.run([str(COMMAND), "status", "--config", config, "--json"],
+    status = subprocess.run([str(COMMAND), "status", "--config", config, "--json", "--all"],
                             capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
     listed = {
         a["attempt_id"]: a for page in json.loads(status.stdout)["pages"] for a in page["attempts"]
     }
     assert listed[plan.attempt_id]["usage"] == msgspec.to_builtins(recorded)
-    table = subprocess.run([str(COMMAND), "status", "--config", config],
+    table = subprocess.run([str(COMMAND), "status", "--config", config, "--all"],
                            capture_output=True, text=True, check=True, timeout=120)  # fmt: skip
     (line,) = [x for x in table.stdout.splitlines() if x.startswith(plan.attempt_id)]
     cpu = f"{_cpu_us(recorded) / 1_000_000:.2f}"

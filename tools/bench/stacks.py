@@ -23,8 +23,7 @@ import collections
 import pathlib
 
 GROUPS = (
-    ("the host's walk of every thread for a slot account", ("scan_tasks (",)),
-    ("the provider's idle checks (walks of /proc)", ("live_processes_by_uid (",)),
+    ("the walks of every thread for a slot account (host and provider)", ("scan_tasks (",)),
     ("the provider's observe (walks of /proc)", (";processes_by_uid (",)),
     ("the service's cgroup trees (members, removal)", ("tree_pids (", "remove_tree (")),
     ("the payload gate (reading and checking the payload)", ("inspect_and_check (",)),

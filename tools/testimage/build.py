@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Sequence
 
 BUSYBOX = pathlib.Path("/bin/busybox")
 APPLETS = [
@@ -68,14 +69,22 @@ def _add(
     tar.addfile(info, io.BytesIO(data) if data else None)
 
 
-def rootfs_tar() -> bytes:
-    """The rootfs as deterministic tar bytes."""
+def rootfs_tar(extra: Sequence[pathlib.Path] = ()) -> bytes:
+    """The rootfs as deterministic tar bytes; `extra`: host files copied in at their own
+    paths (their content, links followed), such as the C library a host program needs."""
     if not BUSYBOX.is_file():
         raise SystemExit("needs /bin/busybox: apt-get install busybox-static")
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for d in ["bin", "dev", "etc", "proc", "sys", "tmp", "work", "inputs", "outputs"]:
+        top = ["bin", "dev", "etc", "proc", "sys", "tmp", "work", "inputs", "outputs"]
+        relative = [pathlib.PurePath(path).relative_to("/") for path in extra]
+        parents = {str(parent) for path in relative for parent in path.parents} - {".", *top}
+        for d in [*top, *sorted(parents)]:  # the same bytes as before when nothing is added
             _add(tar, d, kind=tarfile.DIRTYPE, mode=0o755)
+        for path in extra:
+            data = pathlib.Path(path).read_bytes()
+            _add(tar, str(pathlib.PurePath(path).relative_to("/")), kind=tarfile.REGTYPE,
+                 mode=0o755, data=data)  # fmt: skip
         _add(tar, "bin/busybox", kind=tarfile.REGTYPE, mode=0o755, data=BUSYBOX.read_bytes())
         for applet in APPLETS:
             _add(tar, f"bin/{applet}", kind=tarfile.SYMTYPE, mode=0o777, link="busybox")
@@ -86,10 +95,10 @@ def rootfs_tar() -> bytes:
     return out.getvalue()
 
 
-def build(out_dir: pathlib.Path, tag: str) -> dict[str, str]:
+def build(out_dir: pathlib.Path, tag: str, extra: Sequence[pathlib.Path] = ()) -> dict[str, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rootfs = out_dir / "rootfs.tar"
-    rootfs.write_bytes(rootfs_tar())
+    rootfs.write_bytes(rootfs_tar(extra))
     subprocess.run(
         [*PODMAN, "import", "--change", 'CMD ["/bin/sh"]', str(rootfs), tag],
         check=True,

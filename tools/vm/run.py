@@ -116,6 +116,11 @@ PODMAN_CPU_US = 12_000_000
 """What Podman's own CPU time in a job's service may be under software emulation
 (measured at 5 to 7 s a run; 0.25 s on the host), for the usage suite's bound."""
 
+PAYLOAD_SLACK_US = 2_000_000
+"""What a payload's own cgroup may count beyond its processes' `times` under software
+emulation (the shell's start and the barrier's last polls; 0.04 s on the host), for
+the usage suite's bound."""
+
 LEASE_MS = 60_000
 """The held attempt's lease in the daemon unit's reaper test (its start takes seconds
 here)."""
@@ -286,6 +291,7 @@ def prepare_inputs(target: pathlib.Path, args: argparse.Namespace) -> None:
     (target / "pytest-args").write_text(args.suites + "\n" if args.suites else "")
     (target / "pytest-env").write_text(
         f"FICC_E2E_BACKENDS={args.backends} FICC_TEST_PODMAN_CPU_US={PODMAN_CPU_US}"
+        f" FICC_TEST_PAYLOAD_SLACK_US={PAYLOAD_SLACK_US}"
         f" FICC_TEST_LEASE_MS={LEASE_MS} FICC_CRASH_KILLS={CRASH_KILLS}"
         f" FICC_CRASH_TESTS={image.GUEST_DIR}/tests-integration/test_crash_daemon.py\n"
     )

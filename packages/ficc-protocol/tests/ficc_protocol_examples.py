@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import pathlib
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ from ficc.execution.plan import (
     plan_digest,
 )
 from ficc.execution.protocol import (
+    CheckSlotsRequest,
     CollectRequest,
     Fence,
     InputStatusRequest,
@@ -67,6 +69,15 @@ from ficc.execution.wire import (
 )
 
 U63 = 2**63 - 1
+VECTORS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "vectors"
+"""The published request and reply documents (docs/vectors)."""
+
+
+def published(name: str) -> bytes:
+    """One published vector's bytes, as a controller in another language reads them."""
+    return (VECTORS / name).read_bytes()
+
+
 REQUEST_ID = "12" * 16
 INSTALLATION = "a1" * 16
 LEDGER = "b2" * 16
@@ -192,6 +203,7 @@ def requests() -> dict[str, Any]:
         ),
         "snapshot": SnapshotRequest(**base, after=hexid(7)),
         "metrics": MetricsRequest(**base),
+        "check_slots": CheckSlotsRequest(**base),
         "set_offer": SetOfferRequest(
             **base,
             expected_revision=3,

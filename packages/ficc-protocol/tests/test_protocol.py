@@ -440,7 +440,7 @@ def test_deep_plan_error_path_is_exact() -> None:
 
 def test_sender_matrix() -> None:
     transport = {a for a in ACTIONS if may_send(Sender.TRANSPORT, a)}
-    assert transport == ACTIONS - {"reconcile_absent", "set_offer", "metrics"}
+    assert transport == ACTIONS - {"reconcile_absent", "set_offer", "metrics", "check_slots"}
     assert {a for a in ACTIONS if may_send(Sender.OWNER, a)} == {"snapshot", "set_offer"}
     assert {a for a in ACTIONS if may_send(Sender.ADMINISTRATOR, a)} == ACTIONS
     assert not may_send(Sender.ADMINISTRATOR, "format_disk")

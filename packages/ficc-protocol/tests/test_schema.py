@@ -156,6 +156,16 @@ def test_usage_vectors_validate_and_round_trip(action: str) -> None:
     assert json.loads(encode_reply(decode_reply(reply, action))) == json.loads(reply)
 
 
+@pytest.mark.parametrize("field", ["slots", "daemon"])
+def test_opt_in_snapshot_vectors_validate_and_round_trip(field: str) -> None:
+    request = FILES[f"{_schema.VECTORS}/{field}-request-snapshot.json"]
+    REQUEST.validate(json.loads(request))
+    assert json.loads(encode_request(decode_request(request))) == json.loads(request)
+    reply = FILES[f"{_schema.VECTORS}/{field}-reply-snapshot.json"]
+    REPLY.validate(json.loads(reply))
+    assert json.loads(encode_reply(decode_reply(reply, "snapshot"))) == json.loads(reply)
+
+
 @pytest.mark.parametrize("name", ["local-only", "streamed"])
 def test_plan_vectors_are_the_golden_vectors(name: str) -> None:
     """The plan file is exactly the canonical bytes: its SHA-256 is the digest."""

@@ -9,6 +9,12 @@
  * more than the token's length, and exits with a distinct code on any anomaly so
  * the host can tell what went wrong.
  *
+ * When the payload cannot be executed it says so in one line on stderr,
+ * "ficc-barrier: cannot execute PATH: REASON (errno N)", and exits as a shell
+ * does: 127 when PATH does not exist (ENOENT), 126 for anything else (EACCES,
+ * ENOEXEC, ...). The host shows that line to the operator: an exit status alone
+ * does not say which program was missing, nor why.
+ *
  * usage: ficc-barrier MARKER TOKEN [--devices RESULT DEVICE...] -- ARGV0 [ARG...]
  *   MARKER  absolute path of the release marker (inside a directory the host owns)
  *   TOKEN   the exact bytes the marker must contain
@@ -36,6 +42,7 @@
 #include <string.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 enum {
@@ -44,7 +51,8 @@ enum {
     EXIT_MARKER_UNSAFE = 121, /* marker is a link, not a regular file, or too big */
     EXIT_MARKER_TOKEN = 122,  /* marker exists but holds another token */
     EXIT_WAIT_FAILED = 123,   /* the wait itself failed (poll error) */
-    EXIT_EXEC_FAILED = 124,   /* execve of the payload failed */
+    EXIT_EXEC_DENIED = 126,   /* the payload cannot be executed (EACCES, ENOEXEC, ...) */
+    EXIT_EXEC_MISSING = 127,  /* the payload's program does not exist (ENOENT) */
 };
 
 #define TOKEN_MAX 128
@@ -143,6 +151,27 @@ static int probe_devices(const char *result, char **devices, int count) {
     return 0;
 }
 
+/* One line naming the program and the reason, in one write (nothing else writes to
+ * stderr now), then the shell's exit status for it. strerrordesc_np is the C
+ * locale's text without gettext, which keeps the static binary small. */
+static int exec_failed(const char *program, int code) {
+    static const char prefix[] = "ficc-barrier: cannot execute ";
+    const char *reason = strerrordesc_np(code);
+    if (reason == NULL) reason = "unknown error";
+    char number[32];
+    int len = snprintf(number, sizeof number, " (errno %d)\n", code);
+    struct iovec parts[] = {
+        {(char *)prefix, sizeof prefix - 1},
+        {(char *)program, strlen(program)},
+        {(char *)": ", 2},
+        {(char *)reason, strlen(reason)},
+        {number, len > 0 ? (size_t)len : 0},
+    };
+    ssize_t ignored = writev(STDERR_FILENO, parts, sizeof parts / sizeof parts[0]);
+    (void)ignored;
+    return code == ENOENT ? EXIT_EXEC_MISSING : EXIT_EXEC_DENIED;
+}
+
 static int usage(void) {
     say("usage: ficc-barrier MARKER TOKEN [--devices RESULT DEVICE...] -- "
         "/ABSOLUTE/PROGRAM [ARG...]\n");
@@ -174,6 +203,5 @@ int main(int argc, char **argv) {
     if (rc != 0) return rc;
     extern char **environ;
     execve(argv[next + 1], &argv[next + 1], environ);
-    say("ficc-barrier: execve of the payload failed\n");
-    return EXIT_EXEC_FAILED;
+    return exec_failed(argv[next + 1], errno);
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 import subprocess
@@ -10,7 +11,12 @@ import time
 
 import pytest
 
-from ficc_provider_podman.barrier import BarrierExit, barrier_path, has_dynamic_loader
+from ficc_provider_podman.barrier import (
+    EXEC_FAILURE,
+    BarrierExit,
+    barrier_path,
+    has_dynamic_loader,
+)
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 
@@ -151,10 +157,31 @@ def test_bad_usage_exits_120(argv: list[str]) -> None:
     assert proc.returncode == BarrierExit.USAGE
 
 
-def test_exec_failure_exits_124(control: pathlib.Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "mode", "code", "status"),
+    [
+        (None, 0, errno.ENOENT, BarrierExit.EXEC_MISSING),
+        ("data", 0o644, errno.EACCES, BarrierExit.EXEC_DENIED),
+        ("garbage", 0o755, errno.ENOEXEC, BarrierExit.EXEC_DENIED),
+    ],
+)
+def test_an_exec_failure_names_the_program_and_exits_as_a_shell_does(
+    control: pathlib.Path, tmp_path: pathlib.Path, name: str | None, mode: int, code: int,
+    status: int,
+) -> None:  # fmt: skip
+    """127 for a program that does not exist, 126 for one that cannot be executed (no
+    execute bit, not an executable format), each with the one line the host shows the
+    operator: the path and the C library's reason."""
+    program = tmp_path / (name or "missing")
+    if name is not None:
+        program.write_bytes(b"\x00\x01 not a program\n")
+        program.chmod(mode)
     _write_marker(control / "release", TOKEN)
-    proc = _start(control / "release", "/nonexistent/program")
-    assert proc.wait(timeout=30) == BarrierExit.EXEC_FAILED
+    proc = _start(control / "release", str(program))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == status
+    line = EXEC_FAILURE.format(path=program, reason=os.strerror(code), errno=code)
+    assert err.decode() == line + "\n"
 
 
 def test_devices_are_probed_before_waiting(control: pathlib.Path, tmp_path: pathlib.Path) -> None:

@@ -6,8 +6,6 @@ import copy
 import os
 import shutil
 import threading
-from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,11 +14,10 @@ import pytest
 
 from ficc_provider_podman import container, observe
 from ficc_provider_podman import driver as podman_driver
-from ficc_provider_podman.account import LiveWalks, SlotAccount, processes_by_uid, processes_of
+from ficc_provider_podman.account import SlotAccount, processes_by_uid, processes_of
 from ficc_provider_podman.config import Config, load
 from ficc_provider_podman.errors import ProviderError
 from ficc_provider_podman.observe import parse_device_results
-from ficc_testkit.waits import wait_for
 
 SHA = "sha256:" + "a" * 64
 
@@ -54,7 +51,6 @@ def test_a_valid_configuration_loads_with_defaults(tmp_path: Path) -> None:
         {"runtime": "crun"},
         {"podman": "podman"},
         {"nofile": 20001},
-        {"devices": [{"name": "disk", "path": "/etc/passwd"}]},
         {
             "devices": [
                 {"name": "full", "path": "/dev/full"},
@@ -334,121 +330,3 @@ def test_one_observe_call_walks_proc_once_for_all_its_rows(
     replies = driver.observe(contexts)  # type: ignore[arg-type]
     assert [r["error"] for r in replies] == ["not_prepared"] * 3  # no state: each row refused
     assert walks == [{1000, 1001, 1002}]
-
-
-def _eight_ask_during_a_held_walk(
-    answer: Callable[[int, Collection[int]], dict[int, list[int]]],
-) -> tuple[LiveWalks, list[set[int]], Future[list[int]], list[Future[list[int]]]]:
-    """Slot 1 leads a walk, held until slots 2-9 wait for the next one; then both walks
-    run. `answer(n, uids)` is the n-th walk's answer (or raises). Returns the walks,
-    what each walk looked for, and the callers' finished futures."""
-    started, release = threading.Event(), threading.Event()
-    asked: list[set[int]] = []
-
-    def walk(uids: Collection[int]) -> dict[int, list[int]]:
-        asked.append(set(uids))
-        if len(asked) == 1:
-            started.set()
-            release.wait()
-        return answer(len(asked), uids)
-
-    walks = LiveWalks(walk)
-    with ThreadPoolExecutor(max_workers=9) as pool:
-        first = pool.submit(walks.of, 1)
-        started.wait()
-        later = [pool.submit(walks.of, uid) for uid in range(2, 10)]
-        wait_for(
-            lambda: walks._next is not None and len(walks._next.wanted) == 8,
-            "eight slots to wait for the next walk",
-        )
-        release.set()
-    return walks, asked, first, later
-
-
-def test_slots_that_ask_during_a_walk_share_the_next_one() -> None:
-    """The first caller's walk is held; eight slots ask meanwhile. They are answered by
-    one more walk, which began after all of them asked and looked for all of them."""
-    walks, asked, first, later = _eight_ask_during_a_held_walk(
-        lambda n, uids: {uid: [1000 + n] for uid in uids}
-    )
-    assert first.result() == [1001]  # the walk it led
-    assert [f.result() for f in later] == [[1002]] * 8
-    assert asked == [{1}, set(range(2, 10))]
-    assert walks.walks == 2
-    assert walks._next is None  # nothing is kept
-    assert walks._running is None
-
-
-def test_a_failed_walk_fails_its_callers_and_the_next_walk_is_fresh() -> None:
-    calls = 0
-
-    def walk(uids: Collection[int]) -> dict[int, list[int]]:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise PermissionError("no /proc")
-        return {uid: [7] for uid in uids}
-
-    walks = LiveWalks(walk)
-    with pytest.raises(PermissionError):
-        walks.of(5)
-    assert walks.of(5) == [7]
-    assert walks.of(6) == [7]
-    assert calls == 3
-
-
-def test_every_caller_of_a_failed_walk_gets_its_error() -> None:
-    """Eight slots ask while the first walk runs; the walk they share then fails. Each
-    of them gets the error (none waits for ever, none gets an answer), and the walk
-    after that is fresh."""
-
-    def answer(n: int, uids: Collection[int]) -> dict[int, list[int]]:
-        if n == 2:
-            raise PermissionError("no /proc")
-        return {uid: [3] for uid in uids}
-
-    walks, asked, first, later = _eight_ask_during_a_held_walk(answer)
-    assert first.result() == [3]  # the walk it led
-    assert [type(f.exception()) for f in later] == [PermissionError] * 8
-    assert walks.of(2) == [3]
-    assert asked == [{1}, set(range(2, 10)), {2}]
-    assert walks._running is None
-
-
-class _InterruptOnceLed:
-    """A lock that, when released right after a caller took the lead of a walk, raises
-    KeyboardInterrupt once: an asynchronous exception at the worst moment."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.walks: LiveWalks | None = None
-        self.armed = True
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-        if self.armed and self.walks is not None and self.walks._running is not None:
-            self.armed = False
-            raise KeyboardInterrupt
-
-
-def test_an_interrupt_right_after_taking_the_lead_still_ends_the_walk() -> None:
-    walked: list[set[int]] = []
-
-    def walk(uids: Collection[int]) -> dict[int, list[int]]:
-        walked.append(set(uids))
-        return {uid: [9] for uid in uids}
-
-    walks = LiveWalks(walk)
-    lock = _InterruptOnceLed()
-    lock.walks = walks
-    walks._lock = lock  # type: ignore[assignment]
-    with pytest.raises(KeyboardInterrupt):
-        walks.of(4)
-    assert not lock.armed  # the interrupt came after the lead was taken
-    assert walks._running is None  # ended: a later caller need not wait for it
-    assert walks.walks == 1
-    assert walks.of(4) == [9]
-    assert walked == [{4}]

@@ -83,6 +83,27 @@ def test_a_malformed_reply_is_refused(method: str, data: object, kind: type) -> 
         sdk.decode_reply(method, data, kind)
 
 
+def test_a_minimum_limits_statement_is_plain_data_and_figures_left_out_state_nothing() -> None:
+    stated = sdk.reply(sdk.MinimumLimits(memory_bytes=64 << 20))
+    assert stated == {"memory_bytes": 64 << 20}
+    assert sdk.decode_minimum_limits(stated) == sdk.MinimumLimits(memory_bytes=64 << 20)
+    assert sdk.decode_minimum_limits({}) == sdk.MinimumLimits()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [{"memory_bytes": "64M"}, {"processes": 0}, {"cpu_millis": 10}, {"processes": True}, []],
+)
+def test_a_malformed_minimum_limits_statement_is_refused(data: object) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        sdk.decode_minimum_limits(data)
+
+
+def test_the_minimum_limits_table_lists_exactly_its_fields(doc: str) -> None:
+    documented = [_name(row[0]) for row in _table(doc, "minimum-limits-fields")]
+    assert documented == list(sdk.MinimumLimits.__struct_fields__)
+
+
 def test_a_struct_of_another_method_is_refused() -> None:
     with pytest.raises(ValueError, match="not the reply of 'start'"):
         sdk.decode_reply("start", {"ok": True}, sdk.ProbeReply)

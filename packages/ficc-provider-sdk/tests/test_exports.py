@@ -19,9 +19,10 @@ from ficc.execution import provider
 EXPORTS = [
     "API_VERSION", "MAX_BATCH", "METHODS", "BarrierSpec", "CollectReply", "Context",
     "DeviceOpen", "FileIdentity", "GeneratedTarget", "Identity", "InputCapability", "Logs",
-    "MountSpec", "Observation", "PrepareContext", "PrepareResult", "PreparedDevice",
-    "ProbeReply", "Refusal", "Refused", "ReleaseReply", "Reply", "Slot", "StartReply",
-    "StopReply", "StorageBinding", "Supervisor", "decode_reply", "refusal", "reply",
+    "MinimumLimits", "MountSpec", "Observation", "PrepareContext", "PrepareResult",
+    "PreparedDevice", "ProbeReply", "Refusal", "Refused", "ReleaseReply", "Reply",
+    "SLOT_FILES_STUCK", "Slot", "StartReply", "StopReply", "StorageBinding", "Supervisor",
+    "decode_minimum_limits", "decode_reply", "refusal", "reply",
 ]  # fmt: skip
 
 

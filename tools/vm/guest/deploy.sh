@@ -15,7 +15,7 @@ umask 022
 step "install the wheels (Installing)"
 python3 -m venv /opt/ficc/venv
 /opt/ficc/venv/bin/pip install -q --no-index --find-links "$wheels" \
-    "$wheels"/ficc_protocol-*.whl "$wheels"/ficc_provider_sdk-*.whl \
+    "$wheels"/ficc_hoststate-*.whl "$wheels"/ficc_protocol-*.whl "$wheels"/ficc_provider_sdk-*.whl \
     "$wheels"/ficc_executor_host-*.whl
 /opt/ficc/venv/bin/pip install -q --no-index --find-links "$wheels" "$wheels"/ficc_provider_podman-*.whl
 chown -R root:root /opt/ficc && chmod -R go-w /opt/ficc
@@ -51,7 +51,7 @@ done
 
 step "the image (Adding an image)"
 install -o root -g root -m 0644 "$here/image/ficc-test.oci.tar" /srv/ficc/images/busybox.oci.tar
-/opt/ficc/venv/bin/ficc-podman-image /srv/ficc/images/busybox.oci.tar > /etc/ficc/image.json
+/opt/ficc/venv/bin/ficc-podman-image /srv/ficc/images/busybox.oci.tar --format json > /etc/ficc/image.json
 cat /etc/ficc/image.json
 
 step "the configuration (/etc/ficc/executor-host.toml, mode 0600)"

@@ -25,6 +25,7 @@ import msgspec
 import pytest
 
 from ficc.execution import plan as planlib
+from ficc.execution import provider as sdk
 from ficc.execution._executor import (
     ReceivedInputWrite,
     ReceivedInputWriteRequest,
@@ -40,7 +41,7 @@ from ficc.execution.host.core.records import ResourceUsage
 from ficc.execution.host.core.replies import encode_reply
 from ficc.execution.host.daemon.root import LEDGER_MARKER, Daemon, check_ledger, service_backend
 from ficc.execution.host.ledger.store import LEDGER_FILE
-from ficc.execution.host.linux import taskscan
+from ficc.execution.host.providers.loader import LoadedProvider
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.systemd import SystemdService
 from ficc.execution.host.storage.layout import Layout, service_name
@@ -70,6 +71,7 @@ from ficc.execution.protocol import (
     encode_request,
     validate_request,
 )
+from ficc.execution.provider import tasks
 from ficc.execution.wire import (
     AttemptRow,
     AttemptsReply,
@@ -201,6 +203,16 @@ def host_root() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+MINIMUMS = sdk.MinimumLimits(memory_bytes=64 << 20, processes=8)
+"""What the stub provider states its runtime needs (every plan here asks for more)."""
+
+
+def stub_provider(minimums: sdk.MinimumLimits | None) -> ProviderRuntime:
+    """The provider as admission sees it: configured, loaded, and what it states."""
+    loaded = LoadedProvider("test", None, None, None, minimums)  # type: ignore[arg-type]
+    return ProviderRuntime("test", PIN, loaded, None)
+
+
 class Host:
     """A daemon built for real, with the recording runner and a stub-loaded provider."""
 
@@ -210,7 +222,7 @@ class Host:
         self.ctx = self.daemon.ctx
         # The provider itself is exercised by the pipeline tests; admission only needs
         # to know it is configured and loaded, so mark it loaded.
-        self.ctx.providers["test"] = ProviderRuntime("test", PIN, object(), None)  # type: ignore[arg-type]
+        self.ctx.providers["test"] = stub_provider(MINIMUMS)
         runner = self.daemon.runner
         assert isinstance(runner, FakeRunner)
         self.runner = runner
@@ -324,6 +336,44 @@ def test_prepare_admits_and_hands_new_attempts_to_the_runner(host: Host) -> None
     assert host.runner.named("admitted") == [(plan.attempt_id,)]
 
 
+def test_a_plan_below_the_providers_minimum_is_rejected_before_anything_is_reserved(
+    host: Host,
+) -> None:
+    """No provider call and no slot: a durable failed record whose message names the
+    figure to ask for; a provider that states nothing (written before the statement
+    existed) admits the same plan."""
+    plan = make_plan()
+    small = msgspec.structs.replace(plan.job.limits, memory_bytes=8 << 20)
+    plan = msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, limits=small))
+    free = host.ctx.ledger.reservations()
+    reply = host.prepare(plan)
+    assert row_code(reply) == "admission_rejected"
+    assert reply.results[0].error.message.startswith(
+        "limits_below_minimum: memory_bytes 8388608 is below the 67108864 the test runtime"
+        " needs; ask for at least 67108864 (64 MiB)"
+    )
+    assert host.runner.named("admitted") == []
+    assert host.ctx.ledger.reservations() == free
+    _rejected_durably(host, plan, "limits_below_minimum")
+    host.ctx.providers["test"] = stub_provider(None)
+    again = make_plan()
+    again = msgspec.structs.replace(again, job=msgspec.structs.replace(again.job, limits=small))
+    assert isinstance(row_ok(host.prepare(again)), AttemptRow)
+
+
+def _rejected_durably(host: Host, plan: planlib.Plan, detail: str) -> None:
+    """The refusal left its durable failed record: no slot, cleanup confirmed."""
+    record = host.ctx.ledger.get(plan.attempt_id)
+    assert record is not None
+    assert (record.status.state, record.status.reason, record.slot_id) == (
+        "failed",
+        "admission_rejected",
+        None,
+    )
+    assert record.detail == detail
+    assert record.status.cleanup_confirmed
+
+
 def test_prepare_with_changed_bindings_writes_nothing(host: Host) -> None:
     plan = make_plan()
     rows = [PrepareAttempt(plan=plan, lease=first_lease(plan))]
@@ -350,15 +400,7 @@ def test_refusals_before_any_provider_call_are_durable(
     reply = host.prepare(plan)
     assert row_code(reply) == "admission_rejected"
     assert detail in reply.results[0].error.message
-    record = host.ctx.ledger.get(plan.attempt_id)
-    assert record is not None
-    assert (record.status.state, record.status.reason, record.slot_id) == (
-        "failed",
-        "admission_rejected",
-        None,
-    )
-    assert record.detail == detail
-    assert record.status.cleanup_confirmed
+    _rejected_durably(host, plan, detail)
     assert host.runner.named("admitted") == []
     # repeating it returns the durable rejection; it can never start
     again = row_ok(host.prepare(plan))
@@ -1165,7 +1207,7 @@ def test_a_non_dumpable_process_of_a_slot_account_is_still_found(host: Host) -> 
         assert child.stdout is not None
         assert child.stdout.read(5) == b"ready"
         assert os.stat(f"/proc/{child.pid}/status").st_uid == 0  # what an owner filter sees
-        assert (slot.uid, child.pid) in taskscan.live_tasks({slot.uid})
+        assert (slot.uid, child.pid) in tasks.live_tasks({slot.uid})
         reply = reconcile(host, make_plan())
         assert isinstance(reply, ErrorReply)
         assert f"process {child.pid}" in reply.error.message
@@ -1188,7 +1230,7 @@ def test_reconcile_absent_refuses_a_live_process_of_a_slot_account(host: Host) -
     )
     try:
         deadline = time.monotonic() + 10
-        while (slot.uid, child.pid) not in taskscan.live_tasks({slot.uid}):
+        while (slot.uid, child.pid) not in tasks.live_tasks({slot.uid}):
             assert time.monotonic() < deadline, "setpriv never became the slot account"
             time.sleep(0.01)
         plan = make_plan()

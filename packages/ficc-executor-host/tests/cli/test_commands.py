@@ -8,6 +8,7 @@ integration tests in tests-integration/ run the real one as a separate process.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import json
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
@@ -30,7 +32,13 @@ import pytest
 from ficc.execution.client import Client
 from ficc.execution.host.cli import commands, serve
 from ficc.execution.host.cli.serve import run_daemon
-from ficc.execution.host.cli.status import fetch_snapshots, format_status
+from ficc.execution.host.cli.status import (
+    Selection,
+    fetch_snapshots,
+    format_status,
+    since_argument,
+    with_selection,
+)
 from ficc.execution.host.config.load import parse_config
 from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.errors import HostError
@@ -130,7 +138,9 @@ def test_status_table_shows_bindings_offer_capacity_providers_and_attempts() -> 
                 slot=None,
                 cleanup_confirmed=True,
             ),
-            status_row(4, state="released", outcome="succeeded", exit_code=0, slot=None),
+            status_row(
+                4, state="released", outcome="succeeded", exit_code=0, slot=None, ready=True
+            ),
         ],
         next_cursor=None,
     )
@@ -149,21 +159,22 @@ def test_status_table_shows_bindings_offer_capacity_providers_and_attempts() -> 
     assert "attempts       4" in lines
     header = next(line for line in lines if line.startswith("ATTEMPT"))
     assert header.split() == [
-        "ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT", "LEASE", "SLOT",
-        "CPU", "PEAK", "MEM", "OOM",
+        "ATTEMPT", "CHANGED", "(UTC)", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT",
+        "LEASE", "SLOT", "CPU", "PEAK", "MEM", "OOM",
     ]  # fmt: skip
     attempt_lines = [line for line in lines if line[:32].isalnum() and len(line) > 32]
     rows = {line.split()[0]: line.split() for line in attempt_lines}
     assert len(rows) == 4
     assert rows[f"{1:032x}"][1:] == [
-        "1", "prepared", "no", "-", "-", "-", "90", "s", "small-0", "-", "-", "-",
+        "-", "1", "prepared", "no", "-", "-", "-", "90", "s", "small-0", "-", "-", "-",
     ]  # fmt: skip
-    assert rows[f"{2:032x}"][2:4] == ["running", "yes"]
+    assert rows[f"{2:032x}"][3:5] == ["running", "yes"]
     assert rows[f"{3:032x}"][1:] == [
-        "1", "released", "no", "failed", "gate_namespace", "-", "-", "-", "-", "-", "-",
+        "-", "1", "released", "-", "failed", "gate_namespace", "-", "-", "-", "-", "-", "-",
     ]  # fmt: skip
     # a settled attempt's lease no longer matters, even while its deadline is ahead
-    assert rows[f"{4:032x}"][7] == "-"
+    assert rows[f"{4:032x}"][8] == "-"
+    assert rows[f"{4:032x}"][4] == "-"  # nor does `ready`, once released
     # columns line up: every attempt row starts its STATE column where the header does
     column = header.index("STATE")
     for line in attempt_lines:
@@ -194,6 +205,61 @@ def test_status_table_without_attempts_says_so() -> None:
     text = format_status([page([], None)], now_ms=NOW_MS)
     assert "attempts       0" in text.splitlines()
     assert "ATTEMPT" not in text
+
+
+def test_status_lists_attempts_by_their_last_change_in_utc() -> None:
+    """Oldest change first, records the host made before it kept times first of all;
+    the time is RFC 3339 in UTC, to the second, as the log lines are."""
+    attempts = [
+        status_row(1, changed_at_ms=1_800_000_060_000),
+        status_row(2, changed_at_ms=1_800_000_000_999),
+        status_row(3),
+    ]
+    lines = format_status([page(attempts, None)], now_ms=NOW_MS).splitlines()
+    rows = [line.split()[:2] for line in lines if line[:32].isalnum() and len(line) > 32]
+    assert rows == [
+        [f"{3:032x}", "-"],
+        [f"{2:032x}", "2027-01-15T08:00:00Z"],
+        [f"{1:032x}", "2027-01-15T08:01:00Z"],
+    ]
+
+
+def test_status_shows_live_attempts_unless_asked_for_the_history() -> None:
+    live = status_row(1, changed_at_ms=NOW_MS - 3_600_000)
+    old = status_row(2, state="released", outcome="succeeded", slot=None,
+                     changed_at_ms=NOW_MS - 3 * 86_400_000)  # fmt: skip
+    recent = status_row(3, state="released", outcome="failed", slot=None,
+                        changed_at_ms=NOW_MS - 60_000)  # fmt: skip
+    pages = [page([live, old, recent], None)]
+
+    def shown(selection: Selection) -> list[str]:
+        kept, _ = selection.apply(pages)
+        return [a.attempt_id[-1] for p in kept for a in p.attempts]
+
+    assert shown(Selection()) == ["1"]
+    assert shown(Selection(show_all=True)) == ["1", "2", "3"]
+    assert shown(Selection(since_ms=NOW_MS - 7_200_000)) == ["1", "3"]
+    kept, hidden = Selection().apply(pages)
+    text = with_selection(format_status(kept, now_ms=NOW_MS), Selection(), hidden)
+    assert "attempts       1   live (not released); 2 more with --all" in text.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("given", "ago_ms"),
+    [("90s", 90_000), ("30m", 1_800_000), ("2h", 7_200_000), ("3d", 259_200_000)],
+)
+def test_since_takes_a_duration_back_from_now(given: str, ago_ms: int) -> None:
+    before = time.time_ns() // 1_000_000
+    since = since_argument(given)
+    assert before - ago_ms <= since <= time.time_ns() // 1_000_000 - ago_ms
+
+
+def test_since_takes_an_rfc_3339_time_and_refuses_anything_else() -> None:
+    assert since_argument("2027-01-15T08:00:00Z") == 1_800_000_000_000
+    assert since_argument("2027-01-15T09:00:00+01:00") == 1_800_000_000_000
+    for bad in ("2027-01-15T08:00:00", "yesterday", "2w", "-2h"):
+        with pytest.raises(argparse.ArgumentTypeError, match="neither a duration"):
+            since_argument(bad)
 
 
 # --- serve: the real shell around a fake daemon --------------------------------------------
@@ -318,14 +384,12 @@ def test_serve_listens_notifies_serves_and_stops_on_sigterm(
     asyncio.run(main())
     assert gc.get_freeze_count() == 0  # and given back when it stops
     out, err = capsys.readouterr()
-    assert "attempts       2" in out.splitlines()
+    assert "attempts       2   live (not released)" in out.splitlines()
     events = [line for line in err.splitlines() if line.startswith("{")]
     assert any('"event":"ready"' in e for e in events)
     assert any('"event":"stopped"' in e for e in events)
-    # status on admin.sock: every snapshot page, then the daemon's version (metrics)
-    assert fake.calls == [(Sender.ADMINISTRATOR, "snapshot")] * 4 + [
-        (Sender.ADMINISTRATOR, "metrics")
-    ]
+    # status: every snapshot page, then one snapshot asking for the slots and the daemon
+    assert fake.calls == [(Sender.ADMINISTRATOR, "snapshot")] * 5
     assert not os.path.exists(admin) or _refused(admin)
 
 
@@ -447,8 +511,10 @@ SUBCOMMANDS = [
     "check-config",
     "status",
     "metrics",
+    "check-slots",
     "provider-digest",
     "provision-slot",
+    "run",
     "smoke-test",
     "request",
     "upload",
@@ -639,7 +705,7 @@ def test_status_json_carries_every_page(
 
     assert asyncio.run(main()) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["daemon_version"] is None  # the fake refuses `metrics`
+    assert shown["daemon_version"] is None  # the fake's snapshot carries no `daemon`
     ids = [a["attempt_id"] for page in shown["pages"] for a in page["attempts"]]
     assert ids == [f"{1:032x}", f"{2:032x}"]
     assert shown["pages"][0]["capacity"]["providers"][1] == {
@@ -682,6 +748,6 @@ def test_the_status_table_has_every_column_when_only_status_is_imported() -> Non
         .split("|")
     )
     assert headers == [
-        "ATTEMPT", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT",
+        "ATTEMPT", "CHANGED (UTC)", "GEN", "STATE", "READY", "OUTCOME", "REASON", "EXIT",
         "LEASE", "SLOT", "CPU", "PEAK MEM", "OOM",
     ]  # fmt: skip

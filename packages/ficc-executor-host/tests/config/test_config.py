@@ -398,6 +398,36 @@ def test_the_schema_refuses_and_names_the_key(key: str, value: Any, named: str) 
     assert named in error.message
 
 
+@pytest.mark.parametrize(
+    ("misspelt", "meant"),
+    [
+        ("installation_idd", "installation_id"),
+        ("slots[0].storage_byte", "storage_bytes"),
+        ("slots[1].clas", "class"),
+        ("initial_offer.contrl", "control"),
+        ("providers[0].package_digets", "package_digest"),
+    ],
+)
+def test_a_misspelt_key_is_refused_with_the_key_it_was_meant_to_be(
+    misspelt: str, meant: str
+) -> None:
+    """The refusal names the closest key of the same object: the usual cause of an
+    unknown key is a typing slip, and the operator should not have to find it."""
+    doc = document()
+    _set(misspelt, 1)(doc)
+    error = refusal(lambda: parse(doc))
+    assert error.code == "config_invalid"
+    assert f"did you mean {meant!r}?" in error.message
+
+
+def test_an_unknown_key_like_no_known_one_gets_no_suggestion() -> None:
+    doc = document()
+    _set("ceiling.gpus", 1)(doc)
+    error = refusal(lambda: parse(doc))
+    assert "did you mean" not in error.message
+    assert "remove it or correct its spelling" in error.message
+
+
 def test_a_schema_refusal_starts_with_the_key_path() -> None:
     doc = document()
     doc["slots"][2]["uid"] = -5

@@ -3,15 +3,18 @@ reservations never exceed the tighter of the offer and the ceiling."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ficc.execution import plan as planlib
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core import admission
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.core.lifecycle import admitted
 from ficc.execution.host.ledger.store import AttemptRecord, Offer
+from ficc.execution.provider import MinimumLimits
 from ficc_testkit.plans import new_id
 from ledger_support import CEILING, NOW, facts, lease, limits, make_plan
 
@@ -139,3 +142,60 @@ def test_reservations_never_exceed_the_tighter_bound(
     assert admitted_cpu <= cpu_bound
     assert admitted_count <= min(attempt_bound, 8)
     assert occupancy.used[admission.COUNTED.index("cpu_millis")] == admitted_cpu
+
+
+# --- what the provider's runtime states it needs -----------------------------------------
+
+
+def _with_limits(**figures: int) -> planlib.Plan:
+    plan = make_plan()
+    limits_ = msgspec.structs.replace(plan.job.limits, **figures)
+    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, limits=limits_))
+
+
+def test_a_provider_that_states_no_minimum_refuses_nothing() -> None:
+    assert admission.below_minimum(_with_limits(memory_bytes=1, processes=1), None) is None
+    assert admission.below_minimum(_with_limits(memory_bytes=1), MinimumLimits()) is None
+
+
+def test_a_plan_at_the_minimum_is_admissible() -> None:
+    stated = MinimumLimits(memory_bytes=64 << 20, processes=64)
+    assert (
+        admission.below_minimum(_with_limits(memory_bytes=64 << 20, processes=64), stated) is None
+    )
+
+
+def test_a_plan_below_the_minimum_is_refused_with_the_figure_to_ask_for() -> None:
+    stated = MinimumLimits(memory_bytes=64 << 20, processes=64)
+    refusal = admission.below_minimum(_with_limits(memory_bytes=8 << 20, processes=64), stated)
+    assert isinstance(refusal, admission.Rejection)
+    assert refusal.code == ErrorCode.LIMITS_BELOW_MINIMUM
+    assert refusal.message == (
+        "memory_bytes 8388608 is below the 67108864 the podman runtime needs; ask for at"
+        " least 67108864 (64 MiB)"
+    )
+    both = admission.below_minimum(_with_limits(memory_bytes=1 << 20, processes=8), stated)
+    assert both is not None
+    assert both.message.count("is below") == 2
+    assert "processes 8 is below the 64 the podman runtime needs; ask for at least 64" in (
+        both.message
+    )
+
+
+def test_a_slot_out_of_service_is_never_chosen() -> None:
+    """Admission takes another healthy slot of the class, or refuses `slot_capacity`
+    naming the broken one and its reason (what an operator must repair)."""
+    terms = admission.Terms.of(OFFER, CEILING)
+    broken = msgspec.structs.replace(facts(slots=2), out_of_service={"slot0": "slot_filesystem"})
+    slot = admission.admissible_slot(make_plan(), lease(), terms, broken, empty())
+    assert slot.id == "slot1"
+    held = empty()
+    held.add(slot, make_plan().job.limits)
+    with pytest.raises(admission.Rejection) as refusal:
+        admission.admissible_slot(make_plan(), lease(), terms, broken, held)
+    assert refusal.value.code == ErrorCode.SLOT_CAPACITY
+    assert "out of service: slot0 (slot_filesystem)" in refusal.value.message
+    every = msgspec.structs.replace(broken, out_of_service={"slot0": "a", "slot1": "b"})
+    with pytest.raises(admission.Rejection) as refusal:
+        admission.admissible_slot(make_plan(), lease(), terms, every, empty())
+    assert "out of service: slot0 (a), slot1 (b)" in refusal.value.message

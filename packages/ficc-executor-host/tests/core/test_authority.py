@@ -49,6 +49,7 @@ EXPECTED = {
     "snapshot": {T, OW, A},
     "set_offer": {OW, A},
     "metrics": {A},
+    "check_slots": {A},
 }
 
 

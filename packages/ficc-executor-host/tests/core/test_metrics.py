@@ -11,7 +11,7 @@ from ficc.execution.host.core import metrics
 FACTS = metrics.LedgerFacts(
     version="1.2.3",
     attempts={("running", ""): 2, ("released", "succeeded"): 5},
-    reasons={"lease_expired": 1, "gate_refused": 2, "exited": 5},
+    reasons={"lease_expired": 1, "gate_seccomp": 2, "gate_limits": 1, "exited": 5},
     cleanup_unconfirmed=1,
     slots={"small": (4, 2), "big": (1, 0)},
     providers={"podman": None, "broken": "provider_configure_failed"},
@@ -36,7 +36,7 @@ def test_the_ledger_facts_become_samples() -> None:
     key = ("ficc_attempts", frozenset({("state", "released"), ("outcome", "succeeded")}))
     assert found[key] == 5
     assert found[("ficc_lease_expiries", frozenset())] == 1
-    assert found[("ficc_gate_refusals", frozenset())] == 2
+    assert found[("ficc_gate_refusals", frozenset())] == 3  # every gate_* reason
     assert found[("ficc_cleanup_unconfirmed", frozenset())] == 1
     assert found[("ficc_slots_free", frozenset({("class", "small")}))] == 2
     assert found[("ficc_slots", frozenset({("class", "big")}))] == 1
@@ -109,3 +109,41 @@ def test_what_each_slot_class_used_becomes_counters() -> None:
     assert found[("ficc_slot_class_attempts_total", small | {("outcome", "failed")})] == 1
     assert found[("ficc_slot_class_attempts_total", small | {("outcome", "succeeded")})] == 3
     assert found[("ficc_slot_class_cpu_seconds_total", frozenset({("class", "big")}))] == 0
+
+
+def test_gate_refusals_count_every_gate_check_and_nothing_else() -> None:
+    """The gate records the code of the check that refused; the protocol's generic
+    `gate_refused` counts too, reasons of other parts never."""
+    reasons = {"gate_uid": 1, "gate_evidence": 1, "gate_refused": 1, "service_limits": 4}
+    assert metrics.gate_refusals(reasons) == 3
+    assert metrics.gate_refusals({"exited": 2, "lease_expired": 1}) == 0
+
+
+def test_what_the_daemon_runs_and_each_slots_health_become_gauges() -> None:
+    facts = metrics.LedgerFacts(
+        **{
+            **FACTS.__dict__,
+            "running": {"ficc-executor-host": "1.2.3", "ficc-protocol": "0.9.0"},
+            "started_at_seconds": 1_800_000_000.5,
+            "slot_health": {
+                "s0": metrics.SlotGauge("small", "slot_filesystem"),
+                "s1": metrics.SlotGauge("small", None),
+            },
+            "usable": {"small": 1, "big": 0},
+        }
+    )
+    text = metrics.render(facts, metrics.Counters())
+    found = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    protocol = frozenset({("distribution", "ficc-protocol"), ("version", "0.9.0")})
+    assert found[("ficc_distribution_info", protocol)] == 1
+    assert found[("ficc_start_time_seconds", frozenset())] == 1_800_000_000.5
+    broken = frozenset({("slot", "s0"), ("class", "small"), ("reason", "slot_filesystem")})
+    assert found[("ficc_slot_healthy", broken)] == 0
+    assert found[("ficc_slot_healthy", frozenset({("slot", "s1"), ("class", "small"),
+                                                  ("reason", "")}))] == 1  # fmt: skip
+    assert found[("ficc_slots_usable", frozenset({("class", "small")}))] == 1
+    assert found[("ficc_slots_usable", frozenset({("class", "big")}))] == 0

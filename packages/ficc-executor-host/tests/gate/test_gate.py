@@ -44,10 +44,11 @@ from ficc.execution.host.gate.checks import (
     RlimitCeiling,
 )
 from ficc.execution.host.linux import evidence as evidencelib
-from ficc.execution.host.linux import procfs, procparse, seccomp, taskscan
+from ficc.execution.host.linux import procfs, procparse, seccomp
 from ficc.execution.host.linux.evidence import FileIdentity
 from ficc.execution.host.service import bpfdevices, cgroups
 from ficc.execution.host.service.interface import DeviceRule
+from ficc.execution.provider import tasks
 from ficc_testkit.accounts import temporary_account
 from ficc_testkit.waits import wait_for
 
@@ -1697,13 +1698,13 @@ def test_filters_cannot_be_read_by_a_filtered_reader_or_of_a_gone_process(world:
 def test_a_status_the_scan_cannot_read_is_none_which_counts_as_live(
     data: bytes, expected: tuple[bytes, tuple[int, ...]] | None
 ) -> None:
-    assert taskscan.state_and_uids(data) == expected
+    assert tasks.state_and_uids(data) == expected
 
 
 def test_the_scan_finds_this_process_by_its_uid() -> None:
     me = os.getuid()
-    assert (me, os.getpid()) in taskscan.live_tasks({me})
-    assert all(uid == me or uid == -1 for uid, _ in taskscan.live_tasks({me}))
+    assert (me, os.getpid()) in tasks.live_tasks({me})
+    assert all(uid == me or uid == -1 for uid, _ in tasks.live_tasks({me}))
 
 
 _ONE_THREAD_AS = """
@@ -1747,9 +1748,9 @@ def test_the_scan_finds_a_thread_whose_credentials_differ_from_its_leaders(leade
                 return b"\nState:\tZ" in Path(f"/proc/{child.pid}/status").read_bytes()
 
             wait_for(leader_is_a_zombie, "the leader to end alone")
-        assert taskscan.live_uid_of(child.pid, {uid}) == uid
-        assert (uid, child.pid) in taskscan.live_tasks({uid})
+        assert tasks.live_uid_of(child.pid, {uid}) == uid
+        assert (uid, child.pid) in tasks.live_tasks({uid})
     finally:
         child.kill()
         child.wait()
-    assert taskscan.live_uid_of(child.pid, {uid}) is None
+    assert tasks.live_uid_of(child.pid, {uid}) is None

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -243,12 +244,39 @@ SCHEMA_TWO_COLUMNS = (
 )
 
 
-SCHEMA_THREE_COLUMNS = ("usage_recorded", *ledger_schema.USAGE_COLUMNS)
+PAYLOAD_COLUMNS = ("payload_cpu_user_us", "payload_cpu_system_us", "payload_memory_peak_bytes")
+"""What schema 6 added (the payload's own usage)."""
+SCHEMA_THREE_COLUMNS = (
+    "usage_recorded",
+    *(c for c in ledger_schema.USAGE_COLUMNS if c not in PAYLOAD_COLUMNS),
+)
+
+
+def as_schema_five(state_dir: Path) -> None:
+    """Turn a closed ledger into what a release before the payload's own usage wrote
+    (schema 5)."""
+    old = raw_path(state_dir)
+    for column in PAYLOAD_COLUMNS:
+        old.execute(f"ALTER TABLE attempts DROP COLUMN {column}")
+    old.execute("UPDATE meta SET schema_version = 5")
+    old.commit()
+    old.close()
+
+
+def as_schema_four(state_dir: Path) -> None:
+    """Turn a closed ledger into what a release before `changed_ms` wrote (schema 4)."""
+    as_schema_five(state_dir)
+    old = raw_path(state_dir)
+    old.execute("ALTER TABLE attempts DROP COLUMN changed_ms")
+    old.execute("UPDATE meta SET schema_version = 4")
+    old.commit()
+    old.close()
 
 
 def as_schema_three(state_dir: Path) -> None:
     """Turn a closed ledger into what a release before the renewals table wrote
     (schema version 3), its renewed leases back in the attempts' rows."""
+    as_schema_four(state_dir)
     old = raw_path(state_dir)
     fields = ", ".join(ledger_schema.LEASE_FIELDS)
     for row in old.execute(f"SELECT {fields}, updated, attempt_id FROM renewals").fetchall():
@@ -1924,7 +1952,8 @@ def test_a_ledger_of_the_previous_schema_is_migrated_with_its_records(
         migrated.close()
     db = sqlite3.connect(state_dir / LEDGER_FILE)
     try:
-        assert db.execute("SELECT schema_version FROM meta").fetchone() == (4,)
+        (version,) = db.execute("SELECT schema_version FROM meta").fetchone()
+        assert version == ledger_schema.SCHEMA_VERSION
     finally:
         db.close()
 
@@ -1951,6 +1980,68 @@ def test_a_ledger_of_schema_three_keeps_its_leases_and_renews_into_the_new_table
         assert reopened.get(plans[1].attempt_id) == renewed.record
     finally:
         reopened.close()
+
+
+def wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def test_each_status_change_records_when_it_happened(ledger: Ledger) -> None:
+    """`changed_ms` is the wall clock of the transaction that last changed the status
+    (what `status` sorts and shows); a renewal moves the lease, not the status."""
+    plan = make_plan()
+    before = wall_ms()
+    admitted(ledger, plan)
+    (at,) = ledger.changed_times([plan.attempt_id]).values()
+    assert before <= at <= wall_ms()
+    db = raw(ledger)
+    db.execute("UPDATE attempts SET changed_ms = 1 WHERE attempt_id = ?", (plan.attempt_id,))
+    db.commit()
+    (renewed,) = ledger.renew_batch([(fence(plan), Renew(2, 6000))], NOW, MAX_LEASE)
+    assert isinstance(renewed, Applied)
+    assert renewed.changed
+    assert ledger.changed_times([plan.attempt_id]) == {plan.attempt_id: 1}
+    before = wall_ms()
+    ledger.apply(fence(plan), lc.PrepareFailed(reason="provider_failed"))
+    assert before <= ledger.changed_times([plan.attempt_id])[plan.attempt_id] <= wall_ms()
+    assert ledger.changed_times([new_id()]) == {}
+
+
+def test_a_ledger_of_schema_four_gains_changed_times_unknown_for_its_records(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    """Records made before the column have no time (shown as unknown); the next status
+    change of one records its time."""
+    plan = make_plan()
+    admitted(ledger, plan)
+    migrated = migrated_from(ledger, state_dir, as_schema_four)
+    try:
+        assert migrated.changed_times([plan.attempt_id]) == {}
+        migrated.apply(fence(plan), lc.PrepareFailed(reason="provider_failed"))
+        assert plan.attempt_id in migrated.changed_times([plan.attempt_id])
+    finally:
+        migrated.close()
+
+
+def test_a_ledger_of_schema_five_keeps_its_usage_and_the_payloads_share_is_unknown(
+    ledger: Ledger, state_dir: Path
+) -> None:
+    """Records made before the payload's own figures were kept have none (absent, never
+    zero); what they used is kept, and a new record's payload figures are recorded."""
+    old, new = make_plan(), make_plan()
+    admit(ledger, old, new)
+    for plan in (old, new):
+        ledger.apply(fence(plan), lc.PrepareFailed(reason="provider_failed"))
+    used = ResourceUsage(cpu_user_us=5, memory_peak_bytes=7)
+    assert ledger.record_usage(fence(old), used)
+    migrated = migrated_from(ledger, state_dir, as_schema_five)
+    try:
+        assert migrated.usage_of([old.attempt_id])[old.attempt_id].usage == used
+        own = ResourceUsage(cpu_user_us=9, payload_cpu_user_us=4, payload_memory_peak_bytes=3)
+        assert migrated.record_usage(fence(new), own)
+        assert migrated.usage_of([new.attempt_id])[new.attempt_id].usage == own
+    finally:
+        migrated.close()
 
 
 def test_another_installations_old_ledger_is_refused_before_it_is_migrated(

@@ -524,6 +524,44 @@ def test_sys_exit_in_configure_is_a_refusal_not_the_end_of_the_host(site: Path) 
     assert "bad key typo" in str(refusal.value)
 
 
+def test_the_stated_minimum_limits_are_read_once_at_load(site: Path) -> None:
+    stated = {"memory_bytes": 64 << 20, "processes": 48}
+    loaded = load_provider("test", digest_of(site), {"minimum_limits": stated}, [str(site)])
+    assert loaded.minimums == sdk.MinimumLimits(memory_bytes=64 << 20, processes=48)
+
+
+def test_a_provider_without_minimum_limits_states_none_and_loads(site: Path) -> None:
+    """A provider written before the statement existed loads as before."""
+    source = (site / PACKAGE).read_bytes()
+    rerelease(site, PACKAGE, source + b"\ndel Driver.minimum_limits\n")
+    assert load_provider("test", digest_of(site), {}, [str(site)]).minimums is None
+
+
+@pytest.mark.parametrize(
+    ("stated", "code"),
+    [
+        ({"memory_bytes": "64M"}, "provider_invalid"),
+        ({"memory_bytes": 0}, "provider_invalid"),
+        ({"gpus": 1}, "provider_invalid"),
+    ],
+)
+def test_a_minimum_limits_statement_the_sdk_would_not_build_is_refused(
+    site: Path, stated: object, code: str
+) -> None:
+    with refused(code) as refusal:
+        load_provider("test", digest_of(site), {"minimum_limits": stated}, [str(site)])
+    assert "sdk.MinimumLimits" in str(refusal.value)
+
+
+def test_a_minimum_limits_that_raises_makes_the_provider_unavailable(site: Path) -> None:
+    source = (site / PACKAGE).read_bytes()
+    broken = b"\ndef _broken(self):\n    raise RuntimeError('no runtime here')\n"
+    rerelease(site, PACKAGE, source + broken + b"Driver.minimum_limits = _broken\n")
+    with refused("provider_configure_failed") as refusal:
+        load_provider("test", digest_of(site), {}, [str(site)])
+    assert "no runtime here" in str(refusal.value)
+
+
 def test_sys_exit_at_import_is_a_refusal_not_the_end_of_the_host(site: Path) -> None:
     source = (site / PACKAGE).read_bytes()
     rerelease(site, PACKAGE, source + b"\nimport sys\n\nsys.exit(3)\n")

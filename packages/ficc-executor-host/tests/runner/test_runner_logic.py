@@ -270,16 +270,18 @@ def test_a_prepare_past_its_timeout_fails_and_cleanup_waits_until_the_call_retur
 # --- start, up to the payload's PID ---------------------------------------------------
 
 
-def started_until_settled(host: Host, job: Plan, settings: Settings = FAST) -> None:
+def started_until_settled(host: Host, job: Plan, settings: Settings = FAST) -> Runner:
     """Admit, prepare and start `job` through the handlers; wait until it settled and
-    was cleaned."""
+    was cleaned. The runner, for what it keeps (the rows' details)."""
+    runner = Runner(host.ctx, settings=settings)
 
     async def scenario() -> None:
-        async with running(Runner(host.ctx, settings=settings)) as runner:
+        async with running(runner):
             await started(host, runner, job)
             await until(settled_and_clean(host, job.attempt_id), "settled and cleaned")
 
     asyncio.run(scenario())
+    return runner
 
 
 def the_service(host: Host, job: Plan) -> FakeUnit | None:
@@ -326,6 +328,32 @@ def test_a_barrier_that_finished_before_its_pid_never_ran_the_payload(host: Host
     script(host, "observe", job, lambda _: sdk.reply(finished))
     started_until_settled(host, job)
     failed_with(host, job, "barrier_exited")
+
+
+def test_a_barrier_killed_for_memory_before_its_release_is_memory_exhausted(host: Host) -> None:
+    """An OOM kill in the service before the release: the runtime (here the barrier)
+    was killed for memory, so the outcome says so, not `barrier_exited`, and the detail
+    explains it with the runtime's own failure."""
+    job = plan()
+
+    def start(_: Any) -> dict[str, Any]:
+        unit = the_service(host, job)
+        assert unit is not None
+        unit.usage = CgroupUsage(oom_kills=2)
+        return sdk.reply(sdk.StartReply(started=True))
+
+    script(host, "start", job, start)
+    finished = sdk.Observation(phase="finished", exit_code=137)
+    script(host, "observe", job, lambda _: sdk.reply(finished))
+    runner = started_until_settled(host, job)
+    failed_with(host, job, "memory_exhausted")
+    (detail,) = runner.details([job.attempt_id]).values()
+    assert detail.startswith(
+        "the kernel's out-of-memory killer killed 2 process(es) of the attempt's service"
+        " before the payload was released (barrier_exited: "
+    ), detail
+    assert f"memory_bytes {job.job.limits.memory_bytes} is too small" in detail
+    assert host.ctx.ledger.usage_of([job.attempt_id])[job.attempt_id].usage.oom_kills == 2
 
 
 def test_a_provider_start_past_its_timeout_leaves_the_outcome_unknown_never_replayed(
@@ -455,6 +483,32 @@ def test_a_payload_that_exits_is_recorded_with_its_exit_code_and_what_it_used(
     assert (used.cpu_user_us, used.memory_peak_bytes, used.oom_kills) == (7, 4096, 0)
     assert (used.storage_bytes, used.storage_inodes) == (1 << 20, 12)
     assert host.driver.count("start", job.attempt_id) == 1
+
+
+def test_the_payload_is_in_its_own_node_before_the_gate_and_its_share_is_recorded(
+    host: Host, payload: Payload, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The barrier is moved into the service's payload node before the gate judges it
+    (the gate then vouches for where it is), and what that node used is recorded
+    beside the whole service's figures."""
+    job = plan()
+    judged: list[int | None] = []
+
+    def gate_sees(self: Any, attempt: Any, result: Any, handle: Any, pid: int) -> gate.Verdict:
+        unit = the_service(host, job)
+        judged.append(None if unit is None else unit.payload)
+        return gate.Verdict(ok=True, failures=())
+
+    monkeypatch.setattr(starting.Starter, "_run_gate", gate_sees)
+
+    def exits(unit: FakeUnit) -> None:
+        unit.usage = CgroupUsage(cpu_user_us=9, payload_cpu_user_us=4, payload_memory_peak_bytes=3)
+        payload.exit_code = 0
+
+    running_until_settled(host, job, payload, exits)
+    assert judged == [payload.process.pid]
+    used = host.ctx.ledger.usage_of([job.attempt_id])[job.attempt_id].usage
+    assert (used.cpu_user_us, used.payload_cpu_user_us, used.payload_memory_peak_bytes) == (9, 4, 3)
 
 
 def test_an_exit_the_services_main_process_contradicts_is_an_unknown_outcome(

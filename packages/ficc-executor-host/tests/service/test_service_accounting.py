@@ -131,3 +131,44 @@ def test_a_figure_that_is_not_a_count_is_unknown(tmp_path: Path, broken: str) ->
     layout = Layout(2, (Hierarchy("unified", str(tmp_path), 2, frozenset({"cpu"})),))
     used = accounting.read_usage(layout, {"unified": str(node)})
     assert (used.memory_peak_bytes, used.processes_peak) == (None, None)
+
+
+# --- the payload's own node ------------------------------------------------------------
+
+
+def test_v2_reads_the_payloads_own_node_beside_the_service(tmp_path: Path) -> None:
+    node = tmp_path / "unified" / "ficc" / "work"
+    _files(node, {"cpu.stat": V2_CPU_STAT, "memory.peak": "75497472\n"})
+    own = V2_CPU_STAT.replace("1250011", "900000").replace("40512", "1000")
+    _files(node / "payload", {"cpu.stat": own, "memory.peak": "50331648\n"})
+    layout = Layout(2, (Hierarchy("unified", str(tmp_path / "unified"), 2, frozenset({"cpu"})),))
+    used = accounting.read_usage(layout, {"unified": str(node)})
+    assert (used.cpu_user_us, used.memory_peak_bytes) == (1_250_011, 75_497_472)
+    assert (used.payload_cpu_user_us, used.payload_cpu_system_us) == (900_000, 1_000)
+    assert used.payload_memory_peak_bytes == 50_331_648
+
+
+def test_v1_reads_the_payloads_own_node_in_each_hierarchy(tmp_path: Path) -> None:
+    layout = _v1_layout(tmp_path, "cpuacct", "memory")
+    nodes = {key: str(tmp_path / key / "ficc" / "work") for key in ("cpuacct", "memory")}
+    _files(Path(nodes["cpuacct"]), {"cpuacct.usage_user": "9000000000\n",
+                                    "cpuacct.usage_sys": "1000000000\n"})  # fmt: skip
+    _files(Path(nodes["cpuacct"]) / "payload", {"cpuacct.usage_user": "1000000000\n",
+                                                "cpuacct.usage_sys": "2000000\n"})  # fmt: skip
+    _files(Path(nodes["memory"]), {"memory.max_usage_in_bytes": "67379200\n"})
+    _files(Path(nodes["memory"]) / "payload", {"memory.max_usage_in_bytes": "4194304\n"})
+    used = accounting.read_usage(layout, nodes)
+    assert (used.cpu_user_us, used.cpu_system_us) == (9_000_000, 1_000_000)
+    assert (used.payload_cpu_user_us, used.payload_cpu_system_us) == (1_000_000, 2_000)
+    assert (used.memory_peak_bytes, used.payload_memory_peak_bytes) == (67_379_200, 4_194_304)
+
+
+def test_no_payload_node_leaves_the_payloads_figures_unknown(tmp_path: Path) -> None:
+    """A payload the host could not move, or an attempt that never ran: absent, never
+    zero (the service's own figures are read as before)."""
+    node = tmp_path / "work"
+    _files(node, {"cpu.stat": V2_CPU_STAT, "memory.peak": "75497472\n"})
+    layout = Layout(2, (Hierarchy("unified", str(tmp_path), 2, frozenset({"cpu"})),))
+    used = accounting.read_usage(layout, {"unified": str(node)})
+    assert used.cpu_user_us == 1_250_011
+    assert (used.payload_cpu_user_us, used.payload_memory_peak_bytes) == (None, None)

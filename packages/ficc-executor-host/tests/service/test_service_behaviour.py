@@ -783,6 +783,69 @@ def test_usage_counts_the_trees_cpu_memory_processes_and_oom_kills(
     service.remove(handle)
 
 
+PAYLOAD_CHILD = """
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+print("ready", flush=True)
+signal.sigwait({signal.SIGUSR1})
+t = time.process_time()
+while time.process_time() - t < 0.3:
+    pass
+b = bytearray(32 << 20)
+print("done", flush=True)
+signal.sigwait({signal.SIGUSR1})
+"""
+
+
+def test_the_payload_moved_into_its_own_node_is_counted_apart(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """`place_payload` moves a process of the service into the service's payload node
+    in every hierarchy; what it does from then on is counted there and, as before, in
+    the whole service's figures, which hold it and its parent shell."""
+    script = f"{PYTHON} -I -S -c '{PAYLOAD_CHILD}' & exec sleep 1000"
+    spec = make_spec(tmp_path, slot, ["/bin/sh", "-c", script], name=f"{prefix}-payload")
+    handle = service.create(spec)
+    wait_for(lambda: Path(spec.stdout).read_text() == "ready\n")
+    (child,) = service.members(handle) - {handle.main_pid}
+    service.place_payload(handle, child)
+    where = [line.split(":", 2) for line in Path(f"/proc/{child}/cgroup").read_text().split()]
+    moved = {path for _, controllers, path in where if not controllers.startswith("name=")}
+    assert moved == {service.supervisor_cgroup(handle)}, where
+    service.place_payload(handle, child)  # already there: nothing to move
+    os.kill(child, signal.SIGUSR1)
+    wait_for(lambda: Path(spec.stdout).read_text() == "ready\ndone\n")
+    used = service.usage(handle)
+    assert used.payload_cpu_user_us is not None, used
+    assert used.payload_cpu_system_us is not None, used
+    own = used.payload_cpu_user_us + used.payload_cpu_system_us
+    assert used.cpu_user_us is not None
+    assert used.cpu_system_us is not None
+    assert 300_000 <= own <= used.cpu_user_us + used.cpu_system_us, used
+    assert used.payload_memory_peak_bytes is not None, used
+    assert used.memory_peak_bytes is not None, used
+    assert 32 << 20 <= used.payload_memory_peak_bytes <= used.memory_peak_bytes, used
+    service.stop(handle)
+    service.remove(handle)
+
+
+def test_a_process_outside_the_service_is_never_moved_into_its_payload_node(
+    service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
+) -> None:
+    """A PID that is not the service's (a reused one, say) is refused, and no payload
+    node is left behind to read zeros from."""
+    handle = service.create(make_spec(tmp_path, slot, SLEEPERS, name=f"{prefix}-foreign"))
+    before = Path("/proc/self/cgroup").read_text()
+    with pytest.raises(HostError) as refused:
+        service.place_payload(handle, os.getpid())
+    assert refused.value.code == "service_payload"
+    assert Path("/proc/self/cgroup").read_text() == before
+    assert not any(Path(p, "payload").exists() for p in handle.cgroups.values())
+    assert service.usage(handle).payload_cpu_user_us is None
+    service.stop(handle)
+    service.remove(handle)
+
+
 def test_memory_limit_oom_kills_a_child_and_the_tree_keeps_the_counters(
     service: Backend, slot: tuple[int, int], prefix: str, tmp_path: Path
 ) -> None:

@@ -26,7 +26,6 @@ import pytest
 
 import service_support
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.linux import taskscan
 from ficc.execution.host.service import (
     CgroupfsService,
     DeviceRule,
@@ -36,6 +35,7 @@ from ficc.execution.host.service import (
     cgroups,
 )
 from ficc.execution.host.service.cgroups import Hierarchy, Layout
+from ficc.execution.provider import tasks
 from ficc_testkit.waits import wait_for
 from service_support import (
     NULL,
@@ -360,8 +360,8 @@ def test_the_idle_check_reads_state_and_uids_and_fails_closed() -> None:
         b"Name:\tsleep\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t7\n"
         b"Uid:\t1001\t1002\t1003\t1004\nGid:\t5\t5\t5\t5\n"
     )
-    assert taskscan.state_and_uids(sample) == (b"S", (1001, 1002, 1003, 1004))
-    assert taskscan.state_and_uids(b"Name:\tsleep\nGid:\t5\t5\t5\t5\n") is None
+    assert tasks.state_and_uids(sample) == (b"S", (1001, 1002, 1003, 1004))
+    assert tasks.state_and_uids(b"Name:\tsleep\nGid:\t5\t5\t5\t5\n") is None
 
 
 def test_a_cgroup_is_made_0755_under_the_units_umask(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from dataclasses import replace as replace_fields
@@ -33,6 +34,7 @@ from ficc.execution.host.config.model import Config, Slot
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import procparse
 from ficc.execution.host.storage import slotfs
+from ficc.execution.host.storage.slot_files import ReservedSlot
 from ficc_testkit.accounts import account_command
 from ficc_testkit.units import MIB
 
@@ -453,6 +455,32 @@ def test_provision_slot_command_makes_a_slot_the_daemon_accepts(host: Host) -> N
     assert again.stderr.startswith("provision_failed: "), again.stderr  # code first
 
 
+def test_provision_slot_prints_a_toml_slot_entry_unless_asked_for_json(host: Host) -> None:
+    """The entry printed for the operator is a `[[slots]]` table to paste into a TOML
+    configuration (the format docs/configuration.md and the guide use); `--format json`
+    prints the same entry as a JSON object."""
+    base = host.root / "extra-toml"
+    base.mkdir()
+    mount = str(base / "mnt")
+    made = _provision_slot("--image", str(base / "slot.img"), "--mount", mount,
+                           "--bytes", "20M", "--inodes", "1500")  # fmt: skip
+    try:
+        assert made.returncode == 0, made.stderr
+        header = "slot entry for the configuration (add id, class, generation, uid, gid):"
+        entry_text = made.stdout.split(header + "\n", 1)[1]
+        (entry,) = tomllib.loads(entry_text)["slots"]
+        fd = os.open(mount, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            uuid = slotfs.filesystem_uuid(fd, slotfs.mount_of(fd, mount))
+        finally:
+            os.close(fd)
+        assert entry == {"path": mount, "storage_bytes": 20 * MIB, "storage_inodes": 1500,
+                         "filesystem_uuid": uuid}  # fmt: skip
+    finally:
+        provision.remove_slot(mount, str(base / "slot.img"))
+    assert json.loads(provision.slot_entry(entry, "json")) == entry
+
+
 def test_persistence_lines_name_the_image_or_the_uuid() -> None:
     loop = provision.Provisioned("/srv/ficc/slots/a", "/var/lib/ficc/a.img", "u" * 4, 1, 1, True)
     assert provision.fstab_line(loop) == (
@@ -519,3 +547,32 @@ def test_provision_refuses_an_image_in_a_directory_others_can_write(host: Host) 
     )
     assert error.code == "provision_failed"
     assert not (shared / "s.img").exists()
+
+
+# --- the slot's health check (`SlotFiles.check`) ----------------------------------------
+
+
+def test_the_health_check_sees_the_account_and_the_host_directories(host: Host) -> None:
+    """`ReservedSlot.check()`: `verify()`, the account, and `ficc/` and `ficc-staging/`
+    root's, not writable by others, on the slot itself; a directory the host is making
+    (root 0700, before its final mode) passes."""
+    slot = host.config().slots[0]
+    files = ReservedSlot(slot, open_image_parent)
+    files.check()
+    base = Path(slot.path) / "ficc"
+    base.mkdir(mode=0o700)  # the host between its mkdir and its chmod
+    files.check()
+    os.chmod(base, 0o777)
+    assert refusal(files.check).code == "layout_unsafe"
+    os.chmod(base, 0o711)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0711", "tmpfs", str(base)],
+                   check=True)  # fmt: skip
+    try:
+        assert refusal(files.check).code == "storage_unverified"
+    finally:
+        subprocess.run(["umount", str(base)], check=True)
+    files.check()
+    missing = replace(slot, uid=host.accounts[0].pw_uid + 100_000)
+    assert refusal(ReservedSlot(missing, open_image_parent).check).code == "slot_account"
+    provision.remove_slot(slot.path)
+    assert refusal(files.check).code == "slot_filesystem"

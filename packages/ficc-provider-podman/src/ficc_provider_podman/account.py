@@ -26,21 +26,21 @@ Per-slot Podman state lives on the slot's reserved filesystem, owned by the acco
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pathlib
 import re
 import select
-import shutil
 import signal
-import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from ficc.execution import provider as sdk
+from ficc.execution.provider import tasks
+from ficc_provider_podman import beneath
 from ficc_provider_podman.config import Config
 from ficc_provider_podman.errors import ProviderError
 
@@ -52,6 +52,8 @@ CONFIG_HOME = "ficc-podman-home"
 RUN_USER = "/run/user"
 PODMAN_TMPDIR = "libpod/tmp"
 """Podman's `--tmpdir`, relative to the account's runtime directory."""
+PAUSE_PID = "pause.pid"
+SHM = "/dev/shm"  # noqa: S108 (where Podman keeps its rootless lock; root-owned, sticky)
 CONMON_EXITS = "exits"
 """Where, under `--tmpdir`, conmon writes a container's exit status (file named by the
 container's ID, written to a temporary name and renamed: never seen half-written)."""
@@ -139,7 +141,7 @@ class SlotAccount:
 
     @property
     def pause_pid_file(self) -> str:
-        return f"{self.podman_tmpdir}/pause.pid"
+        return f"{self.podman_tmpdir}/{PAUSE_PID}"
 
     def podman(self, config: Config, *, log_level: str = "error") -> list[str]:
         """Podman and its global flags: every path explicit, no pulls, no events."""
@@ -167,36 +169,91 @@ class SlotAccount:
     def ensure_runtime_dir(self) -> None:
         """Create (or check) /run/user/<uid>. Every Podman command needs it, and /run
         is a tmpfs: after a reboot it is gone even for a slot prepared before it."""
-        _ensure_dir(RUN_USER, 0, 0o755, create=True, exact_mode=False)
-        _ensure_dir(self.runtime_dir, self.uid, 0o700, gid=self.gid, create=True)
+        os.close(self.open_runtime_dir())
+
+    def open_runtime_dir(self) -> int:
+        """/run/user/<uid>, created or checked, as a descriptor (see beneath.py)."""
+        run = beneath.open_trusted("/run")
+        try:
+            users = beneath.ensure_directory(
+                run, "user", uid=0, gid=0, mode=0o755, where=RUN_USER, exact_mode=False
+            )
+        finally:
+            os.close(run)
+        try:
+            return beneath.ensure_directory(
+                users, str(self.uid), uid=self.uid, gid=self.gid, mode=0o700,
+                where=self.runtime_dir,
+            )  # fmt: skip
+        finally:
+            os.close(users)
 
     def ensure_directories(self) -> None:
         """Create (or check) the account's Podman directories; refuses anything odd.
-        Removes what a slot-account process may have left in the old slot-owned HOME."""
-        self.ensure_runtime_dir()
-        _ensure_dir(self.config_home, 0, 0o755, gid=0, create=True)
-        if os.listdir(self.config_home):
-            raise ProviderError(
-                "podman_directory",
-                f"{self.config_home} must be empty (Podman's configuration home); only root"
-                " could have written to it: find out who did, then empty it",
-            )
-        _ensure_dir(self.base, self.uid, 0o700, gid=self.gid, create=True)
-        _remove_tree(self.home)
-        for path in (self.storage, self.tmp):
-            _ensure_dir(path, self.uid, 0o700, gid=self.gid, create=True)
-        if not live_processes_of(self.uid):  # else no Podman may start: `slot_busy`
-            remove_interrupted_checks(self.storage)
 
+        Only while the account has no live task anywhere on the host (`slot_busy`
+        otherwise: something the host has not cleaned up, perhaps a thread behind an
+        exited leader). Resets Podman's runtime state (the job's own `podman run` may
+        be the first Podman command since the last attempt, and must not run on
+        whatever the account left there), and removes what a slot-account process may
+        have left in the old slot-owned HOME and what an interrupted overlay check left
+        in the storage. Every step works through descriptors (beneath.py): the account
+        owns these directories and could swap any of them for a link at any moment.
+        """
+        refuse_if_busy(self.uid)
+        reset_runtime_state(self)
+        slot = beneath.open_trusted(self.slot_path)
+        try:
+            self._ensure_config_home(slot)
+            base = beneath.ensure_directory(
+                slot, PODMAN_DIRECTORY, uid=self.uid, gid=self.gid, mode=0o700, where=self.base
+            )
+        finally:
+            os.close(slot)
+        try:
+            problems = beneath.remove_entry(base, "home", self.home)
+            beneath.refuse_leftovers(SLOT_FILES, problems, "files the slot account left")
+            os.close(beneath.ensure_directory(
+                base, "tmp", uid=self.uid, gid=self.gid, mode=0o700, where=self.tmp
+            ))  # fmt: skip
+            storage = beneath.ensure_directory(
+                base, "storage", uid=self.uid, gid=self.gid, mode=0o700, where=self.storage
+            )
+        finally:
+            os.close(base)
+        try:
+            remove_interrupted_checks(storage, self.storage)
+        finally:
+            os.close(storage)
+
+    def _ensure_config_home(self, slot: int) -> None:
+        home = beneath.ensure_directory(
+            slot, CONFIG_HOME, uid=0, gid=0, mode=0o755, where=self.config_home
+        )
+        try:
+            if os.listdir(home):
+                raise ProviderError(
+                    "podman_directory",
+                    f"{self.config_home} must be empty (Podman's configuration home); only"
+                    " root could have written to it: find out who did, then empty it",
+                )
+        finally:
+            os.close(home)
+
+
+SLOT_FILES = sdk.SLOT_FILES_STUCK
+"""The refusal when the slot account's files cannot be reset (named in the message):
+the host takes the slot out of the offer until the administrator's check."""
 
 INTERRUPTED_CHECK = re.compile(r"(?:compat|opaque-bug-check|metacopy-check)[0-9]+\Z")
 """The directories in which Podman's overlay driver probes the kernel (Go's
 `os.MkdirTemp` names: a prefix and digits, never a layer's 64 hex digits)."""
 
 
-def remove_interrupted_checks(storage: str) -> list[str]:
-    """Remove what a Podman killed during its overlay checks left in `storage/overlay`,
-    and return the names. Only while no process of the slot account runs.
+def remove_interrupted_checks(storage: int, where: str) -> list[str]:
+    """Remove what a Podman killed during its overlay checks left in `overlay/` of the
+    storage directory `storage` (a descriptor), and return the names. Only while no
+    task of the slot account lives.
 
     The overlay driver probes the kernel in temporary directories it removes
     afterwards; a power cut (or a kill) in between leaves one behind. Once a layer's
@@ -206,54 +263,32 @@ def remove_interrupted_checks(storage: str) -> list[str]:
     ... opaque-bug-check.../link: no such file or directory"), and the job's start with it.
     """
     try:
-        fd = os.open(f"{storage}/overlay", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        overlay = beneath.open_beneath(storage, "overlay")
     except FileNotFoundError:
         return []
-    try:
-        removed = [name for name in os.listdir(fd) if INTERRUPTED_CHECK.match(name)]
-        for name in removed:
-            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                shutil.rmtree(name, dir_fd=fd)
-            else:
-                os.unlink(name, dir_fd=fd)
-        return removed
-    finally:
-        os.close(fd)
-
-
-def _remove_tree(path: str) -> None:
-    """Remove `path` whatever it is (a link is removed, never followed)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(path)
-
-
-def _ensure_dir(
-    path: str,
-    uid: int,
-    mode: int,
-    *,
-    gid: int | None = None,
-    create: bool,
-    exact_mode: bool = True,
-) -> None:
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-            os.chown(path, uid, uid if gid is None else gid, follow_symlinks=False)
-            os.chmod(path, mode, follow_symlinks=False)
-    st = os.stat(path, follow_symlinks=False)
-    wrong_mode = stat.S_IMODE(st.st_mode) != mode if exact_mode else st.st_mode & 0o022
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or wrong_mode:
+    except OSError as error:
         raise ProviderError(
             "podman_directory",
-            f"{path} must be a directory owned by uid {uid} with mode {mode:04o} "
-            f"(found {stat.filemode(st.st_mode)} uid {st.st_uid}); remove or fix it",
+            f"{where}/overlay is not a plain directory ({error.strerror}); remove it",
+        ) from error
+    try:
+        removed = [name for name in os.listdir(overlay) if INTERRUPTED_CHECK.match(name)]
+        problems: list[str] = []
+        for name in removed:
+            problems += beneath.remove_entry(overlay, name, f"{where}/overlay/{name}")
+        beneath.refuse_leftovers(SLOT_FILES, problems, "interrupted overlay checks")
+        return removed
+    finally:
+        os.close(overlay)
+
+
+def refuse_if_busy(uid: int) -> None:
+    """`slot_busy` while any task of the account lives anywhere on the host."""
+    if live_processes_of(uid):
+        raise ProviderError(
+            "slot_busy",
+            f"the slot account {uid} still has processes outside a service; "
+            "the host must confirm the previous attempt's cleanup first",
         )
 
 
@@ -271,13 +306,7 @@ def run_podman(
     already has processes; kills every leftover afterwards (`slot_not_idle` if one
     survives).
     """
-    if live_processes_of(account.uid):
-        raise ProviderError(
-            "slot_busy",
-            f"the slot account {account.uid} still has processes outside a service; "
-            "the host must confirm the previous attempt's cleanup first",
-        )
-    account.ensure_runtime_dir()
+    refuse_if_busy(account.uid)
     reset_runtime_state(account)
     try:
         return subprocess.run(
@@ -305,39 +334,62 @@ def run_podman(
 def reset_runtime_state(account: SlotAccount) -> None:
     """Forget Podman's runtime state, as a reboot would, while nothing of it runs.
 
-    Called only when the account has no live process. Podman's runtime directories
+    Called only when the account has no live task. Podman's runtime directories
     then describe processes that are gone (a killed container still "running", its
     conmon and the pause process, perhaps unreaped zombies), and Podman would try to
     join their namespaces and fail. Without them it refreshes its state as after a
     reboot: every container becomes stopped and can be removed. Images and container
-    records in the storage (--root) are untouched.
+    records in the storage (--root) are untouched. Whatever stands at those names (a
+    tree of any depth, a link planted in place of a directory) is removed as what it
+    is; what cannot be is refused by name (`slot_files_stuck`), never left silently
+    for Podman to trip over.
     """
-    for name in ("containers", "libpod", "runc", NETWORKS):
-        shutil.rmtree(f"{account.runtime_dir}/{name}", ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(f"/dev/shm/libpod_rootless_lock_{account.uid}")  # noqa: S108 (Podman's name)
+    runtime = account.open_runtime_dir()
+    try:
+        problems: list[str] = []
+        for name in ("containers", "libpod", "runc", NETWORKS):
+            problems += beneath.remove_entry(runtime, name, f"{account.runtime_dir}/{name}")
+    finally:
+        os.close(runtime)
+    beneath.refuse_leftovers(SLOT_FILES, problems, "Podman's runtime state")
+    shm = beneath.open_trusted(SHM)
+    try:
+        beneath.unlink_entry(shm, f"libpod_rootless_lock_{account.uid}")  # Podman's name
+    finally:
+        os.close(shm)
 
 
 def forget_pause_process(account: SlotAccount) -> None:
     """Remove Podman's record of a pause process that no longer runs.
 
-    Called only while the account has no live process: the recorded PID is then dead
+    Called only while the account has no live task: the recorded PID is then dead
     (perhaps an unreaped zombie), and Podman would try to join its namespaces and
-    fail ("cannot re-exec process to join the existing user namespace").
+    fail ("cannot re-exec process to join the existing user namespace"). The record
+    is reached through descriptors: the account owns every directory on the way.
     """
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(account.pause_pid_file)
+    runtime = account.open_runtime_dir()
+    try:
+        tmpdir = beneath.open_beneath(runtime, PODMAN_TMPDIR)
+    except OSError:
+        return  # no such directory (or not a plain one): no record Podman would read
+    finally:
+        os.close(runtime)
+    try:
+        beneath.unlink_entry(tmpdir, PAUSE_PID)
+    finally:
+        os.close(tmpdir)
 
 
 def processes_of(uid: int) -> list[int]:
     """PIDs whose real UID is `uid` among the processes whose /proc files belong to
-    `uid` (zombies excluded: they hold nothing).
+    `uid` (a zombie counts only while another of its threads lives).
 
     That is every process Podman and the container start for the account (inside the
     container's user namespace a process's files belong to its root, the account),
     found with one stat per process: cheap enough for every observe. It is not proof
     that the account has nothing left (the entry belongs to the effective UID, so a
-    set-user-ID-root program of the account has root's): `live_processes_of` is.
+    set-user-ID-root program of the account has root's, and credentials are per
+    thread): `live_processes_of` is.
     """
     return processes_by_uid({uid}).get(uid, [])
 
@@ -354,174 +406,34 @@ def processes_by_uid(uids: Collection[int]) -> dict[int, list[int]]:
                 continue
         except OSError:
             continue
-        parsed = _credentials(int(entry.name))
-        if parsed is not None and parsed[0] in uids and not parsed[1]:
-            found.setdefault(parsed[0], []).append(int(entry.name))
+        parsed = _leader(entry.name)
+        if parsed is None or parsed[1][0] not in uids:
+            continue
+        if parsed[0] != b"Z" or tasks.has_live_thread(int(entry.name)):
+            found.setdefault(parsed[1][0], []).append(int(entry.name))
     return found
+
+
+def _leader(pid: str) -> tuple[bytes, tuple[int, ...]] | None:
+    """The leader's state letter and four UIDs; None when gone or unparsable."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            return tasks.state_and_uids(f.read(tasks.TASK_STATUS_BYTES))
+    except OSError:
+        return None
 
 
 def live_processes_of(uid: int) -> list[int]:
-    """PIDs of live processes with `uid` as their real, effective, saved or filesystem
-    UID; one whose status cannot be parsed counts.
+    """PIDs of processes with a live thread that has `uid` as its real, effective,
+    saved or filesystem UID; one with a thread whose status cannot be parsed counts.
 
-    From a walk of /proc that began after this call (`LiveWalks`): the checks that the
-    account is idle, and the kills of what is left, of slots preparing or releasing at
-    the same time share walks. For those checks, not for every observe.
+    From a walk of every thread on the host that began after this call, shared with
+    whoever asks at the same time, the host's own checks included
+    (`ficc.execution.provider.tasks`): a leader that exited while another thread
+    runs hides nothing. For the checks that the account is idle and the kills of what
+    is left, not for every observe.
     """
-    return _LIVE.of(uid)
-
-
-def live_processes_by_uid(uids: Collection[int]) -> dict[int, list[int]]:
-    """`live_processes_of` for several accounts with one walk of its own (an account
-    without processes has no key).
-
-    A process's /proc entry belongs to its effective UID, so the status is read for
-    every entry of an account asked for or of root (a set-user-ID-root program the
-    account runs): the entries of other accounts, such as the other slots' Podman
-    processes, are passed over with a stat, and kernel threads (root's, without an
-    executable) with a readlink. A root entry counts for every account among its UIDs;
-    any other entry only for its owner.
-    """
-    wanted = set(uids)
-    found: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            owner = entry.stat(follow_symlinks=False).st_uid
-            if owner not in wanted and (owner != 0 or not _has_executable(entry.name)):
-                continue
-        except OSError:
-            continue
-        parsed = _credentials(int(entry.name))
-        if parsed is None or parsed[1]:
-            continue
-        candidates = wanted if owner == 0 else {owner}
-        for uid in candidates if parsed[0] == -1 else candidates.intersection(parsed[2]):
-            found.setdefault(uid, []).append(int(entry.name))
-    return found
-
-
-class _Walk:
-    """One walk of /proc: the accounts it looks for, and its answer once done."""
-
-    def __init__(self) -> None:
-        self.wanted: set[int] = set()
-        self.begun = False
-        self.done = threading.Event()
-        self.found: dict[int, list[int]] = {}
-        self.error: BaseException | None = None
-
-
-class LiveWalks:
-    """`live_processes_of` for many threads at once, each answered by a walk of /proc
-    that began after it asked.
-
-    Who asks joins the next walk, which has not begun; it begins as soon as no walk
-    runs, led by whichever of its callers gets there first, and looks for every
-    account asked for until then. So an answer is exactly as fresh as a walk of one's
-    own, and the slots of one batch, checked at about the same time, share walks.
-    """
-
-    def __init__(self, walk: Callable[[Collection[int]], dict[int, list[int]]]) -> None:
-        self._walk = walk
-        self._lock = threading.Lock()
-        self._running: _Walk | None = None
-        self._next: _Walk | None = None
-        self.walks = 0
-
-    def of(self, uid: int) -> list[int]:
-        with self._lock:
-            if self._next is None:
-                self._next = _Walk()
-            mine = self._next
-            mine.wanted.add(uid)
-        while not self._begin(mine):
-            running = self._running
-            if running is not None:
-                running.done.wait()
-        mine.done.wait()
-        if mine.error is not None:
-            raise mine.error
-        return list(mine.found.get(uid, []))
-
-    def _begin(self, mine: _Walk) -> bool:
-        """Whether `mine` has begun; leads it (and returns once it is done) if no walk
-        runs.
-
-        Taking the lead is one step under the lock, and everything after it sits in one
-        `try`: no exception, not even one raised asynchronously, can leave a walk led
-        but never finished and its other callers waiting for ever.
-        """
-        leading = False
-        try:
-            with self._lock:
-                if mine.begun:
-                    return True
-                if self._running is not None:
-                    return False
-                mine.begun, self._running, self._next, leading = True, mine, None, True
-            mine.found = self._walk(frozenset(mine.wanted))
-        except BaseException as error:
-            if not leading:
-                raise
-            mine.error = error  # every caller of this walk gets it
-        finally:
-            if leading:
-                self._finish(mine)
-        return True
-
-    def _finish(self, mine: _Walk) -> None:
-        """Ends the walk this caller led: the next may begin, its callers wake."""
-        with self._lock:
-            self._running = None
-            self.walks += 1
-        mine.done.set()
-
-
-_LIVE = LiveWalks(live_processes_by_uid)
-
-
-def _has_executable(pid: str) -> bool:
-    """False for a kernel thread (and a process already gone): no /proc/PID/exe. True
-    when the link exists but cannot be read (a daemon without CAP_SYS_PTRACE, or one
-    confined by an LSM): such a process is judged by its status, not passed over."""
-    try:
-        os.readlink(f"/proc/{pid}/exe")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _credentials(pid: int) -> tuple[int, bool, tuple[int, ...]] | None:
-    """(real UID, zombie, all four UIDs) from /proc/PID/status; None if the process is
-    gone; real UID -1 (and no UIDs) if the status cannot be parsed."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            status = f.read(4096)
-    except OSError:
-        return None
-    zombie = _field(status, b"State")[:1] == b"Z"
-    try:
-        uids = tuple(int(value) for value in _field(status, b"Uid").split())
-    except ValueError:
-        return -1, zombie, ()
-    if len(uids) != 4:
-        return -1, zombie, ()
-    return uids[0], zombie, uids
-
-
-def _field(status: bytes, name: bytes) -> bytes:
-    """One `Name:\tvalue` line's value from /proc/PID/status (b"" if absent), found
-    without splitting the whole file: the walks run it for many processes."""
-    start = status.find(b"\n" + name + b":")
-    if start < 0:
-        return b""
-    start += len(name) + 2
-    end = status.find(b"\n", start)
-    return status[start : None if end < 0 else end].strip()
+    return sorted({pid for _, pid in tasks.SHARED.live_tasks({uid})})
 
 
 def kill_leftovers(uid: int) -> None:
@@ -545,8 +457,7 @@ def _kill(pid: int, uid: int, deadline: float) -> None:
         return
     try:
         # The pidfd pins this process: re-check its credentials before the signal.
-        parsed = _credentials(pid)
-        if parsed is None or uid not in parsed[2]:
+        if tasks.live_uid_of(pid, {uid}) != uid:
             return
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         poller = select.poll()

@@ -19,14 +19,22 @@ _ELF_MAGIC = b"\x7fELF"
 
 
 class BarrierExit(enum.IntEnum):
-    """The barrier's own exit codes; anything else is the payload's."""
+    """The barrier's own exit codes. 119-123 are the barrier's alone; 126 and 127 are
+    a shell's codes for a program that cannot be executed or does not exist, which the
+    barrier uses when the payload's `execve` fails (after one `EXEC_FAILURE` line on
+    stderr) and a payload may use too. Anything else is the payload's."""
 
     PROBE_FAILED = 119
     USAGE = 120
     MARKER_UNSAFE = 121
     MARKER_TOKEN = 122
     WAIT_FAILED = 123
-    EXEC_FAILED = 124
+    EXEC_DENIED = 126
+    EXEC_MISSING = 127
+
+
+EXEC_FAILURE = "ficc-barrier: cannot execute {path}: {reason} (errno {errno})"
+"""The line the barrier writes to stderr when the payload's `execve` fails."""
 
 
 class BarrierMissing(RuntimeError):

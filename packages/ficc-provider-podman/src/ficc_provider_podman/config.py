@@ -17,7 +17,11 @@ Shape (JSON/TOML object passed to `configure`)::
         `digest` is what plans name in job.runtime.image_digest
     local_inputs: [{id, path, bytes, digest}]
         administrator-local input objects (delivery "local"), by object id
-    devices: [{name, path}]              character nodes a plan may ask for by name
+    devices: [...]                       what a plan may ask for by name, each a bundle
+        {name, path}                     one character node (a bundle of one own node)
+        {name, kind, nodes, shared_nodes, mounts: [{source, target}], environment}
+        {name, cdi: {spec, device, exclude}}   one device of a CDI spec (JSON)
+        resolved into exact nodes and file identities by bundles.py
     runtime_devices: ["/dev/null", ...]  nodes Podman itself needs in the service
 """
 
@@ -76,9 +80,57 @@ class LocalInput(_Strict, frozen=True):
     digest: Sha256
 
 
+Kind = Annotated[
+    str, msgspec.Meta(pattern=r"\A[a-z0-9][a-z0-9.-]{0,252}/[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}\Z")
+]
+"""A device kind, as CDI writes it: `vendor.example/class`."""
+EnvName = Annotated[str, msgspec.Meta(pattern=r"\A[A-Za-z_][A-Za-z0-9_]{0,127}\Z")]
+EnvValue = Annotated[str, msgspec.Meta(pattern=r"\A[^\n\r\x00]*\Z", max_length=4096)]
+CdiName = Annotated[
+    str, msgspec.Meta(pattern=r"\A[^=\s]{1,320}=[a-zA-Z0-9][a-zA-Z0-9_.:-]{0,255}\Z")
+]
+Nodes = Annotated[list[AbsolutePath], msgspec.Meta(max_length=16)]
+
+
+class DeviceMount(_Strict, frozen=True):
+    """A host file mounted read-only into the job (a driver library, a tool)."""
+
+    source: AbsolutePath
+    target: AbsolutePath
+
+
+class CdiDevice(_Strict, frozen=True):
+    """One device of a CDI spec file; `exclude`: container paths of the spec's mounts
+    to leave out (a host socket, say, which is never lent to a job)."""
+
+    spec: AbsolutePath
+    device: CdiName
+    exclude: Annotated[list[AbsolutePath], msgspec.Meta(max_length=64)] = []
+
+
 class Device(_Strict, frozen=True):
+    """A device plans ask for by `name`, in one of three forms: `path` (one node),
+    `kind` with `nodes` (and `shared_nodes`, `mounts`, `environment`), or `cdi`."""
+
     name: Name
-    path: AbsolutePath
+    path: AbsolutePath | None = None
+    kind: Kind | None = None
+    nodes: Nodes = []
+    shared_nodes: Nodes = []
+    mounts: Annotated[list[DeviceMount], msgspec.Meta(max_length=256)] = []
+    environment: dict[EnvName, EnvValue] = {}
+    cdi: CdiDevice | None = None
+
+    def __post_init__(self) -> None:
+        bundle = bool(self.kind or self.nodes or self.shared_nodes or self.mounts)
+        forms = [self.path is not None, bundle or bool(self.environment), self.cdi is not None]
+        if forms.count(True) != 1:
+            raise ValueError(
+                f"device {self.name!r} must have exactly one of `path`, `kind` with `nodes`,"
+                " or `cdi`"
+            )
+        if forms[1] and (self.kind is None or not self.nodes):
+            raise ValueError(f"device {self.name!r}: a bundle needs `kind` and its own `nodes`")
 
 
 class Config(_Strict, frozen=True):
@@ -106,7 +158,7 @@ class Config(_Strict, frozen=True):
             ("image digest", [i.digest for i in self.images]),
             ("local input id", [i.id for i in self.local_inputs]),
             ("device name", [d.name for d in self.devices]),
-            ("device path", [d.path for d in self.devices] + list(self.runtime_devices)),
+            ("device path", [d.path for d in self.devices if d.path] + list(self.runtime_devices)),
         ):
             if len(set(values)) != len(values):
                 raise ValueError(f"a {what} is listed twice")
@@ -152,7 +204,8 @@ def _trusted_stat(path: str, what: str, *, writable: bool = False) -> os.stat_re
 
 
 def check_files(config: Config) -> None:
-    """Every named file exists with the right type and owner (cheap: no hashing)."""
+    """Every named file exists with the right type and owner (cheap: no hashing); the
+    devices plans name are resolved and re-checked by bundles.py."""
     st = _trusted_stat(config.podman, "podman")
     if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o001:
         raise _config_error(f"podman {config.podman} is not an executable regular file")
@@ -166,7 +219,7 @@ def check_files(config: Config) -> None:
             raise _config_error(
                 f"local input {local.path} is not a regular file of {local.bytes} bytes"
             )
-    for path in [d.path for d in config.devices] + list(config.runtime_devices):
+    for path in config.runtime_devices:  # the devices plans name: bundles.py
         st = _trusted_stat(path, "device", writable=True)
         if not stat.S_ISCHR(st.st_mode):
             raise _config_error(f"device {path} is not a character device node")

@@ -4,7 +4,9 @@ Pure: from the configuration, the slot account, the attempt's paths and the plan
 builds the argv the host runs inside the attempt's service (as the slot account) and
 the parts of the prepare result that describe the container to the payload gate:
 bind mounts with their recorded identities, the targets the runtime generates
-itself, and the devices.
+itself, and the devices: the runtime's nodes and the bundles the plan holds (their
+nodes, links, files and environment; bundles.py), the other devices of their kinds
+shown and refused.
 
 Isolation (docs/providers.md) and how each flag is realised rootless on this host:
 - `--network=none`, `--read-only`, `--cap-drop=all`, `no-new-privileges`, Podman's
@@ -37,10 +39,13 @@ Isolation (docs/providers.md) and how each flag is realised rootless on this hos
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from ficc_provider_podman import bundles as bundleslib
 from ficc_provider_podman.account import SlotAccount
+from ficc_provider_podman.bundle import FileMount
 from ficc_provider_podman.config import MAX_ULIMIT, OCI_DEFAULT_DEVICES, Config
 
 ENV = "/usr/bin/env"
@@ -72,6 +77,14 @@ _NSE = ["nosuid", "nodev", "noexec"]
 _UNSAFE_IN_VOLUME = (":", ",", "\n", "\x00")
 
 
+RUN = "run"
+"""The slot account's directory in the provider's part (Podman's `--cidfile`, the
+run wrapper's exit status)."""
+INPUTS = "inputs"
+ENVIRONMENT = "environment"
+STATE = "state.json"
+
+
 @dataclass(frozen=True)
 class AttemptPaths:
     """The host's attempt layout (`S/ficc/<attempt>/...`) and the provider's own."""
@@ -92,19 +105,19 @@ class AttemptPaths:
 
     @property
     def inputs(self) -> str:
-        return f"{self.provider}/inputs"
+        return f"{self.provider}/{INPUTS}"
 
     @property
     def run(self) -> str:
-        return f"{self.provider}/run"
+        return f"{self.provider}/{RUN}"
 
     @property
     def env_file(self) -> str:
-        return f"{self.provider}/environment"
+        return f"{self.provider}/{ENVIRONMENT}"
 
     @property
     def state_file(self) -> str:
-        return f"{self.provider}/state.json"
+        return f"{self.provider}/{STATE}"
 
     @property
     def exit_file(self) -> str:
@@ -124,6 +137,12 @@ class Devices:
     negative: list[str]
     mapped: list[str]
     """Nodes passed with --device (configured ones; runc adds the OCI defaults)."""
+    aliases: list[tuple[str, str]] = field(default_factory=list)
+    """(node, alias): a node bound at a second path too (a vendor hook's link)."""
+    mounts: list[FileMount] = field(default_factory=list)
+    """The granted devices' read-only file mounts (driver libraries and tools)."""
+    environment: dict[str, str] = field(default_factory=dict)
+    """The granted devices' environment."""
 
 
 def container_name(attempt_id: str) -> str:
@@ -135,24 +154,33 @@ def device_node(path: str) -> tuple[int, int]:
     return os.major(st.st_rdev), os.minor(st.st_rdev)
 
 
-def plan_devices(config: Config, requested: list[str]) -> Devices:
-    """Runtime devices and requested devices are allowed; everything else visible is not."""
-    prepared = []
-    for path in config.runtime_devices:
-        major, minor = device_node(path)
-        prepared.append({"name": RUNTIME_DEVICE_NAME, "path": path, "major": major, "minor": minor})
-    by_name = {device.name: device for device in config.devices}
-    for name in requested:
-        major, minor = device_node(by_name[name].path)
-        prepared.append({"name": name, "path": by_name[name].path, "major": major, "minor": minor})
-    allowed = {str(entry["path"]) for entry in prepared}
-    mapped = [d.path for d in config.devices if d.path not in OCI_DEFAULT_DEVICES]
-    visible = list(dict.fromkeys([*OCI_DEFAULT_DEVICES, *mapped]))
+def plan_devices(
+    config: Config, requested: list[str], resolved: bundleslib.Bundles | None = None
+) -> Devices:
+    """Runtime devices and the granted bundles' nodes are allowed; every other node the
+    container shows (the runtime's defaults, the other devices of the granted kinds,
+    their links) is not, unless it has the numbers of an allowed node (then it opens
+    too, and is neither)."""
+    grant = (resolved or bundleslib.resolve(config)).grant(requested)
+    granted = [*grant.own, *grant.shared]
+    entries = [(RUNTIME_DEVICE_NAME, path, *device_node(path)) for path in config.runtime_devices]
+    entries += [(name, node.path, node.major, node.minor) for name, node in granted]
+    prepared = [{"name": n, "path": p, "major": a, "minor": b} for n, p, a, b in entries]
+    allowed = {path for _, path, _, _ in entries}
+    numbers = {(major, minor) for _, _, major, minor in entries}
+    shown = [node for _, node in granted] + grant.others
+    mapped = [node.path for node in shown if node.path not in OCI_DEFAULT_DEVICES]
+    refused = [p for p in OCI_DEFAULT_DEVICES if p not in allowed and device_node(p) not in numbers]
+    refused += [n.path for n in grant.others if n.path not in allowed and n.numbers not in numbers]
+    refused += [alias for node in grant.others for alias in node.aliases]
     return Devices(
         prepared=prepared,
         positive=sorted(allowed),
-        negative=[path for path in visible if path not in allowed],
-        mapped=mapped,
+        negative=list(dict.fromkeys(refused)),
+        mapped=list(dict.fromkeys(mapped)),
+        aliases=[(node.path, alias) for node in shown for alias in node.aliases],
+        mounts=grant.mounts,
+        environment=grant.environment,
     )
 
 
@@ -162,8 +190,25 @@ def _volume(source: str, target: str, options: str) -> list[str]:
     return ["-v", f"{source}:{target}:{options}"]
 
 
-def mounts(config: Config, paths: AttemptPaths, barrier: str) -> list[dict[str, Any]]:
-    """The bind mounts, with the identity of each source recorded now (prepare)."""
+def _alias(node: str, alias: str) -> list[str]:
+    """A device node bound at a second path (`--device` cannot carry the `:` of
+    `/dev/dri/by-path/pci-0000:...`; `--mount` can)."""
+    if any(char in f"{node}{alias}" for char in _UNSAFE_IN_VOLUME[1:]):
+        raise ValueError(f"device link {alias!r} cannot be given to podman --mount")
+    return ["--mount", f"type=bind,source={node},destination={alias},nosuid,noexec"]
+
+
+def _file(file: FileMount) -> list[str]:
+    """A granted device's file, read-only, nosuid and nodev (and noexec when asked)."""
+    return _volume(file.source, file.target, "ro,nosuid,nodev" + (",noexec" * file.noexec))
+
+
+def mounts(
+    config: Config, paths: AttemptPaths, barrier: str, files: Sequence[FileMount] = ()
+) -> list[dict[str, Any]]:
+    """The bind mounts, with the identity of each source recorded now (prepare), and the
+    granted devices' `files` with the identity recorded when they were configured (the
+    host checks both against the real files before it accepts the result)."""
     entries = [
         (barrier, BARRIER_TARGET, True),
         (paths.control, CONTROL_TARGET, True),
@@ -179,6 +224,15 @@ def mounts(config: Config, paths: AttemptPaths, barrier: str) -> list[dict[str, 
                 "target": target,
                 "read_only": read_only,
                 "identity": {"device": st.st_dev, "inode": st.st_ino},
+            }
+        )
+    for file in files:
+        result.append(
+            {
+                "source": file.source,
+                "target": file.target,
+                "read_only": True,
+                "identity": {"device": file.device, "inode": file.inode},
             }
         )
     return result
@@ -236,11 +290,41 @@ def generated_targets(devices: Devices, dev_fs: str = "devtmpfs") -> list[dict[s
             )
         ),
     ]
-    # Rootless runc cannot mknod: every device node is a bind mount from the host's
-    # /dev. The device policy of the service, not the mount, decides whether it opens.
-    nodes = dict.fromkeys([*OCI_DEFAULT_DEVICES, *devices.mapped])
-    rules += [rule(path, [dev_fs], []) for path in nodes]
+    # Rootless runc cannot mknod: every device node is a bind mount of the host's node,
+    # of the file system it lives on (the host's /dev, or where the administrator made
+    # it). The device policy of the service, not the mount, decides whether it opens.
+    types = node_fs_types([*devices.mapped, *(node for node, _ in devices.aliases)])
+    rules += [rule(path, [dev_fs], []) for path in OCI_DEFAULT_DEVICES]
+    rules += [rule(path, [types.get(path, dev_fs)], []) for path in devices.mapped]
+    rules += [rule(alias, [types.get(node, dev_fs)], []) for node, alias in devices.aliases]
     return rules
+
+
+def node_fs_types(paths: Sequence[str], mountinfo: str | None = None) -> dict[str, str]:
+    """The file system type each node lives on (its st_dev's mount), from the provider's
+    own mount table; a node not found is left out (the caller assumes the host's /dev,
+    which then fails the gate closed if wrong)."""
+    if not paths:
+        return {}
+    if mountinfo is None:
+        with open("/proc/self/mountinfo", encoding="utf-8") as table:
+            mountinfo = table.read()
+    by_device: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 2 and tail.split()[:1]:
+            by_device[parts[2]] = tail.split()[0]
+    found = {}
+    for path in paths:
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except OSError:
+            continue
+        key = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        if key in by_device:
+            found[path] = by_device[key]
+    return found
 
 
 def host_dev_fs_type(mountinfo: str | None = None) -> str:
@@ -322,6 +406,8 @@ def run_argv(
         *_volume(paths.inputs, config.inputs_target, "ro,nosuid,nodev,noexec"),
         *_volume(paths.storage, config.storage_target, "rw,nosuid,nodev"),
         *(argument for path in devices.mapped for argument in ("--device", f"{path}:{path}")),
+        *(argument for node, alias in devices.aliases for argument in _alias(node, alias)),
+        *(argument for file in devices.mounts for argument in _file(file)),
         image_id.removeprefix("sha256:"),
         f"{CONTROL_TARGET}/{RELEASE_MARKER}",
         RELEASE_CONTENT,

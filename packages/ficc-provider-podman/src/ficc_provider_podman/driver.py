@@ -12,8 +12,12 @@ Context parts used: `plan`, `slot` (path, uid, gid), `attempt_directory`, `input
 are the host's (`provider/`, `storage/`, `control/` under the attempt directory).
 
 Methods:
+- minimum_limits (once, after configure): the smallest memory and processes a plan
+  must have for Podman itself to start (`MINIMUM_LIMITS`).
 - probe: refuses an unknown image, isolation other than `shared-kernel`, a network
-  other than `none`, an unconfigured device or local input; re-checks the files.
+  other than `none`, an unconfigured device or local input, a device whose node or
+  file changed since `configure` resolved its bundle (bundles.py), a plan variable its
+  devices set; re-checks the files.
 - prepare: builds the provider's per-attempt layout, places the inputs, makes sure
   the pinned image is in the slot's Podman storage, records its own state, and
   returns the prepare result (argv, barrier, devices, mounts, generated_targets,
@@ -32,9 +36,7 @@ Methods:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
-import shutil
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -45,8 +47,16 @@ import msgspec
 from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
 from ficc_provider_podman import account as accounts
-from ficc_provider_podman import container, inputs, observe, removal
-from ficc_provider_podman.account import SlotAccount, processes_of, run_podman, slot_lock
+from ficc_provider_podman import (
+    attempt_files,
+    beneath,
+    bundles,
+    container,
+    inputs,
+    observe,
+    removal,
+)
+from ficc_provider_podman.account import PODMAN_DIRECTORY, SlotAccount, run_podman, slot_lock
 from ficc_provider_podman.barrier import barrier_path
 from ficc_provider_podman.config import Config, Image, check_files, load, sha256_of_fd
 from ficc_provider_podman.container import AttemptPaths
@@ -57,23 +67,17 @@ MAX_PARALLEL_SLOTS = 8
 """Slots of one batch whose rows run at the same time (prepare, stop, release)."""
 ISOLATION = "shared-kernel"
 NETWORK = "none"
+MINIMUM_LIMITS = sdk.MinimumLimits(memory_bytes=64 << 20, processes=64)
+"""What `minimum_limits` states. Measured with `true` as the payload through the daemon
+on Debian 12 (Podman 4.3, runc 1.1, rootless, cgroup v1 hybrid): the smallest limits
+that ran were 26 MiB and 32 processes (25-27 MiB and 31-36 tasks at the peak, with
+Podman's Go threads); 24 MiB was OOM-killed and 30 processes could not start Podman.
+Both are stated about twice over, for Go's thread count on bigger hosts and cgroup
+v2's fuller memory accounting: the VM lane runs plans of 64 processes."""
 
 Context = sdk.Context
 Reply = sdk.Reply
 _C = TypeVar("_C", bound=sdk.Context)
-
-
-class State(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What prepare recorded in the provider's layout (root 0600), for later methods."""
-
-    attempt_id: str
-    image_id: str
-    barrier: str
-    barrier_device: int
-    barrier_inode: int
-    inputs: list[inputs.PlacedInput]
-    positive: list[str]
-    negative: list[str]
 
 
 def _account(context: Context) -> SlotAccount:
@@ -110,6 +114,9 @@ class Driver:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.bundles = bundles.resolve(config)
+        """The configured devices as exact bundles (nodes, files, environment), resolved
+        once: a refusal here is `configure`'s."""
         self._ready_reported: set[str] = set()
         self._payload_pid: dict[str, int] = {}
         self._exit_code: dict[str, int] = {}
@@ -147,6 +154,14 @@ class Driver:
                 done.result()
         return replies
 
+    # --- what the runtime needs ----------------------------------------------------
+
+    def minimum_limits(self) -> Reply:
+        """The smallest plan limits with which Podman can start a payload here (they
+        bound Podman, conmon and runc too, in the attempt's service); the host reads
+        them once and refuses a plan below them at admission (see `MINIMUM_LIMITS`)."""
+        return sdk.reply(MINIMUM_LIMITS)
+
     # --- probe ---------------------------------------------------------------------
 
     def probe(self, contexts: list[Context]) -> list[Reply]:
@@ -180,12 +195,28 @@ class Driver:
         for name in plan.job.limits.devices:
             if name not in configured:
                 raise ProviderError("device_unknown", f"device {name!r} is not configured")
+        self.bundles.still(plan.job.limits.devices)
+        self._environment(plan)
         for obj in plan.job.inputs:
             if obj.delivery == "local" and self.config.local_input(obj.id) is None:
                 raise ProviderError(
                     "input_not_configured", f"local input {obj.name!r} ({obj.id}) is not configured"
                 )
         return image
+
+    def _environment(self, plan: planlib.Plan) -> dict[str, str]:
+        """The payload's environment: the plan's and its devices' (never both setting
+        one variable: which value wins would be a guess)."""
+        devices = self.bundles.grant(plan.job.limits.devices).environment
+        payload = plan.job.payload.environment
+        clash = sorted(set(devices) & set(payload))
+        if clash:
+            raise ProviderError(
+                "environment_unsupported",
+                f"the plan sets {', '.join(clash)}, which its devices set; leave them out of"
+                " the plan's environment",
+            )
+        return {**payload, **devices}
 
     # --- prepare -------------------------------------------------------------------
 
@@ -199,11 +230,11 @@ class Driver:
         image = self._image_for(plan)
         slot = _account(context)
         paths = _paths(context)
-        _check_host_layout(paths, slot)
+        attempt_files.check_host_layout(paths, slot)
         try:
             return self._prepare_layout(context, plan, image, slot, paths)
         except BaseException:
-            _remove_provider_files(paths)  # a refused prepare leaves nothing behind
+            attempt_files.remove_provider_files(paths)  # a refused prepare leaves nothing behind
             raise
 
     def _prepare_layout(
@@ -216,7 +247,7 @@ class Driver:
     ) -> Reply:
         check = context.check
         placed = self._place_inputs(context, plan, paths, slot, check)
-        _write_environment(paths, plan.job.payload.environment, slot.gid)
+        attempt_files.write_environment(paths, self._environment(plan), slot.gid)
         check()
         with slot_lock(slot.uid):
             slot.ensure_directories()
@@ -224,7 +255,7 @@ class Driver:
         check()
         barrier = barrier_path()
         identity = os.stat(barrier)
-        devices = container.plan_devices(self.config, plan.job.limits.devices)
+        devices = container.plan_devices(self.config, plan.job.limits.devices, self.bundles)
         try:
             argv = container.run_argv(
                 self.config,
@@ -239,7 +270,7 @@ class Driver:
             )
         except ValueError as error:
             raise ProviderError("path_unsupported", str(error)) from error
-        state = State(
+        state = attempt_files.State(
             plan.attempt_id,
             image.image_id,
             str(barrier),
@@ -249,7 +280,7 @@ class Driver:
             devices.positive,
             devices.negative,
         )
-        _write_state(paths, state)
+        attempt_files.write_state(paths, state)
         result = sdk.PrepareResult(
             argv=argv,
             barrier=sdk.BarrierSpec(
@@ -258,7 +289,8 @@ class Driver:
             ),
             devices=msgspec.convert(devices.prepared, list[sdk.PreparedDevice]),
             mounts=msgspec.convert(
-                container.mounts(self.config, paths, str(barrier)), list[sdk.MountSpec]
+                container.mounts(self.config, paths, str(barrier), devices.mounts),
+                list[sdk.MountSpec],
             ),
             generated_targets=msgspec.convert(
                 container.generated_targets(devices, container.host_dev_fs_type()),
@@ -278,11 +310,8 @@ class Driver:
         check: Callable[[], Any],
     ) -> list[inputs.PlacedInput]:
         capabilities = {c.id: c for c in context.inputs}
-        _fresh_dir(paths.inputs, 0, slot.gid, 0o750)
-        _fresh_dir(paths.run, slot.uid, slot.gid, 0o700)
-        _blank_exit_status(f"{paths.exit_file}.tmp", slot)
+        dir_fd = attempt_files.fresh_layout(paths, slot)
         placed = []
-        dir_fd = os.open(paths.inputs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             for obj in plan.job.inputs:
                 check()
@@ -357,11 +386,13 @@ class Driver:
         """Whether Podman's answer for this image is still the one it gave: the storage's
         image record file is the very file it was then (device, inode, size, mtime and
         ctime, which no unprivileged process can set back), and the account has no
-        process that could be changing it. `podman image inspect` reads that same file,
-        so it could answer nothing else; any change sends prepare back to Podman."""
+        task that could be changing it (`ensure_directories` refused `slot_busy` just
+        before, under the same slot lock, after a walk of every thread on the host).
+        `podman image inspect` reads that same file, so it could answer nothing else;
+        any change sends prepare back to Podman."""
         with self._lock:
             seen = self._images_seen.get((slot.uid, slot.storage, image.image_id))
-        return seen is not None and seen == _fingerprint(slot) and not processes_of(slot.uid)
+        return seen is not None and seen == _fingerprint(slot)
 
     def _image_present(self, slot: SlotAccount, image: Image) -> bool:
         found = run_podman(
@@ -377,7 +408,7 @@ class Driver:
     def _start(self, context: Context) -> Reply:
         slot = _account(context)
         paths = _paths(context)
-        state = _read_state(paths)
+        state = attempt_files.read_state(paths)
         st = os.stat(state.barrier)
         if (st.st_dev, st.st_ino) != (state.barrier_device, state.barrier_inode):
             raise ProviderError(
@@ -412,7 +443,7 @@ class Driver:
     def _observe(self, context: Context, processes: dict[int, list[int]]) -> Reply:
         slot = _account(context)
         paths = _paths(context)
-        state = _read_state(paths)
+        state = attempt_files.read_state(paths)
         attempt = state.attempt_id
         code = self._exit_of(attempt, slot, paths)
         if code is not None:
@@ -488,7 +519,7 @@ class Driver:
                     conmon = self._conmon_status.get(plan.attempt_id)
                 if removal.not_shown(slot, paths, conmon) is not None:
                     self._remove_container(slot, plan.attempt_id)
-        _remove_provider_files(paths)
+        attempt_files.remove_provider_files(paths)
         with self._lock:
             self._ready_reported.discard(plan.attempt_id)
             self._payload_pid.pop(plan.attempt_id, None)
@@ -513,130 +544,35 @@ def _observed(observation: sdk.Observation) -> Reply:
     return sdk.reply(observation)
 
 
-def _remove_provider_files(paths: AttemptPaths) -> None:
-    """Everything the provider made in its part of the attempt layout."""
-    for directory in (paths.run, paths.inputs):
-        if os.path.lexists(directory):
-            shutil.rmtree(directory)
-    for name in (
-        paths.env_file,
-        f"{paths.env_file}.tmp",
-        paths.state_file,
-        f"{paths.state_file}.tmp",
-    ):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
-
-
 # --- the slot's image record -----------------------------------------------------------
 
 _Fingerprint = tuple[int, int, int, int, int]
 
 
 def _fingerprint(slot: SlotAccount) -> _Fingerprint | None:
-    """Identity of the storage's image record file (no symlink followed at the end)."""
+    """Identity of the storage's image record file, reached through descriptors (the
+    slot account owns every directory below the slot's root; nothing is followed)."""
+    folder, name = removal.IMAGE_RECORDS
     try:
-        st = os.stat(f"{slot.storage}/{'/'.join(removal.IMAGE_RECORDS)}", follow_symlinks=False)
+        root = beneath.open_trusted(slot.slot_path)
     except OSError:
         return None
+    try:
+        records = beneath.open_beneath(root, f"{PODMAN_DIRECTORY}/storage/{folder}")
+    except OSError:
+        return None
+    finally:
+        os.close(root)
+    try:
+        st = os.stat(name, dir_fd=records, follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        os.close(records)
     if not stat.S_ISREG(st.st_mode):
         return None
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-# --- the provider's part of the attempt layout --------------------------------------
-
-
 def _hex(image_id: str) -> str:
     return image_id.removeprefix("sha256:")
-
-
-def _check_host_layout(paths: AttemptPaths, slot: SlotAccount) -> None:
-    """The host created these; refuse anything that is not exactly its layout."""
-    for path, uid, mode in (
-        (paths.provider, 0, 0o711),
-        (paths.control, 0, 0o755),
-        (paths.storage, slot.uid, None),
-    ):
-        st = os.stat(path, follow_symlinks=False)
-        if (
-            not stat.S_ISDIR(st.st_mode)
-            or st.st_uid != uid
-            or (mode is not None and stat.S_IMODE(st.st_mode) != mode)
-        ):
-            raise ProviderError(
-                "layout_unexpected", f"{path} is not the host's attempt layout; check the host"
-            )
-        if any(char in path for char in ":,\n"):
-            raise ProviderError("path_unsupported", f"{path} cannot be given to podman -v")
-
-
-def _blank_exit_status(path: str, slot: SlotAccount) -> None:
-    """The file the run wrapper overwrites with the exit status, allocated on disk now
-    (written and synced) so that recording the status needs no space at exit."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, container.EXIT_STATUS_BLANK)
-        os.fchown(fd, slot.uid, slot.gid)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fresh_dir(path: str, uid: int, gid: int, mode: int) -> None:
-    """(Re)create a provider directory: a repeated prepare starts from nothing."""
-    if os.path.lexists(path):
-        shutil.rmtree(path)
-    os.mkdir(path, 0o700)
-    os.chown(path, uid, gid, follow_symlinks=False)
-    os.chmod(path, mode, follow_symlinks=False)
-
-
-def _write_private(path: str, data: bytes, *, gid: int, mode: int) -> None:
-    """Write a provider file complete under a temporary name, then rename it."""
-    tmp = f"{path}.tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchown(fd, 0, gid)
-        os.fchmod(fd, mode)
-        inputs.write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def _write_environment(paths: AttemptPaths, environment: dict[str, str], gid: int) -> None:
-    """Podman's --env-file: read by Podman as the slot account, never in a command line."""
-    lines = []
-    for key, value in sorted(environment.items()):
-        if "\n" in value or "\r" in value:
-            raise ProviderError(
-                "environment_unsupported",
-                f"environment value of {key} contains a line break, which Podman cannot pass",
-            )
-        lines.append(f"{key}={value}\n")
-    _write_private(paths.env_file, "".join(lines).encode(), gid=gid, mode=0o440)
-
-
-def _write_state(paths: AttemptPaths, state: State) -> None:
-    _write_private(paths.state_file, msgspec.json.encode(state), gid=0, mode=0o600)
-
-
-def _read_state(paths: AttemptPaths) -> State:
-    try:
-        fd = os.open(paths.state_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ProviderError(
-            "not_prepared", "the provider has no record of preparing this attempt"
-        ) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_size > 1 << 20:
-            raise ProviderError("not_prepared", f"{paths.state_file} is not the provider's record")
-        data = os.read(fd, st.st_size + 1)
-    finally:
-        os.close(fd)
-    return msgspec.json.decode(data, type=State)

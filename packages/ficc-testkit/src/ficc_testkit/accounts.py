@@ -112,22 +112,39 @@ class Accounts:
 
 
 def processes_of(uid: int) -> list[int]:
-    """Live (non-zombie) PIDs whose real UID is `uid`, read from /proc."""
+    """PIDs (thread-group IDs) of the processes with a live (non-zombie) thread that
+    has `uid` as its real, effective, saved or filesystem UID, read from /proc.
+
+    Every thread's status is read, not only the leader's: a leader that called the
+    raw `exit` system call while another thread runs shows `State: Z`, and the live
+    thread is only seen in /proc/PID/task/. Credentials are per thread, too.
+    """
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+        if entry.name.isdigit() and _has_live_task_of(entry.name, uid):
+            found.append(int(entry.name))
+    return found
+
+
+def _has_live_task_of(pid: str, uid: int) -> bool:
+    """Whether a live thread of process `pid` holds `uid` among its four UIDs."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
         try:
-            with open(f"/proc/{entry.name}/status", "rb") as status:
+            with open(f"/proc/{pid}/task/{task}/status", "rb") as status:
                 fields = dict(
                     line.split(b":", 1) for line in status.read(4096).splitlines() if b":" in line
                 )
         except OSError:
             continue
-        real = fields.get(b"Uid", b"").split()
-        if real and int(real[0]) == uid and fields.get(b"State", b"").strip()[:1] != b"Z":
-            found.append(int(entry.name))
-    return found
+        uids = fields.get(b"Uid", b"").split()
+        live = fields.get(b"State", b"").strip()[:1] != b"Z"
+        if live and uid in {int(value) for value in uids}:
+            return True
+    return False
 
 
 def kill_processes_of(uid: int) -> None:

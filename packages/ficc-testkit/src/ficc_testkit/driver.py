@@ -323,12 +323,16 @@ class Driver:
         request = kind(version=1, id=new_id(), attempts=[fence(p) for p in plans])  # type: ignore[call-arg]
         return rows(self.as_transport(request))
 
-    def observe(self, plan: Plan, *, usage: bool = False, detail: bool = False) -> Any:
-        """Observe `plan`'s attempt (with `usage: true`, `detail: true` when asked); its
-        row."""
+    def observe(
+        self, plan: Plan, *, usage: bool = False, detail: bool = False, payload_usage: bool = False
+    ) -> Any:
+        """Observe `plan`'s attempt (with `usage: true`, `detail: true`, `payload_usage:
+        true` when asked); its row."""
         asked: dict[str, Any] = {"usage": True} if usage else {}
         if detail:
             asked["detail"] = True
+        if payload_usage:
+            asked["payload_usage"] = True
         request = protocol.ObserveRequest(version=1, id=new_id(), attempts=[fence(plan)], **asked)
         (row,) = rows(self.as_transport(request))
         return row

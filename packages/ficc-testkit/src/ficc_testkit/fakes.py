@@ -65,6 +65,8 @@ class FakeUnit:
     exit_status: int | None = None
     stopped: bool = False
     usage: CgroupUsage = dataclasses.field(default_factory=CgroupUsage)
+    payload: int | None = None
+    """The PID `place_payload` moved into the payload's own node."""
 
 
 class FakeService:
@@ -124,6 +126,10 @@ class FakeService:
 
     def usage(self, handle: ServiceHandle) -> CgroupUsage:
         return self._unit(handle).usage
+
+    def place_payload(self, handle: ServiceHandle, pid: int) -> None:
+        self.calls.append(("place_payload", handle.name))
+        self._unit(handle).payload = pid
 
     def exit_status(self, handle: ServiceHandle) -> int | None:
         return self._unit(handle).exit_status
@@ -259,6 +265,9 @@ class FakeSlotFiles:
 
     def verify(self) -> None:
         self._called("verify")
+
+    def check(self) -> None:
+        self._called("check")
 
     def create(self, attempt_id: str) -> AttemptPaths:
         self._called("create", attempt_id)

@@ -42,6 +42,11 @@ def ensure_accounts(prefix: str = PREFIX) -> Accounts:
     return Accounts.ensure(prefix, ACCOUNTS)
 
 
+MINIMUM_LIMITS = {"memory_bytes": 4 * MIB, "processes": 2}
+"""What the suite's test provider states its runtime needs (a shell barrier: far less
+than any plan of the suite asks), so every admission checks a stated minimum."""
+
+
 def provider_entry(digest: str, base: Path) -> Provider:
     """The test provider, pinned; `service`: the host's system service runs its barrier
     as the slot account, unconfined, so the payload gate refuses it."""
@@ -52,6 +57,7 @@ def provider_entry(digest: str, base: Path) -> Provider:
             "runtime": "service",
             "call_log": str(base / PROVIDER_CALLS),
             "batch_log": str(base / PROVIDER_BATCHES),
+            "minimum_limits": MINIMUM_LIMITS,
         },
     )
 

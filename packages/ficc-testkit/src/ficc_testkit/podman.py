@@ -110,15 +110,18 @@ class Sources:
 # --- the image and the provider ---------------------------------------------------------
 
 
-def build_image(sources: Sources, out: Path, tag: str | None = None) -> dict[str, str]:
-    """The busybox test image as an OCI archive (the builder removes root's own copy)."""
+def build_image(
+    sources: Sources, out: Path, tag: str | None = None, extra: Sequence[Path] = ()
+) -> dict[str, str]:
+    """The busybox test image as an OCI archive (the builder removes root's own copy);
+    `extra`: host files copied in at their own paths."""
     spec = importlib.util.spec_from_file_location("ficc_testimage", sources.image_builder)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     built: dict[str, str] = module.build(
-        out, tag or f"localhost/ficc-pe2e-{secrets.token_hex(4)}:1"
+        out, tag or f"localhost/ficc-pe2e-{secrets.token_hex(4)}:1", extra
     )
     return built
 
@@ -151,16 +154,20 @@ def podman_config(
     filesystems: Sequence[SlotFilesystem],
     slot_inodes: int,
     offer_per_slot: bool = False,
+    devices: Sequence[Mapping[str, Any]] | None = None,
 ) -> Config:
     """The configuration for these slot filesystems (one per slot account); the offer
-    is that of one 2-CPU host, or (`offer_per_slot`) that much for every slot."""
+    is that of one 2-CPU host, or (`offer_per_slot`) that much for every slot.
+    `devices`: the provider's `devices` entries instead of the one named `full`
+    (/dev/full); the offer allows every one of them."""
     scale = len(slots) if offer_per_slot else 1
+    devices = [{"name": DEVICE, "path": "/dev/full"}] if devices is None else list(devices)
     resources = configs.allowance(
         cpu_millis=2000 * scale,
         memory_bytes=2 * GIB * scale,
         processes=1024 * scale,
         slots=len(slots),
-        devices=[DEVICE],
+        devices=[str(device["name"]) for device in devices],
         projects=[PROJECT],
         runtimes=["podman"],
     )
@@ -173,7 +180,7 @@ def podman_config(
                 "image_id": image["image_id"],
             }
         ],
-        "devices": [{"name": DEVICE, "path": "/dev/full"}],
+        "devices": devices,
         "runtime_devices": list(RUNTIME_DEVICES),
     }
     return configs.host_config(
@@ -334,9 +341,10 @@ class PodmanWorld:
         """The attempt's record."""
         return attempt(self.driver.observe(plan))
 
-    def usage(self, plan: Plan) -> AttemptRow:
-        """The attempt's record with what it used (`observe` with `usage: true`)."""
-        return attempt(self.driver.observe(plan, usage=True))
+    def usage(self, plan: Plan, *, payload: bool = False) -> AttemptRow:
+        """The attempt's record with what it used (`observe` with `usage: true`; with
+        `payload`, `payload_usage: true`: the payload's own share too)."""
+        return attempt(self.driver.observe(plan, usage=True, payload_usage=payload))
 
     def start(self, plan: Plan) -> AttemptRow:
         """Start the attempt."""
@@ -459,10 +467,13 @@ def podman_layout(
     slots: int = 2,
     name: str = "ficc-pe2e",
     offer_per_slot: bool = False,
+    devices: Sequence[Mapping[str, Any]] | None = None,
+    image_files: Sequence[Path] = (),
 ) -> Iterator[PodmanLayout]:
     """The world's accounts (`name-<tag>-s<i>`, `-tr`), image, installed provider,
     `slots` slot filesystems of `slot_bytes` and `slot_inodes` and the configuration
-    for `backend`, without a daemon; all removed after (services of the installation
+    for `backend` (`devices`: see `podman_config`; `image_files`: host files the image
+    holds too), without a daemon; all removed after (services of the installation
     included)."""
     tag = secrets.token_hex(3)
     base = private_directory(WORLD_PARENT, f"{name}-{tag}-")
@@ -473,13 +484,13 @@ def podman_layout(
         for role in (*(f"s{i}" for i in range(slots)), "tr"):
             accounts.append(create_account(f"{name}-{tag}-{role}"))
         *slot_accounts, transport = accounts
-        image = build_image(sources, base / "image")
+        image = build_image(sources, base / "image", extra=image_files)
         provider = install_podman_provider(sources, base)
         filesystems = slot_filesystems(base, [slot_bytes] * slots, slot_inodes)
         config = podman_config(
             base, slots=slot_accounts, transport=transport, provider=provider, image=image,
             supervisor=backend, filesystems=filesystems, slot_inodes=slot_inodes,
-            offer_per_slot=offer_per_slot,
+            offer_per_slot=offer_per_slot, devices=devices,
         )  # fmt: skip
         layout = configs.Layout.write(base, config, filesystems)
         yield PodmanLayout(base, layout, provider, image, slot_accounts, transport)
@@ -503,14 +514,19 @@ def podman_world(
     name: str = "ficc-pe2e",
     offer_per_slot: bool = False,
     environment: Mapping[str, str] | None = None,
+    devices: Sequence[Mapping[str, Any]] | None = None,
+    image_files: Sequence[Path] = (),
 ) -> Iterator[PodmanWorld]:
     """Build the whole world (see the module docstring) with the daemon's system-service
-    backend `backend` (`environment`: added to the daemon's, cgroupfs only); tear all of
-    it down after. The daemon must stop cleanly at the end. With `systemd` the daemon
-    runs as the shipped unit, which needs systemd as PID 1."""
+    backend `backend` (`environment`: added to the daemon's, cgroupfs only; `devices`:
+    the provider's, see `podman_config`; `image_files`: host files the image holds too);
+    tear all of it down after. The daemon must
+    stop cleanly at the end. With `systemd` the daemon runs as the shipped unit, which
+    needs systemd as PID 1."""
     with podman_layout(
         sources, backend, slot_bytes, slot_inodes,
-        slots=slots, name=name, offer_per_slot=offer_per_slot,
+        slots=slots, name=name, offer_per_slot=offer_per_slot, devices=devices,
+        image_files=image_files,
     ) as made:  # fmt: skip
         process: DaemonProcess | UnitDaemon | None = None
         world: PodmanWorld | None = None

@@ -40,6 +40,7 @@ from ficc.execution.plan import (
 )
 from ficc.execution.protocol import (
     AnyRequest,
+    CheckSlotsRequest,
     CollectRequest,
     Fence,
     InputStatusRequest,
@@ -94,6 +95,7 @@ def schema() -> dict[str, Any]:
         wire.SnapshotReply,
         wire.OfferReply,
         wire.MetricsReply,
+        wire.SlotsReply,
         wire.AttemptRow,
         wire.InputRow,
         wire.ReadRow,
@@ -104,7 +106,7 @@ def schema() -> dict[str, Any]:
     raw = defs.pop("_RawBatch")
     for name, (reply, row) in _BATCHES.items():
         defs[name] = _batch(raw, reply, row)
-    replies = ["ErrorReply", *_BATCHES, "SnapshotReply", "OfferReply", "MetricsReply"]
+    replies = ["ErrorReply", *_BATCHES, "SnapshotReply", "OfferReply", "MetricsReply", "SlotsReply"]
     defs["Request"] = found[1]
     defs["Reply"] = {"anyOf": [{"$ref": _REF.format(name=n)} for n in replies]}
     for definition in defs.values():
@@ -315,6 +317,7 @@ def example_requests() -> dict[str, Request]:
             limits=OfferLimits(resources=_resources(), projects=[_hex("0f")], runtimes=["podman"]),
         ),
         "metrics": MetricsRequest(**base),
+        "check_slots": CheckSlotsRequest(**base),
     }
 
 
@@ -438,6 +441,7 @@ def example_replies() -> dict[str, wire.AnyReply]:
         "metrics": wire.MetricsReply(
             **env, text='# TYPE ficc_slots_free gauge\nficc_slots_free{class="small"} 1\n'
         ),
+        "check_slots": wire.SlotsReply(**env, slots=_slot_states()),
         "error": wire.error_reply(_REQUEST_ID, "not_authorized", "this socket may not send it"),
     }
 
@@ -478,6 +482,95 @@ def usage_examples() -> dict[str, tuple[Request, wire.AnyReply]]:
     }
 
 
+def payload_usage_examples() -> dict[str, tuple[Request, wire.AnyReply]]:
+    """`observe` and `snapshot` asking for `payload_usage: true`, and their replies: the
+    `usage` examples with the payload's own share (`usage.payload`), which a client
+    that asked only for `usage` never receives."""
+    own = {
+        True: wire.PayloadUsage(
+            cpu_user_us=10_900_000, cpu_system_us=310_000, memory_peak_bytes=1_241_513_984
+        ),
+        False: wire.PayloadUsage(cpu_user_us=1_700_000, cpu_system_us=20_000),
+    }
+    found: dict[str, tuple[Request, wire.AnyReply]] = {}
+    for action, (request, reply) in usage_examples().items():
+        asked = msgspec.structs.replace(request, usage=msgspec.UNSET, payload_usage=True)
+        found[action] = (asked, _with_payload(reply, own))
+    return found
+
+
+def _with_payload(reply: wire.AnyReply, own: dict[bool, wire.PayloadUsage]) -> wire.AnyReply:
+    """`reply` with each row's `usage` given its payload part (`own[final]`)."""
+
+    def row(status: Any) -> Any:
+        used = status.usage
+        return msgspec.structs.replace(
+            status, usage=msgspec.structs.replace(used, payload=own[used.final])
+        )
+
+    if isinstance(reply, wire.AttemptsReply):
+        return msgspec.structs.replace(reply, results=[row(r) for r in reply.results])
+    assert isinstance(reply, wire.SnapshotReply)
+    return msgspec.structs.replace(reply, attempts=[row(a) for a in reply.attempts])
+
+
+def _slot_states() -> list[wire.SlotState]:
+    """The example snapshot's two slots of class `small`: one free but out of service,
+    one held by the running attempt (so none of the class is usable)."""
+    broken = (
+        "slot small-0: /srv/ficc/slots/small-0 is not the root of its own filesystem (it is"
+        " inside /); if its filesystem exists but is not mounted, mount it again"
+    )
+    return [
+        wire.SlotState(
+            id="small-0",
+            class_="small",
+            healthy=False,
+            free=True,
+            reason="slot_filesystem",
+            message=broken,
+            since_ms=1_799_999_990_000,
+        ),
+        wire.SlotState(
+            id="small-1",
+            class_="small",
+            healthy=True,
+            free=False,
+            reason=None,
+            message=None,
+            since_ms=1_799_999_000_000,
+        ),
+    ]
+
+
+def opt_in_examples() -> dict[str, tuple[Request, wire.AnyReply]]:
+    """`snapshot` asking for `slots: true` and for `daemon: true`, and their replies:
+    what a client built before those fields never sends and never receives."""
+    base: dict[str, Any] = {"version": 1, "id": _REQUEST_ID}
+    snapshot = example_replies()["snapshot"]
+    assert isinstance(snapshot, wire.SnapshotReply)
+    classes = [msgspec.structs.replace(c, usable=0) for c in snapshot.capacity.slot_classes]
+    capacity = msgspec.structs.replace(snapshot.capacity, slot_classes=classes)
+    running = wire.DaemonInfo(
+        started_at_ms=1_799_990_000_000,
+        versions=[
+            wire.RunningVersion("ficc-executor-host", "0.1.0"),
+            wire.RunningVersion("ficc-protocol", "0.1.0"),
+            wire.RunningVersion("ficc-provider-sdk", "0.1.0"),
+        ],
+    )
+    return {
+        "slots": (
+            SnapshotRequest(**base, after=None, slots=True),
+            msgspec.structs.replace(snapshot, capacity=capacity, slots=_slot_states()),
+        ),
+        "daemon": (
+            SnapshotRequest(**base, after=None, daemon=True),
+            msgspec.structs.replace(snapshot, daemon=running),
+        ),
+    }
+
+
 def _pretty(data: bytes) -> bytes:
     """A document as reviewers read it: sorted keys, two-space indent, UTF-8."""
     text = json.dumps(json.loads(data), indent=2, sort_keys=True, ensure_ascii=False)
@@ -500,12 +593,19 @@ def files() -> dict[str, bytes]:
         rows = requests[action].row_count if action in requests else None
         wire.decode_reply(data, action if action != "error" else "observe", rows=rows or None)
         out[f"{VECTORS}/reply-{action}.json"] = _pretty(data)
-    for action, (request, reply) in usage_examples().items():
+    for name, examples in (("usage", usage_examples), ("payload-usage", payload_usage_examples)):
+        for action, (request, reply) in examples().items():
+            _, data = validate_request(request)
+            out[f"{VECTORS}/{name}-request-{action}.json"] = _pretty(data)
+            data = wire.encode_reply(reply)
+            wire.decode_reply(data, action, rows=request.row_count or None)
+            out[f"{VECTORS}/{name}-reply-{action}.json"] = _pretty(data)
+    for field, (request, reply) in opt_in_examples().items():
         _, data = validate_request(request)
-        out[f"{VECTORS}/usage-request-{action}.json"] = _pretty(data)
+        out[f"{VECTORS}/{field}-request-snapshot.json"] = _pretty(data)
         data = wire.encode_reply(reply)
-        wire.decode_reply(data, action, rows=request.row_count or None)
-        out[f"{VECTORS}/usage-reply-{action}.json"] = _pretty(data)
+        wire.decode_reply(data, "snapshot")
+        out[f"{VECTORS}/{field}-reply-snapshot.json"] = _pretty(data)
     return out
 
 

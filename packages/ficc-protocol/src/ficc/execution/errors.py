@@ -41,6 +41,7 @@ class ErrorCode(enum.StrEnum):
     SLOT_CAPACITY = "slot_capacity"
     NODE_MISMATCH = "node_mismatch"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
+    LIMITS_BELOW_MINIMUM = "limits_below_minimum"
     LEDGER_FULL = "ledger_full"
     UNKNOWN_NOT_ACKNOWLEDGED = "unknown_not_acknowledged"
     # lifecycle

@@ -196,18 +196,29 @@ class ObserveRequest(_FenceBatch, frozen=True, kw_only=True, tag="observe"):
 
     `usage: true` asks for each row's `usage` (what the attempt used); without it (or
     with `false`) the rows are exactly what they always were. The field is omitted
-    unless set, so a request made without it keeps its bytes.
+    unless set, so a request made without it keeps its bytes. `payload_usage: true`
+    asks for `usage` with its `payload` part (the payload's own share, apart from its
+    runtime), which a client that asked only for `usage` never receives.
     """
 
     usage: bool | msgspec.UnsetType = msgspec.UNSET
     detail: bool | msgspec.UnsetType = msgspec.UNSET
     """`detail: true` asks for each row's `detail`: what went wrong, in the runtime's
-    own words, when a start failed before the payload ran. Omitted unless set."""
+    own words, when a start failed before the payload ran, or the barrier's report when
+    the payload's program could not be executed. Omitted unless set."""
+    payload_usage: bool | msgspec.UnsetType = msgspec.UNSET
+    """`payload_usage: true` asks for each row's `usage` with its `payload` part: what
+    the payload used on its own, apart from its runtime. Omitted unless set."""
 
     @property
     def wants_usage(self) -> bool:
-        """Whether the reply's rows carry `usage`."""
-        return self.usage is True
+        """Whether the reply's rows carry `usage` (`payload_usage: true` asks for it too)."""
+        return self.usage is True or self.payload_usage is True
+
+    @property
+    def wants_payload_usage(self) -> bool:
+        """Whether each row's `usage` carries its `payload` part."""
+        return self.payload_usage is True
 
     @property
     def wants_detail(self) -> bool:
@@ -362,16 +373,50 @@ class ReconcileAbsentRequest(_PlanBatch, frozen=True, kw_only=True, tag="reconci
 class SnapshotRequest(Request, frozen=True, kw_only=True, tag="snapshot"):
     """Bindings, bounds, offer, capacity and one page of attempts after `after`.
 
-    `usage: true` asks for each listed attempt's `usage`, as in `observe`.
+    `usage: true` asks for each listed attempt's `usage`, as in `observe` (and
+    `payload_usage: true` for it with its `payload` part). `slots: true`
+    asks for the health of every slot (`slots`) and, per slot class, how many slots are
+    usable now (`usable`); `daemon: true` asks for what the running daemon is (`daemon`:
+    its versions and start time). Each is omitted unless set, and without it the reply
+    has exactly the fields it always had, so a client built before it keeps its bytes.
     """
 
     after: Identity | None = None
     usage: bool | msgspec.UnsetType = msgspec.UNSET
+    slots: bool | msgspec.UnsetType = msgspec.UNSET
+    daemon: bool | msgspec.UnsetType = msgspec.UNSET
+    changed: bool | msgspec.UnsetType = msgspec.UNSET
+    """`changed: true` asks for each listed attempt's `changed_at_ms` (when its status
+    last changed), so an operator's view can order and filter the history by time."""
+    payload_usage: bool | msgspec.UnsetType = msgspec.UNSET
+    """`payload_usage: true` asks for each listed attempt's `usage` with its `payload`
+    part, as in `observe`."""
 
     @property
     def wants_usage(self) -> bool:
-        """Whether the listed attempts carry `usage`."""
-        return self.usage is True
+        """Whether the listed attempts carry `usage` (`payload_usage: true` asks for it
+        too)."""
+        return self.usage is True or self.payload_usage is True
+
+    @property
+    def wants_payload_usage(self) -> bool:
+        """Whether each listed attempt's `usage` carries its `payload` part."""
+        return self.payload_usage is True
+
+    @property
+    def wants_changed(self) -> bool:
+        """Whether the listed attempts carry `changed_at_ms` (where the host knows it)."""
+        return self.changed is True
+
+    @property
+    def wants_slots(self) -> bool:
+        """Whether the reply carries each slot's health and each class's `usable`."""
+        return self.slots is True
+
+    @property
+    def wants_daemon(self) -> bool:
+        """Whether the reply carries the running daemon's versions and start time."""
+        return self.daemon is True
 
 
 class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):
@@ -384,6 +429,14 @@ class SetOfferRequest(Request, frozen=True, kw_only=True, tag="set_offer"):
 
 class MetricsRequest(Request, frozen=True, kw_only=True, tag="metrics"):
     """The daemon's metrics in the Prometheus text format (administrator only)."""
+
+
+class CheckSlotsRequest(Request, frozen=True, kw_only=True, tag="check_slots"):
+    """Check every slot now, and answer each one's health (administrator only).
+
+    Why: a slot taken out of the offer because a check failed comes back on the host's
+    own schedule; an administrator who has just repaired it need not wait for that.
+    """
 
 
 _SentRequest = (
@@ -401,6 +454,7 @@ _SentRequest = (
     | SnapshotRequest
     | SetOfferRequest
     | MetricsRequest
+    | CheckSlotsRequest
 )
 """The request models as a controller builds them, and as `decode_request` decodes."""
 
@@ -423,6 +477,7 @@ SENDERS: dict[str, frozenset[Sender]] = {
     "snapshot": frozenset({_T, _O, _A}),
     "set_offer": frozenset({_O, _A}),
     "metrics": frozenset({_A}),
+    "check_slots": frozenset({_A}),
 }
 """Who may send each action (docs/protocol.md). The host decides the sender from the socket."""
 
@@ -595,6 +650,7 @@ __all__ = [
     "SENDERS",
     "ZERO_ID",
     "AnyRequest",
+    "CheckSlotsRequest",
     "CollectRequest",
     "Control",
     "Fence",

@@ -61,7 +61,8 @@ REASONS: dict[str, str] = {
     "storage_exhausted": "the payload ran its slot's filesystem out of bytes or inodes",
     "slot_filesystem": "the slot's filesystem was not mounted as required when used",
     "slot_identity": "another filesystem than the slot's was mounted on its path",
-    "memory_exhausted": "the kernel's out-of-memory killer killed a process of the payload",
+    "memory_exhausted": "the kernel's out-of-memory killer killed a process of the payload"
+    " (or, before the release, of its runtime)",
     "executor_restarted": "the executor restarted while the outcome was uncertain",
     "cleanup_failed": "cleanup could not be confirmed",
 }
@@ -89,6 +90,21 @@ class ErrorRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ok: Literal[False] = False
 
 
+class PayloadUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the payload used on its own, apart from the provider's runtime that shares
+    its service (Podman, conmon, runc): read from the payload's own cgroup below the
+    service, where the host moved the payload before its release. Each figure is
+    omitted when the host could not read it (no payload cgroup, nothing ran).
+
+    - `cpu_user_us`, `cpu_system_us`: the payload's CPU time, microseconds;
+    - `memory_peak_bytes`: the most memory the payload held at once.
+    """
+
+    cpu_user_us: Count | msgspec.UnsetType = msgspec.UNSET
+    cpu_system_us: Count | msgspec.UnsetType = msgspec.UNSET
+    memory_peak_bytes: Count | msgspec.UnsetType = msgspec.UNSET
+
+
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What an attempt used, read from the kernel's counters of the service the host
     made for it (never from the provider or the payload).
@@ -106,7 +122,10 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     - `storage_bytes`, `storage_inodes`: the slot filesystem's bytes and inodes in use
       when the payload finished (logs and the attempt's own files included);
     - `wall_ms`: from the release of the payload to its observed exit (or to its stop),
-      milliseconds; absent when this host's daemon did not see the release (a restart).
+      milliseconds; absent when this host's daemon did not see the release (a restart);
+    - `payload`: only when asked, the payload's own figures (`PayloadUsage`).
+
+    The figures above are the whole service's: the provider's runtime included.
     """
 
     final: bool
@@ -118,6 +137,10 @@ class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     storage_bytes: Count | msgspec.UnsetType = msgspec.UNSET
     storage_inodes: Count | msgspec.UnsetType = msgspec.UNSET
     wall_ms: Count | msgspec.UnsetType = msgspec.UNSET
+    payload: PayloadUsage | msgspec.UnsetType = msgspec.UNSET
+    """Present only when the request asked for it (`payload_usage: true`): the payload's
+    own share of the figures above (`PayloadUsage`). A client that asked only for
+    `usage` never sees it, so one built before it still decodes every `usage`."""
 
 
 DETAIL_MAX = 2048
@@ -164,9 +187,16 @@ class AttemptStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     detail: Annotated[str, msgspec.Meta(max_length=DETAIL_MAX)] | msgspec.UnsetType = msgspec.UNSET
     """Present only when an observe asked for it (`detail: true`) and the host has one:
     for a start that failed before the payload ran, the end of what the provider's
-    runtime printed (bounded, control characters shown as `?`), for a controller to
-    show. Kept by the daemon until the attempt's release or a restart; never the
-    payload's output."""
+    runtime printed (bounded, control characters shown as `?`), after the host's own
+    explanation when the runtime was killed for memory; for a payload that ended 126 or
+    127 because its program could not be executed, the barrier's report in the host's
+    words (the program and the reason). For a controller to show. Kept by the daemon
+    until the attempt's release or a restart; never the payload's output."""
+    changed_at_ms: Count | msgspec.UnsetType = msgspec.UNSET
+    """Present only when a snapshot asked for it (`changed: true`) and the host recorded
+    it: when the attempt's status last changed (its admission, each change of state,
+    its release), wall-clock Unix milliseconds. A lease renewal is no change of status.
+    Records a host made before it recorded this time have none."""
 
     def __post_init__(self) -> None:
         if self.state in TERMINAL and self.outcome != self.state:
@@ -256,10 +286,72 @@ class SlotClass(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     free: Count
     bytes: Count
     inodes: Count
+    usable: Count | msgspec.UnsetType = msgspec.UNSET
+    """Only in a snapshot that asked with `slots: true`: the free slots of the class
+    that passed their last check, where admission can place an attempt now (`free`
+    counts every slot no attempt holds, a slot out of service included)."""
 
     def __post_init__(self) -> None:
         if self.free > self.total:
             raise ValueError("more free slots than slots")
+        if isinstance(self.usable, int) and self.usable > self.free:
+            raise ValueError("more usable slots than free slots")
+
+
+SLOTS_MAX = 1024
+"""The most slots a host has (its configuration's bound), so the most `SlotState`s."""
+SLOT_MESSAGE_MAX = 1024
+"""The longest `message` of a `SlotState`, in characters (a reply of every slot stays
+well within the reply bound)."""
+
+
+class SlotState(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One configured slot's health, as the host last checked it.
+
+    `healthy` is false while a check of the slot fails (its filesystem, its mount, its
+    account or its layout): the host then admits nothing into it, and checks it again
+    on its own schedule and at an administrator's `check_slots`. `reason` is the failed
+    check's code and `message` what the administrator must do (both null while
+    healthy). `free`: no attempt holds the slot. `since_ms`: when the slot entered its
+    current state (wall-clock Unix milliseconds; the daemon's start for a slot that has
+    been healthy all along).
+    """
+
+    id: Name
+    class_: Name = msgspec.field(name="class")
+    healthy: bool
+    free: bool
+    reason: Name | None
+    message: Annotated[str, msgspec.Meta(max_length=SLOT_MESSAGE_MAX)] | None
+    since_ms: Count
+
+    def __post_init__(self) -> None:
+        if self.healthy != (self.reason is None):
+            raise ValueError("a slot has a reason exactly when it is not healthy")
+
+
+_Version = Annotated[str, msgspec.Meta(pattern=r"\A[0-9A-Za-z][0-9A-Za-z.+!_-]{0,63}\Z")]
+
+
+class RunningVersion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One distribution of the running daemon and its version (`unknown` when it ran
+    from a source tree that was not installed)."""
+
+    distribution: Name
+    version: _Version
+
+
+class DaemonInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What the running daemon is: the versions of its distributions and its start
+    time (`started_at_ms`, wall-clock Unix milliseconds), both read once when it
+    started. A release installed since shows here only after a restart."""
+
+    started_at_ms: Count
+    versions: Annotated[list[RunningVersion], msgspec.Meta(max_length=MAX_ROWS)]
+    tasks: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    """How the daemon knows which tasks of a slot account live: `process events` (the
+    kernel tells it) or `walks of /proc: WHY` (the kernel cannot, and why); None from
+    a daemon that does not say."""
 
 
 class ProviderInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -355,6 +447,12 @@ class SnapshotReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True
     capacity: Capacity
     attempts: Annotated[list[AttemptStatus], msgspec.Meta(max_length=MAX_ROWS)]
     next: Identity | None
+    slots: Annotated[list[SlotState], msgspec.Meta(max_length=SLOTS_MAX)] | msgspec.UnsetType = (
+        msgspec.UNSET
+    )
+    """Only when the request asked with `slots: true`: every configured slot's health."""
+    daemon: DaemonInfo | msgspec.UnsetType = msgspec.UNSET
+    """Only when the request asked with `daemon: true`: what the running daemon is."""
     ok: Literal[True] = True
 
     def __post_init__(self) -> None:
@@ -398,6 +496,13 @@ class MetricsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True)
     ok: Literal[True] = True
 
 
+class SlotsReply(Reply, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Every configured slot's health, after the checks a `check_slots` ran."""
+
+    slots: Annotated[list[SlotState], msgspec.Meta(max_length=SLOTS_MAX)]
+    ok: Literal[True] = True
+
+
 AnyReply: TypeAlias = (
     ErrorReply
     | AttemptsReply
@@ -406,6 +511,7 @@ AnyReply: TypeAlias = (
     | SnapshotReply
     | OfferReply
     | MetricsReply
+    | SlotsReply
 )
 
 # --- decoding and encoding ----------------------------------------------------------
@@ -491,6 +597,8 @@ def decode_reply(frame: bytes, action: str, *, rows: int | None = None) -> AnyRe
         return _decode_as(frame, OfferReply)  # type: ignore[no-any-return]
     if action == "metrics":
         return _decode_as(frame, MetricsReply)  # type: ignore[no-any-return]
+    if action == "check_slots":
+        return _decode_as(frame, SlotsReply)  # type: ignore[no-any-return]
     if action not in _ROW_TYPES:
         raise ProtocolError(ErrorCode.UNSUPPORTED_ACTION, f"unknown action {action!r}")
     reply_type, row_type = _ROW_TYPES[action]
@@ -548,6 +656,8 @@ __all__ = [
     "DETAIL_MAX",
     "METRICS_MAX_CHARS",
     "REASONS",
+    "SLOTS_MAX",
+    "SLOT_MESSAGE_MAX",
     "TERMINAL",
     "AnyReply",
     "AttemptResult",
@@ -556,6 +666,7 @@ __all__ = [
     "AttemptsReply",
     "Capacity",
     "Control",
+    "DaemonInfo",
     "Error",
     "ErrorReply",
     "ErrorRow",
@@ -566,12 +677,16 @@ __all__ = [
     "Offer",
     "OfferReply",
     "Outcome",
+    "PayloadUsage",
     "ProviderInfo",
     "ReadResult",
     "ReadRow",
     "ReadsReply",
     "Reply",
+    "RunningVersion",
     "SlotClass",
+    "SlotState",
+    "SlotsReply",
     "SnapshotReply",
     "State",
     "Usage",

@@ -34,6 +34,10 @@ image digests, isolations and networks probe accepts; it refuses any other with
 `image_unknown`, `isolation_unsupported` or `network_unsupported`, as a real provider
 refuses what it does not offer.
 
+`minimum_limits` (an object) is what the driver's `minimum_limits()` states, passed
+through unchecked so a test can also give one the SDK would not build; without it the
+driver states nothing (`{}`).
+
 If `verified_storage` is true, probe, prepare and start refuse a row whose storage
 binding is not verified (`storage_unverified`), as a provider may that relies on the
 documented contract (the binding is verified in those three).
@@ -108,7 +112,7 @@ def configure(configuration: dict[str, Any]) -> Driver:
     if batch_log is not None and not isinstance(batch_log, str):
         raise ValueError("configuration 'batch_log' must be a path")
     if not isinstance(devices, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in devices.items()
+        isinstance(k, str) and _node_paths(v) for k, v in devices.items()
     ):
         raise ValueError("configuration 'devices' must map device names to node paths")
     if not isinstance(negative, list) or not all(isinstance(p, str) for p in negative):
@@ -128,7 +132,8 @@ def configure(configuration: dict[str, Any]) -> Driver:
     if not isinstance(defects, list) or not set(defects) <= DEFECTS:
         raise ValueError(f"configuration 'defects' must be a list of {sorted(DEFECTS)}")
     if runtime == "service":
-        driver: Driver = ServiceDriver(list(argv), dict(devices), list(negative), call_log)
+        nodes = {name: _node_paths(paths) for name, paths in devices.items()}
+        driver: Driver = ServiceDriver(list(argv), nodes, list(negative), call_log)
     else:
         driver = Driver(list(argv), call_log)
     driver.context_log = context_log
@@ -136,7 +141,18 @@ def configure(configuration: dict[str, Any]) -> Driver:
     driver.defects = frozenset(defects)
     driver.verified_storage = verified_storage
     driver.batch_log = batch_log
+    driver.minimums = configuration.get("minimum_limits", {})
     return driver
+
+
+def _node_paths(value: object) -> list[str]:
+    """A device's nodes: one path, or a list of them (a bundle: its own nodes and the
+    ones its kind shares); empty when `value` is neither."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        return list(value)
+    return []
 
 
 def main() -> int:
@@ -234,6 +250,11 @@ class Driver:
         self.released: set[str] = set()
         self.batch_log: str | None = None
         self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.minimums: object = {}
+
+    def minimum_limits(self) -> Any:
+        """What the configuration's `minimum_limits` states (see the module docstring)."""
+        return self.minimums
 
     def _each(self, contexts: Sequence[_C], row: Callable[[_C], Reply]) -> list[Reply]:
         return [row(context) for context in contexts]
@@ -393,7 +414,9 @@ class Driver:
 #   $1 release marker, $2 status directory, $3 hold (1: report no PID until a file
 #   `go` appears in the status directory, so tests can keep an attempt `starting`;
 #   fail: print a runtime's refusal on stderr and exit before the release, as a
-#   runtime that cannot create the container does),
+#   runtime that cannot create the container does; oom: grow until the kernel's
+#   out-of-memory killer kills it before the release, as a runtime given too little
+#   memory for itself is),
 #   then N, N positive devices, M, M negative devices, then the payload argv.
 #   Device results are "1 PATH" (opened) or "0 PATH" (refused). A hold ending in
 #   "+teardown" or "+stuck" stands in for a runtime's own teardown after the exit is
@@ -405,6 +428,10 @@ if [ "$hold" = fail ]; then
   echo "ficc-test-barrier: preparing the runtime" >&2
   echo "ficc-test-barrier: OCI runtime error: the runtime refused to create the container" >&2
   exit 125
+fi
+if [ "$hold" = oom ]; then
+  echo "ficc-test-barrier: starting the runtime" >&2
+  exec awk 'BEGIN { s = "x"; while (1) s = s s }'
 fi
 mkdir -p "$status" || exit 121
 : > "$status/devices.tmp" || exit 121
@@ -435,7 +462,8 @@ exit "$code"
 STATUS_DIRECTORY = ".ficc-test-provider"
 HOLD_VARIABLE = "FICC_TEST_PROVIDER_HOLD"
 """A plan whose payload environment sets this to "1" is held before its PID is reported;
-"fail" makes its barrier print a runtime's refusal on stderr and exit before release."""
+"fail" makes its barrier print a runtime's refusal on stderr and exit before release;
+"oom" makes it grow until the out-of-memory killer kills it, before release."""
 TEARDOWN_VARIABLE = "FICC_TEST_PROVIDER_TEARDOWN"
 """"teardown" or "stuck": what the service's main process does after it reported the
 payload's exit (see BARRIER_SCRIPT)."""
@@ -480,7 +508,11 @@ class ServiceDriver(Driver):
     """The `service` runtime: the host's service runs the barrier; observe reads reports."""
 
     def __init__(
-        self, argv: list[str], devices: dict[str, str], negative: list[str], call_log: str | None
+        self,
+        argv: list[str],
+        devices: dict[str, list[str]],
+        negative: list[str],
+        call_log: str | None,
     ) -> None:
         super().__init__(argv, call_log)
         self.devices = devices
@@ -502,16 +534,16 @@ class ServiceDriver(Driver):
             found = os.stat(shell)
             devices = []
             for name in context.plan.job.limits.devices:
-                path = self.devices[name]
-                node = os.stat(path)
-                devices.append(
-                    sdk.PreparedDevice(
-                        name=name,
-                        path=path,
-                        major=os.major(node.st_rdev),
-                        minor=os.minor(node.st_rdev),
+                for path in self.devices[name]:
+                    node = os.stat(path)
+                    devices.append(
+                        sdk.PreparedDevice(
+                            name=name,
+                            path=path,
+                            major=os.major(node.st_rdev),
+                            minor=os.minor(node.st_rdev),
+                        )
                     )
-                )
             positive = [device.path for device in devices]
             job = context.plan.job
             hold = job.payload.environment.get(HOLD_VARIABLE, "0")
@@ -519,7 +551,7 @@ class ServiceDriver(Driver):
             argv = [
                 shell, "-c", BARRIER_SCRIPT, "ficc-test-barrier",
                 context.release_marker, self._status(context),
-                (hold if hold in ("1", "fail") else "0")
+                (hold if hold in ("1", "fail", "oom") else "0")
                 + (f"+{after}" if after in ("teardown", "stuck") else ""),
                 str(len(positive)), *positive, str(len(self.negative)), *self.negative,
                 *job.payload.argv,

@@ -27,6 +27,7 @@ from ficc.execution.host.cli.conformance import (
 )
 from ficc.execution.host.cli.versions import version_line
 from ficc.execution.host.config.load import load_config
+from ficc.execution.host.core import admission
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon.root import service_backend
@@ -82,6 +83,9 @@ def _setup(args: argparse.Namespace) -> Kit:
     path = args.provider_path
     pin = compute_digest(provider.id, path).digest if args.unpinned else provider.package_digest
     loaded = load_provider(provider.id, pin, provider.configuration, path)
+    below = admission.below_minimum(plan, loaded.minimums)
+    if below is not None:
+        raise HostError(USAGE, f"--plan: {below.message} (the daemon would refuse it)")
     if plan.streamed_inputs:
         raise HostError(HostCode.PLAN_UNSUPPORTED, "the kit runs plans without streamed inputs")
     slots = [
@@ -108,6 +112,7 @@ def _setup(args: argparse.Namespace) -> Kit:
         quick_argv=quick_argv,
         long_argv=long_argv,
         timeout=args.timeout,
+        minimums=loaded.minimums,
     )
 
 

@@ -15,12 +15,21 @@ with `refusal(code, message)`; the host decodes every reply with the same Struct
 What a provider may rely on in a context:
 - `plan` is the validated immutable plan, `plan_digest` its digest;
 - `slot` is the reserved slot (its account and its reserved filesystem);
-- `storage` is the storage binding: verified (device, inode, limits set) in the
-  contexts of probe, prepare and start; stop, observe and release may carry only its
-  path (`verified` false), so cleanup never waits on a damaged layout;
+- `storage` is the storage binding, verified (device, inode, limits set) in the
+  contexts of every method: the host never hands a provider a binding it cannot
+  verify (it refuses the start or the release, records an observe's outcome as lost,
+  and stops the service without the provider's `stop`). Only a release repeated after
+  an earlier one freed the storage directory carries its path alone (`verified`
+  false): nothing is left there;
 - `inputs` are the host-created capabilities of the plan's streamed inputs (prepare
   and start);
 - `prepared` is the persisted prepare result (start and every later method).
+
+A driver may also state, once, the smallest limits its own runtime needs
+(`minimum_limits()`, returning `reply(MinimumLimits(...))`): the host reads it when the
+provider is configured and refuses a plan below it at admission, before anything is
+reserved and before any driver method runs for it. A driver without the method states
+nothing, and every plan is admitted as before.
 
 This distribution (ficc-provider-sdk) depends on msgspec and ficc-protocol's plan
 types only, so a provider installs and imports the contract without the daemon.
@@ -39,6 +48,7 @@ __all__ = [
     "API_VERSION",
     "MAX_BATCH",
     "METHODS",
+    "SLOT_FILES_STUCK",
     "BarrierSpec",
     "CollectReply",
     "Context",
@@ -48,6 +58,7 @@ __all__ = [
     "Identity",
     "InputCapability",
     "Logs",
+    "MinimumLimits",
     "MountSpec",
     "Observation",
     "PrepareContext",
@@ -63,6 +74,7 @@ __all__ = [
     "StopReply",
     "StorageBinding",
     "Supervisor",
+    "decode_minimum_limits",
     "decode_reply",
     "refusal",
     "reply",
@@ -74,6 +86,11 @@ MAX_BATCH: Final = 64
 """The most contexts in one driver call."""
 METHODS: Final = ("probe", "prepare", "start", "observe", "stop", "collect", "release")
 """The driver methods, in the order an attempt meets them."""
+SLOT_FILES_STUCK: Final = "slot_files_stuck"
+"""The refusal of a provider that cannot reset its part of a slot's files (what it
+could not remove, named in the message). The host then takes the slot out of the
+offer until the administrator, having removed them, asks for a check of the slots
+(`ficc-executor check-slots`): every job placed there would fail the same way."""
 
 Reply = dict[str, Any]
 """What a driver method returns per row: plain data, never a Struct."""
@@ -123,9 +140,10 @@ class Slot(_Strict, frozen=True):
 class StorageBinding(_Strict, frozen=True):
     """The slot-owned `storage/` directory of the attempt, and the plan's limits on it.
 
-    `device` and `inode` identify the directory as verified on the slot's filesystem;
-    all four are None when the host could not verify it (only in stop, observe and
-    release: a damaged layout must not block cleanup)."""
+    `device` and `inode` identify the directory as verified on the slot's filesystem.
+    All four are None only in a release repeated after an earlier release freed the
+    directory: nothing is left there to verify. A binding the host cannot verify is
+    never handed to a provider in any call."""
 
     path: _Path
     device: _Number | None = None
@@ -335,6 +353,36 @@ class ReleaseReply(msgspec.Struct, frozen=True):
     """Nothing of the attempt is left in the provider's care; repeated releases are fine."""
 
     released: Literal[True]
+
+
+# --- what the driver states once ------------------------------------------------------
+
+
+class MinimumLimits(_Strict, frozen=True, kw_only=True, omit_defaults=True):
+    """The smallest plan limits with which the provider's own runtime can start a
+    payload at all, as the driver's optional `minimum_limits()` states them.
+
+    A provider's supervisor runs inside the attempt's service, under the plan's limits
+    (for Podman: Podman, conmon and runc share the plan's memory and processes), so a
+    plan below these cannot run even a payload that needs nothing. The host calls
+    `minimum_limits()` once, right after `configure()` (never per attempt, so no
+    provider code runs before an admission is committed), and refuses a plan below a
+    figure at admission: a durable `admission_rejected` record whose cause is
+    `limits_below_minimum`, with nothing reserved. A figure left out states nothing.
+    State what the runtime was measured to need, with a margin: a plan at exactly
+    these figures must run (the conformance kit's `limits.minimum_runs`).
+    """
+
+    memory_bytes: planlib.Positive | None = None
+    """The plan's `memory_bytes` must be at least this."""
+    processes: planlib.Positive | None = None
+    """The plan's `processes` must be at least this."""
+
+
+def decode_minimum_limits(data: object) -> MinimumLimits:
+    """A driver's `minimum_limits()` as the host reads it: strict, no coercion; raises
+    `msgspec.ValidationError`."""
+    return msgspec.convert(data, MinimumLimits, strict=True)
 
 
 _REPLIES: Final[dict[str, type[msgspec.Struct]]] = {

@@ -16,9 +16,12 @@ Threads (see `context`): ledger calls run on `ctx.workers.db`, file I/O on
 
 Decisions made here:
 - A prepare row refused before any provider call (provider not configured or not
-  loaded, pinned digest differs, offer, resources, slot, first lease already past) is
+  loaded, pinned digest differs, limits below what the provider's runtime states it
+  needs, offer, resources, slot, first lease already past) is
   committed as a failed `admission_rejected` record; its row answers
   `admission_rejected` with the precise cause (the record's `detail`) in the message.
+  A slot out of service (its health checks fail) is never chosen: admission takes
+  another free slot of the class, or refuses `slot_capacity` naming the broken ones.
 - Staging inputs (`input_status`, `input_write`) needs the offer to keep leases alive
   (active, draining or paused): staging is part of preparation, not a start.
 - `stop` hands every attempt whose record changed to the runner; a prepared attempt is
@@ -56,13 +59,13 @@ from ficc.execution.host.api.rows import (
     with_staged,
     with_usage,
 )
+from ficc.execution.host.api.slots import check_slots
 from ficc.execution.host.config.ceiling import ceiling_limits
 from ficc.execution.host.context.group_commit import GroupCommit
 from ficc.execution.host.context.parts import HostContext
-from ficc.execution.host.core import leases, lifecycle
+from ficc.execution.host.core import admission, leases, lifecycle
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger import store as ledgerlib
-from ficc.execution.host.linux import taskscan
 from ficc.execution.host.storage.layout import service_name
 from ficc.execution.host.storage.staging import Stager
 from ficc.execution.host.storage.streams import streams_of
@@ -79,6 +82,7 @@ from ficc.execution.protocol import (
     StartRequest,
     StopRequest,
 )
+from ficc.execution.provider import tasks
 from ficc.execution.wire import (
     AnyReply,
     AttemptResult,
@@ -104,7 +108,8 @@ async def handle(
 
 
 def host_facts(ctx: HostContext, now: leases.Now) -> ledgerlib.HostFacts:
-    """What admission checks a plan against, besides the ledger's own records."""
+    """What admission checks a plan against, besides the ledger's own records: a slot
+    out of service (its checks fail) is never chosen (core/slot_health.py)."""
     config = ctx.config
     return ledgerlib.HostFacts(
         slots=[
@@ -116,6 +121,7 @@ def host_facts(ctx: HostContext, now: leases.Now) -> ledgerlib.HostFacts:
         now=now,
         deployment_id=config.deployment_id,
         node_id=config.node_id,
+        out_of_service=ctx.slot_health.broken(),
     )
 
 
@@ -150,7 +156,9 @@ def _first_lease(renewal: leases.Renewal, now: leases.Now, maximum: int) -> leas
 
 
 def provider_refusal(ctx: HostContext, plan: planlib.Plan) -> HostError | None:
-    """Why the plan's provider cannot serve it here, or None."""
+    """Why the plan's provider cannot serve it here, or None: it is not available, or
+    the plan is below the limits its runtime states it needs (read when it was
+    configured: no provider code runs before the admission is committed)."""
     runtime = plan.job.runtime
     provider = ctx.providers.get(runtime.provider)
     if provider is None:
@@ -171,7 +179,7 @@ def provider_refusal(ctx: HostContext, plan: planlib.Plan) -> HostError | None:
             f"the plan pins provider package {runtime.package_digest}, this host runs"
             f" {provider.package_digest}",
         )
-    return None
+    return admission.below_minimum(plan, provider.loaded.minimums)
 
 
 def _admission_row(result: ledgerlib.Row) -> ledgerlib.AttemptRecord | HostError:
@@ -274,7 +282,7 @@ def idle_evidence(ctx: HostContext, attempt_ids: Sequence[str]) -> list[str]:
             problems.append(f"slot {slot.id}: {error.code}: {error.message}")
             continue
         problems += [f"slot {slot.id} retains {entry}" for entry in left]
-    for uid, pid in taskscan.SHARED.live_tasks(set(slot_uids)):
+    for uid, pid in tasks.SHARED.live_tasks(set(slot_uids)):
         whose = (
             f"the account of slot {slot_uids[uid]}"
             if uid in slot_uids
@@ -444,7 +452,8 @@ async def observe(
     read = RowsRead(*cached) if cached is not None else await ctx.workers.db(read_rows)
     rows = await attempt_rows(ctx, read.results, read.staged)
     if request.wants_usage:
-        rows = await with_usage(ctx, runner, read.results, rows)
+        payload = request.wants_payload_usage
+        rows = await with_usage(ctx, runner, read.results, rows, payload=payload)
     if request.wants_detail:
         rows = _with_detail(runner, rows)
     return attempts_reply(request, rows)
@@ -543,6 +552,7 @@ HANDLERS: dict[str, Handler] = {
     "snapshot": snapshot,
     "set_offer": set_offer,
     "metrics": metrics,
+    "check_slots": check_slots,
 }
 
 

@@ -1,16 +1,18 @@
-"""What the host reports of itself: `snapshot` (bindings, offer, capacity, attempts),
-`set_offer` and `metrics`."""
+"""What the host reports of itself: `snapshot` (bindings, offer, capacity, attempts; with
+`slots: true` and `daemon: true`, the slots' health and what the daemon runs, from
+`slots`), `set_offer` and `metrics`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections import Counter
-from importlib import metadata
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import msgspec
 
+from ficc.execution.host.api import slots as slot_reports
 from ficc.execution.host.api.inputs import INPUT_CHUNK_BYTES
 from ficc.execution.host.api.port import RunnerPort
 from ficc.execution.host.api.rows import (
@@ -20,6 +22,7 @@ from ficc.execution.host.api.rows import (
 )
 from ficc.execution.host.config.ceiling import ceiling_limits
 from ficc.execution.host.context.parts import HostContext
+from ficc.execution.host.context.slot_health import Health
 from ficc.execution.host.core import lifecycle
 from ficc.execution.host.core import metrics as metricslib
 from ficc.execution.host.ledger import store as ledgerlib
@@ -39,6 +42,7 @@ from ficc.execution.wire import (
     OfferReply,
     ProviderInfo,
     SlotClass,
+    SlotState,
     SnapshotReply,
     Usage,
 )
@@ -48,8 +52,14 @@ def wire_offer(offer: ledgerlib.Offer) -> Offer:
     return Offer(revision=offer.revision, control=offer.control, limits=offer.limits)
 
 
-def _capacity(ctx: HostContext, occupied: set[str], used: dict[str, int]) -> Capacity:
-    """What is free now: the offer (within the ceiling) minus the reservations."""
+def _capacity(
+    ctx: HostContext,
+    occupied: set[str],
+    used: dict[str, int],
+    health: Mapping[str, Health] | None = None,
+) -> Capacity:
+    """What is free now: the offer (within the ceiling) minus the reservations; with
+    `health`, each class's `usable` slots too (the snapshot asked with `slots: true`)."""
     offer = ctx.ledger.offer()
     ceiling = ceiling_limits(ctx.config)
     available = Resources(
@@ -65,6 +75,7 @@ def _capacity(ctx: HostContext, occupied: set[str], used: dict[str, int]) -> Cap
     classes: dict[str, list[Any]] = {}
     for slot in ctx.config.slots:
         classes.setdefault(slot.slot_class, []).append(slot)
+    usable_slots = None if health is None else slot_reports.usable(ctx, occupied, health)
     slot_classes = [
         SlotClass(
             class_=name,
@@ -72,6 +83,7 @@ def _capacity(ctx: HostContext, occupied: set[str], used: dict[str, int]) -> Cap
             free=sum(1 for s in slots if s.id not in occupied),
             bytes=max(s.storage_bytes for s in slots),
             inodes=max(s.storage_inodes for s in slots),
+            usable=msgspec.UNSET if usable_slots is None else usable_slots[name],
         )
         for name, slots in sorted(classes.items())
     ]
@@ -82,27 +94,42 @@ def _capacity(ctx: HostContext, occupied: set[str], used: dict[str, int]) -> Cap
     return Capacity(available=available, slot_classes=slot_classes, providers=providers)
 
 
+class _SnapshotState(NamedTuple):
+    offer: ledgerlib.Offer
+    capacity: Capacity
+    records: list[ledgerlib.AttemptRecord]
+    cursor: str | None
+    staged: dict[str, int]
+    slots: list[SlotState] | None
+    """Each slot's health, when the request asked (`slots: true`)."""
+
+
 def _snapshot_state(
-    ctx: HostContext, after: str | None
-) -> tuple[ledgerlib.Offer, Capacity, list[ledgerlib.AttemptRecord], str | None, dict[str, int]]:
-    """Everything a snapshot reads from the ledger, on the ledger thread."""
+    ctx: HostContext, after: str | None, health: Mapping[str, Health] | None
+) -> _SnapshotState:
+    """Everything a snapshot reads from the ledger, on the ledger thread; `health` (taken
+    on the event loop) when the request asked for the slots' health."""
     occupied, used = ctx.ledger.reservations()
     offer = ctx.ledger.offer()
-    capacity = _capacity(ctx, occupied, used)
+    capacity = _capacity(ctx, occupied, used, health)
     records, cursor = ctx.ledger.page(after)
     staged = ctx.ledger.staged_bytes([r.attempt_id for r in records])
-    return offer, capacity, records, cursor, staged
+    slots = None if health is None else slot_reports.slot_states(ctx, occupied, health)
+    return _SnapshotState(offer, capacity, records, cursor, staged, slots)
 
 
 async def snapshot(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: SnapshotRequest
 ) -> AnyReply:
-    """Bindings, bounds, offer, capacity and one page of up to 64 attempts."""
-    offer, capacity, records, cursor, staged = await ctx.workers.db(
-        _snapshot_state, ctx, request.after
-    )
+    """Bindings, bounds, offer, capacity and one page of up to 64 attempts; the slots'
+    health and what the daemon runs only when the request asks (`slots`, `daemon`)."""
+    health = slot_reports.health_now(ctx) if request.wants_slots else None
+    state = await ctx.workers.db(_snapshot_state, ctx, request.after, health)
+    offer, capacity, records, cursor, staged, slots = state
     logs = await logs_of(ctx, records)
-    used = await usages(ctx, runner, records) if request.wants_usage else {}
+    payload = request.wants_payload_usage
+    used = await usages(ctx, runner, records, payload=payload) if request.wants_usage else {}
+    changed = await _changed_times(ctx, records) if request.wants_changed else {}
     bindings = ctx.ledger.bindings()
     return SnapshotReply(
         version=1,
@@ -115,20 +142,40 @@ async def snapshot(
         offer=wire_offer(offer),
         capacity=capacity,
         attempts=[
-            _listed(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0)), used) for r in records
+            _listed(r, staged[r.attempt_id], logs.get(r.attempt_id, (0, 0)), used, changed)
+            for r in records
         ],
         next=cursor,
+        slots=msgspec.UNSET if slots is None else slots,
+        daemon=slot_reports.daemon_info(ctx) if request.wants_daemon else msgspec.UNSET,
     )
 
 
 def _listed(
-    record: ledgerlib.AttemptRecord, staged: int, logs: tuple[int, int], used: dict[str, Usage]
+    record: ledgerlib.AttemptRecord,
+    staged: int,
+    logs: tuple[int, int],
+    used: dict[str, Usage],
+    changed: dict[str, int],
 ) -> AttemptStatus:
-    """A snapshot's attempt, with its `usage` when the request asked for it."""
+    """A snapshot's attempt, with its `usage` and `changed_at_ms` when the request
+    asked for them (and the host has them)."""
     status = attempt_status(record, staged, logs)
+    extra: dict[str, Any] = {}
     if record.attempt_id in used:
-        return msgspec.structs.replace(status, usage=used[record.attempt_id])
-    return status
+        extra["usage"] = used[record.attempt_id]
+    if record.attempt_id in changed:
+        extra["changed_at_ms"] = changed[record.attempt_id]
+    return msgspec.structs.replace(status, **extra) if extra else status
+
+
+async def _changed_times(
+    ctx: HostContext, records: list[ledgerlib.AttemptRecord]
+) -> dict[str, int]:
+    """When each listed attempt's status last changed, read only when asked: it is not
+    part of the records every other request reads."""
+    ids = [r.attempt_id for r in records]
+    return await ctx.workers.db(ctx.ledger.changed_times, ids) if ids else {}
 
 
 async def set_offer(
@@ -146,8 +193,9 @@ async def set_offer(
     return OfferReply(version=1, id=request.id, offer=wire_offer(offer))
 
 
-def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
-    """Everything the metrics read from the durable state, on the ledger thread."""
+def metric_facts(ctx: HostContext, health: Mapping[str, Health]) -> metricslib.LedgerFacts:
+    """Everything the metrics read from the durable state, on the ledger thread, with
+    what the daemon holds in memory: what it runs, and `health` (taken on the loop)."""
     attempts: Counter[tuple[str, str]] = Counter()
     reasons: Counter[str] = Counter()
     unconfirmed = records = 0
@@ -159,7 +207,7 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
             unconfirmed += count
         records += count
     occupied, used = ctx.ledger.reservations()
-    capacity = _capacity(ctx, occupied, used)
+    capacity = _capacity(ctx, occupied, used, health)
     classes = {slot.id: slot.slot_class for slot in ctx.config.slots}
     by_class: dict[tuple[str, str], metricslib.ClassUse] = {}
     for slot_id, outcome, count, cpu_us, oom_kills in ctx.ledger.usage_tally():
@@ -167,7 +215,7 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
         use = metricslib.ClassUse(count, cpu_us, oom_kills)
         by_class[key] = by_class[key] + use if key in by_class else use
     return metricslib.LedgerFacts(
-        version=host_version(),
+        version=ctx.build.version,
         attempts=attempts,
         reasons=reasons,
         cleanup_unconfirmed=unconfirmed,
@@ -178,14 +226,11 @@ def metric_facts(ctx: HostContext) -> metricslib.LedgerFacts:
         ledger_records=records,
         ledger_bytes=_ledger_bytes(ctx.config.state_dir),
         by_class=by_class,
+        running=dict(ctx.build.versions),
+        started_at_seconds=ctx.build.started_at_ms / 1000,
+        slot_health=slot_reports.slot_gauges(ctx, health),
+        usable={c.class_: c.usable for c in capacity.slot_classes if isinstance(c.usable, int)},
     )
-
-
-def host_version() -> str:
-    try:
-        return metadata.version("ficc-executor-host")
-    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-        return "unknown"
 
 
 def _ledger_bytes(state_dir: str) -> int:
@@ -200,6 +245,6 @@ async def metrics(
     ctx: HostContext, runner: RunnerPort, sender: Sender, request: MetricsRequest
 ) -> AnyReply:
     """The daemon's metrics as Prometheus text (administrator only)."""
-    facts = await ctx.workers.db(metric_facts, ctx)
+    facts = await ctx.workers.db(metric_facts, ctx, slot_reports.health_now(ctx))
     text = metricslib.render(facts, metricslib.PROCESS)
     return MetricsReply(version=1, id=request.id, text=text)

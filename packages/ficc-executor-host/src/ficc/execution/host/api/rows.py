@@ -154,15 +154,22 @@ async def logs_of(
 
 
 async def usages(
-    ctx: HostContext, runner: RunnerPort, records: Sequence[ledgerlib.AttemptRecord]
+    ctx: HostContext,
+    runner: RunnerPort,
+    records: Sequence[ledgerlib.AttemptRecord],
+    *,
+    payload: bool = False,
 ) -> dict[str, Usage]:
     """Each record's `usage` (see `usage.py`): the ledger's, or read live from the
-    service of a started attempt whose usage is not final yet."""
+    service of a started attempt whose usage is not final yet; with its `payload` part
+    when the request asked (`payload_usage: true`)."""
     recorded = await ctx.workers.db(ctx.ledger.usage_of, [r.attempt_id for r in records])
     pending = [r for r in records if not usagelib.is_final(r, recorded.get(r.attempt_id))]
     live = await runner.usage_now(pending) if pending else {}
     return {
-        r.attempt_id: usagelib.wire_usage(r, recorded.get(r.attempt_id), live.get(r.attempt_id))
+        r.attempt_id: usagelib.wire_usage(
+            r, recorded.get(r.attempt_id), live.get(r.attempt_id), payload=payload
+        )
         for r in records
     }
 
@@ -172,10 +179,13 @@ async def with_usage(
     runner: RunnerPort,
     results: Sequence[ledgerlib.AttemptRecord | HostError],
     rows: list[AttemptResult],
+    *,
+    payload: bool = False,
 ) -> list[AttemptResult]:
-    """`rows` (one per result) with each attempt row's `usage`."""
+    """`rows` (one per result) with each attempt row's `usage` (and its `payload` part
+    when asked)."""
     records = [r for r in results if isinstance(r, ledgerlib.AttemptRecord)]
-    found = await usages(ctx, runner, records)
+    found = await usages(ctx, runner, records, payload=payload)
     return [
         msgspec.structs.replace(row, usage=found[row.attempt_id])
         if isinstance(row, AttemptRow)

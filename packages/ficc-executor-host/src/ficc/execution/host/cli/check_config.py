@@ -37,16 +37,9 @@ def _report_check(
     providers: list[tuple[str, HostError | None]],
 ) -> int:
     """Print the outcome (text or JSON) and choose the exit status."""
-    unavailable = [(pid, error) for pid, error in providers if error is not None]
+    unavailable = any(error is not None for _, error in providers)
     held = ledger == importlib.import_module(DAEMON_MODULE).LEDGER_HELD
-    if refusal is not None:
-        status, result = EXIT_REFUSED, "refused"
-    elif held:
-        status, result = EXIT_LEDGER_HELD, "ledger_busy"
-    elif unavailable and not args.allow_unavailable_providers:
-        status, result = EXIT_DEGRADED, "provider_unavailable"
-    else:
-        status, result = EXIT_OK, "ok"
+    status, result = _outcome(refusal is not None, unavailable, held, args)
     if args.json:
         document = {
             "config": args.config,
@@ -68,10 +61,35 @@ def _report_check(
     for pid, error in providers:
         shown = "available" if error is None else f"unavailable: {error.code}: {error.message}"
         print(f"provider {pid}: {shown}", file=sys.stderr if error else sys.stdout)
-    verdict = {
-        EXIT_OK: "ok",
-        EXIT_DEGRADED: "a provider is unavailable",
-        EXIT_LEDGER_HELD: "in order, but a running daemon holds the ledger (ledger_busy)",
-    }[status]
-    print(f"{args.config}: {verdict}")
+    print(f"{args.config}: {_verdict(unavailable, held)}")
     return status
+
+
+def _outcome(
+    refused: bool, unavailable: bool, held: bool, args: argparse.Namespace
+) -> tuple[int, str]:
+    """(exit status, `--json` result). An unavailable provider outranks a held ledger:
+    the held ledger only says `serve` must wait for the running daemon to stop, while
+    the provider stays unavailable after the restart too (a pin that no longer matches
+    the upgraded files is found here, before that restart, not after it)."""
+    if refused:
+        return EXIT_REFUSED, "refused"
+    if unavailable and not args.allow_unavailable_providers:
+        return EXIT_DEGRADED, "provider_unavailable"
+    if held:
+        return EXIT_LEDGER_HELD, "ledger_busy"
+    return EXIT_OK, "ok"
+
+
+def _verdict(unavailable: bool, held: bool) -> str:
+    """The last line: "in order" only when every provider is available, also under
+    `--allow-unavailable-providers`, where an unavailable one no longer decides the
+    exit status but must still be seen."""
+    ledger_busy = "a running daemon holds the ledger (ledger_busy)"
+    if unavailable and held:
+        return f"a provider is unavailable, and {ledger_busy}"
+    if unavailable:
+        return "a provider is unavailable"
+    if held:
+        return f"in order, but {ledger_busy}"
+    return "ok"

@@ -5,9 +5,13 @@ here as `main(argv)`; the `ficc-executor` console script enters at `console_main
 
     serve --config PATH [--provider-path DIR ...] [--log-level L]   the daemon
     check-config --config PATH [--provider-path DIR ...]   every check serve makes
-    status (--config PATH | --socket PATH) [--json]        the daemon's snapshot
+    status (--config PATH | --socket PATH) [--all] [--since WHEN] [--json]
+                                                           the daemon's snapshot
     metrics (--config PATH | --socket PATH)                Prometheus text format
+    check-slots (--config PATH | --socket PATH) [--json]   check every slot now
     provider-digest NAME [--path DIR ...] [--json]         the digest to pin
+    run (--plan FILE | [--image DIGEST] -- ARGV) [--input NAME=FILE ...]
+                                                           one job, end to end
     request --socket PATH                                  one JSON request from stdin
 
 Exit status: 0 success, 1 a refusal (its stable code first on stderr), 2 a usage error
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ficc.execution.host.cli import provision, smoke
+from ficc.execution.host.cli import run as run_job
 from ficc.execution.host.cli.check_config import check_config_command
 from ficc.execution.host.cli.exits import (
     EXIT_OK,
@@ -35,7 +40,12 @@ from ficc.execution.host.cli.exits import (
     json_refusal,
 )
 from ficc.execution.host.cli.serve import log_line, serve_command
-from ficc.execution.host.cli.status import print_metrics, status_command
+from ficc.execution.host.cli.status import (
+    add_filters,
+    check_slots_command,
+    print_metrics,
+    status_command,
+)
 from ficc.execution.host.cli.versions import PROG, version_line
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.daemon import logs
@@ -59,7 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown is not None:
         print(unknown, file=sys.stderr)
         return EXIT_USAGE
-    args = parser.parse_args(args_list)
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as stop:
+        if args_list[:1] == ["run"] and stop.code == EXIT_USAGE:
+            return run_job.EXIT_REFUSED  # `run` exits with the job's status, 2 included
+        raise
     try:
         result: int = args.run(args)
     except HostError as error:
@@ -163,8 +178,9 @@ def _parser() -> argparse.ArgumentParser:
         "and each provider's pin and configure(), with the same messages serve gives; "
         "nothing is changed. Exit 0: "
         "serve would start with every provider available; 1: serve would refuse to "
-        "start; 4: serve would start, but a provider would be unavailable; 5: all is in "
-        "order, but a running daemon holds the ledger, so serve would refuse now.",
+        "start; 4: serve would start, but a provider would be unavailable (also while a "
+        "running daemon holds the ledger); 5: all is in order, but a running daemon holds "
+        "the ledger, so serve would refuse now.",
     )
     check.add_argument("--config", required=True, help="the administrator's configuration file")
     _provider_path(check)
@@ -181,10 +197,16 @@ def _parser() -> argparse.ArgumentParser:
         commands,
         "status",
         "print the daemon's offer, capacity and attempts as a table",
-        "Ask the daemon for its snapshot (every page) and print it.",
+        "Ask the daemon for its snapshot (every page) and print it: the attempts not"
+        " released yet, by the time of their last change (UTC); --all or --since for the"
+        " history.",
     )
     _daemon_address(status)
-    status.add_argument("--json", action="store_true", help="print every page as JSON")
+    status.add_argument(
+        "--json", action="store_true",
+        help="print every page as JSON (with the attempts --all or --since choose)",
+    )  # fmt: skip
+    add_filters(status)
     status.set_defaults(run=status_command)
 
     metrics_command = _command(
@@ -196,6 +218,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     _daemon_address(metrics_command)
     metrics_command.set_defaults(run=print_metrics)
+
+    check_slots = _command(
+        commands,
+        "check-slots",
+        "check every slot now and print each one's health",
+        "Ask the daemon (administrator socket only) to check every slot now: a slot whose"
+        " checks pass again is back in the offer at once, without waiting for the next"
+        " scheduled check. Exit 0 when every slot is in service, 1 otherwise.",
+    )
+    _daemon_address(check_slots)
+    check_slots.add_argument("--json", action="store_true", help="print the slots as JSON")
+    check_slots.set_defaults(run=check_slots_command)
 
     digest = _command(
         commands,
@@ -217,6 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     digest.set_defaults(run=_provider_digest)
 
     provision.add_parser(commands, version_line())
+    run_job.add_parser(commands, version_line())
     smoke.add_parser(commands, version_line())
 
     commands.add_parser(

@@ -44,6 +44,7 @@ import msgspec
 
 from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
+from ficc.execution.host.cli.conformance_rules import RULES
 from ficc.execution.host.config.host import open_image_parent
 from ficc.execution.host.config.model import Config, Slot
 from ficc.execution.host.core.codes import HostCode
@@ -63,28 +64,6 @@ from ficc.execution.host.storage.slot_files import ReservedSlot
 
 __all__ = ["CHECK_REFUSAL", "RULES", "USAGE", "Kit", "Outcome", "RuleFailed"]
 
-RULES: Final = {
-    "probe.accepts": "probe accepts the given plan (`ok` true)",
-    "probe.refuses_unknown_image": "probe refuses an image it does not offer, with a code",
-    "probe.refuses_unknown_isolation": "probe refuses an isolation it does not offer, with a code",
-    "probe.refuses_unknown_network": "probe refuses a network it does not offer, with a code",
-    "batch.probe_64": "a 64-row probe answers each row for itself, in order",
-    "prepare.check_refusal": "when check() refuses midway, prepare stops, refuses the row with"
-    " check()'s code and leaves the provider directory empty and the slot account idle",
-    "prepare.calls_check": "prepare calls check() before it prepares",
-    "prepare.result": "prepare returns a prepare result the host accepts for the plan",
-    "start.reply": "start answers `started` for an argv running in the host's service",
-    "observe.phases": "observe goes waiting -> ready -> payload (the barrier's PID, in the"
-    " service) -> finished with the payload's exit code, never backwards",
-    "observe.repeatable": "observing a finished attempt again gives the same reply",
-    "batch.observe_64": "a 64-row observe gives every row the one-row reply",
-    "stop.repeatable": "stop can be repeated",
-    "release.clean": "release leaves the provider directory empty and the slot account idle",
-    "release.repeatable": "release can be repeated and stays clean",
-    "stop.running": "stop of a running payload: the service is then empty, the account idle,"
-    " and its release leaves the provider directory empty",
-}
-"""Every rule the kit checks, by its stable name."""
 
 CHECK_REFUSAL: Final = "conformance_check"
 """The code of the kit's check() refusal, which prepare must pass through unchanged."""
@@ -163,8 +142,11 @@ class Kit:
         quick_argv: Sequence[str] = ("/bin/true",),
         long_argv: Sequence[str] = ("/bin/sleep", "600"),
         timeout: float = 120.0,
+        minimums: sdk.MinimumLimits | None = None,
     ) -> None:
         self.driver = driver
+        self.minimums = minimums
+        """What the driver stated when it was loaded (`limits.minimum_runs`)."""
         self.config = config
         self.slot = slot
         self.plan = plan
@@ -189,6 +171,7 @@ class Kit:
             self._prepare_rules()
             self._lifecycle_rules()
             self._stop_rules()
+            self._minimum_rules()
         except ProviderHung as hung:
             stopped = f"not run: the run stopped when {hung}"
         finally:
@@ -519,6 +502,34 @@ class Kit:
             for attempt in made:
                 self._discard(attempt)
 
+    # --- the runtime's stated minimum ----------------------------------------------
+
+    def _minimum_rules(self) -> None:
+        """The driver's statement is what admission refuses below, so a plan at exactly
+        it must run; a provider that states nothing has nothing to prove here."""
+        rule = "limits.minimum_runs"
+        stated = self.minimums
+        if stated is None or stated == sdk.MinimumLimits():
+            self._rule(rule, lambda: None)
+            return
+        made: list[_Attempt] = []
+
+        def runs() -> None:
+            made.append(self._open_attempt(_at_minimum(self._new_plan(self.quick_argv), stated)))
+            attempt = made[0]
+            self._prepare(attempt)
+            self._start(attempt)
+            self._run_out(attempt)
+            self._stop_service(attempt)
+            (result,) = self._call("release", [self._context(attempt)])
+            _decoded(rule, "release", result, sdk.ReleaseReply)
+
+        try:
+            self._rule(rule, runs)
+        finally:
+            for attempt in made:
+                self._discard(attempt)
+
     # --- the host's part -----------------------------------------------------------
 
     def _new_plan(self, argv: Sequence[str]) -> planlib.Plan:
@@ -655,6 +666,13 @@ def _rank(seen: sdk.Observation) -> int:
     if seen.phase == "ready" and seen.pid is not None:
         return _PAYLOAD
     return {"waiting": 0, "ready": 1, "payload": _PAYLOAD, "finished": 3}[seen.phase]
+
+
+def _at_minimum(plan: planlib.Plan, stated: sdk.MinimumLimits) -> planlib.Plan:
+    """`plan` with each limit the driver states a minimum for set to exactly it."""
+    figures = {name: value for name in stated.__struct_fields__ if (value := getattr(stated, name))}
+    limits = msgspec.structs.replace(plan.job.limits, **figures)
+    return msgspec.structs.replace(plan, job=msgspec.structs.replace(plan.job, limits=limits))
 
 
 def _with_runtime(plan: planlib.Plan, runtime: planlib.Runtime) -> planlib.Plan:

@@ -373,7 +373,11 @@ def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # t
         "--persist", choices=("fstab", "unit", "none"), default="none",
         help="make the mount survive a reboot (default: none)",
     )  # fmt: skip
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument(
+        "--format", choices=("toml", "json"), default="toml",
+        help="the slot entry's format, as your configuration file's (default: toml)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
     parser.add_argument("--version", action="version", version=version)
     parser.set_defaults(run=run)
 
@@ -400,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     except HostError as error:
         print(f"{error.code}: {error.message}", file=sys.stderr)
         return 1
-    entry = {
+    entry: dict[str, str | int] = {
         "path": slot.mount,
         "storage_bytes": slot.storage_bytes,
         "storage_inodes": slot.storage_inodes,
@@ -412,5 +416,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"slot filesystem {slot.filesystem_uuid} on {slot.mount} ({slot.source})")
         print(persisted)
         print("slot entry for the configuration (add id, class, generation, uid, gid):")
-        print(json.dumps(entry, indent=2))
+        print(slot_entry(entry, args.format))
     return 0
+
+
+def slot_entry(entry: dict[str, str | int], form: str) -> str:
+    """The slot entry as the configuration file writes it: a `[[slots]]` table for a
+    TOML file (the format docs/configuration.md shows first), an object for JSON, so
+    it can be pasted as it is."""
+    if form == "json":
+        return json.dumps(entry, indent=2)
+    lines = ["[[slots]]"]
+    lines += [f"{key} = {toml_value(value)}" for key, value in entry.items()]
+    return "\n".join(lines)
+
+
+def toml_value(value: str | int) -> str:
+    """A TOML integer or basic string. JSON's string escapes are TOML's too, except
+    that TOML also wants DEL escaped."""
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")

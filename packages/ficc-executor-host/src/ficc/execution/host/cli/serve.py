@@ -31,6 +31,7 @@ from ficc.execution.host.daemon.peercred import socket_paths
 from ficc.execution.host.daemon.server import Dispatcher, ServerLimits, serve, stderr_log
 from ficc.execution.host.linux import notify
 from ficc.execution.protocol import PROTOCOL_VERSION
+from ficc.execution.provider import taskindex, tasks
 
 DAEMON_MODULE = "ficc.execution.host.daemon.root"
 
@@ -151,16 +152,45 @@ async def run_daemon(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    told = start_task_index()
     daemon = (open_daemon or _open_daemon)(config, provider_path)
     try:
         await daemon.start()
         await _serve_until(daemon, config, limits or ServerLimits(), stop)
     finally:
         await daemon.close()
+        stop_task_index(told)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         gc.unfreeze()
         stderr_log(log_line("info", "stopped"))
+
+
+def start_task_index() -> taskindex.Told | None:
+    """Let the kernel tell this process of every fork, exec, credential change and
+    exit (the proc connector), so that "is anything of this slot account left?"
+    (the cleanup's, the release's and the provider's checks) is answered from an index
+    instead of a walk of every thread on the host. Subscribed before the recovery's
+    first cleanup check; where the connector cannot be had, the checks walk as
+    before, and the log says why."""
+    told = taskindex.Told()
+    why = told.start()
+    if why is not None:
+        tasks.SHARED.use(None, why)
+        stderr_log(log_line("warning", "task_index", source="walks of /proc", reason=why))
+        return None
+    tasks.SHARED.use(told)
+    metrics.PROCESS.task_index = told
+    stderr_log(log_line("info", "task_index", source="process events", tasks=told.stats().tasks))
+    return told
+
+
+def stop_task_index(told: taskindex.Told | None) -> None:
+    """Back to walks, then close the connector's socket."""
+    if told is not None:
+        tasks.SHARED.use(None, "the daemon stopped its task index")
+        metrics.PROCESS.task_index = None
+        told.close()
 
 
 def _set_startup_aside() -> None:

@@ -5,13 +5,16 @@ path a controller uses (the transport socket and its peer check, admission, the
 provider's prepare with a configured image, the service, the gate, the payload, the
 exit, collect and release) with nothing but the configuration file.
 
-As root it reads the configuration and takes the administrator's snapshot (the
-bindings, the offer revision, the provider's pin). The job itself runs in a forked
-child that drops to the transport account before it connects, exactly as a
-controller's transport would: the transport socket refuses root. Each step prints a
-line; the verdict comes last. The attempt is always released (stopped first if it is
-still running), so nothing of it is left behind; the ledger keeps its record, as it
-keeps every attempt's.
+It is `ficc-executor run`'s job, made small: the same plan filling (cli/job_plan.py,
+with limits of at most half a CPU, 256 MiB, 128 processes and 16 MiB of storage), the
+same steps (cli/job_steps.py) and the same shell (cli/job_shell.py). As root it reads
+the configuration and takes the administrator's snapshot (the bindings, the offer
+revision, the provider's pin). The job itself runs in a forked child that drops to the
+transport account before it connects, exactly as a controller's transport would: the
+transport socket refuses root. Each step prints a line; the verdict comes last. The
+attempt is always released (stopped first if it is still running), so nothing of it
+is left behind; the ledger keeps its record, as it keeps every attempt's. Should the
+release itself fail, the last line is the `run --resume` command that finishes it.
 """
 
 from __future__ import annotations
@@ -20,45 +23,41 @@ import argparse
 import asyncio
 import json
 import os
+import pathlib
+import pwd
 import secrets
+import signal
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ficc.execution import plan as planlib
-from ficc.execution.client import Client, ClientError
+from ficc.execution.client import Client
+from ficc.execution.host.cli import job_plan
+from ficc.execution.host.cli.job_shell import Wiring, drive
+from ficc.execution.host.cli.job_steps import RESERVED, Chunk, Ending, JobSteps, Phase, Result
+from ficc.execution.host.cli.run import resume_command, save_state, take_snapshot
 from ficc.execution.host.config.load import load_config
 from ficc.execution.host.config.model import Config
 from ficc.execution.host.core.authority import SocketKind
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.core.records import OFFER_ALLOWS
 from ficc.execution.host.daemon.peercred import socket_paths
-from ficc.execution.protocol import (
-    CollectRequest,
-    Fence,
-    ObserveRequest,
-    PrepareAttempt,
-    PrepareRequest,
-    Read,
-    ReleaseRequest,
-    Renewal,
-    Request,
-    SnapshotRequest,
-    StartRequest,
-    StopRequest,
-)
-from ficc.execution.wire import TERMINAL, AttemptRow, ErrorReply, ErrorRow, ReadRow, SnapshotReply
+from ficc.execution.wire import SnapshotReply
 
 MARKER = "ficc smoke test: the payload ran"
 DEFAULT_ARGV = ("/bin/sh", "-c", f"echo '{MARKER}'")
 POLL_S = 0.1
-STDOUT_BYTES = 4096
-
-
-class SmokeFailed(Exception):
-    """A step did not do what a working host does; `str` says which and why."""
+SMALL = {
+    "cpu_millis": 500,
+    "memory_bytes": 256 << 20,
+    "processes": 128,
+    "storage_bytes": 16 << 20,
+    "storage_inodes": 1000,
+}
+"""The smoke job's limits: at most these, and at most one attempt's share of the offer."""
 
 
 @dataclass(frozen=True)
@@ -76,84 +75,15 @@ class Job:
 # --- the root side: choose the job ------------------------------------------------------
 
 
-def _provider_image(config: Config, provider_id: str | None, image: str | None) -> tuple[str, str]:
-    """(provider id, image digest): the named ones, or the first provider with images."""
-    for provider in config.providers:
-        if provider_id is not None and provider.id != provider_id:
-            continue
-        images = provider.configuration.get("images") or []
-        digests = [i.get("digest") for i in images if isinstance(i, dict)]
-        if image is not None:
-            return provider.id, image
-        if digests and isinstance(digests[0], str):
-            return provider.id, digests[0]
-    named = f"provider {provider_id!r}" if provider_id else "any provider"
-    raise HostError(
-        HostCode.SMOKE_NO_IMAGE,
-        f"{named} of the configuration has no image configured; add one to its `images`"
-        ' (docs/operations.md, "Adding an image") or name one with --image',
-    )
-
-
 def choose_plan(config: Config, snapshot: SnapshotReply, args: argparse.Namespace) -> planlib.Plan:
-    """The smoke job's plan, fitted to the current offer and the chosen slot class."""
-    provider_id, image = _provider_image(config, args.provider, args.image)
-    pins = {p.id: p for p in snapshot.capacity.providers}
-    pin = pins.get(provider_id)
-    if pin is None or not pin.available:
-        raise HostError(
-            HostCode.SMOKE_PROVIDER_UNAVAILABLE,
-            f"provider {provider_id!r} is not available on this host (it failed its pin or"
-            " its configuration check): `ficc-executor check-config --config PATH` says why",
-        )
-    offer = snapshot.offer
-    if not {"admit", "start"} <= OFFER_ALLOWS[offer.control]:
-        raise HostError(
-            HostCode.SMOKE_OFFER_CLOSED,
-            f"the offer is {offer.control}, so no job is admitted or started: set it to"
-            f" active first (a `set_offer` with expected_revision {offer.revision} and"
-            ' control "active" through `ficc-executor request --socket .../admin.sock`)',
-        )
-    slot_class = args.slot_class or config.slots[0].slot_class
-    classes = {c.class_: c for c in snapshot.capacity.slot_classes}
-    if slot_class not in classes:
-        raise HostError(HostCode.SMOKE_SLOT_CLASS, f"no slot of class {slot_class!r} is configured")
-    if classes[slot_class].free == 0:
-        raise HostError(
-            HostCode.SMOKE_NO_FREE_SLOT,
-            f"every {slot_class!r} slot is in use; run the smoke test when one is free",
-        )
-    offered = snapshot.offer.limits.projects or list(config.ceiling.projects)
-    project = offered[0] if offered else secrets.token_hex(16)
-    ceiling = config.ceiling
-    return planlib.Plan(
-        version=1,
-        deployment_id=config.deployment_id,
-        node_id=config.node_id,
-        project_id=project,
-        job_id=secrets.token_hex(16),
-        attempt_id=secrets.token_hex(16),
-        generation=1,
-        offer_revision=snapshot.offer.revision,
-        job=planlib.Job(
-            name="smoke-test",
-            slot_class=slot_class,
-            runtime=planlib.Runtime(provider_id, pin.package_digest, image, args.isolation, "none"),
-            payload=planlib.Payload(argv=_payload_argv(args), environment={}),
-            limits=planlib.Limits(
-                cpu_millis=min(500, ceiling.cpu_millis),
-                memory_bytes=min(256 << 20, ceiling.memory_bytes),
-                swap_bytes=0,
-                processes=min(128, ceiling.processes),
-                storage_bytes=min(16 << 20, classes[slot_class].bytes),
-                storage_inodes=min(1000, classes[slot_class].inodes),
-                devices=[],
-            ),
-            inputs=[],
-            outputs=[],
-            sensitive=False,
-        ),
-    )
+    """The smoke job's plan: `run`'s image and command line form, with small limits."""
+    document = job_plan.template(_payload_argv(args), {}, [], {}, name="smoke-test")
+    choices = job_plan.Choices(
+        slot_class=args.slot_class, provider=args.provider, image=args.image,
+        isolation=args.isolation, network="none", at_most=SMALL,
+    )  # fmt: skip
+    host = job_plan.host_of(config, snapshot)
+    return job_plan.fill_plan(document, host, choices, lambda: secrets.token_hex(16)).plan
 
 
 def _payload_argv(args: argparse.Namespace) -> list[str]:
@@ -164,104 +94,52 @@ def _payload_argv(args: argparse.Namespace) -> list[str]:
 # --- the transport side: run it -----------------------------------------------------------
 
 
-class Runner:
-    """The steps, as the transport account; `say` prints one step line."""
+class _Steps:
+    """The smoke test's reporter: each step line goes to the root side."""
 
-    def __init__(self, job: Job, say: Callable[[str], None]) -> None:
-        self.job = job
+    def __init__(self, say: Callable[[str], None]) -> None:
         self.say = say
-        self.client = Client(job.socket)
-        plan = job.plan
-        self.fence = Fence(plan.attempt_id, plan.generation, planlib.plan_digest(plan))
-        self.admitted = False
 
-    async def send(self, step: str, request: Request) -> Any:
-        try:
-            reply = await self.client.request(request)
-        except ClientError as error:
-            raise SmokeFailed(f"{step}: no reply ({type(error).__name__}: {error})") from None
-        if isinstance(reply, ErrorReply):
-            raise SmokeFailed(f"{step}: refused: {reply.error.code}: {reply.error.message}")
-        return reply
+    def note(self, text: str) -> None:
+        """One step line."""
+        self.say(text)
 
-    async def row(self, step: str, request: Request) -> Any:
-        (row,) = (await self.send(step, request)).results
-        if isinstance(row, ErrorRow):
-            raise SmokeFailed(f"{step}: refused: {row.error.code}: {row.error.message}")
-        return row
+    def phase(self, phase: Phase) -> None:
+        """The smoke test prints steps, not phases."""
 
-    async def observe(self) -> AttemptRow:
-        request = ObserveRequest(version=1, id=secrets.token_hex(16), attempts=[self.fence])
-        row: AttemptRow = await self.row("observe", request)
-        return row
+    def uploaded(self, name: str, done: int, total: int) -> None:
+        """The smoke job has no inputs."""
 
-    async def until(self, step: str, done: Callable[[AttemptRow], bool], what: str) -> AttemptRow:
-        deadline = time.monotonic() + self.job.timeout_s
-        while True:
-            row = await self.observe()
-            if done(row):
-                return row
-            if time.monotonic() > deadline:
-                raise SmokeFailed(
-                    f"{step}: waited {self.job.timeout_s:.0f} s for {what}; the attempt is"
-                    f" {row.state} (reason {row.reason})"
-                )
-            await asyncio.sleep(POLL_S)
 
-    async def run(self) -> str:
-        """Every step; the payload's stdout."""
-        job, fence = self.job, self.fence
-        expires = int(time.time() * 1000) + job.lease_s * 1000
-        lease = Renewal(
-            fence.attempt_id, fence.generation, fence.plan_digest, sequence=1, expires_at_ms=expires
+class _Stdout:
+    """The payload's stdout, in memory (the one object the smoke test collects)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def store(self, chunk: Chunk) -> None:
+        """Keep the chunk at its offset."""
+        if chunk.restart:
+            self.data.clear()
+        self.data[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
+
+
+def verdict(result: Result, stdout: str, expect_marker: bool) -> dict[str, Any]:
+    """The smoke test's verdict on a run: passed with the payload's stdout, or why not."""
+    row = result.row
+    reserved = result.ending in RESERVED
+    if result.ending is Ending.ENDED and row is not None and row.outcome == "succeeded":
+        if expect_marker and MARKER not in stdout:
+            return {"ok": False, "error": f"run: stdout lacks {MARKER!r}: {stdout!r}"}
+        return {"ok": True, "stdout": stdout}
+    if result.ending is Ending.ENDED and row is not None:
+        error = (
+            f"run: the attempt ended {row.outcome} (reason {row.reason}, exit code"
+            f" {row.exit_code}); the daemon's log has the runtime's own error"
+            " (`journalctl -u ficc-executor-host -p err`)"
         )
-        prepare = PrepareRequest(
-            version=1, id=secrets.token_hex(16), **job.bindings,
-            attempts=[PrepareAttempt(plan=job.plan, lease=lease)],
-        )  # fmt: skip
-        row = await self.row("prepare", prepare)
-        self.admitted = True
-        if row.state != "prepared":
-            raise SmokeFailed(f"prepare: admitted as {row.state} (reason {row.reason})")
-        self.say(f"prepare: admitted into slot {row.slot}, lease {job.lease_s} s")
-        row = await self.until("prepare", lambda r: r.ready or r.state != "prepared", "ready")
-        if row.state != "prepared":
-            raise SmokeFailed(f"prepare: the provider failed it ({row.state}, {row.reason})")
-        self.say("ready: the provider prepared the image and the payload's barrier")
-        await self.row("start", StartRequest(version=1, id=secrets.token_hex(16), attempts=[fence]))
-        self.say("start: accepted; the host creates the service and checks the payload")
-        row = await self.until("run", lambda r: r.state in TERMINAL and r.cleanup_confirmed, "end")
-        stdout = await self.stdout()
-        if row.state != "succeeded":
-            raise SmokeFailed(
-                f"run: the attempt ended {row.state} (reason {row.reason}, exit code"
-                f" {row.exit_code}); the daemon's log has the runtime's own error"
-                " (`journalctl -u ficc-executor-host -p err`)"
-            )
-        self.say(f"run: the payload exited 0; cleanup confirmed ({row.stdout_bytes} bytes out)")
-        return stdout
-
-    async def stdout(self) -> str:
-        f = self.fence
-        read = Read(f.attempt_id, f.generation, f.plan_digest, "stdout", 0, STDOUT_BYTES)
-        request = CollectRequest(version=1, id=secrets.token_hex(16), reads=[read])
-        row: ReadRow = await self.row("collect", request)
-        return row.data.decode("utf-8", errors="replace")
-
-    async def release(self) -> None:
-        """Stop if still running, then release: the smoke test leaves nothing behind."""
-        if not self.admitted:
-            return
-        row = await self.observe()
-        if row.state not in TERMINAL and row.state != "released":
-            await self.send("stop", StopRequest(version=1, id=secrets.token_hex(16),
-                                                attempts=[self.fence]))  # fmt: skip
-            row = await self.until("stop", lambda r: r.state in TERMINAL, "the stop")
-        if row.state != "released":
-            await self.until("cleanup", lambda r: r.cleanup_confirmed, "confirmed cleanup")
-            release = ReleaseRequest(version=1, id=secrets.token_hex(16), attempts=[self.fence])
-            row = await self.row("release", release)
-        self.say(f"release: {row.state} (outcome {row.outcome}); the slot is free again")
+        return {"ok": False, "error": error, "reserved": False}
+    return {"ok": False, "error": result.message or result.ending.value, "reserved": reserved}
 
 
 def _transport_side(job: Job, uid: int, gid: int, write_fd: int) -> None:
@@ -274,26 +152,20 @@ def _transport_side(job: Job, uid: int, gid: int, write_fd: int) -> None:
     os.setgroups([])
     os.setgid(gid)
     os.setuid(uid)
-    runner = Runner(job, say)
-
-    async def main() -> None:
-        try:
-            stdout = await runner.run()
-            verdict: dict[str, Any] = {"ok": True, "stdout": stdout}
-            if job.expect_marker and MARKER not in stdout:
-                verdict = {"ok": False, "error": f"run: stdout lacks {MARKER!r}: {stdout!r}"}
-        except SmokeFailed as failed:
-            verdict = {"ok": False, "error": str(failed)}
-        try:
-            await runner.release()
-        except SmokeFailed as failed:
-            verdict = {"ok": False, "error": f"{verdict.get('error', '')} {failed}".strip()}
-        out.write(json.dumps(verdict) + "\n")
-
-    asyncio.run(main())
+    steps = JobSteps(
+        job.plan, bindings=job.bindings, objects=["stdout"], lease_s=job.lease_s,
+        poll_s=POLL_S, wait_limit_s=job.timeout_s,
+    )  # fmt: skip
+    stdout = _Stdout()
+    wiring = Wiring(Client(job.socket), {}, stdout, _Steps(say))
+    result = asyncio.run(drive(steps, wiring))
+    text = stdout.data.decode("utf-8", errors="replace")
+    out.write(json.dumps(verdict(result, text, job.expect_marker)) + "\n")
 
 
-def run_as_transport(job: Job, uid: int, gid: int, print_line: Callable[[str], None]) -> bool:
+def run_as_transport(
+    job: Job, uid: int, gid: int, print_line: Callable[[str], None]
+) -> dict[str, Any]:
     """Fork, run the job as the transport account, print its steps; the verdict."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -308,20 +180,24 @@ def run_as_transport(job: Job, uid: int, gid: int, print_line: Callable[[str], N
         finally:
             os._exit(code)
     os.close(write_fd)
-    verdict: dict[str, Any] = {"ok": False, "error": "the transport side ended without a verdict"}
-    with os.fdopen(read_fd) as lines:
-        for line in lines:
-            message = json.loads(line)
-            if "step" in message:
-                print_line(message["step"])
-            else:
-                verdict = message
-    os.waitpid(pid, 0)
-    if verdict.get("ok"):
-        print_line(f"payload said: {verdict['stdout'].strip()}")
-        return True
-    print_line(f"FAILED: {verdict['error']}")
-    return False
+    answer: dict[str, Any] = {"ok": False, "error": "the transport side ended without a verdict"}
+    # the terminal's SIGINT reaches the child too, which stops and releases the job;
+    # a SIGTERM sent to this process alone is passed on to it
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGTERM))
+    try:
+        with os.fdopen(read_fd) as lines:
+            for line in lines:
+                message = json.loads(line)
+                if "step" in message:
+                    print_line(message["step"])
+                else:
+                    answer = message
+        os.waitpid(pid, 0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return answer
 
 
 # --- the command -------------------------------------------------------------------------
@@ -337,7 +213,7 @@ def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # t
     parser.add_argument("--config", required=True, help="the daemon's configuration file")
     parser.add_argument("--provider", help="provider id (default: the first with images)")
     parser.add_argument("--image", help="image digest (default: the provider's first image)")
-    parser.add_argument("--slot-class", help="slot class (default: the first slot's)")
+    parser.add_argument("--slot-class", help="slot class (default: the first with a free slot)")
     parser.add_argument(
         "--isolation", default="shared-kernel",
         help="the plan's isolation (default: shared-kernel, the Podman provider's)",
@@ -354,16 +230,6 @@ def add_parser(commands: argparse._SubParsersAction, version: str) -> None:  # t
     parser.set_defaults(run=run)
 
 
-def _snapshot(socket: str) -> SnapshotReply:
-    """The administrator's snapshot (root, admin.sock)."""
-    request = SnapshotRequest(version=1, id=secrets.token_hex(16))
-    reply = asyncio.run(Client(socket).request(request))
-    if isinstance(reply, ErrorReply):
-        raise HostError(reply.error.code, reply.error.message)
-    assert isinstance(reply, SnapshotReply)
-    return reply
-
-
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
 
@@ -373,14 +239,7 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     paths = {endpoint.kind: endpoint.path for endpoint in socket_paths(config)}
     admin, transport = paths[SocketKind.ADMINISTRATOR], paths[SocketKind.TRANSPORT]
-    try:
-        snapshot = _snapshot(admin)
-    except ClientError as error:
-        raise HostError(
-            HostCode.SMOKE_NO_DAEMON,
-            f"the daemon does not answer on {admin} ({type(error).__name__}: {error});"
-            " start it first",
-        ) from None
+    snapshot = take_snapshot(Client(admin), admin)
     plan = choose_plan(config, snapshot, args)
     say(
         f"snapshot: ledger {snapshot.ledger_id}, offer revision {snapshot.offer.revision};"
@@ -391,20 +250,32 @@ def run(args: argparse.Namespace) -> int:
         socket=transport,
         plan=plan,
         bindings=snapshot.bindings(),
-        lease_s=min(600, config.maximum_lease_seconds),
+        lease_s=min(600, snapshot.maximum_lease_seconds),
         timeout_s=args.timeout,
         expect_marker=_payload_argv(args) == list(DEFAULT_ARGV),
     )
     uid = config.transport_uid
-    gid = _primary_gid(uid)
-    ok = run_as_transport(job, uid, gid, say)
-    print("smoke test passed" if ok else "smoke test FAILED", flush=True)
-    return 0 if ok else 1
+    result = run_as_transport(job, uid, _primary_gid(uid), say)
+    if result.get("ok"):
+        say(f"payload said: {result['stdout'].strip()}")
+    else:
+        say(f"FAILED: {result['error']}")
+    if result.get("reserved"):
+        say(f"the attempt is still reserved; to finish it: {_resumable(job, admin)}")
+    print("smoke test passed" if result.get("ok") else "smoke test FAILED", flush=True)
+    return 0 if result.get("ok") else 1
+
+
+def _resumable(job: Job, admin: str) -> str:
+    """A `run --resume` directory for the smoke job (as the administrator, on
+    admin.sock): the command that finishes an attempt the smoke test could not."""
+    directory = pathlib.Path(tempfile.mkdtemp(prefix=f"ficc-smoke-{job.plan.attempt_id}-"))
+    state = {"socket": admin, "inputs": {}, "objects": ["stdout"], "lease_seconds": job.lease_s}
+    save_state(directory, job.plan, state)
+    return resume_command(directory)
 
 
 def _primary_gid(uid: int) -> int:
-    import pwd  # noqa: PLC0415 - only the command needs it
-
     try:
         return pwd.getpwuid(uid).pw_gid
     except KeyError:
@@ -413,4 +284,4 @@ def _primary_gid(uid: int) -> int:
         ) from None
 
 
-__all__ = ["DEFAULT_ARGV", "MARKER", "add_parser", "choose_plan", "run"]
+__all__ = ["DEFAULT_ARGV", "MARKER", "add_parser", "choose_plan", "run", "verdict"]

@@ -4,6 +4,7 @@ then the rules across fields."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import posixpath
 import re
@@ -114,7 +115,7 @@ def _schema_refusal(detail: str) -> HostError:
     key = (match["key"] or "").lstrip(".") or "top level"
     problem = _readable_problem(match["problem"], key)
     if "unknown field" in problem:
-        fix = "remove it or correct its spelling (unknown keys are refused)"
+        fix = _unknown_key_fix(problem, key)
     elif "missing required field" in problem:
         fix = "add it"
     else:
@@ -137,8 +138,25 @@ def _readable_problem(problem: str, key: str) -> str:
     return problem
 
 
-def _allowed_values(key: str) -> list[str]:
-    """The literal values allowed at a key path such as `initial_offer.control`."""
+_UNKNOWN_FIELD = re.compile(r"unknown field `(?P<name>[^`]*)`")
+
+
+def _unknown_key_fix(problem: str, key: str) -> str:
+    """What to do about an unknown key: the closest known key of the same object when
+    one is close (a misspelling is the usual cause), else remove it."""
+    found = _UNKNOWN_FIELD.search(problem)
+    node = _type_at("" if key == "top level" else key)
+    if found is not None and isinstance(node, msgspec.inspect.StructType):
+        known = [f.encode_name for f in node.fields]
+        close = difflib.get_close_matches(found["name"], known, n=1, cutoff=0.6)
+        if close:
+            return f"did you mean {close[0]!r}? Correct its spelling or remove it"
+    return "remove it or correct its spelling (unknown keys are refused)"
+
+
+def _type_at(key: str) -> Any:
+    """The type (`msgspec.inspect`) at a key path such as `slots[0]`; None when the path
+    leads nowhere in `Config`."""
     node: Any = msgspec.inspect.type_info(Config)
     for token in re.findall(r"[^.\[\]]+", key):
         while isinstance(node, msgspec.inspect.Metadata):
@@ -146,14 +164,20 @@ def _allowed_values(key: str) -> list[str]:
         if isinstance(node, msgspec.inspect.StructType):
             fields = {f.encode_name: f.type for f in node.fields}
             if token not in fields:
-                return []
+                return None
             node = fields[token]
         elif isinstance(node, (msgspec.inspect.VarTupleType, msgspec.inspect.ListType)):
             node = node.item_type
         else:
-            return []
+            return None
     while isinstance(node, msgspec.inspect.Metadata):
         node = node.type
+    return node
+
+
+def _allowed_values(key: str) -> list[str]:
+    """The literal values allowed at a key path such as `initial_offer.control`."""
+    node = _type_at(key)
     if isinstance(node, msgspec.inspect.LiteralType):
         return [json.dumps(value) for value in node.values]
     return []

@@ -106,6 +106,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     provider_timeout_seconds: Annotated[int, msgspec.Meta(ge=1, le=3600)] = 300
     """How long one provider batch call may take before its rows are uncertain."""
 
+    slot_check_seconds: Annotated[int, msgspec.Meta(ge=1, le=60)] = 30
+    """How often every slot's health is checked: a broken slot is out of the offer until
+    a check passes again (an administrator's `check_slots` checks at once)."""
+
     metrics_textfile: AbsolutePath | None = None
 
 

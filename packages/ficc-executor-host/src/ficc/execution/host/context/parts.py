@@ -31,8 +31,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ficc.execution.host.config.model import Config
+from ficc.execution.host.context.build import Build, capture
 from ficc.execution.host.context.group_commit import GroupCommit
 from ficc.execution.host.context.lanes import Lane, Spares, ToLoop
+from ficc.execution.host.context.slot_health import SlotHealth
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.ledger.store import Ledger
 from ficc.execution.host.linux.clock import BootClock
@@ -263,3 +265,7 @@ class HostContext:
     workers: Workers
     groups: dict[str, GroupCommit[Any, Any]] = dataclasses.field(default_factory=dict)
     """The group commits of the handlers, by kind of request (made on first use)."""
+    build: Build = dataclasses.field(default_factory=capture)
+    """What the daemon runs, read once when its context is made (before it serves)."""
+    slot_health: SlotHealth = dataclasses.field(default_factory=SlotHealth)
+    """Each slot's health: a broken slot is out of the offer until it passes again."""

@@ -30,6 +30,7 @@ from ficc.execution.host.core.records import (
     lease_is_current,
 )
 from ficc.execution.protocol import OfferLimits, Resources
+from ficc.execution.provider import MinimumLimits
 
 COUNTED: Final = ("attempts", *RESOURCES, *STORAGE)
 """What admission counts per reservation, in the order it checks them."""
@@ -62,7 +63,11 @@ class Occupancy:
     def free_of(self, slot_class: str, facts: HostFacts) -> list[SlotSpec]:
         if slot_class not in self.free:
             self.free[slot_class] = [
-                s for s in facts.slots if s.slot_class == slot_class and s.id not in self.slots
+                s
+                for s in facts.slots
+                if s.slot_class == slot_class
+                and s.id not in self.slots
+                and s.id not in facts.out_of_service
             ]
         return self.free[slot_class]
 
@@ -115,7 +120,23 @@ def choose_slot(plan: planlib.Plan, facts: HostFacts, occupancy: Occupancy) -> S
     raise Rejection(
         ErrorCode.SLOT_CAPACITY,
         f"no free slot of class {plan.job.slot_class!r} fits this plan's storage and inputs;"
-        " wait for a release or send a smaller plan",
+        " wait for a release or send a smaller plan" + _out_of_service(plan, facts),
+    )
+
+
+def _out_of_service(plan: planlib.Plan, facts: HostFacts) -> str:
+    """The slots of the plan's class that are out of service, for the refusal's message:
+    the controller waits or sends the work elsewhere, the administrator repairs them."""
+    broken = [
+        f"{s.id} ({facts.out_of_service[s.id]})"
+        for s in facts.slots
+        if s.slot_class == plan.job.slot_class and s.id in facts.out_of_service
+    ]
+    if not broken:
+        return ""
+    return (
+        f"; out of service: {', '.join(broken)} (their checks fail; the administrator"
+        " repairs them: `ficc-executor status` says why)"
     )
 
 
@@ -150,6 +171,40 @@ def check_addressed_here(plan: planlib.Plan, facts: HostFacts) -> None:
             f" serves deployment {facts.deployment_id}, node {facts.node_id}: send it to its"
             " own node (take a snapshot to see which host a socket belongs to)",
         )
+
+
+def below_minimum(plan: planlib.Plan, minimums: MinimumLimits | None) -> Rejection | None:
+    """Why `plan` asks for less than its provider's own runtime needs (the driver's
+    `minimum_limits()`, read once when the provider was configured), or None.
+
+    The provider's supervisor runs inside the attempt's service, under the plan's
+    limits: below these figures it cannot start any payload, and the attempt would only
+    fail later, after a slot was held and the runtime was killed or refused a fork. So
+    such a plan is refused here, before anything is reserved and before any provider
+    method runs, with the figure an operator must ask for."""
+    if minimums is None:
+        return None
+    limits, provider = plan.job.limits, plan.job.runtime.provider
+    short = [
+        (name, getattr(limits, name), needed)
+        for name in MinimumLimits.__struct_fields__
+        if (needed := getattr(minimums, name)) is not None and getattr(limits, name) < needed
+    ]
+    if not short:
+        return None
+    return Rejection(
+        ErrorCode.LIMITS_BELOW_MINIMUM,
+        "; ".join(
+            f"{name} {asked} is below the {needed} the {provider} runtime needs; ask for at"
+            f" least {needed}{_in_mib(name, needed)}"
+            for name, asked, needed in short
+        ),
+    )
+
+
+def _in_mib(name: str, value: int) -> str:
+    """A byte figure in MiB too, as an operator reads it."""
+    return f" ({value / (1 << 20):g} MiB)" if name.endswith("_bytes") else ""
 
 
 def admissible_slot(

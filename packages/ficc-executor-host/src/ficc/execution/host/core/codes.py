@@ -20,8 +20,8 @@ __all__ = ["HostCode"]
 class HostCode(enum.StrEnum):
     """A code of the host's own, never sent as a reply's `error.code`."""
 
-    # startup and command refusals: the daemon, `status`, `provision-slot` or
-    # `smoke-test` stops before serving
+    # startup and command refusals: the daemon, `status`, `provision-slot`, `run` or
+    # `smoke-test` stops before serving (or, `run`, before it reserves anything)
     ACCOUNT_MISSING = "account_missing"
     CONFIG_CONFLICT = "config_conflict"
     CONFIG_INVALID = "config_invalid"
@@ -58,12 +58,24 @@ class HostCode(enum.StrEnum):
     STATUS_CURSOR = "status_cursor"
     SLOT_ACCOUNT = "slot_account"
     PROVISION_FAILED = "provision_failed"
-    SMOKE_NO_DAEMON = "smoke_no_daemon"
-    SMOKE_NO_FREE_SLOT = "smoke_no_free_slot"
-    SMOKE_NO_IMAGE = "smoke_no_image"
-    SMOKE_OFFER_CLOSED = "smoke_offer_closed"
-    SMOKE_PROVIDER_UNAVAILABLE = "smoke_provider_unavailable"
-    SMOKE_SLOT_CLASS = "smoke_slot_class"
+    RUN_ATTEMPT_EXISTS = "run_attempt_exists"
+    RUN_INPUT_MISMATCH = "run_input_mismatch"
+    RUN_INPUT_NOT_GIVEN = "run_input_not_given"
+    RUN_INPUT_UNDECLARED = "run_input_undeclared"
+    RUN_INPUT_UNREADABLE = "run_input_unreadable"
+    RUN_NO_CAPACITY = "run_no_capacity"
+    RUN_NO_DAEMON = "run_no_daemon"
+    RUN_NO_FREE_SLOT = "run_no_free_slot"
+    RUN_NO_IMAGE = "run_no_image"
+    RUN_OFFER_CLOSED = "run_offer_closed"
+    RUN_OUTPUT_DIR = "run_output_dir"
+    RUN_PLAN_INCOMPLETE = "run_plan_incomplete"
+    RUN_PLAN_INVALID = "run_plan_invalid"
+    RUN_PLAN_MISMATCH = "run_plan_mismatch"
+    RUN_PROVIDER_UNAVAILABLE = "run_provider_unavailable"
+    RUN_RESUME = "run_resume"
+    RUN_SLOT_CLASS = "run_slot_class"
+    RUN_USAGE = "run_usage"
 
     # prepare, start and cleanup failures: recorded as an attempt's reason or as a
     # retried cleanup, never sent as a reply's code
@@ -101,6 +113,7 @@ class HostCode(enum.StrEnum):
     SERVICE_HANDLE = "service_handle"
     SERVICE_LIMITS = "service_limits"
     SERVICE_OUTPUT = "service_output"
+    SERVICE_PAYLOAD = "service_payload"
     SERVICE_SPEC = "service_spec"
     SERVICE_START = "service_start"
     SERVICE_STOP_UNCONFIRMED = "service_stop_unconfirmed"

@@ -8,7 +8,8 @@ Two kinds of figures:
   outcome, attempts by recorded reason (lease expiries, gate refusals, ...), free
   slots by class, provider availability, ledger size, and per slot class what the
   settled attempts used (CPU seconds and OOM kills, as recorded when each ended) and
-  how they ended.
+  how they ended; with them, what the daemon holds in memory: the versions it runs
+  and its start (read once when it started), and each slot's health.
 
 `render` is pure: facts in, text out. Nothing here opens a listener; the figures leave
 the daemon only through the administrator's `metrics` request.
@@ -21,7 +22,9 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Protocol
+
+from ficc.execution.host.core.codes import HostCode
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0)
 """Upper bounds (seconds) of the request latency histogram; `+Inf` is added."""
@@ -50,6 +53,8 @@ class Counters:
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)
     latency: dict[str, _Histogram] = field(default_factory=dict)
     cleanup_retries: int = 0
+    task_index: TaskIndexLike | None = None
+    """The kernel-fed task index, when the daemon runs one (its counters are shown)."""
 
     def observe_log(self, record: Mapping[str, Any]) -> None:
         """Count one of the server's per-connection log lines (others are ignored)."""
@@ -84,6 +89,23 @@ class LedgerFacts:
     ledger_bytes: int
     by_class: Mapping[tuple[str, str], ClassUse] = field(default_factory=dict)
     """(slot class, outcome) -> what the settled attempts that held such a slot used."""
+    running: Mapping[str, str] = field(default_factory=dict)
+    """distribution -> the version the daemon runs (read when it started)."""
+    started_at_seconds: float = 0.0
+    """When the daemon started, Unix seconds."""
+    slot_health: Mapping[str, SlotGauge] = field(default_factory=dict)
+    """slot id -> its class and health (every configured slot)."""
+    usable: Mapping[str, int] = field(default_factory=dict)
+    """class -> free slots of the class that pass their checks."""
+
+
+@dataclass(frozen=True)
+class SlotGauge:
+    """One slot's health for its gauge: its class, and the failed check's code (None
+    while healthy)."""
+
+    slot_class: str
+    reason: str | None
 
 
 @dataclass(frozen=True)
@@ -108,6 +130,7 @@ def render(facts: LedgerFacts, counters: Counters) -> str:
     out: list[str] = []
     _family(out, "ficc_build_info", "gauge", "The running daemon's version.",
             [({"version": facts.version}, 1)])  # fmt: skip
+    _running(out, facts)
     _family(
         out,
         "ficc_attempts",
@@ -125,7 +148,7 @@ def render(facts: LedgerFacts, counters: Counters) -> str:
     _family(out, "ficc_lease_expiries", "gauge", "Attempts whose lease ran out.",
             [({}, facts.reasons.get("lease_expired", 0))])  # fmt: skip
     _family(out, "ficc_gate_refusals", "gauge", "Attempts the payload gate refused.",
-            [({}, facts.reasons.get("gate_refused", 0))])  # fmt: skip
+            [({}, gate_refusals(facts.reasons))])  # fmt: skip
     _family(out, "ficc_cleanup_unconfirmed", "gauge",
             "Settled attempts whose cleanup is not confirmed yet.",
             [({}, facts.cleanup_unconfirmed)])  # fmt: skip
@@ -136,6 +159,7 @@ def render(facts: LedgerFacts, counters: Counters) -> str:
             [({"class": c}, t) for c, (t, _) in sorted(facts.slots.items())])  # fmt: skip
     _family(out, "ficc_slots_free", "gauge", "Free slots by class.",
             [({"class": c}, f) for c, (_, f) in sorted(facts.slots.items())])  # fmt: skip
+    _slot_health(out, facts)
     _family(
         out,
         "ficc_provider_available",
@@ -159,7 +183,103 @@ def render(facts: LedgerFacts, counters: Counters) -> str:
         [({"action": a, "code": c}, n) for (a, c), n in sorted(counters.requests.items())],
     )
     _histograms(out, counters.latency)
+    _task_index(out, counters.task_index)
     return "\n".join(out) + "\n"
+
+
+class TaskIndexStats(Protocol):
+    """The task index's counters (a read-only record)."""
+
+    @property
+    def events(self) -> int: ...
+    @property
+    def lost(self) -> int: ...
+    @property
+    def resyncs(self) -> int: ...
+    @property
+    def audits(self) -> int: ...
+    @property
+    def disagreements(self) -> int: ...
+    @property
+    def tasks(self) -> int: ...
+
+
+class TaskIndexLike(Protocol):
+    """What the metrics read of the task index (ficc.execution.provider.taskindex)."""
+
+    def stats(self) -> TaskIndexStats: ...
+
+
+def _task_index(out: list[str], index: TaskIndexLike | None) -> None:
+    _family(out, "ficc_task_index_told", "gauge",
+            "1 when process events keep the task index, 0 when the checks walk /proc.",
+            [({}, 0 if index is None else 1)])  # fmt: skip
+    if index is None:
+        return
+    stats = index.stats()
+    for name, value, text in (
+        ("events_total", stats.events, "Process events read from the kernel."),
+        ("lost_total", stats.lost, "Times events were lost (the index then walked again)."),
+        ("resyncs_total", stats.resyncs, "Full walks that rebuilt the index."),
+        ("audits_total", stats.audits, "Audit walks compared with the index."),
+        ("disagreements_total", stats.disagreements, "Tasks an audit found the index wrong on."),
+    ):
+        _family(out, f"ficc_task_index_{name}", "counter", text, [({}, value)])
+    _family(out, "ficc_task_index_tasks", "gauge", "Live tasks the index holds.",
+            [({}, stats.tasks)])  # fmt: skip
+
+
+GATE_REASONS: Final = frozenset(
+    {code.value for code in HostCode if code.value.startswith("gate_")} | {"gate_refused"}
+)
+"""The reasons a gate refusal is recorded under: the code of the check that refused
+(`gate_seccomp`, `gate_limits`, ...; docs/security.md lists them), and the protocol's
+generic `gate_refused`, which this host does not record but a record may carry."""
+
+
+def gate_refusals(reasons: Mapping[str, int]) -> int:
+    """Attempts whose recorded reason is a gate refusal. The gate records the code of
+    the check that refused, never one `gate_refused`, so counting that one reason alone
+    gave 0 whatever the gate did."""
+    return sum(count for reason, count in reasons.items() if reason in GATE_REASONS)
+
+
+def _running(out: list[str], facts: LedgerFacts) -> None:
+    """What the daemon runs and since when: read once when it started, so a release
+    installed since (and not yet restarted into) never shows here."""
+    _family(
+        out,
+        "ficc_distribution_info",
+        "gauge",
+        "Always 1: each distribution the running daemon is made of, at the version it"
+        " started with.",
+        [({"distribution": d, "version": v}, 1) for d, v in sorted(facts.running.items())],
+    )
+    _family(out, "ficc_start_time_seconds", "gauge", "When the daemon started, Unix seconds.",
+            [({}, facts.started_at_seconds)])  # fmt: skip
+
+
+def _slot_health(out: list[str], facts: LedgerFacts) -> None:
+    """Slots that pass their checks: usable ones by class, and each slot's health with
+    the failed check's code (a broken slot is out of the offer)."""
+    _family(
+        out,
+        "ficc_slots_usable",
+        "gauge",
+        "Free slots by class that pass their checks (where admission can place work).",
+        [({"class": c}, n) for c, n in sorted(facts.usable.items())],
+    )
+    _family(
+        out,
+        "ficc_slot_healthy",
+        "gauge",
+        "1 while the slot passes its checks; 0 while it is out of service, `reason` the"
+        " failed check's code.",
+        [
+            ({"slot": s, "class": g.slot_class, "reason": g.reason or ""}, 0 if g.reason else 1)
+            for s, g in sorted(facts.slot_health.items())
+        ],
+    )
 
 
 def _class_usage(out: list[str], by_class: Mapping[tuple[str, str], ClassUse]) -> None:

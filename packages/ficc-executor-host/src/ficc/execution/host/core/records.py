@@ -88,6 +88,9 @@ class HostFacts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The deployment and node this host serves (None: not checked, for tests of the
     ledger alone); a plan addressed to another is refused."""
     node_id: str | None = None
+    out_of_service: dict[str, str] = msgspec.field(default_factory=dict)
+    """Slots whose health checks fail, each with its reason: admission places nothing
+    in them (core/slot_health.py)."""
 
 
 class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -151,8 +154,9 @@ class InputRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ResourceUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """What an attempt used (`ficc.execution.wire.Usage` without `final`); None: the host
-    could not read it. The ledger keeps one per attempt, recorded once, when it ended."""
+    """What an attempt used (`ficc.execution.wire.Usage` without `final`, and the
+    `payload_` figures of its `payload` part); None: the host could not read it. The
+    ledger keeps one per attempt, recorded once, when it ended."""
 
     cpu_user_us: int | None = None
     cpu_system_us: int | None = None
@@ -162,6 +166,9 @@ class ResourceUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     storage_bytes: int | None = None
     storage_inodes: int | None = None
     wall_ms: int | None = None
+    payload_cpu_user_us: int | None = None
+    payload_cpu_system_us: int | None = None
+    payload_memory_peak_bytes: int | None = None
 
 
 USAGE_FIELDS: Final = ResourceUsage.__struct_fields__

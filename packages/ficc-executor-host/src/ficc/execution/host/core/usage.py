@@ -8,6 +8,10 @@ started attempt's figures are read live from its service (`final: false`); an
 attempt that never started has none. A settled attempt whose cleanup is confirmed is
 final even with nothing recorded (a ledger written before usage was recorded, an
 admission rejection): nothing will be recorded any more.
+
+The payload's own figures (`payload_` in the record, read from the payload's own
+cgroup) are recorded and read with the others, and shown as `usage.payload` only to a
+request that asked (`payload_usage: true`).
 """
 
 from __future__ import annotations
@@ -16,13 +20,22 @@ import msgspec
 
 from ficc.execution.host.core import lifecycle
 from ficc.execution.host.core.records import AttemptRecord, RecordedUsage, ResourceUsage
-from ficc.execution.wire import Usage
+from ficc.execution.wire import PayloadUsage, Usage
+
+PAYLOAD_PREFIX = "payload_"
+"""The prefix of the figures that are the payload's own (`Usage.payload` on the wire)."""
 
 
-def as_wire(usage: ResourceUsage, *, final: bool) -> Usage:
-    """The wire's `usage`: a figure the host could not read is absent, never zero."""
+def as_wire(usage: ResourceUsage, *, final: bool, payload: bool = False) -> Usage:
+    """The wire's `usage`: a figure the host could not read is absent, never zero. The
+    payload's own figures go in its `payload` part, and only when asked (`payload`): a
+    client that asked only for `usage` refuses a field it does not know."""
     figures = {k: v for k, v in msgspec.structs.asdict(usage).items() if v is not None}
-    return Usage(final=final, **figures)
+    service = {k: v for k, v in figures.items() if not k.startswith(PAYLOAD_PREFIX)}
+    if not payload:
+        return Usage(final=final, **service)
+    own = {k.removeprefix(PAYLOAD_PREFIX): v for k, v in figures.items() if k not in service}
+    return Usage(final=final, **service, payload=PayloadUsage(**own))
 
 
 def is_final(record: AttemptRecord, recorded: RecordedUsage | None) -> bool:
@@ -35,12 +48,18 @@ def is_final(record: AttemptRecord, recorded: RecordedUsage | None) -> bool:
 
 
 def wire_usage(
-    record: AttemptRecord, recorded: RecordedUsage | None, live: ResourceUsage | None
+    record: AttemptRecord,
+    recorded: RecordedUsage | None,
+    live: ResourceUsage | None,
+    *,
+    payload: bool = False,
 ) -> Usage:
-    """The `usage` of one attempt row from its recorded and its live usage."""
+    """The `usage` of one attempt row from its recorded and its live usage (with its
+    `payload` part when asked)."""
     if is_final(record, recorded):
-        return as_wire(recorded.usage if recorded is not None else ResourceUsage(), final=True)
-    return as_wire(live if live is not None else ResourceUsage(), final=False)
+        used = recorded.usage if recorded is not None else ResourceUsage()
+        return as_wire(used, final=True, payload=payload)
+    return as_wire(live if live is not None else ResourceUsage(), final=False, payload=payload)
 
 
-__all__ = ["as_wire", "is_final", "wire_usage"]
+__all__ = ["PAYLOAD_PREFIX", "as_wire", "is_final", "wire_usage"]

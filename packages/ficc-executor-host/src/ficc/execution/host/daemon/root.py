@@ -5,7 +5,10 @@
 providers (each verified against its pin and loaded; a refusal makes that provider
 unavailable, recorded with its code, and is not fatal), one stager per slot, the
 system-service backend, the worker threads, the `HostContext` and the runner.
-`start()` runs startup recovery (`Runner.recover`) and then the monitor loop;
+The context captures what the daemon runs (its versions and its start) once, here,
+before it serves (`context/build.py`). `start()` runs startup recovery
+(`Runner.recover`) and then the monitor loop and the slots' health checks every
+`slot_check_seconds` (`context/slot_health.py`);
 `dispatch()` is the one entry point of the server; `close()` stops everything.
 
 The ledger is created only when the state directory holds neither a ledger nor the
@@ -30,6 +33,7 @@ from typing import Protocol
 from ficc.execution._executor import ReceivedRequest
 from ficc.execution.errors import ErrorCode
 from ficc.execution.host.api import handlers, inputs, port, reports
+from ficc.execution.host.api import slots as slot_reports
 from ficc.execution.host.config import ceiling
 from ficc.execution.host.config.host import check_host, open_image_parent
 from ficc.execution.host.config.model import Config, Provider
@@ -100,6 +104,7 @@ class Daemon:
         self.runner = runner
         self._monitor: asyncio.Task[None] | None = None
         self._textfile: asyncio.Task[None] | None = None
+        self._slot_checks: asyncio.Task[None] | None = None
         self._closed = False
 
     @classmethod
@@ -152,11 +157,13 @@ class Daemon:
         return cls(ctx, runner)
 
     async def start(self) -> None:
-        """Startup recovery (before the server listens), then the monitor loop (and the
-        metrics textfile writer when `metrics_textfile` is configured)."""
+        """Startup recovery (before the server listens), then the monitor loop, the
+        slots' health checks (and the metrics textfile writer when `metrics_textfile`
+        is configured)."""
         await self.runner.recover()
         loop = asyncio.get_running_loop()
         self._monitor = loop.create_task(self.runner.run())
+        self._slot_checks = loop.create_task(check_slots_forever(self.ctx))
         if self.ctx.config.metrics_textfile is not None:
             self._textfile = loop.create_task(write_metrics_textfile(self.ctx))
 
@@ -172,7 +179,7 @@ class Daemon:
         if self._closed:
             return
         self._closed = True
-        for task in (self._textfile, self._monitor):
+        for task in (self._textfile, self._slot_checks, self._monitor):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -200,12 +207,25 @@ async def write_metrics_textfile(
     directory, name = os.path.split(path)
     while True:
         try:
-            facts = await ctx.workers.db(reports.metric_facts, ctx)
+            health = slot_reports.health_now(ctx)
+            facts = await ctx.workers.db(reports.metric_facts, ctx, health)
             text = metrics.render(facts, metrics.PROCESS).encode()
             await asyncio.to_thread(_replace_file, directory, name, text)
         except (OSError, HostError) as error:
             _log.warning("metrics_textfile %s not written: %s", path, error)
         await asyncio.sleep(interval)
+
+
+async def check_slots_forever(ctx: HostContext) -> None:
+    """Check every slot's health every `slot_check_seconds` (context/slot_health.py): a
+    broken slot stays out of the offer until a check passes. A round that fails
+    unexpectedly is logged and the next one runs: the schedule must not die of it."""
+    while True:
+        await asyncio.sleep(ctx.config.slot_check_seconds)
+        try:
+            await ctx.slot_health.check(ctx.workers, ctx.slots.values())
+        except Exception:
+            _log.exception("the slots' health check failed; retrying on the next round")
 
 
 def _replace_file(directory: str, name: str, data: bytes) -> None:

@@ -260,6 +260,7 @@ class Admissions(Queries):
             msgspec.json.encode(limits.devices).decode(),
             plan.data,
             msgspec.json.encode(acknowledged).decode() if acknowledged else None,
+            self._changed_ms,
         )
         insert = (
             ledger_schema.INSERT_ADMITTED

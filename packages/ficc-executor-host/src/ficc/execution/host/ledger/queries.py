@@ -75,6 +75,18 @@ class Queries(Transactions):
             ).fetchall()
         return {str(row[0]): ledger_schema.usage_row(row[1:]) for row in rows}
 
+    def changed_times(self, attempt_ids: Sequence[str]) -> dict[str, int]:
+        """When each of these attempts' status last changed (ms since the epoch); an
+        attempt whose record predates schema 5, or an unknown ID, is absent."""
+        ids = list(dict.fromkeys(attempt_ids))
+        if not ids:
+            return {}
+        with self._lock:
+            rows = self._db.execute(
+                f"{ledger_schema.CHANGED_SQL} AND attempt_id IN ({marks(len(ids))})", ids
+            ).fetchall()
+        return {str(attempt_id): int(changed) for attempt_id, changed in rows}
+
     def usage_tally(self) -> list[tuple[str, str, int, int, int]]:
         """(slot, outcome, attempts, CPU microseconds, OOM kills) for every slot and
         outcome of the records that held a slot and settled (figures not read count 0)."""

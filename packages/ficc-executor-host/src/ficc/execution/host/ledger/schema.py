@@ -55,7 +55,7 @@ about 0.9 ms with its commit, against 0.25-0.45 ms for the same leases in a narr
 table. Admission still writes the first lease into the attempt's row (one insert per
 attempt, as before); a renewal's lease, once there is one, is the record's lease."""
 
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 6
 MIGRATIONS: Final = {
     # from version: the statements that bring a ledger to the next version, in one
     # transaction. Columns are only ever added, with values that are true of every
@@ -85,6 +85,15 @@ MIGRATIONS: Final = {
     # Renewed leases in a table of their own; each record keeps its lease until the
     # next renewal writes one there.
     3: RENEWALS,
+    # When each record's status last changed: unknown (NULL) for every earlier record.
+    4: ("ALTER TABLE attempts ADD COLUMN changed_ms INTEGER",),
+    # What each attempt's payload used on its own, apart from its runtime: unknown
+    # (NULL) for every earlier record.
+    5: (
+        "ALTER TABLE attempts ADD COLUMN payload_cpu_user_us INTEGER",
+        "ALTER TABLE attempts ADD COLUMN payload_cpu_system_us INTEGER",
+        "ALTER TABLE attempts ADD COLUMN payload_memory_peak_bytes INTEGER",
+    ),
 }
 
 
@@ -148,8 +157,12 @@ CREATE TABLE attempts (
     storage_bytes_used INTEGER,
     storage_inodes_used INTEGER,
     wall_ms INTEGER,
+    payload_cpu_user_us INTEGER,
+    payload_cpu_system_us INTEGER,
+    payload_memory_peak_bytes INTEGER,
     created INTEGER NOT NULL,
-    updated INTEGER NOT NULL
+    updated INTEGER NOT NULL,
+    changed_ms INTEGER
 ) STRICT;
 CREATE INDEX attempts_job ON attempts (job_id, generation);
 -- Records are never deleted: what admission, starts and recovery look for (the records
@@ -220,8 +233,12 @@ INSERT_COLUMNS: Final = (
     RECORD_FIELDS
     + records.RESOURCES
     + records.STORAGE
-    + ("devices", "plan", "acknowledged_unknown")
+    + ("devices", "plan", "acknowledged_unknown", "changed_ms")
 )
+CHANGED_SQL: Final = "SELECT attempt_id, changed_ms FROM attempts WHERE changed_ms IS NOT NULL"
+"""When each record's status last changed (wall clock, ms since the epoch; schema 5).
+Not part of `AttemptRecord`: only `status` shows it, so the records every request
+reads (and the record cache) stay as they were."""
 
 
 USAGE_COLUMNS: Final = tuple(

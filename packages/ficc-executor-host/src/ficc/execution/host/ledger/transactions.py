@@ -12,6 +12,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Concatenate, Final, ParamSpec, TypeVar
 
@@ -245,6 +246,9 @@ class Transactions:
         """Records as last committed (see `record_cache`); it needs the JSON functions."""
         self._unchanged: int | None = None
         """In a write transaction: `total_changes` before its first change."""
+        self._changed_ms = 0
+        """In a write transaction: the wall clock when it began (ms since the epoch), the
+        time a status it changes is recorded with (`changed_ms`, what `status` shows)."""
 
     def close(self) -> None:
         """Close the database and release the state directory lock (idempotent)."""
@@ -343,6 +347,7 @@ class Transactions:
                     "UPDATE meta SET ordinal = ordinal + 1 RETURNING ordinal"
                 ).fetchall()
                 bumped = self._unchanged = self._db.total_changes
+                self._changed_ms = time.time_ns() // 1_000_000
                 if self._cache is not None:
                     self._cache.began()
                 yield ordinal

@@ -285,8 +285,9 @@ class Transitions(Queries):
             return error
         if not step.changed:
             return Applied(record, changed=False)
-        columns = [*ledger_schema.STATUS_FIELDS, "updated"]
-        values: list[object] = [*ledger_schema.status_values(step.status), ordinal]
+        columns = [*ledger_schema.STATUS_FIELDS, "updated", "changed_ms"]
+        status = ledger_schema.status_values(step.status)
+        values: list[object] = [*status, ordinal, self._changed_ms]
         if isinstance(event, lifecycle.PrepareOk):  # the same one row write
             columns.append("prepare_result")
             values.append(event.result)

@@ -19,8 +19,8 @@ Refused, each with a stable code:
   namespace-only package, limits exceeded).
 - `provider_editable`: an editable install (direct_url.json says so, or RECORD lists
   a `.pth` file): the code lives in a source tree the pin does not cover.
-- `provider_tampered`: a listed file is missing or differs from RECORD, or a file
-  inside a package directory is not listed.
+- `provider_tampered`: a listed file is missing or differs from RECORD, a file inside
+  a package directory is not listed, or a console script is declared but not listed.
 - `provider_unsafe`: a symlink, hard link, special file, setuid/setgid file, a file or
   directory writable by group or others, or one not owned by root (by root or the
   current user when not running as root).
@@ -39,11 +39,29 @@ every reinstall) and RECORD carries no hash for them. They are still checked for
 owner, mode and links, and the loader never executes them (it compiles from the
 verified sources; see loader.py).
 
-Files RECORD lists outside the site directory (`../../bin/x` scripts of a virtualenv)
-are hashed too; the directories above the site directory are trusted as part of the
-interpreter installation and are not checked for symlinks. (`pip install --target`
-records console scripts at such paths but puts them elsewhere, so a provider with
-scripts installed that way is refused as tampered: install into a prefix or venv.)
+Files RECORD lists outside the site directory (`../../../bin/x` scripts of a virtualenv
+or prefix) are hashed too; the directories above the site directory are trusted as part
+of the interpreter installation and are not checked for symlinks. (`pip install
+--target` records console scripts at such paths but puts them elsewhere, so a provider
+with scripts installed that way is refused as tampered: install into a prefix or venv.)
+
+Console scripts are written by the installer, not shipped in the wheel, and their start
+names the interpreter they were installed for: `#!/opt/ficc/venv/bin/python`, or, for a
+long path or one with spaces, a three-line `#!/bin/sh` preamble that `exec`s it. So that
+one release pins as one digest in every venv and prefix, a script is hashed with that
+interpreter part replaced by `#!python` (the line a wheel's own scripts carry) when all
+of these hold: RECORD lists it outside the site directory in a `bin` directory; its
+name is a `[console_scripts]` or `[gui_scripts]` entry of the verified entry_points.txt;
+and it starts with exactly one of those two forms, naming one absolute path (no
+arguments, nothing a shell would expand, nothing Python would read as code or as an
+encoding declaration). Everything after the interpreter part stays in
+the digest, so an edited script body changes the pin. Anything else (another first
+line, a script entry_points.txt does not declare, a file the wheel ships for `bin`) is
+hashed byte for byte. Scripts are opened, checked for owner, mode and links, and
+compared with RECORD like every other file, and a script entry_points.txt declares but
+RECORD does not list is refused as tampered (a pin taken there would not cover it). The
+interpreter path itself is not pinned: only root can change the script (see the checks
+above), and root chooses the interpreter anyway.
 """
 
 from __future__ import annotations
@@ -93,7 +111,7 @@ class ProviderDistribution:
 @dataclass(frozen=True)
 class InstalledFile:
     path: str  # as written in RECORD, relative to the site directory
-    size: int
+    size: int  # of the hashed bytes (a console script's with its interpreter as `#!python`)
     sha256: str  # hex
 
 
@@ -181,9 +199,54 @@ _INSTALL_RECORDS = frozenset(
 """`.dist-info` files that describe one install rather than the release (not digested)."""
 
 
+_SCRIPT_SECTIONS = ("console_scripts", "gui_scripts")
+"""entry_points.txt sections whose entries installers turn into scripts in `bin`."""
+
+_SCRIPT_INTERPRETER = b"#!python\n"
+"""What a console script's interpreter part is hashed as: the line wheels ship scripts with."""
+
+_INTERPRETER_FORMS = (
+    # The /bin/sh preamble pip, installer and uv write for a long path or one with
+    # spaces: Python reads its last two lines as one string, the shell runs the `exec`.
+    re.compile(
+        rb"#!/bin/sh\n"
+        rb"'''exec' "
+        rb"(?:/[\w@%+=:,./\x80-\xff-]*"  # unquoted: only characters a shell takes as-is
+        rb'|"/[^"$`\\\n\']*"'  # double-quoted: nothing a shell expands inside
+        rb"|'/[^'\n]*')"  # single-quoted (no quote in either, so Python's string holds)
+        rb' "\$0" "\$@"\n'
+        rb"' '''\n"
+    ),
+    re.compile(rb"#!/\S*\n"),  # the plain shebang: one absolute path, no arguments
+)
+"""The interpreter parts installers write, tried in order (the preamble starts like a
+plain shebang, so it goes first); each names one absolute path and nothing else."""
+
+_CODING = re.compile(rb"coding[:=]")
+"""A source-encoding declaration, which Python honours in a script's first two lines: an
+interpreter part that holds one would change how the pinned rest is read."""
+
+
 def _is_bytecode_cache(relpath: str) -> bool:
     parts = relpath.split("/")
     return len(parts) >= 2 and parts[-2] == "__pycache__" and parts[-1].endswith(".pyc")
+
+
+def _is_bin_file(relpath: str) -> bool:
+    """A RECORD row outside the site directory in a `bin` directory: where installers put
+    console scripts (`../../../bin/NAME` in a venv or prefix)."""
+    parts = relpath.split("/")
+    return parts[0] == ".." and len(parts) >= 2 and parts[-2] == "bin"
+
+
+def _script_body(data: bytes) -> bytes | None:
+    """A script after its installer-written interpreter part; None when it does not start
+    with one, so that it is hashed whole rather than normalized."""
+    for form in _INTERPRETER_FORMS:
+        found = form.match(data)
+        if found is not None and _CODING.search(found.group()) is None:
+            return data[found.end() :]
+    return None
 
 
 def _record_hash(value: str) -> str | None:
@@ -226,6 +289,7 @@ class _Verifier:
             self._refuse_unlisted(root, record)
         name, version, metadata_sha = self._metadata()
         self._confirm_entry_point()
+        files = self._normalize_scripts(files)
         document = {
             "name": name,
             "version": version,
@@ -350,7 +414,8 @@ class _Verifier:
             is_record = relpath == f"{self.dist_info_rel}/RECORD"
             if record_sha is None and not is_record:
                 raise _refuse(HostCode.PROVIDER_TAMPERED, f"RECORD has no sha256 for {relpath!r}")
-            keep = relpath.startswith(self.dist_info_rel + "/") and size <= MAX_SMALL_FILE_BYTES
+            kept_kind = relpath.startswith(self.dist_info_rel + "/") or _is_bin_file(relpath)
+            keep = kept_kind and size <= MAX_SMALL_FILE_BYTES
             sha, data = self._hash(fd, relpath, size, keep)
         finally:
             os.close(fd)
@@ -527,21 +592,70 @@ class _Verifier:
             raise _refuse(HostCode.PROVIDER_TAMPERED, "METADATA lacks Name or Version")
         return normalize_name(str(name)), str(version), hashlib.sha256(data).hexdigest()
 
-    def _confirm_entry_point(self) -> None:
-        """The value we pin must be the one in the verified entry_points.txt bytes."""
+    def _entry_points(self) -> configparser.ConfigParser:
+        """The verified entry_points.txt bytes, parsed (importlib already parsed the file
+        once to find the provider, so a failure here means it changed meanwhile)."""
         data = self.small.get(f"{self.dist_info_rel}/entry_points.txt")
         parser = configparser.ConfigParser(delimiters=("=",), interpolation=None)
         parser.optionxform = str  # type: ignore[assignment,method-assign]
         try:
             parser.read_string((data or b"").decode("utf-8"))
-            value = parser.get(GROUP, self.dist.entry_name, fallback=None)
         except (configparser.Error, UnicodeDecodeError):
-            value = None
+            raise _refuse(
+                HostCode.PROVIDER_TAMPERED,
+                "entry_points.txt changed while the provider was checked",
+            ) from None
+        return parser
+
+    def _confirm_entry_point(self) -> None:
+        """The value we pin must be the one in the verified entry_points.txt bytes."""
+        value = self._entry_points().get(GROUP, self.dist.entry_name, fallback=None)
         if value is None or value.strip() != self.dist.entry_point:
             raise _refuse(
                 HostCode.PROVIDER_TAMPERED,
                 "entry_points.txt changed while the provider was checked",
             )
+
+    # ---- console scripts --------------------------------------------------------------
+
+    def _declared_scripts(self) -> frozenset[str]:
+        """Names of the scripts an installer writes from the verified entry_points.txt."""
+        parser = self._entry_points()
+        return frozenset(
+            name
+            for section in _SCRIPT_SECTIONS
+            if parser.has_section(section)
+            for name in parser.options(section)
+        )
+
+    def _normalize_scripts(self, files: list[InstalledFile]) -> list[InstalledFile]:
+        """Hash installer-written console scripts without their interpreter path, so the
+        pin does not depend on where the release was installed; refuse a declared script
+        RECORD does not list, whose absence a pin taken there could not show."""
+        declared = self._declared_scripts()
+        listed = {_name(f.path) for f in files if _is_bin_file(f.path)}
+        missing = sorted(declared - listed)
+        if missing:
+            raise _refuse(
+                HostCode.PROVIDER_TAMPERED,
+                f"entry_points.txt declares the scripts {missing} but RECORD lists no file "
+                "of that name in a bin directory",
+            )
+        return [self._normalized(f) if _name(f.path) in declared else f for f in files]
+
+    def _normalized(self, file: InstalledFile) -> InstalledFile:
+        """`file` hashed as `#!python` and its body, when it is a bin file that starts with
+        an interpreter part an installer writes; otherwise unchanged (hashed whole)."""
+        data = self.small.get(file.path) if _is_bin_file(file.path) else None
+        body = None if data is None else _script_body(data)
+        if body is None:
+            return file
+        normalized = _SCRIPT_INTERPRETER + body
+        return InstalledFile(file.path, len(normalized), hashlib.sha256(normalized).hexdigest())
+
+
+def _name(relpath: str) -> str:
+    return relpath.rsplit("/", 1)[-1]
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from types import CodeType, ModuleType
 from typing import Any
 
+import msgspec
+
+from ficc.execution import provider as sdk
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.providers.digest import DistributionDigest, compute_digest
@@ -45,6 +48,9 @@ class LoadedProvider:
     verified: DistributionDigest
     module: ModuleType
     driver: Any  # has the seven batch methods (checked at load)
+    minimums: sdk.MinimumLimits | None = None
+    """What the driver's `minimum_limits()` stated when it was configured (None: it
+    has no such method): admission refuses a plan below it."""
 
 
 def load_provider(
@@ -53,7 +59,8 @@ def load_provider(
     configuration: Mapping[str, Any],
     path: Sequence[str] | None = None,
 ) -> LoadedProvider:
-    """Verify, compare with the pin, import, check the API, configure, check the driver."""
+    """Verify, compare with the pin, import, check the API, configure, check the driver,
+    read its minimum limits."""
     verified = compute_digest(name, path)
     if verified.digest != pinned_digest:
         raise HostError(
@@ -91,7 +98,33 @@ def load_provider(
             f"provider {name!r} returned a driver without {', '.join(missing)}; "
             "it does not implement the provider interface",
         )
-    return LoadedProvider(name, verified, module, driver)
+    return LoadedProvider(name, verified, module, driver, _minimum_limits(name, driver))
+
+
+def _minimum_limits(name: str, driver: Any) -> sdk.MinimumLimits | None:
+    """The smallest limits the driver states its runtime needs, read once here so that
+    admission can refuse a plan below them without calling the provider (a provider
+    call comes only after an admission is committed). Optional: a driver without
+    `minimum_limits` states none. A statement the SDK would not build, or a method that
+    raises, makes the provider unavailable, as a failed `configure()` does."""
+    state = getattr(driver, "minimum_limits", None)
+    if state is None:
+        return None
+    try:
+        return sdk.decode_minimum_limits(state() if callable(state) else state)
+    except msgspec.ValidationError as error:
+        raise HostError(
+            HostCode.PROVIDER_INVALID,
+            f"provider {name!r} states minimum limits the provider SDK would not build"
+            f" ({error}); install a provider release that builds them with"
+            " sdk.MinimumLimits",
+        ) from error
+    except (Exception, SystemExit) as error:  # a provider's sys.exit() must not stop the host
+        raise HostError(
+            HostCode.PROVIDER_CONFIGURE_FAILED,
+            f"provider {name!r} could not state its minimum limits: {bounded(error)}; fix"
+            " the provider's configuration object",
+        ) from error
 
 
 def _import_pinned(verified: DistributionDigest, module_name: str) -> ModuleType:

@@ -40,6 +40,9 @@ Decisions (see also docs/operations.md):
   cancelled start) gets one at its cleanup, before the service is stopped. An OOM
   kill counted there makes a nonzero exit `memory_exhausted`. While the payload runs,
   `usage_now` reads the same figures live for `observe`/`snapshot`.
+- A payload that ends 126 or 127 after the barrier's report that its program could
+  not be executed (runtime_errors.py) gets that report, in the host's words, as its
+  `detail` and as a `runtime_error` log event; any other output stays out of both.
 - A payload that ended by itself before this daemon killed anything keeps its exit,
   also when a stop or the deadline came before the monitor noticed: the stop looks
   once before it kills, when the service is empty or the gated payload process ended
@@ -87,6 +90,7 @@ from ficc.execution.host.core.leases import Now
 from ficc.execution.host.core.records import ResourceUsage, lease_is_current
 from ficc.execution.host.ledger.store import AttemptRecord
 from ficc.execution.host.linux import procfs
+from ficc.execution.host.runner import runtime_errors
 from ficc.execution.host.runner.attempts import (
     Attempt,
     AttemptWork,
@@ -104,6 +108,7 @@ from ficc.execution.host.runner.preparing import Preparer
 from ficc.execution.host.runner.starting import Starter
 from ficc.execution.host.service.interface import ServiceHandle
 from ficc.execution.host.storage.layout import RELEASE_MARKER
+from ficc.execution.wire import DETAIL_MAX
 
 __all__ = ["RELEASE_MARKER", "Runner", "Settings"]
 
@@ -437,12 +442,40 @@ class Runner(AttemptWork):
                 return
             oom_killed = bool(used.oom_kills)
             finished = lifecycle.Finished(exit_code=seen.exit_code, oom_killed=oom_killed)
-            await self._apply(record, finished, used)
+            if await self._apply(record, finished, used):
+                await self._note_exec_failure(attempt, seen.exit_code)
             return
         if not alive and await self._lease_was_current(record.attempt_id, looked):
             # The service was gone before the provider looked, and it reports no exit.
             used = await self._usage(attempt, handle)
             await self._lost(attempt, "outcome_unreadable", alive=alive, usage=used)
+
+    async def _note_exec_failure(self, attempt: Attempt, exit_code: int) -> None:
+        """A payload that ended 126 or 127 because its program could not be executed
+        (the barrier's report, `runtime_errors.exec_failure`): the report becomes the
+        row's `detail` and a `runtime_error` event in the log, as for a start that
+        failed before the release. The status alone names neither the program nor why."""
+        program = attempt.plan.job.payload.argv[0]
+        said = await self._io(
+            runtime_errors.exec_failure, attempt.files, attempt.id, program, exit_code
+        )
+        if not said:
+            return
+        self._details[attempt.id] = said[-DETAIL_MAX:]
+        _log.warning(
+            "attempt %s: the payload's program could not be executed: %s",
+            attempt.id,
+            said,
+            extra={
+                "fields": {
+                    "event": "runtime_error",
+                    "attempt_id": attempt.id,
+                    "code": "exec_failed",
+                    "exit_code": exit_code,
+                    "runtime_stderr": said,
+                }
+            },
+        )
 
     async def _lost(
         self, attempt: Attempt, reason: str, *, alive: bool, usage: ResourceUsage | None

@@ -124,8 +124,13 @@ class Preparer(AttemptWork):
             await self._refused(record, lifecycle.PrepareFailed(reason=error.code), error)
 
     async def _stage(self, attempt: Attempt) -> bool:
-        """Layout and staging; True once every streamed input is complete."""
-        await self._io(attempt.files.verify)
+        """Layout and staging; True once every streamed input is complete. A slot found
+        broken here is out of the offer at once (not only at its next scheduled check)."""
+        try:
+            await self._io(attempt.files.verify)
+        except HostError as error:
+            self._ctx.slot_health.attempt_found(attempt.slot, error)
+            raise
         await self._io(attempt.files.create, attempt.id)
         if not attempt.plan.streamed_inputs:
             return True
@@ -167,6 +172,10 @@ class Preparer(AttemptWork):
             prepare_context = sdk.PrepareContext(**msgspec.structs.asdict(context), check=check)
             prepared = await prepare_ticket.call(attempt.provider, "prepare", prepare_context)
             if not prepared.ok:
+                if prepared.code == sdk.SLOT_FILES_STUCK:
+                    self._ctx.slot_health.provider_found(
+                        attempt.slot, prepared.code, prepared.message or "no message"
+                    )
                 raise refusals[0] if refusals else row_error(prepared, "prepare")
             result = decode_prepare_result(prepared.reply)
             await self._io(check_prepare_result, result, attempt.plan)

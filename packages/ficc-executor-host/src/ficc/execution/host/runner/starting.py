@@ -5,10 +5,11 @@ re-verified (the start handler looked before it accepted the start; a file can c
 since, and this second look fails the attempt `input_changed`), the lease deadline
 handed to the lease reaper (deadlines.py), the system service created with the
 provider's argv as the slot account and the plan's limits, controls read back,
-provider `start`, `observe` until the barrier's PID, the device-open results checked,
-the payload gate run, and only on a pass the release marker written (`Started`). The
-runner (pipeline.py) owns the starter: it hands it start requests and the monitor's
-aborts, and uses `stop_service` for its own stops.
+provider `start`, `observe` until the barrier's PID, the barrier moved into the
+service's payload node (its own usage, service/payload.py), the device-open results
+checked, the payload gate run, and only on a pass the release marker written
+(`Started`). The runner (pipeline.py) owns the starter: it hands it start requests and
+the monitor's aborts, and uses `stop_service` for its own stops.
 
 Decisions:
 - A stop or expiry arriving while the start pipeline runs is handed to it: it stops
@@ -24,6 +25,10 @@ Decisions:
   paused, stopped or drained since the start was accepted, or one that no longer
   covers the attempt, ends it `cancelled` (reason `offer_closed` / `offer_changed`)
   and the payload is never released.
+- A start that fails before the release after the kernel's out-of-memory killer
+  killed a process of its service is `failed` (`memory_exhausted`), whatever the
+  failure looked like (`barrier_exited`, a timeout): the plan's memory was too small
+  for the runtime itself. The detail says so, with the runtime's last words.
 - The barrier exiting before release is `failed` (`barrier_exited`): the payload
   cannot have run. Its pidfd is opened before the gate and looked at again right
   before the marker is written, so a barrier that died after the gate is never
@@ -219,6 +224,8 @@ class Starter(AttemptWork):
                     attempt.id,
                 )
         except HostError as error:
+            # Read before the stop: systemd removes a stopped unit's cgroups, counters too.
+            error = await self._killed_for_memory(attempt, error)
             await self.stop_service(attempt)
             if not await self._lease_still_current(attempt.id):
                 return  # the reaper may have ended the service at the deadline: expiry
@@ -229,10 +236,43 @@ class Starter(AttemptWork):
             await self.stop_service(attempt)
             await self._apply(record, lifecycle.StartFailed(reason=INTERNAL_ERROR))
 
+    async def _killed_for_memory(self, attempt: Attempt, error: HostError) -> HostError:
+        """`memory_exhausted` in place of `error` when the kernel's out-of-memory killer
+        killed a process of the service before the release: the runtime (or the barrier)
+        was killed for memory, and `barrier_exited` with a bare `Killed` would send the
+        operator after the wrong cause. A gate refusal keeps its own code: it says the
+        sandbox was wrong, whatever else happened."""
+        handle = self._handles.get(attempt.id)
+        if handle is None or error.code.startswith("gate_"):
+            return error
+        used = await self._usage(attempt, handle)
+        if not used.oom_kills:
+            return error
+        return HostError(
+            lifecycle.MEMORY_EXHAUSTED,
+            f"the kernel's out-of-memory killer killed {used.oom_kills} process(es) of the"
+            f" attempt's service before the payload was released ({error.code}: "
+            f"{error.message}): memory_bytes {attempt.plan.job.limits.memory_bytes} is too"
+            f" small for the provider's runtime itself{self._stated_memory(attempt)}; send a"
+            " plan with more memory",
+        )
+
+    def _stated_memory(self, attempt: Attempt) -> str:
+        """What the attempt's provider states its runtime needs, as a clause; empty
+        when it states nothing."""
+        runtime = self._ctx.providers.get(attempt.plan.job.runtime.provider)
+        loaded = None if runtime is None else runtime.loaded
+        needed = None if loaded is None or loaded.minimums is None else loaded.minimums.memory_bytes
+        return "" if needed is None else f" (the provider states it needs at least {needed})"
+
     async def _log_runtime_error(self, attempt: Attempt, error: HostError) -> None:
         """The runtime's own words for a start that failed before the release (the log
-        holds nothing of the payload then), at error priority: release deletes them."""
+        holds nothing of the payload then), at error priority: release deletes them. A
+        start the runtime lost to the out-of-memory killer gets the host's explanation
+        first: the runtime's last words are then only `Killed`."""
         said = await self._io(runtime_errors.stderr_tail, attempt.files, attempt.id)
+        if error.code == lifecycle.MEMORY_EXHAUSTED:
+            said = f"{error.message}; the runtime printed: {said}" if said else error.message
         if not said:
             return
         self._details[attempt.id] = said[-DETAIL_MAX:]
@@ -271,6 +311,7 @@ class Starter(AttemptWork):
         pid, devices = await self._await_payload(attempt, context, handle)
         barrier = _barrier_pidfd(pid)  # before the gate, which then vouches for it
         try:
+            await self._place_payload(attempt, handle, pid, barrier)
             check_device_opens(
                 result, None if devices is None else {d.path: d.opened for d in devices}
             )
@@ -287,6 +328,23 @@ class Starter(AttemptWork):
             raise
         self._wake_on_exit(handle.main_pid)
         self._watch(barrier, functools.partial(self._spawn_looks, attempt.id))
+
+    async def _place_payload(
+        self, attempt: Attempt, handle: ServiceHandle, pid: int, barrier: int
+    ) -> None:
+        """Move the reported barrier into the service's payload node (before the gate,
+        which then judges it there), so the payload's own usage can be told from its
+        runtime's. Bookkeeping only: a refusal is logged and the start goes on, its
+        payload figures absent. Only a live barrier is moved (`barrier` is its pidfd),
+        and only from inside the service, so a reused PID is never touched."""
+        if _ended(barrier):
+            raise _barrier_exited()
+        try:
+            await self._io(self._ctx.service.place_payload, handle, pid)
+        except (HostError, OSError) as error:
+            if _ended(barrier):
+                raise _barrier_exited() from error
+            _log.warning("attempt %s: payload usage not separated: %s", attempt.id, error)
 
     def _wake_on_exit(self, pid: int | None) -> None:
         """Wake the monitor the moment the service's main process exits.

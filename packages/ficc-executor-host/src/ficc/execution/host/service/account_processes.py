@@ -10,7 +10,7 @@ import time
 
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
-from ficc.execution.host.linux import taskscan
+from ficc.execution.provider import tasks
 
 KILL_LOOK_PAUSE = 0.05
 
@@ -27,7 +27,7 @@ def kill_account(uid: int, timeout: float) -> bool:
     """
     deadline = time.monotonic() + timeout
     while True:
-        found = taskscan.SHARED.live_tasks({uid})
+        found = tasks.SHARED.live_tasks({uid})
         pids = [pid for who, pid in found if who == uid]
         if not pids:
             return not found
@@ -49,7 +49,7 @@ def _kill_if_account(pid: int, uid: int) -> None:
     except ProcessLookupError:
         return
     try:
-        if taskscan.live_uid_of(pid, {uid}) == uid:  # still the account's, now pinned
+        if tasks.live_uid_of(pid, {uid}) == uid:  # still the account's, now pinned
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except ProcessLookupError:
         pass
@@ -60,4 +60,4 @@ def _kill_if_account(pid: int, uid: int) -> None:
 def has_live_tasks(uid: int) -> bool:
     """Any live task on the host with `uid` among its credentials (or one whose
     status cannot be read: fail closed)."""
-    return bool(taskscan.SHARED.live_tasks({uid}))
+    return bool(tasks.SHARED.live_tasks({uid}))

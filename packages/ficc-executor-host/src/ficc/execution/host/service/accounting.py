@@ -17,6 +17,10 @@ summed over every node of the subtree. On a v1 host without a cpuacct hierarchy 
 unified tree's `cpu.stat` (which the kernel keeps in every v2 cgroup, with or without
 controllers) gives the CPU time.
 
+The payload's own figures (CPU and peak memory) are read the same way from the
+service's `payload` node (payload.py), where the host moved the payload: none when
+there is no such node.
+
 A figure whose file is missing or unreadable is None: never guessed, never zero. The
 parsers are pure, tested on the kernel's own text; only `read_usage` touches files.
 """
@@ -27,7 +31,7 @@ import errno
 import os
 from collections.abc import Mapping
 
-from ficc.execution.host.service import cgroups
+from ficc.execution.host.service import cgroups, payload
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import CgroupUsage
 
@@ -112,30 +116,53 @@ def _subtree_oom_kills(node: str | None) -> int | None:
 
 
 def read_usage(layout: Layout, nodes: Mapping[str, str]) -> CgroupUsage:
-    """What the service with these nodes (hierarchy key -> directory) used so far."""
+    """What the service with these nodes (hierarchy key -> directory) used so far, and
+    what its payload's own node used (`payload_` figures)."""
+    own = payload.nodes_of(nodes)
+    user, system = _cpu(layout, own)
+    figures = {
+        "payload_cpu_user_us": user,
+        "payload_cpu_system_us": system,
+        "payload_memory_peak_bytes": _memory_peak(layout, own),
+    }
+    user, system = _cpu(layout, nodes)
     if layout.version == 2:
         node = nodes.get(UNIFIED)
-        user, system = v2_cpu(_read(node, "cpu.stat") or "")
         return CgroupUsage(
             cpu_user_us=user,
             cpu_system_us=system,
-            memory_peak_bytes=_count(node, "memory.peak"),
+            memory_peak_bytes=_memory_peak(layout, nodes),
             oom_kills=_keyed(node, "memory.events", "oom_kill"),
             processes_peak=_count(node, "pids.peak"),
+            **figures,
         )
+    return CgroupUsage(
+        cpu_user_us=user,
+        cpu_system_us=system,
+        memory_peak_bytes=_memory_peak(layout, nodes),
+        oom_kills=_subtree_oom_kills(_node_of(layout, nodes, "memory")),
+        processes_peak=_count(_node_of(layout, nodes, "pids"), "pids.peak"),
+        **figures,
+    )
+
+
+def _cpu(layout: Layout, nodes: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """(user, system) microseconds of the subtree of these nodes."""
+    if layout.version == 2:
+        return v2_cpu(_read(nodes.get(UNIFIED), "cpu.stat") or "")
     cpuacct = _node_of(layout, nodes, "cpuacct")
     user = ns_to_us(_count(cpuacct, "cpuacct.usage_user"))
     system = ns_to_us(_count(cpuacct, "cpuacct.usage_sys"))
     if user is None and system is None:  # no cpuacct: the unified tree's base counters
-        user, system = v2_cpu(_read(nodes.get(UNIFIED), "cpu.stat") or "")
-    memory = _node_of(layout, nodes, "memory")
-    return CgroupUsage(
-        cpu_user_us=user,
-        cpu_system_us=system,
-        memory_peak_bytes=_count(memory, "memory.max_usage_in_bytes"),
-        oom_kills=_subtree_oom_kills(memory),
-        processes_peak=_count(_node_of(layout, nodes, "pids"), "pids.peak"),
-    )
+        return v2_cpu(_read(nodes.get(UNIFIED), "cpu.stat") or "")
+    return user, system
+
+
+def _memory_peak(layout: Layout, nodes: Mapping[str, str]) -> int | None:
+    """The most memory the subtree of these nodes held at once."""
+    if layout.version == 2:
+        return _count(nodes.get(UNIFIED), "memory.peak")
+    return _count(_node_of(layout, nodes, "memory"), "memory.max_usage_in_bytes")
 
 
 __all__ = ["CgroupUsage", "ns_to_us", "parse_count", "parse_keyed", "read_usage", "v2_cpu"]

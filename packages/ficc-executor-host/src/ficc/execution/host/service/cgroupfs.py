@@ -57,7 +57,7 @@ from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import fsutil, procfs
-from ficc.execution.host.service import accounting, bpfdevices, cgroups, shim
+from ficc.execution.host.service import accounting, bpfdevices, cgroups, payload, shim
 from ficc.execution.host.service.account_processes import has_live_tasks, kill_account
 from ficc.execution.host.service.cgroups import UNIFIED, Layout
 from ficc.execution.host.service.interface import (
@@ -408,6 +408,9 @@ class CgroupfsService:
 
     def usage(self, handle: ServiceHandle) -> CgroupUsage:
         return accounting.read_usage(self._layout, self._nodes_of(handle))
+
+    def place_payload(self, handle: ServiceHandle, pid: int) -> None:
+        payload.enter(self._layout, self._nodes_of(handle), pid)
 
     def _nodes_of(self, handle: ServiceHandle) -> dict[str, str]:
         """The handle's nodes, refused unless each is exactly where this backend puts

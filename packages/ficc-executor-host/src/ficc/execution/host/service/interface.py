@@ -17,6 +17,7 @@ Refusal codes (HostError.code), stable across backends:
   service_devices_unenforceable  the backend cannot enforce a closed device policy here
   service_swap_unenforceable     swap is active but the kernel cannot account it
   service_output                 an output path is a link, FIFO, shared or foreign file
+  service_payload                the payload could not be moved into its own cgroup
   service_exists                 a service of that name already exists (adopt it)
   service_limits                 the kernel refused a limit or reports another value
   service_create                 creating the cgroups or entering the cwd failed
@@ -173,13 +174,17 @@ class Controls(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class CgroupUsage(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """What a service used so far, from its cgroups' counters (`accounting`); None:
-    this host could not read it."""
+    this host could not read it. The `payload_` figures are its payload's own node's
+    (`place_payload`), the others the whole service's, the payload's included."""
 
     cpu_user_us: int | None = None
     cpu_system_us: int | None = None
     memory_peak_bytes: int | None = None
     oom_kills: int | None = None
     processes_peak: int | None = None
+    payload_cpu_user_us: int | None = None
+    payload_cpu_system_us: int | None = None
+    payload_memory_peak_bytes: int | None = None
 
 
 class ServiceHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -231,6 +236,13 @@ class SystemService(Protocol):
         """What the tree used so far, from the kernel's counters of its cgroups
         (`accounting`); a figure this host cannot read is None. Readable while the
         service runs and after it stopped, until `remove`."""
+        ...
+
+    def place_payload(self, handle: ServiceHandle, pid: int) -> None:
+        """Move the service's process `pid` (the gated barrier, before its release) into
+        the service's own payload node in every hierarchy (`service/payload.py`), so
+        `usage` can tell its figures from its runtime's. Raises HostError
+        (`service_payload`) when it cannot; the payload's figures are then absent."""
         ...
 
     def exit_status(self, handle: ServiceHandle) -> int | None:

@@ -52,7 +52,14 @@ from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.linux import procfs
-from ficc.execution.host.service import accounting, cgroups, gate_socket, shim, systemd_devices
+from ficc.execution.host.service import (
+    accounting,
+    cgroups,
+    gate_socket,
+    payload,
+    shim,
+    systemd_devices,
+)
 from ficc.execution.host.service.cgroupfs import CgroupfsService
 from ficc.execution.host.service.cgroups import Layout
 from ficc.execution.host.service.interface import (
@@ -447,6 +454,13 @@ class SystemdService:
         self._as_files(handle)
         nodes = {**handle.cgroups, **self._existing_nodes(unit_cgroup(self._slice, handle.name))}
         return accounting.read_usage(self._layout, nodes)
+
+    def place_payload(self, handle: ServiceHandle, pid: int) -> None:
+        """In the unit's nodes that exist now, as `usage` reads them (Delegate=yes makes
+        the unit's subtree ours, as for `supervisor`)."""
+        self._as_files(handle)
+        nodes = {**handle.cgroups, **self._existing_nodes(unit_cgroup(self._slice, handle.name))}
+        payload.enter(self._layout, nodes, pid)
 
     def exit_status(self, handle: ServiceHandle) -> int | None:
         self._as_files(handle)

@@ -7,6 +7,8 @@ identities, and the release marker's presence, by their paths.) `ReservedSlot` i
 one the daemon and the conformance kit build: the attempt layout (layout.py) on the
 slot's reserved filesystem, which it checks (slotfs.py) before an attempt's storage is
 used. Everything it creates belongs to root or the slot account, so it needs root.
+`check()` is the slot's health check (every check of the slot as a whole), which the
+daemon runs on its own schedule to take a broken slot out of the offer.
 
 The test kit's `FakeSlotFiles` implements the same port on a plain directory, without
 ownership changes or filesystem checks, so the runner's own decisions (what a failed
@@ -17,7 +19,8 @@ The real one is proved by the root suites.
 from __future__ import annotations
 
 import os
-from typing import Protocol
+import stat
+from typing import Final, Protocol
 
 from ficc.execution import plan as planlib
 from ficc.execution import provider as sdk
@@ -25,7 +28,14 @@ from ficc.execution.errors import ErrorCode
 from ficc.execution.host.core.codes import HostCode
 from ficc.execution.host.core.errors import HostError
 from ficc.execution.host.storage import slotfs
-from ficc.execution.host.storage.layout import STORAGE, AttemptPaths, Layout, Part
+from ficc.execution.host.storage.layout import (
+    ATTEMPTS_DIRECTORY,
+    STORAGE,
+    AttemptPaths,
+    Layout,
+    Part,
+)
+from ficc.execution.host.storage.staging import STAGING_DIRECTORY
 
 __all__ = ["ReservedSlot", "SlotFiles"]
 
@@ -40,6 +50,13 @@ class SlotFiles(Protocol):
     def verify(self) -> None:
         """Refuse (`slot_filesystem`, `slot_identity`) unless the slot is still its
         reserved filesystem."""
+        ...
+
+    def check(self) -> None:
+        """Every check of the slot as a whole, for its health: `verify()`, its account
+        (`slot_account`) and the host's directories at its top (`layout_unsafe`,
+        `storage_unverified`). It changes nothing an attempt uses (only allocates an
+        image's holes again, as `verify()` does), so it may run beside an attempt."""
         ...
 
     def create(self, attempt_id: str) -> AttemptPaths:
@@ -90,6 +107,17 @@ class ReservedSlot(Layout):
     def verify(self) -> None:
         slotfs.verify(self._slot, self._open_parent)
 
+    def check(self) -> None:
+        self.verify()
+        slotfs.check_account(self._slot, f"slot {self._slot.id}")
+        try:
+            _check_top(self._slot)
+        except OSError as error:
+            raise HostError(
+                HostCode.SLOT_FILESYSTEM,
+                f"slot {self._slot.id}: cannot check {self._slot.path}: {error}; check the mount",
+            ) from None
+
     def storage_binding(self, attempt_id: str, limits: planlib.Limits) -> sdk.StorageBinding:
         """The slot-owned storage directory, on the slot's filesystem (not a mount on it)."""
         fd = self.open_part(attempt_id, STORAGE)
@@ -134,3 +162,43 @@ class ReservedSlot(Layout):
         finally:
             os.close(attempt_fd)
         return False
+
+
+_TOP: Final = (ATTEMPTS_DIRECTORY, STAGING_DIRECTORY)
+"""The host's directories at the top of a slot (made on first use, never removed)."""
+
+
+def _check_top(slot: slotfs.SlotSpec) -> None:
+    """The slot's directory and the host's directories in it, as far as they exist: root's,
+    not writable by group or others, on the slot's own filesystem (a mount over one of
+    them would take what the host writes off the slot). Tolerant of a directory the
+    host is making right now (root 0700 before its final mode), so it never races an
+    attempt's own use of the slot."""
+    fd = os.open(slot.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        top = os.fstat(fd)
+        _check_private(f"slot {slot.id}", slot.path, top)
+        for name in _TOP:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            _check_private(f"slot {slot.id}", f"{slot.path}/{name}", st)
+            if st.st_dev != top.st_dev:
+                raise HostError(
+                    HostCode.STORAGE_UNVERIFIED,
+                    f"slot {slot.id}: another filesystem is mounted on {slot.path}/{name};"
+                    " unmount it (what the host writes there must stay on the slot)",
+                )
+    finally:
+        os.close(fd)
+
+
+def _check_private(key: str, path: str, st: os.stat_result) -> None:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise HostError(
+            ErrorCode.LAYOUT_UNSAFE,
+            f"{key}: {path} is {stat.filemode(st.st_mode)} owned by uid {st.st_uid}, not a"
+            " directory of root's that only root may write; investigate who changed it,"
+            " then restore it (chown root:root, chmod go-w) or remove it",
+        )

@@ -4,14 +4,17 @@ by a walk that began after it asked, exactly as a walk of its own would answer."
 from __future__ import annotations
 
 import os
+import pathlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from ficc.execution.host.linux import taskscan
-from ficc.execution.host.linux.taskscan import SharedScan, TaskHits
+from ficc.execution.provider import tasks
+from ficc.execution.provider.tasks import SharedScan, TaskHits
+from ficc_testkit import attacks
+from ficc_testkit.accounts import Account
 from ficc_testkit.waits import wait_for
 
 HOST = [
@@ -23,7 +26,7 @@ HOST = [
 
 
 def _scan_of(host: list[TaskHits]) -> Callable[[set[int]], list[TaskHits]]:
-    """A walk of a made-up host: what `taskscan.scan_tasks` would find there."""
+    """A walk of a made-up host: what `tasks.scan_tasks` would find there."""
 
     def scan(uids: set[int]) -> list[TaskHits]:
         return [
@@ -38,15 +41,15 @@ def _scan_of(host: list[TaskHits]) -> Callable[[set[int]], list[TaskHits]]:
 @pytest.mark.parametrize("uids", [{1001}, {1002}, {1003}, {1004}, {1001, 1003}])
 def test_a_shared_answer_is_what_a_walk_of_ones_own_says(uids: set[int]) -> None:
     scan = _scan_of(HOST)
-    assert SharedScan(scan).live_tasks(uids) == taskscan.accounts_in(scan(uids), uids)
+    assert SharedScan(scan).live_tasks(uids) == tasks.accounts_in(scan(uids), uids)
 
 
 def test_the_accounts_of_one_walk_are_each_callers_own() -> None:
     """A process with threads of two accounts is each account's; one that cannot be read
     is everyone's (fail closed), unless it is someone's by a thread that can be read."""
-    assert taskscan.accounts_in(HOST, {1001}) == [(1001, 10), (1001, 11), (-1, 12), (-1, 13)]
-    assert taskscan.accounts_in(HOST, {1002}) == [(1002, 11), (-1, 12), (-1, 13)]
-    assert taskscan.accounts_in(HOST, {1003}) == [(-1, 12), (1003, 13)]
+    assert tasks.accounts_in(HOST, {1001}) == [(1001, 10), (1001, 11), (-1, 12), (-1, 13)]
+    assert tasks.accounts_in(HOST, {1002}) == [(1002, 11), (-1, 12), (-1, 13)]
+    assert tasks.accounts_in(HOST, {1003}) == [(-1, 12), (1003, 13)]
 
 
 def test_callers_that_arrive_during_a_walk_share_the_next_one() -> None:
@@ -98,3 +101,16 @@ def test_the_shared_walk_finds_this_process_on_the_real_host() -> None:
     found = SharedScan().live_tasks({me})
     assert (me, os.getpid()) in found
     assert all(uid in (me, -1) for uid, _ in found)
+
+
+def test_a_thread_behind_an_exited_leader_is_a_live_task(tmp_path: pathlib.Path) -> None:
+    """A leader that called exit(2) while another thread runs shows `State: Z`; the
+    walk reads every thread, so the process is live for its account all the same."""
+    me = Account("me", os.geteuid(), os.getegid())
+    with attacks.hide_behind_zombie(me, str(tmp_path / "none")) as hidden:
+        assert "Z" in hidden.thread_states().values()
+        assert tasks.has_live_thread(hidden.pid)
+        assert (me.uid, hidden.pid) in tasks.live_tasks({me.uid})
+        assert (me.uid, hidden.pid) in tasks.SHARED.live_tasks({me.uid})
+        assert tasks.live_uid_of(hidden.pid, {me.uid}) == me.uid
+    assert not tasks.has_live_thread(hidden.pid)

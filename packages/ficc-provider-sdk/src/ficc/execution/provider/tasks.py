@@ -2,12 +2,18 @@
 
 Whether a slot account has anything left anywhere on the host is answered by reading
 the status of every thread on the host (`live_tasks`: credentials are per thread,
-and no cheaper source is exact). Cleanup asks it for each settled attempt, and
-a batch of attempts settles together: 32 cleanups walked all of /proc 32 times, each
-walk the longer for the others' processes. `SharedScan` lets concurrent callers share
-a walk. A caller is only ever answered by a walk that began after it asked, so its
-answer is exactly as fresh as a walk of its own, and exactly what `live_tasks` of its
-own UIDs would say.
+and no cheaper source is exact). A process's leader is not enough: a leader that
+called `exit(2)` while another thread runs shows `State: Z`, and its live thread is
+only seen in `/proc/PID/task/`. The host asks before it confirms an attempt's
+cleanup, and a provider before it lets anything of a slot run or acts on the slot
+account's files, so both sides use this one module (a provider runs inside the
+host's process, so they also share its walks).
+
+A batch of attempts settles together: 32 cleanups walked all of /proc 32 times,
+each walk the longer for the others' processes. `SharedScan` lets concurrent callers
+share a walk. A caller is only ever answered by a walk that began after it asked, so
+its answer is exactly as fresh as a walk of its own, and exactly what `live_tasks` of
+its own UIDs would say.
 """
 
 from __future__ import annotations
@@ -15,18 +21,23 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 __all__ = [
     "SHARED",
     "TASK_STATUS_BYTES",
+    "Answers",
     "SharedScan",
+    "Source",
     "TaskHits",
     "accounts_in",
+    "has_live_thread",
     "live_tasks",
     "live_uid_of",
     "scan_tasks",
     "state_and_uids",
+    "task_status",
+    "tasks_of",
 ]
 
 
@@ -61,7 +72,7 @@ def _line_value(text: bytes, start: int) -> bytes:
     return text[start : None if end < 0 else end].strip()
 
 
-def _task_status(path: str) -> bytes | None:
+def task_status(path: str) -> bytes | None:
     """A task's status bytes; None when the task is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -128,15 +139,33 @@ def live_uid_of(pid: int, uids: set[int]) -> int | None:
     return found[0][0] if found else None
 
 
+def has_live_thread(pid: int) -> bool:
+    """Whether any thread of process `pid` is alive (not a zombie; a status that cannot
+    be parsed counts as alive). A leader that called `exit(2)` while another thread
+    runs is a zombie whose process is not done: its /proc/PID/status says `Z`."""
+    for task in tasks_of(pid):
+        data = task_status(f"/proc/{pid}/task/{task}/status")
+        if data is None:
+            continue
+        parsed = state_and_uids(data)
+        if parsed is None or parsed[0] != b"Z":
+            return True
+    return False
+
+
+def tasks_of(pid: int) -> list[str]:
+    """The task (thread) IDs of process `pid` as /proc names them; [] when gone."""
+    try:
+        return os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
 def _process_hits(pid: int, uids: set[int]) -> TaskHits:
     hits: set[int] = set()
     unreadable = False
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except (FileNotFoundError, ProcessLookupError):
-        tasks = []
-    for task in tasks:
-        data = _task_status(f"/proc/{pid}/task/{task}/status")
+    for task in tasks_of(pid):
+        data = task_status(f"/proc/{pid}/task/{task}/status")
         if data is None:
             continue
         parsed = state_and_uids(data)
@@ -203,5 +232,40 @@ class SharedScan:
             self._changed.notify_all()
 
 
-SHARED = SharedScan()
-"""The daemon's one shared scan (cleanup's kill and idle checks, the smoke test)."""
+class Source(Protocol):
+    """Anything that answers `live_tasks` as a walk begun after the call would."""
+
+    def live_tasks(self, uids: set[int]) -> list[tuple[int, int]]:
+        """(uid or -1, process) of every process with a live task of `uids`."""
+        ...
+
+
+class Answers:
+    """Where this process's decisions get their answer: the kernel's task index once
+    the host started one (taskindex.py), else a walk shared by concurrent callers.
+    Who asks (the host's cleanup kill and idle checks, the smoke test, a provider's
+    idle checks and kills) never needs to know which."""
+
+    def __init__(self) -> None:
+        self.walk = SharedScan()
+        self._told: Source | None = None
+        self.why_walking = "no task index was started in this process"
+
+    def live_tasks(self, uids: set[int]) -> list[tuple[int, int]]:
+        """Every process with a live task of `uids` now (see `live_tasks`)."""
+        told = self._told
+        return (told or self.walk).live_tasks(uids)
+
+    @property
+    def told(self) -> bool:
+        """Whether answers come from the kernel's task index."""
+        return self._told is not None
+
+    def use(self, source: Source | None, why_walking: str = "") -> None:
+        """Answer from `source` from now on (None: walk again, because `why_walking`)."""
+        self._told = source
+        self.why_walking = why_walking
+
+
+SHARED = Answers()
+"""The process's one source of answers."""

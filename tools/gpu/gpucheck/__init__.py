@@ -1,0 +1,1 @@
+"""`tools/gpu/check`: does a job on this host see exactly the GPU it was lent?"""
