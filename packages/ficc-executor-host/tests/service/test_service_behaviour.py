@@ -810,7 +810,9 @@ def test_the_payload_moved_into_its_own_node_is_counted_apart(
     (child,) = service.members(handle) - {handle.main_pid}
     service.place_payload(handle, child)
     where = [line.split(":", 2) for line in Path(f"/proc/{child}/cgroup").read_text().split()]
-    moved = {path for _, controllers, path in where if not controllers.startswith("name=")}
+    # "/" in a hierarchy the service has no node in (systemd in a container places a
+    # unit in some v1 hierarchies only): nothing to move there
+    moved = {p for _, controllers, p in where if not controllers.startswith("name=") and p != "/"}
     assert moved == {service.supervisor_cgroup(handle)}, where
     service.place_payload(handle, child)  # already there: nothing to move
     os.kill(child, signal.SIGUSR1)
