@@ -106,6 +106,7 @@ class Index:
         self._read = read
         self._tasks: dict[int, Task] = {}
         self._by_uid: dict[int, set[int]] = {}
+        self._by_tgid: dict[int, set[int]] = {}
         self._unreadable: set[int] = set()
 
     def __len__(self) -> int:
@@ -119,6 +120,7 @@ class Index:
         """Start again from a full walk's answer."""
         self._tasks.clear()
         self._by_uid.clear()
+        self._by_tgid.clear()
         self._unreadable.clear()
         for tid, task in found.items():
             self._put(tid, task)
@@ -128,7 +130,7 @@ class Index:
         if event.kind in (Kind.FORK, Kind.UID):
             self._refresh(event.tgid, event.pid)
         elif event.kind == Kind.EXEC:
-            for tid in [t for t, task in self._tasks.items() if task.tgid == event.tgid]:
+            for tid in list(self._by_tgid.get(event.tgid, ())):
                 self._drop(tid)
             self._refresh(event.tgid, event.pid)
         elif event.kind == Kind.EXIT:
@@ -154,6 +156,7 @@ class Index:
 
     def _put(self, tid: int, task: Task) -> None:
         self._tasks[tid] = task
+        self._by_tgid.setdefault(task.tgid, set()).add(tid)
         if not task.readable:
             self._unreadable.add(tid)
         for uid in task.uids:
@@ -163,13 +166,20 @@ class Index:
         task = self._tasks.pop(tid, None)
         if task is None:
             return
+        _discard(self._by_tgid, task.tgid, tid)
         self._unreadable.discard(tid)
         for uid in task.uids:
-            members = self._by_uid.get(uid)
-            if members is not None:
-                members.discard(tid)
-                if not members:
-                    del self._by_uid[uid]
+            _discard(self._by_uid, uid, tid)
+
+
+def _discard(groups: dict[int, set[int]], key: int, tid: int) -> None:
+    """`tid` out of `groups[key]`, and the key out once its set is empty (the index
+    holds only what lives: its size follows the host's tasks, not their history)."""
+    members = groups.get(key)
+    if members is not None:
+        members.discard(tid)
+        if not members:
+            del groups[key]
 
 
 class Stats(NamedTuple):
